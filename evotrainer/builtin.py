@@ -1,0 +1,19 @@
+"""Where the built-in library (schemas, harness revisions, skills) lives.
+
+In the repository it sits at the top level (`spec/schemas`, `harness_versions/`, `skills/`);
+the wheel carries the same folders under `evotrainer/_builtin/`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def builtin_dir(name: str) -> Path:
+    """`name` is one of "spec/schemas", "harness_versions", "skills"."""
+    for root in (_PACKAGE / "_builtin", _PACKAGE.parent):
+        if (root / name).is_dir():
+            return root / name
+    raise FileNotFoundError(f"built-in library folder {name!r} is missing from the installation")

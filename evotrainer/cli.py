@@ -1,0 +1,59 @@
+"""The `evotrainer` command line. Each command lives in its own module under
+`evotrainer/commands/` and registers itself on the app (as pre-commit's `commands/`)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from evotrainer.errors import EvoError
+
+# Order here is the order of `evotrainer --help`.
+COMMAND_MODULES = [
+    "init",
+    "validate",
+    "version",
+    "lineage",
+]
+
+app = typer.Typer(
+    name="evotrainer",
+    help="RL post-training as reviewable git history: versions are branches, "
+    "the harness is data, reconcile makes the records match the specs.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+@app.callback()
+def _root(
+    directory: Path = typer.Option(
+        None, "-C", help="Run as if started in DIR (like git -C).", metavar="DIR"
+    ),
+) -> None:
+    if directory is not None:
+        if not directory.is_dir():
+            raise EvoError(f"-C {directory}: no such directory")
+        os.chdir(directory)
+
+
+for _name in COMMAND_MODULES:
+    importlib.import_module(f"evotrainer.commands.{_name}").register(app)
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except EvoError as err:
+        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except SystemExit:
+        raise
+    except (typer.Exit, typer.Abort) as exc:  # pragma: no cover - typer control flow
+        sys.exit(getattr(exc, "exit_code", 1))

@@ -1,0 +1,1 @@
+"""Evidence: the canonical rollout table and what reads and writes it."""

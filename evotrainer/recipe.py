@@ -1,0 +1,125 @@
+"""Recipes: the full training configuration of a version.
+
+A version's resolved recipe is BASE_RECIPE, then the project's `recipe`, then every
+ancestor's `recipe` overrides from the root down to the version itself, deep-merged in that
+order. Merge rules (documented in the README):
+
+- mappings merge key by key, recursively;
+- a `null` value in an override removes the key (falls back to nothing, not to the base);
+- a list of mappings that all carry `name` (reward components, tools) merges by name: an
+  override entry updates the entry with the same name, new names are appended;
+- any other list (seeds, ops) is replaced wholesale.
+
+The digest is the sha256 of the canonical JSON (sorted keys, no whitespace) of the resolved
+recipe; it identifies "the same training" across branches and passes.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from typing import Any
+
+BASE_RECIPE: dict[str, Any] = {
+    "backend": "local",
+    "model": {
+        # `path` (a local HF checkpoint directory) wins over `tiny` when set.
+        "path": None,
+        "tiny": {
+            "family": "qwen2",
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_layers": 2,
+            "num_heads": 4,
+            "num_kv_heads": 4,
+            "max_position_embeddings": 96,
+        },
+        "warm_start": {"steps": 300, "lr": 1.0e-3, "batch_size": 32},
+    },
+    "domain": {"name": "arith", "params": {}, "train_size": 256, "val_size": 32, "data": {}},
+    "grpo": {
+        "group_size": 8,
+        "prompts_per_step": 16,
+        "steps": 40,
+        "lr": 1.0e-4,
+        "clip_low": 0.20,
+        "clip_high": 0.27,
+        "kl_coef": 0.0,
+        "kl_estimator": "k3",
+        "loss_agg": "token-mean",
+        "normalize_std": True,
+        "ppo_epochs": 1,
+        "grad_clip": 1.0,
+        "max_response_tokens": 8,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "eval_every": 20,
+        "eval_k": 8,
+    },
+    "seeds": [0],
+    "reward": {"components": [{"name": "correctness", "weight": 1.0}]},
+    "group_filter": {"name": "none", "params": {}},
+    "environment": None,
+    "threads": 1,
+}
+
+
+def deep_merge(base: Any, override: Any) -> Any:
+    """Return `base` with `override` merged in (neither argument is modified)."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        merged = copy.deepcopy(base)
+        for key, value in override.items():
+            if value is None:
+                merged.pop(key, None)
+            elif key in merged:
+                merged[key] = deep_merge(merged[key], value)
+            else:
+                merged[key] = copy.deepcopy(value)
+        return merged
+    if _is_named_list(base) and _is_named_list(override):
+        merged_list = copy.deepcopy(base)
+        index = {item["name"]: i for i, item in enumerate(merged_list)}
+        for item in override:
+            if item["name"] in index:
+                i = index[item["name"]]
+                merged_list[i] = deep_merge(merged_list[i], item)
+            else:
+                merged_list.append(copy.deepcopy(item))
+        return merged_list
+    return copy.deepcopy(override)
+
+
+def _is_named_list(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(item, dict) and "name" in item for item in value)
+    )
+
+
+def resolve(project_recipe: dict, chain: list[dict]) -> dict:
+    """Resolve a recipe from the project defaults and the overrides root → leaf."""
+    recipe = deep_merge(BASE_RECIPE, project_recipe or {})
+    for overrides in chain:
+        recipe = deep_merge(recipe, overrides or {})
+    return recipe
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def digest(value: Any) -> str:
+    return "sha256:" + hashlib.sha256(canonical_json(value).encode()).hexdigest()
+
+
+def set_dotted(target: dict, dotted: str, value: Any) -> None:
+    """`set_dotted(r, "grpo.lr", 3e-4)`: create intermediate mappings as needed."""
+    *parents, leaf = dotted.split(".")
+    node = target
+    for key in parents:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"{dotted}: {key!r} is not a mapping")
+    node[leaf] = value

@@ -1,0 +1,1 @@
+"""Backends run training jobs. One protocol (`base.Backend`), one module per backend."""

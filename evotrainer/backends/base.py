@@ -1,0 +1,77 @@
+"""The backend protocol: how reconcile talks to whatever trains.
+
+A job is rendered from a version's resolved recipe. Its id is deterministic
+(`job_id(version, attempt, recipe_digest)`), so a reconcile that crashed after a launch
+finds and adopts the running job instead of launching it twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Protocol
+
+
+class JobState(str, Enum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    STALLED = "Stalled"  # alive but silent for longer than the watchdog allows
+    UNKNOWN = "Unknown"  # the backend has no record of this job id
+
+    @property
+    def finished(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a backend needs to run one training job."""
+
+    job_id: str
+    version: str
+    recipe: dict
+    workdir: Path  # the version's worktree: reward or filter code is read from here
+    artifact_dir: Path  # where the job writes rollouts, steps, scores, checkpoint, log
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class JobStatus:
+    state: JobState
+    detail: str = ""
+    progress: float | None = None  # 0..1 when the backend can tell
+    exit_code: int | None = None
+
+
+@dataclass
+class Collected:
+    """Canonical evidence of a finished job, all inside its artifact dir."""
+
+    train_rollouts: Path | None
+    val_rollouts: Path | None
+    steps: Path | None
+    scores: Path
+    result: dict
+
+
+class Backend(Protocol):
+    name: str
+
+    def submit(self, job: JobSpec) -> None: ...
+
+    def status(self, job: JobSpec) -> JobStatus: ...
+
+    def cancel(self, job: JobSpec) -> None: ...
+
+    def logs(self, job: JobSpec, tail: int = 50) -> str: ...
+
+    def collect(self, job: JobSpec) -> Collected: ...
+
+
+def job_id(version: str, attempt: int, recipe_digest: str) -> str:
+    short = hashlib.sha256(f"{version}\0{attempt}\0{recipe_digest}".encode()).hexdigest()[:10]
+    return f"evo-{version}-a{attempt}-{short}"

@@ -1,0 +1,151 @@
+"""Readers for evidence on disk: rollout tables, per-step metrics and per-task score tables.
+
+`read_rollouts` accepts a Parquet file, a directory of Parquet files, a run artifact
+directory (holding `rollouts/*.parquet`) or a verl dump directory (`<step>.jsonl` files).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import warnings
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from evotrainer.errors import EvoError
+from evotrainer.evidence.schema import ROLLOUT_SCHEMA, SCORE_SCHEMA
+from evotrainer.evidence.steps import STEPS_SCHEMA
+
+_STEP_FILE = re.compile(r"^\d+\.jsonl$")
+SCORE_COLUMNS = [f.name for f in SCORE_SCHEMA if f.name != "version"]
+
+
+def is_verl_dump(path: Path) -> bool:
+    return path.is_dir() and any(_STEP_FILE.match(p.name) for p in path.iterdir())
+
+
+def rollout_files(path: str | Path) -> list[Path]:
+    """The Parquet files behind a rollout path (file, folder, or run artifact folder)."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise EvoError("no such file or directory", where=str(path))
+    folder = path / "rollouts" if (path / "rollouts").is_dir() else path
+    files = sorted(folder.glob("*.parquet"))
+    if not files:
+        raise EvoError(
+            "no rollout Parquet files here",
+            where=str(path),
+            hint="pass a .parquet file, a folder of them, a run artifact folder with rollouts/, "
+            "or a verl dump folder of <step>.jsonl files",
+        )
+    return files
+
+
+def read_rollouts(
+    path: str | Path, *, split: str = "train", version: str | None = None
+) -> pa.Table:
+    """Read rollouts into ROLLOUT_SCHEMA. For a verl dump, `split` and `version` (default: the
+    folder name) label the rows; skipped corrupt lines are reported as a warning."""
+    path = Path(path)
+    if is_verl_dump(path):
+        from evotrainer.evidence.verl import ingest_dump
+
+        result = ingest_dump(path, version=version or path.name, split=split)
+        if result.skipped:
+            warnings.warn(result.skipped_summary(), stacklevel=2)
+        return result.rollouts
+    tables = [_conform(pq.read_table(f), ROLLOUT_SCHEMA, f) for f in rollout_files(path)]
+    return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+
+
+def read_steps(path: str | Path) -> pa.Table:
+    path = Path(path)
+    if not path.is_file():
+        raise EvoError("no such steps file", where=str(path))
+    return _conform(pq.read_table(path), STEPS_SCHEMA, path)
+
+
+def find_steps(rollout_path: str | Path) -> Path | None:
+    """`steps.parquet` beside a run artifact folder's rollouts, if any."""
+    path = Path(rollout_path)
+    for folder in (path, path.parent, path.parent.parent):
+        if folder.is_dir() and (folder / "steps.parquet").is_file():
+            return folder / "steps.parquet"
+    return None
+
+
+def read_scores(path: str | Path) -> pa.Table:
+    """A per-task score table (csv or parquet; a run artifact folder means its scores.csv).
+
+    Columns: seed, task_id, data_source, sample_idx, correct (and optionally version)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "scores.csv"
+    if not path.is_file():
+        raise EvoError(
+            "no such score table",
+            where=str(path),
+            hint="pass a scores.csv / .parquet file or a run folder holding scores.csv",
+        )
+    if path.suffix == ".parquet":
+        table = pq.read_table(path)
+    else:
+        types = {f.name: f.type for f in SCORE_SCHEMA}
+        try:
+            table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(column_types=types))
+        except pa.ArrowInvalid as err:
+            raise EvoError(f"unreadable score table: {err}", where=str(path)) from None
+    keep_version = "version" in table.column_names
+    schema = pa.schema([f for f in SCORE_SCHEMA if f.name != "version" or keep_version])
+    return _conform(table, schema, path)
+
+
+def _conform(table: pa.Table, schema: pa.Schema, where: Path) -> pa.Table:
+    missing = [name for name in schema.names if name not in table.column_names]
+    if missing:
+        raise EvoError(
+            f"missing column(s) {', '.join(missing)}",
+            where=str(where),
+            hint=f"expected columns: {', '.join(schema.names)}",
+        )
+    table = table.select(schema.names)
+    try:
+        return table.cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
+        raise EvoError(
+            f"columns do not match the expected types: {err}",
+            where=str(where),
+            hint=f"expected schema: {schema}",
+        ) from None
+
+
+def file_digest(paths: list[Path]) -> str:
+    """sha256 over the named files' bytes, in the given order."""
+    outer = hashlib.sha256()
+    for path in paths:
+        inner = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                inner.update(block)
+        outer.update(f"{path.name}:{inner.hexdigest()}\n".encode())
+    return "sha256:" + outer.hexdigest()
+
+
+def table_digest(*tables: pa.Table | None) -> str:
+    """sha256 over the Arrow IPC stream of each table (chunks combined, so equal content
+    with the same schema gives the same digest)."""
+    outer = hashlib.sha256()
+    for table in tables:
+        if table is None:
+            outer.update(b"none\n")
+            continue
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table.combine_chunks())
+        outer.update(hashlib.sha256(sink.getvalue()).digest())
+    return "sha256:" + outer.hexdigest()

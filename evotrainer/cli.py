@@ -48,12 +48,9 @@ for _name in COMMAND_MODULES:
 
 
 def main() -> None:
+    """Run the CLI; an EvoError becomes one paragraph on stderr and exit code 1."""
     try:
-        app(standalone_mode=False)
+        app()
     except EvoError as err:
         Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         sys.exit(1)
-    except SystemExit:
-        raise
-    except (typer.Exit, typer.Abort) as exc:  # pragma: no cover - typer control flow
-        sys.exit(getattr(exc, "exit_code", 1))

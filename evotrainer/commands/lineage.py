@@ -1,0 +1,46 @@
+"""`evotrainer lineage`: the version tree with states, scores and verdicts."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.console import Console
+from rich.tree import Tree
+
+from evotrainer.lineage import LineageRow, lineage_rows
+from evotrainer.workspace import Workspace
+
+STATUS_STYLE = {"promote": "green", "prune": "red", "revert": "red", "inconclusive": "yellow",
+                "baseline": "cyan", "Failed": "red", "Running": "blue", "proposed": "dim"}
+
+
+def describe(row: LineageRow) -> str:
+    style = STATUS_STYLE.get(row.status, "white")
+    parts = [f"[bold]{row.name}[/]", f"[{style}]{row.status}[/]"]
+    if row.score is not None:
+        parts.append(f"avg@k {row.score:.3f}")
+    if row.delta is not None and row.ci is not None:
+        parts.append(f"Δ {row.delta:+.3f} [{row.ci[0]:+.3f}, {row.ci[1]:+.3f}]")
+    if row.alerts:
+        parts.append("[red]alerts: " + ", ".join(row.alerts) + "[/]")
+    if row.pruned:
+        parts.append("[dim](pruned, kept as negative evidence)[/]")
+    return "  ".join(parts)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("lineage")
+    def lineage(as_json: bool = typer.Option(False, "--json", help="Machine-readable.")) -> None:
+        """Show every version as a tree: state, Avg@k, difference to the parent with its
+        95% CI, alerts and verdict."""
+        rows = lineage_rows(Workspace.find())
+        if as_json:
+            print(json.dumps([r.as_dict() for r in rows], indent=2))
+            return
+        tree = Tree("[bold]lineage[/]")
+        nodes = {}
+        for row in rows:
+            parent_node = nodes.get(row.parent, tree)
+            nodes[row.name] = parent_node.add(describe(row))
+        Console().print(tree)

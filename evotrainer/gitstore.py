@@ -1,0 +1,215 @@
+"""Git as the store of record: versions are branches `evo/<name>`, records are commits.
+
+Commits are written with plumbing (a temporary index, `commit-tree`, compare-and-swap
+`update-ref`), so a branch gets a commit without being checked out and without touching
+anyone's working tree. Reads of many branches use one `for-each-ref` and one persistent
+`cat-file --batch` process, so listing hundreds of versions costs a handful of git calls.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import git
+from gitdb.base import IStream
+
+from evotrainer.errors import EvoError
+
+BRANCH_PREFIX = "evo/"
+PRUNED_TAG_PREFIX = "pruned/"
+FALLBACK_IDENTITY = {
+    "GIT_AUTHOR_NAME": "EvoTrainer", "GIT_AUTHOR_EMAIL": "evotrainer@localhost",
+    "GIT_COMMITTER_NAME": "EvoTrainer", "GIT_COMMITTER_EMAIL": "evotrainer@localhost",
+}
+
+
+def branch_name(version: str) -> str:
+    return BRANCH_PREFIX + version
+
+
+def with_trailers(message: str, trailers: Mapping[str, str]) -> str:
+    lines = [f"Evotrainer-{key}: {value}" for key, value in trailers.items()]
+    return message.rstrip() + "\n\n" + "\n".join(lines) + "\n"
+
+
+class GitStore:
+    def __init__(self, root: Path) -> None:
+        try:
+            self.repo = git.Repo(root)
+        except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+            raise EvoError(
+                "not a git repository", where=str(root),
+                hint="run `evotrainer init DIR` to create a workspace, or `git init` here",
+            ) from None
+        self.root = Path(self.repo.working_tree_dir or root)
+        self.identity_env = self._identity_env()
+
+    def _identity_env(self) -> dict[str, str]:
+        """Fall back to a tool identity when the machine has no git user configured."""
+        reader = self.repo.config_reader()
+        configured = reader.has_option("user", "name") and reader.has_option("user", "email")
+        return {} if configured else dict(FALLBACK_IDENTITY)
+
+    def user(self) -> str:
+        reader = self.repo.config_reader()
+        if reader.has_option("user", "name"):
+            return str(reader.get_value("user", "name"))
+        return os.environ.get("USER", "unknown")
+
+    # ---- reading -------------------------------------------------------------------------
+
+    def version_branches(self) -> dict[str, str]:
+        """{version name: tip sha} for every `evo/*` branch, in one git call."""
+        out = self.repo.git.for_each_ref(
+            "--format=%(refname) %(objectname)", "refs/heads/" + BRANCH_PREFIX
+        )
+        branches = {}
+        for line in out.splitlines():
+            ref, sha = line.split(" ")
+            branches[ref.removeprefix("refs/heads/" + BRANCH_PREFIX)] = sha
+        return branches
+
+    def tags(self, prefix: str) -> dict[str, str]:
+        out = self.repo.git.for_each_ref("--format=%(refname) %(objectname)", "refs/tags/" + prefix)
+        return {
+            ref.removeprefix("refs/tags/" + prefix): sha
+            for ref, sha in (line.split(" ") for line in out.splitlines())
+        }
+
+    def read(self, ref: str, path: str) -> bytes | None:
+        return self.read_many([(ref, path)])[(ref, path)]
+
+    def read_many(self, wanted: Iterable[tuple[str, str]]) -> dict[tuple[str, str], bytes | None]:
+        """Read files at refs through one persistent `cat-file --batch`; missing → None."""
+        result: dict[tuple[str, str], bytes | None] = {}
+        for ref, path in wanted:
+            try:
+                _, kind, _, data = self.repo.git.get_object_data(f"{ref}:{path}")
+            except ValueError:  # cat-file answered "missing"
+                result[(ref, path)] = None
+                continue
+            result[(ref, path)] = data if kind == b"blob" else None
+        return result
+
+    def list_dir(self, ref: str, path: str) -> list[str]:
+        try:
+            tree = self.repo.commit(ref).tree / path
+        except (KeyError, git.BadName, ValueError):
+            return []
+        return sorted(item.name for item in tree)
+
+    def rev(self, ref: str) -> str | None:
+        try:
+            return self.repo.rev_parse(ref).hexsha
+        except (git.BadName, ValueError):
+            return None
+
+    def is_ancestor(self, ancestor: str, descendant: str) -> bool:
+        return self.repo.is_ancestor(ancestor, descendant)
+
+    # ---- writing -------------------------------------------------------------------------
+
+    def commit_files(
+        self,
+        branch: str,
+        files: Mapping[str, bytes | None],
+        message: str,
+        trailers: Mapping[str, str] | None = None,
+        start: str | None = None,
+    ) -> str:
+        """Commit `files` (path → content, None deletes) onto `branch`.
+
+        A new branch starts at `start`. The ref moves by compare-and-swap, so a concurrent
+        writer makes this fail instead of losing a commit. A branch checked out in the
+        workspace root gets its working tree fast-forwarded.
+        """
+        ref = f"refs/heads/{branch}"
+        old = self.rev(ref)
+        parent = old or (self.rev(start) if start else None)
+        if old is None and start is not None and parent is None:
+            raise EvoError(f"cannot create branch {branch}: {start} does not exist")
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {**self.identity_env, "GIT_INDEX_FILE": os.path.join(tmp, "index")}
+            if parent:
+                self.repo.git.read_tree(parent, env=env)
+            lines = []
+            for path, content in files.items():
+                if content is None:
+                    lines.append(f"0 {'0' * 40}\t{path}")
+                else:
+                    blob = self.repo.odb.store(IStream("blob", len(content), io.BytesIO(content)))
+                    lines.append(f"100644 {blob.hexsha.decode()}\t{path}")
+            if lines:
+                index_info = Path(tmp, "index-info")
+                index_info.write_text("\n".join(lines) + "\n")
+                with index_info.open("rb") as stream:
+                    self.repo.git.update_index("--index-info", istream=stream, env=env)
+            tree = self.repo.git.write_tree(env=env)
+            full = with_trailers(message, trailers) if trailers else message
+            args = [tree, "-m", full] + (["-p", parent] if parent else [])
+            commit = self.repo.git.commit_tree(*args, env=env)
+        self.repo.git.update_ref(ref, commit, old or "0" * 40)
+        self._sync_checked_out(branch, old, commit)
+        return commit
+
+    def _sync_checked_out(self, branch: str, old: str | None, new: str) -> None:
+        """Keep the workspace root's files in step when its checked-out branch moved."""
+        if self.repo.head.is_detached or self.repo.head.ref.name != branch or old is None:
+            return
+        # A two-tree fast-forward: updates the touched files, keeps unrelated local edits,
+        # refuses (loudly) to overwrite a local edit of a file the commit changed.
+        self.repo.git.read_tree("-m", "-u", old, new)
+
+    def tag(self, name: str, ref: str, message: str) -> None:
+        if self.rev(f"refs/tags/{name}") is None:
+            self.repo.git.tag("-a", name, ref, "-m", message, env=self.identity_env)
+
+    def merge_into(self, target: str, source: str, message: str) -> str:
+        """Merge `source` into `target` without checking either out (no conflicts allowed)."""
+        target_sha = self.rev(f"refs/heads/{target}")
+        source_sha = self.rev(source)
+        if target_sha is None or source_sha is None:
+            raise EvoError(f"cannot merge {source} into {target}: missing branch")
+        if self.is_ancestor(source_sha, target_sha):
+            return target_sha
+        try:
+            tree = self.repo.git.merge_tree("--write-tree", target_sha, source_sha).splitlines()[0]
+        except git.GitCommandError as exc:
+            raise EvoError(
+                f"merging {source} into {target} conflicts", hint="merge by hand with "
+                f"`git merge {source}` on {target}, then rerun",
+            ) from exc
+        commit = self.repo.git.commit_tree(tree, "-p", target_sha, "-p", source_sha, "-m", message,
+                                           env=self.identity_env)
+        self.repo.git.update_ref(f"refs/heads/{target}", commit, target_sha)
+        self._sync_checked_out(target, target_sha, commit)
+        return commit
+
+    # ---- worktrees -----------------------------------------------------------------------
+
+    def worktree_add(self, path: Path, commit: str) -> Path:
+        """A detached worktree at `commit`: the branch can keep receiving record commits."""
+        if path.exists():
+            head = git.Repo(path).head.commit.hexsha
+            if head != commit:
+                raise EvoError(
+                    f"worktree {path} is at {head[:10]}, expected {commit[:10]}",
+                    hint=f"inspect it, then `git worktree remove {path}` and rerun",
+                )
+            return path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.repo.git.worktree("prune")
+        self.repo.git.worktree("add", "--detach", str(path), commit)
+        return path
+
+    def worktree_dirty(self, path: Path) -> bool:
+        return git.Repo(path).is_dirty(untracked_files=True)
+
+    def worktree_remove(self, path: Path) -> None:
+        if path.exists():
+            self.repo.git.worktree("remove", str(path))
+        self.repo.git.worktree("prune")

@@ -1,0 +1,84 @@
+"""The lineage: every version with its parent, state, score and verdict, from git alone."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from evotrainer.gitstore import PRUNED_TAG_PREFIX
+from evotrainer.workspace import VersionState, Workspace
+
+
+@dataclass
+class LineageRow:
+    name: str
+    parent: str | None
+    status: str  # proposed | approved | Pending | Running | Failed | Succeeded | <verdict>
+    score: float | None  # final val avg@k
+    ci: tuple[float, float] | None  # 95% CI of the difference to the parent
+    delta: float | None
+    verdict: str | None
+    alerts: list[str]
+    pruned: bool
+    on_main: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def status_of(state: VersionState) -> str:
+    decision = state.records.get("decision") or {}
+    run = state.records.get("run") or {}
+    if decision.get("verdict"):
+        return decision["verdict"]
+    if run.get("state"):
+        return run["state"]
+    return "approved" if state.approved else "proposed"
+
+
+def lineage_rows(ws: Workspace, states: dict[str, VersionState] | None = None) -> list[LineageRow]:
+    states = states if states is not None else ws.versions()
+    pruned = set(ws.git.tags(PRUNED_TAG_PREFIX))
+    main = ws.git.rev("refs/heads/main")
+    rows = []
+    for name in _tree_order(states):
+        state = states[name]
+        decision = state.records.get("decision") or {}
+        run = state.records.get("run") or {}
+        diagnosis = state.records.get("diagnosis") or {}
+        comparison = decision.get("comparison") or {}
+        score = comparison.get("mean_b", (run.get("result") or {}).get("avg_at_k"))
+        ci = (comparison["ci_low"], comparison["ci_high"]) if "ci_low" in comparison else None
+        rows.append(LineageRow(
+            name=name, parent=state.parent, status=status_of(state), score=score, ci=ci,
+            delta=comparison.get("delta"), verdict=decision.get("verdict"),
+            alerts=[a.get("name", "?") for a in diagnosis.get("alerts") or []],
+            pruned=name in pruned,
+            on_main=bool(main) and ws.git.is_ancestor(state.sha, main),
+        ))
+    return rows
+
+
+def _tree_order(states: dict[str, VersionState]) -> list[str]:
+    """Depth-first from the roots, children in name order; orphans (broken parents) last."""
+    children: dict[str | None, list[str]] = {}
+    for name, state in states.items():
+        parent = state.parent if state.parent in states else None
+        children.setdefault(parent, []).append(name)
+    order: list[str] = []
+    stack = sorted(children.get(None, []), key=_natural, reverse=True)
+    seen: set[str] = set()
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        order.append(name)
+        stack.extend(sorted(children.get(name, []), key=_natural, reverse=True))
+    return order + sorted(set(states) - seen, key=_natural)
+
+
+def _natural(name: str) -> tuple:
+    """v2 before v10."""
+    head = name.rstrip("0123456789")
+    tail = name[len(head):]
+    return (head, int(tail) if tail else -1, name)

@@ -1,0 +1,228 @@
+"""Loading and validating EvoTrainer YAML documents.
+
+YAML is loaded with the safe loader only. Every problem becomes an `EvoError` that names the
+file, line and column, the field path, what was expected, and a hint — unknown keys are
+rejected with a "did you mean ..." when a known key is close.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from evotrainer import API_VERSION
+from evotrainer.builtin import builtin_dir
+from evotrainer.errors import EvoError
+
+KINDS = ("Project", "PolicyVersion", "HarnessRevision", "Skill", "Run", "Diagnosis", "Decision")
+SCHEMA_FILES = {
+    "Project": "project",
+    "PolicyVersion": "policy-version",
+    "HarnessRevision": "harness-revision",
+    "Skill": "skill",
+    "Run": "run",
+    "Diagnosis": "diagnosis",
+    "Decision": "decision",
+}
+
+Path_ = tuple[Any, ...]
+# libyaml's safe loader when present: parsing hundreds of version specs stays fast.
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+@dataclass
+class Document:
+    """A parsed YAML document and where each of its fields came from."""
+
+    data: Any
+    source: str  # shown in errors: a path, or `ref:path` for a file read from git
+    marks: dict[Path_, tuple[int, int]]  # field path → (line, column), 1-based
+
+    def where(self, path: Path_ = ()) -> str:
+        # The closest enclosing field that has a position.
+        for cut in range(len(path), -1, -1):
+            if path[:cut] in self.marks:
+                line, col = self.marks[path[:cut]]
+                return f"{self.source}:{line}:{col}"
+        return self.source
+
+
+@cache
+def schema(kind: str) -> dict:
+    path = builtin_dir("spec/schemas") / f"{SCHEMA_FILES[kind]}.schema.json"
+    return json.loads(path.read_text())
+
+
+@cache
+def _validator(kind: str) -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(schema(kind))
+
+
+def parse(text: bytes | str, source: str) -> Document:
+    """Parse one YAML document safely, keeping positions; reject duplicate keys."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise EvoError(
+                f"not valid UTF-8 (byte {exc.start})", where=source,
+                hint="save the file as UTF-8",
+            ) from None
+    try:
+        node = yaml.compose(text, Loader=_LOADER)
+        data = yaml.load(text, Loader=_LOADER)  # the safe loader: no arbitrary objects
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+        raise EvoError(
+            f"malformed YAML: {exc.problem or exc.context}", where=where,
+            hint="check indentation, colons and quoting at that position",
+        ) from None
+    except yaml.YAMLError as exc:
+        raise EvoError(f"malformed YAML: {exc}", where=source) from None
+    marks: dict[Path_, tuple[int, int]] = {}
+    if node is not None:
+        _collect_marks(node, (), marks, source)
+    return Document(data, source, marks)
+
+
+def _collect_marks(node: yaml.Node, path: Path_, marks: dict, source: str) -> None:
+    marks[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            key = key_node.value
+            if key in seen:
+                line, col = key_node.start_mark.line + 1, key_node.start_mark.column + 1
+                raise EvoError(
+                    f"duplicate key {key!r}", where=f"{source}:{line}:{col}",
+                    field=_dotted(path + (key,)), hint="keep only one of the two entries",
+                )
+            seen.add(key)
+            marks[path + (key, "<key>")] = (
+                key_node.start_mark.line + 1, key_node.start_mark.column + 1,
+            )
+            _collect_marks(value_node, path + (key,), marks, source)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _collect_marks(item, path + (i,), marks, source)
+
+
+def _dotted(path: Path_) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(document)"
+
+
+def check(doc: Document, kind: str | None = None) -> list[EvoError]:
+    """All schema problems of a document, in document order."""
+    data = doc.data
+    if not isinstance(data, dict):
+        return [EvoError("expected a mapping at the top level", where=doc.where(),
+                         hint=f"start the file with `apiVersion: {API_VERSION}` and `kind:`")]
+    found = data.get("kind")
+    if kind is None:
+        if found not in KINDS:
+            return [EvoError(f"unknown kind {found!r}", where=doc.where(("kind",)), field="kind",
+                             hint=f"one of {', '.join(KINDS)}")]
+        kind = found
+    elif found != kind:
+        return [EvoError(f"expected kind {kind!r}, found {found!r}", where=doc.where(("kind",)),
+                         field="kind", hint=f"set `kind: {kind}`")]
+    errors = sorted(_validator(kind).iter_errors(data), key=lambda e: _order(doc, e))
+    return [_explain(doc, e) for e in _most_specific(errors)]
+
+
+def load(path: Path, kind: str | None = None, *, source: str | None = None) -> Document:
+    """Read, parse and validate one file; raise the first problem."""
+    source = source or str(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise EvoError("file not found", where=source) from None
+    return load_text(raw, source, kind)
+
+
+def load_text(raw: bytes | str, source: str, kind: str | None = None) -> Document:
+    doc = parse(raw, source)
+    problems = check(doc, kind)
+    if problems:
+        raise problems[0]
+    return doc
+
+
+def _order(doc: Document, error: jsonschema.ValidationError) -> tuple:
+    line_col = doc.marks.get(tuple(error.absolute_path), (0, 0))
+    return (*line_col, str(error.message))
+
+
+def _most_specific(errors: list[jsonschema.ValidationError]) -> list[jsonschema.ValidationError]:
+    """For oneOf/anyOf failures report the best-matching branch's error, once per field."""
+    out, seen = [], set()
+    for error in errors:
+        if error.context:
+            error = jsonschema.exceptions.best_match(error.context)
+        key = (tuple(error.absolute_path), error.validator)
+        if key not in seen:
+            seen.add(key)
+            out.append(error)
+    return out
+
+
+def _explain(doc: Document, error: jsonschema.ValidationError) -> EvoError:
+    path = tuple(error.absolute_path)
+    field = _dotted(path)
+    value = error.instance
+    schema_ = error.schema
+    if error.validator == "additionalProperties":
+        allowed = sorted(schema_.get("properties", {}))
+        extra = [k for k in value if k not in schema_.get("properties", {})]
+        key = extra[0]
+        close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}?" if close else f"allowed keys: {', '.join(allowed)}"
+        return EvoError(f"unknown key {key!r}", where=doc.where(path + (key, "<key>")),
+                        field=_dotted(path + (key,)), hint=hint)
+    if error.validator == "required":
+        missing = error.message.split("'")[1]
+        return EvoError(f"missing required field {missing!r}", where=doc.where(path),
+                        field=_dotted(path + (missing,)), hint=_describe(
+                            schema_.get("properties", {}).get(missing, {})))
+    if error.validator in ("enum", "const"):
+        options = schema_.get("enum", [schema_.get("const")])
+        close = difflib.get_close_matches(str(value), [str(o) for o in options], n=1)
+        hint = f"did you mean {close[0]!r}?" if close else None
+        return EvoError(
+            f"expected one of {', '.join(map(repr, options))}, got {value!r}",
+            where=doc.where(path), field=field, hint=hint)
+    if error.validator == "type":
+        return EvoError(f"expected {_describe(schema_)}, got {_json_type(value)} {value!r}",
+                        where=doc.where(path), field=field)
+    return EvoError(error.message, where=doc.where(path), field=field,
+                    hint=schema_.get("description"))
+
+
+def _describe(schema_: dict) -> str:
+    kind = schema_.get("type")
+    if isinstance(kind, list):
+        kind = " or ".join(kind)
+    text = kind or "a value"
+    return f"{text} ({schema_['description']})" if schema_.get("description") else text
+
+
+def _json_type(value: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+            dict: "mapping", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def dump(data: Any) -> str:
+    """Stable, human-diffable YAML for records committed to git."""
+    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, default_flow_style=False,
+                          width=100)

@@ -1,0 +1,92 @@
+"""Creating and approving version specs: each one a commit on its own branch."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+import yaml
+
+from evotrainer import API_VERSION, specs
+from evotrainer.errors import EvoError
+from evotrainer.gitstore import branch_name
+from evotrainer.recipe import deep_merge, set_dotted
+from evotrainer.workspace import Workspace, version_spec_path
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """`grpo.lr=3e-4` → ("grpo.lr", 0.0003); the value is read as a YAML scalar."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise EvoError(f"--set {text!r} is not KEY=VALUE", field="--set",
+                       hint="e.g. --set grpo.lr=3e-4")
+    return key.strip(), yaml.safe_load(raw)
+
+
+def spec_text(spec: dict) -> str:
+    path = version_spec_path(spec["name"])
+    modeline = f"# yaml-language-server: $schema={'../' * path.count('/')}spec/schemas/"
+    return modeline + "policy-version.schema.json\n" + specs.dump(spec)
+
+
+def new_version(
+    ws: Workspace,
+    name: str,
+    parent: str,
+    *,
+    rationale: str,
+    skills: list[str] = (),
+    settings: list[str] = (),
+    hypothesis: str | None = None,
+    criterion: str | None = None,
+    proposal: dict | None = None,
+) -> dict:
+    """Write `spec/versions/<name>.yaml` on a new branch forked from the parent's tip."""
+    states = ws.versions()
+    if name in states:
+        raise EvoError(f"version {name!r} already exists", field="NAME",
+                       hint="pick a new name; versions are never overwritten")
+    ws.version(parent, states)  # the parent must exist and have a readable spec
+    overrides: dict = {}
+    for skill in skills:
+        path = ws.skill_path(skill)
+        if not path.is_file():
+            raise EvoError(f"unknown skill {skill!r}", field="--skill",
+                           hint=f"known skills: {', '.join(ws.skill_names()) or 'none'}")
+        doc = specs.load(path, "Skill", source=f"skills/{skill}.yaml").data
+        overrides = deep_merge(overrides, doc["mechanism"].get("recipe_patch") or {})
+    for setting in settings:
+        key, value = parse_assignment(setting)
+        set_dotted(overrides, key, value)
+    intervention: dict = {"skills": list(skills), "factors": len(skills) + len(settings),
+                          "rationale": rationale}
+    if hypothesis or criterion:
+        intervention["hypothesis"] = {k: v for k, v in
+                                      (("statement", hypothesis), ("criterion", criterion)) if v}
+    spec = {"apiVersion": API_VERSION, "kind": "PolicyVersion", "name": name, "parent": parent,
+            "intervention": intervention, "recipe": overrides, "approval": {"approved": False}}
+    if proposal:
+        spec["proposal"] = proposal
+    text = spec_text(spec)
+    source = f"{branch_name(name)}:{version_spec_path(name)}"
+    specs.load_text(text, source, "PolicyVersion")  # a bad --set fails here, before any write
+    ws.git.commit_files(branch_name(name), {version_spec_path(name): text.encode()},
+                        f"Propose {name} from {parent}: {rationale}",
+                        {"Action": "propose", "Version": name, "Parent": parent},
+                        start=branch_name(parent))
+    return spec
+
+
+def approve(ws: Workspace, name: str, by: str | None = None) -> dict:
+    state = ws.version(name)
+    if state.approved:
+        return state.spec
+    spec = dict(state.spec)
+    spec["approval"] = {"approved": True, "by": by or ws.git.user(), "at": now_iso()}
+    ws.git.commit_files(branch_name(name), {version_spec_path(name): spec_text(spec).encode()},
+                        f"Approve {name}", {"Action": "approve", "Version": name})
+    return spec

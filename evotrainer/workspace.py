@@ -1,0 +1,187 @@
+"""The workspace: a git repository holding specs (desired) and runs (recorded).
+
+```
+spec/project.yaml            domain, base recipe, harness in force, budgets, autonomy
+spec/versions/<name>.yaml    one policy version, at the tip of branch evo/<name>
+harness_versions/<h>.yaml    harness revisions
+skills/<name>.yaml           skills
+runs/<name>/                 run.yaml, scores.csv, diagnosis.yaml, decision.yaml
+.evotrainer/                 git-ignored: artifacts, worktrees, lock
+```
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from evotrainer import recipe as recipes
+from evotrainer import specs
+from evotrainer.errors import EvoError
+from evotrainer.gitstore import GitStore, branch_name
+
+PROJECT_FILE = "spec/project.yaml"
+STATE_DIR = ".evotrainer"
+RECORD_FILES = ("run.yaml", "diagnosis.yaml", "decision.yaml")
+
+
+def version_spec_path(name: str) -> str:
+    return f"spec/versions/{name}.yaml"
+
+
+def run_path(name: str, file: str) -> str:
+    return f"runs/{name}/{file}"
+
+
+@dataclass
+class VersionState:
+    """A version as recorded at the tip of its branch."""
+
+    name: str
+    sha: str
+    spec: dict | None  # None when the branch lacks its spec file
+    spec_source: str
+    spec_raw: bytes | None
+    records: dict[str, dict | None] = field(default_factory=dict)  # run/diagnosis/decision
+
+    @property
+    def parent(self) -> str | None:
+        return (self.spec or {}).get("parent")
+
+    @property
+    def approved(self) -> bool:
+        return bool(((self.spec or {}).get("approval") or {}).get("approved"))
+
+    @property
+    def spec_digest(self) -> str:
+        """Digest of what the version asks for; approving it does not change it."""
+        return recipes.digest({k: v for k, v in (self.spec or {}).items() if k != "approval"})
+
+
+class Workspace:
+    def __init__(self, root: Path) -> None:
+        self.root = root.resolve()
+        self.git = GitStore(self.root)
+        if not (self.root / PROJECT_FILE).is_file():
+            raise EvoError(
+                f"no {PROJECT_FILE} here, so this is not an EvoTrainer workspace",
+                where=str(self.root), hint="run `evotrainer init DIR`, or pass -C DIR",
+            )
+
+    @classmethod
+    def find(cls, start: Path | None = None) -> Workspace:
+        start = (start or Path.cwd()).resolve()
+        for candidate in (start, *start.parents):
+            if (candidate / PROJECT_FILE).is_file():
+                return cls(candidate)
+        return cls(start)  # raises the "not a workspace / not a git repository" error
+
+    # ---- desired state -----------------------------------------------------------------
+
+    @cached_property
+    def project(self) -> dict:
+        return specs.load(self.root / PROJECT_FILE, "Project", source=PROJECT_FILE).data
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / STATE_DIR
+
+    @property
+    def artifact_root(self) -> Path:
+        return self.root / self.project.get("artifact_root", f"{STATE_DIR}/artifacts")
+
+    def worktree_path(self, name: str) -> Path:
+        return self.state_dir / "worktrees" / name
+
+    def artifact_dir(self, name: str, job_id: str) -> Path:
+        return self.artifact_root / name / job_id
+
+    def harness_path(self, name: str) -> Path:
+        return self.root / "harness_versions" / f"{name}.yaml"
+
+    def skill_path(self, name: str) -> Path:
+        return self.root / "skills" / f"{name}.yaml"
+
+    def harness_names(self) -> list[str]:
+        return sorted(p.stem for p in (self.root / "harness_versions").glob("*.yaml"))
+
+    def skill_names(self) -> list[str]:
+        return sorted(p.stem for p in (self.root / "skills").glob("*.yaml"))
+
+    def harness_in_force(self, version: VersionState | None = None) -> str:
+        if version and version.spec and version.spec.get("harness"):
+            return version.spec["harness"]
+        return self.project.get("harness", "h0")
+
+    # ---- recorded state ----------------------------------------------------------------
+
+    def versions(self) -> dict[str, VersionState]:
+        """Every version branch with its spec and records, read in batch."""
+        branches = self.git.version_branches()
+        wanted = []
+        for name in branches:
+            ref = branch_name(name)
+            wanted.append((ref, version_spec_path(name)))
+            wanted += [(ref, run_path(name, f)) for f in RECORD_FILES]
+        blobs = self.git.read_many(wanted)
+        states = {}
+        for name, sha in branches.items():
+            ref = branch_name(name)
+            source = f"{ref}:{version_spec_path(name)}"
+            raw = blobs[(ref, version_spec_path(name))]
+            state = VersionState(name, sha, None, source, raw)
+            if raw is not None:
+                try:
+                    state.spec = specs.parse(raw, source).data
+                except EvoError:
+                    state.spec = None  # `validate` reports it; listing goes on
+            for f in RECORD_FILES:
+                blob = blobs[(ref, run_path(name, f))]
+                state.records[f.removesuffix(".yaml")] = _safe_yaml(blob)
+            states[name] = state
+        return states
+
+    def version(self, name: str, states: dict[str, VersionState] | None = None) -> VersionState:
+        states = states if states is not None else self.versions()
+        if name not in states:
+            known = ", ".join(sorted(states)) or "none yet"
+            raise EvoError(f"no version {name!r} (no branch {branch_name(name)})",
+                           hint=f"known versions: {known}")
+        state = states[name]
+        if state.spec is None:
+            raise EvoError("missing or unreadable version spec", where=state.spec_source,
+                           hint="run `evotrainer validate` for details")
+        return state
+
+    def chain(self, name: str, states: dict[str, VersionState]) -> list[VersionState]:
+        """Root → `name` along parent links."""
+        out: list[VersionState] = []
+        seen: set[str] = set()
+        current: str | None = name
+        while current is not None:
+            if current in seen:
+                raise EvoError(f"parent cycle through {current!r}",
+                               where=states[current].spec_source, field="parent")
+            seen.add(current)
+            state = self.version(current, states)
+            out.append(state)
+            current = state.parent
+        return out[::-1]
+
+    def resolved_recipe(self, name: str, states: dict[str, VersionState] | None = None) -> dict:
+        states = states if states is not None else self.versions()
+        chain = [s.spec.get("recipe") or {} for s in self.chain(name, states)]
+        return recipes.resolve(self.project.get("recipe") or {}, chain)
+
+
+def _safe_yaml(blob: bytes | None) -> Any:
+    if blob is None:
+        return None
+    try:
+        return yaml.safe_load(blob)
+    except yaml.YAMLError:
+        return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from datetime import datetime, timezone
 from typing import Any
 
@@ -24,7 +25,12 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     if not sep or not key:
         raise EvoError(f"--set {text!r} is not KEY=VALUE", field="--set",
                        hint="e.g. --set grpo.lr=3e-4")
-    return key.strip(), yaml.safe_load(raw)
+    value = yaml.safe_load(raw)
+    if isinstance(value, str):
+        # YAML 1.1 reads `3e-4` as a string; every RL engineer means the number.
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    return key.strip(), value
 
 
 def spec_text(spec: dict) -> str:

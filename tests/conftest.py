@@ -1,0 +1,50 @@
+"""Shared fixtures: a fresh workspace made by `init`, and the real CLI entry point."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from evotrainer.commands.init import init_workspace
+from evotrainer.workspace import Workspace
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Workspace:
+    return Workspace(init_workspace(tmp_path / "ws", "arith"))
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """Run `evotrainer ARGS...` in-process through `main()`, as a user would."""
+    from evotrainer.cli import main
+
+    def run(*args: str, cwd: Path | None = None) -> CliResult:
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        monkeypatch.setattr(sys, "argv", ["evotrainer", *args])
+        monkeypatch.setenv("COLUMNS", "200")
+        capsys.readouterr()
+        try:
+            main()
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        captured = capsys.readouterr()
+        return CliResult(code, captured.out, captured.err)
+
+    return run

@@ -1,0 +1,35 @@
+from evotrainer.recipe import BASE_RECIPE, deep_merge, digest, resolve, set_dotted
+
+
+def test_mappings_merge_recursively_and_null_removes():
+    merged = deep_merge({"a": {"b": 1, "c": 2}, "d": 3}, {"a": {"b": 10}, "d": None})
+    assert merged == {"a": {"b": 10, "c": 2}}
+
+
+def test_named_lists_merge_by_name_other_lists_replace():
+    base = {"components": [{"name": "correctness", "weight": 1.0}], "seeds": [0, 1]}
+    override = {"components": [{"name": "correctness", "weight": 0.5},
+                               {"name": "format", "weight": 0.1}], "seeds": [7]}
+    merged = deep_merge(base, override)
+    assert merged["components"] == [{"name": "correctness", "weight": 0.5},
+                                    {"name": "format", "weight": 0.1}]
+    assert merged["seeds"] == [7]
+
+
+def test_resolve_applies_project_then_chain_root_to_leaf():
+    recipe = resolve({"grpo": {"lr": 3e-4}}, [{"grpo": {"steps": 5}}, {"grpo": {"lr": 1e-5}}])
+    assert recipe["grpo"]["lr"] == 1e-5 and recipe["grpo"]["steps"] == 5
+    assert recipe["grpo"]["group_size"] == BASE_RECIPE["grpo"]["group_size"]
+    assert BASE_RECIPE["grpo"]["lr"] == 1e-4  # the base is never mutated
+
+
+def test_digest_is_canonical():
+    assert digest({"a": 1, "b": [1, 2]}) == digest({"b": [1, 2], "a": 1})
+    assert digest({"a": 1}) != digest({"a": 2})
+    assert digest({}).startswith("sha256:")
+
+
+def test_set_dotted_creates_parents():
+    target: dict = {}
+    set_dotted(target, "group_filter.params.keep_ratio", 0.9)
+    assert target == {"group_filter": {"params": {"keep_ratio": 0.9}}}

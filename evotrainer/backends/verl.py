@@ -1,0 +1,427 @@
+"""The `verl` backend: GRPO on GPU nodes with verl 0.9.1, locally or on a Ray cluster.
+
+A job runs `python3 -m verl.trainer.main_ppo` once per recipe seed, one after another (see
+`verl_render` for the overrides). Everything it reads and writes lives under the artifact dir
+(`JobFiles`): the domain's train/val parquet, the reward module and its config, the group-filter
+sampler, and per seed the rollout and validation dumps, the file-logger metrics and the
+checkpoints. On a cluster that dir must be on storage the head node shares.
+
+- `verl.ray_address` unset: a detached local process group (`job.json` records it, the shell
+  wrapper writes `exit_code` when the seeds are done, `job.log` has the output).
+- `verl.ray_address: http://HEAD:8265`: a Ray job whose submission id is the job id, with the
+  version's worktree as working_dir, the evotrainer package as a py_module (the reward module
+  imports it) and the job's environment variables.
+
+A watchdog reports Stalled when a running job has written no metrics line and no dump file for
+`verl.stall_after_s` seconds: verl waits forever, silently, when Ray cannot place its actors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+import evotrainer
+from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus
+from evotrainer.backends.local import _atomic_write, _process, _read_json
+from evotrainer.backends.verl_render import (
+    SAMPLER_CLASS,
+    JobFiles,
+    RenderedRun,
+    entrypoint,
+    job_env,
+    render_job,
+    verl_settings,
+)
+from evotrainer.domains import Task, make_domain
+from evotrainer.errors import EvoError
+from evotrainer.evidence.schema import ROLLOUT_SCHEMA, SCORE_SCHEMA
+from evotrainer.evidence.steps import STEPS_SCHEMA
+from evotrainer.evidence.verl import ingest_dump, read_metrics_log
+
+JOB_FILE = "job.json"
+EXIT_FILE = "exit_code"
+CANCEL_FILE = "cancelled"
+KILL_GRACE_S = 10.0
+# Copied beside the job's data. The sampler imports verl, so it is only ever read as a file.
+REWARD_TEMPLATE = Path(__file__).with_name("verl_reward.py")
+SAMPLER_TEMPLATE = Path(__file__).with_name("verl_sampler.py")
+
+# Ray's job states → ours. STOPPED is a cancel (ours or an operator's): the run did not finish.
+RAY_STATES = {
+    "PENDING": JobState.PENDING,
+    "RUNNING": JobState.RUNNING,
+    "STOPPED": JobState.FAILED,
+    "SUCCEEDED": JobState.SUCCEEDED,
+    "FAILED": JobState.FAILED,
+}
+
+
+class VerlBackend:
+    name = "verl"
+
+    # ---- submit ------------------------------------------------------------------------
+
+    def submit(self, job: JobSpec) -> None:
+        if self.status(job).state is not JobState.UNKNOWN:
+            return  # already launched (or finished): adopt it, never launch twice
+        runs = prepare(job)
+        settings = verl_settings(job.recipe)
+        command = entrypoint(runs, settings["python"])
+        if settings["ray_address"] is None:
+            self._submit_local(job, command)
+        else:
+            self._submit_ray(job, settings["ray_address"], command)
+
+    def _submit_local(self, job: JobSpec, command: str) -> None:
+        files = JobFiles(job.artifact_dir)
+        exit_file = files.root / EXIT_FILE
+        # The wrapper records the exit status, so a later reconcile (another process, which
+        # cannot wait() on this one) still learns how the job ended.
+        script = f'{command}\nstatus=$?\necho "$status" > {shlex.quote(str(exit_file))}\n'
+        script_file = files.root / "run.sh"
+        script_file.write_text(script)
+        env = {
+            **os.environ,
+            **job_env(job.recipe),
+            **job.env,
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (_package_parent(), os.environ.get("PYTHONPATH", "")) if p
+            ),
+        }
+        with files.log_file.open("ab") as out:
+            process = subprocess.Popen(
+                ["sh", str(script_file)],
+                cwd=job.workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # outlives us
+            )
+        record = {
+            "job_id": job.job_id,
+            "mode": "local",
+            "pid": process.pid,
+            "host": socket.gethostname(),
+            "create_time": psutil.Process(process.pid).create_time(),
+            "started_at": _now(),
+            "command": command,
+        }
+        _atomic_write(files.root / JOB_FILE, json.dumps(record, indent=2))
+
+    def _submit_ray(self, job: JobSpec, address: str, command: str) -> None:
+        client = _ray_client(address)
+        runtime_env = {
+            "working_dir": str(job.workdir),
+            "py_modules": [str(Path(evotrainer.__file__).parent)],
+            "env_vars": {**job_env(job.recipe), **job.env},
+            "excludes": [".git"],
+        }
+        client.submit_job(
+            entrypoint=command,
+            submission_id=job.job_id,
+            runtime_env=runtime_env,
+            metadata={"evotrainer_version": job.version},
+        )
+        record = {
+            "job_id": job.job_id,
+            "mode": "ray",
+            "address": address,
+            "started_at": _now(),
+            "command": command,
+        }
+        _atomic_write(JobFiles(job.artifact_dir).root / JOB_FILE, json.dumps(record, indent=2))
+
+    # ---- status / cancel / logs --------------------------------------------------------
+
+    def status(self, job: JobSpec) -> JobStatus:
+        files = JobFiles(job.artifact_dir)
+        settings = verl_settings(job.recipe)
+        if settings["ray_address"] is not None:
+            status = self._ray_status(job, settings["ray_address"])
+        else:
+            status = self._local_status(job, files)
+        if status.state in (JobState.UNKNOWN, JobState.PENDING):
+            return status
+        status.progress = _progress(job.recipe, files)
+        if status.state is JobState.RUNNING:
+            idle = time.time() - _last_activity(job.recipe, files)
+            if idle > settings["stall_after_s"]:
+                status.state = JobState.STALLED
+                status.detail = (
+                    f"no metrics line or dump file for {idle:.0f} s (verl.stall_after_s = "
+                    f"{settings['stall_after_s']}); verl waits silently when Ray cannot place "
+                    "its actors: check the GPUs and CPUs the job asks for, then cancel it"
+                )
+        return status
+
+    def _local_status(self, job: JobSpec, files: JobFiles) -> JobStatus:
+        record = _read_json(files.root / JOB_FILE)
+        if record is None or record.get("job_id") != job.job_id:
+            return JobStatus(JobState.UNKNOWN, "no such job")
+        exit_text = _read_text(files.root / EXIT_FILE)
+        if exit_text is not None and exit_text.strip().lstrip("-").isdigit():
+            code = int(exit_text)
+            if code == 0:
+                return JobStatus(JobState.SUCCEEDED, "finished", exit_code=0)
+            return JobStatus(
+                JobState.FAILED,
+                f"verl exited with status {code}; see {files.log_file}",
+                exit_code=code,
+            )
+        if _process(record) is not None:
+            return JobStatus(JobState.RUNNING, f"pid {record['pid']}")
+        if (files.root / CANCEL_FILE).is_file():
+            return JobStatus(JobState.FAILED, "cancelled")
+        return JobStatus(
+            JobState.FAILED,
+            f"process {record['pid']} disappeared without an "
+            "exit status (killed, or the machine restarted)",
+        )
+
+    def _ray_status(self, job: JobSpec, address: str) -> JobStatus:
+        client = _ray_client(address)
+        try:
+            info = client.get_job_info(job.job_id)
+        except RuntimeError as err:  # the job server answers 404 for an unknown id
+            if "does not exist" in str(err) or "404" in str(err):
+                return JobStatus(JobState.UNKNOWN, "no such Ray job")
+            raise
+        state = RAY_STATES.get(str(info.status.value), JobState.UNKNOWN)
+        detail = info.message or str(info.status.value)
+        if str(info.status.value) == "STOPPED":
+            detail = f"stopped: {detail}"
+        return JobStatus(state, detail, exit_code=info.driver_exit_code)
+
+    def cancel(self, job: JobSpec) -> None:
+        settings = verl_settings(job.recipe)
+        if settings["ray_address"] is not None:
+            _ray_client(settings["ray_address"]).stop_job(job.job_id)
+            return
+        files = JobFiles(job.artifact_dir)
+        record = _read_json(files.root / JOB_FILE)
+        process = _process(record) if record else None
+        if process is None:
+            return
+        (files.root / CANCEL_FILE).write_text(_now())
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(KILL_GRACE_S)
+        except psutil.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # Ray's own shutdown hung
+
+    def logs(self, job: JobSpec, tail: int = 50) -> str:
+        settings = verl_settings(job.recipe)
+        if settings["ray_address"] is not None:
+            text = _ray_client(settings["ray_address"]).get_job_logs(job.job_id)
+        else:
+            text = _read_text(JobFiles(job.artifact_dir).log_file) or ""
+        return "\n".join(text.splitlines()[-tail:])
+
+    # ---- collect -----------------------------------------------------------------------
+
+    def collect(self, job: JobSpec) -> Collected:
+        files = JobFiles(job.artifact_dir)
+        seeds = job.recipe.get("seeds") or [0]
+        train, val, steps, skipped = [], [], [], []
+        for seed in seeds:
+            rollout_dir = files.rollout_dir(seed)
+            if rollout_dir.is_dir() and any(rollout_dir.glob("*.jsonl")):
+                result = ingest_dump(rollout_dir, version=job.version, split="train", seed=seed)
+                train.append(result.rollouts)
+                skipped += result.skipped
+            val_dir = files.validation_dir(seed)
+            if not val_dir.is_dir() or not any(val_dir.glob("*.jsonl")):
+                raise EvoError(
+                    f"seed {seed} left no validation dump, so there is nothing to score",
+                    where=str(val_dir),
+                    hint=f"see the job log ({files.log_file}): did verl reach its last step?",
+                )
+            result = ingest_dump(val_dir, version=job.version, split="val", seed=seed)
+            val.append(result.rollouts)
+            skipped += result.skipped
+            if files.metrics_file(seed).is_file():
+                table, bad = read_metrics_log(
+                    files.metrics_file(seed), version=job.version, seed=seed
+                )
+                steps.append(table)
+                skipped += bad
+
+        out = job.artifact_dir
+        (out / "rollouts").mkdir(parents=True, exist_ok=True)
+        train_path = _write(train, ROLLOUT_SCHEMA, out / "rollouts" / "train.parquet")
+        val_path = _write(val, ROLLOUT_SCHEMA, out / "rollouts" / "val.parquet")
+        steps_path = _write(steps, STEPS_SCHEMA, out / "steps.parquet")
+        scores = final_scores(pa.concat_tables(val), files)
+        scores_path = out / "scores.csv"
+        pacsv.write_csv(scores.drop_columns(["version"]), scores_path)
+        correct = scores.column("correct")
+        result: dict[str, Any] = {
+            "backend": "verl",
+            "seeds": list(seeds),
+            "tasks": len(set(scores.column("task_id").to_pylist())),
+            "avg_correct": pc.mean(correct).as_py(),
+            "skipped_lines": len(skipped),
+        }
+        if skipped:
+            result["skipped"] = [f"{s.file}:{s.line} ({s.reason})" for s in skipped[:10]]
+        return Collected(train_path, val_path, steps_path, scores_path, result)
+
+
+# ---- job files -------------------------------------------------------------------------
+
+
+def prepare(job: JobSpec) -> list[RenderedRun]:
+    """Render the job and write its inputs: data, reward module and config, sampler."""
+    files = JobFiles(job.artifact_dir)
+    runs = render_job(job.recipe, version=job.version, files=files, workdir=job.workdir)
+    recipe = job.recipe
+    domain = make_domain(recipe["domain"])
+    for component in (recipe.get("reward") or {}).get("components") or []:
+        if component["name"] not in domain.components:
+            raise EvoError(
+                f"domain {domain.name!r} has no reward component {component['name']!r}",
+                field="reward.components",
+                hint=f"components of {domain.name!r}: {', '.join(domain.components)}",
+            )
+    train, val = domain.split(recipe["domain"]["train_size"], recipe["domain"]["val_size"])
+    files.train_file.parent.mkdir(parents=True, exist_ok=True)
+    write_verl_parquet(train, files.train_file, split="train")
+    write_verl_parquet(val, files.val_file, split="val")
+    config = {"domain": recipe["domain"], "reward": recipe["reward"]}
+    files.reward_config.write_text(json.dumps(config, indent=2, sort_keys=True))
+    shutil.copyfile(REWARD_TEMPLATE, files.reward_module)
+    if any(o.value == SAMPLER_CLASS for o in runs[0].overrides):
+        shutil.copyfile(SAMPLER_TEMPLATE, files.sampler_module)
+    for run in runs:
+        files.seed_dir(run.seed).mkdir(parents=True, exist_ok=True)
+    return runs
+
+
+def write_verl_parquet(tasks: list[Task], path: Path, *, split: str) -> None:
+    """Tasks as verl dataset rows: a chat `prompt`, `data_source`, `reward_model.ground_truth`
+    and `extra_info` carrying what the reward function needs to rebuild the task."""
+    rows = [
+        {
+            "data_source": task.data_source,
+            "prompt": [{"role": "user", "content": task.prompt}],
+            "reward_model": {"style": "rule", "ground_truth": task.answer},
+            "extra_info": {
+                "split": split,
+                "index": index,
+                "task_id": task.task_id,
+                "question": task.prompt,
+                "meta": json.dumps(task.meta, sort_keys=True),
+            },
+        }
+        for index, task in enumerate(tasks)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def final_scores(val: pa.Table, files: JobFiles) -> pa.Table:
+    """SCORE_SCHEMA rows from each seed's last validation step (one row per sample)."""
+    tables = []
+    for seed in sorted(set(val.column("seed").to_pylist())):
+        rows = val.filter(pc.equal(val.column("seed"), seed))
+        last = pc.max(rows.column("step")).as_py()
+        rows = rows.filter(pc.equal(rows.column("step"), last))
+        if rows.column("correct").null_count:
+            raise EvoError(
+                f"validation step {last} has samples without `acc`",
+                where=str(files.validation_dir(seed) / f"{last}.jsonl"),
+                hint="the reward function must return a dict with `acc` (correctness in [0, 1])",
+            )
+        tables.append(rows.select(SCORE_SCHEMA.names).cast(SCORE_SCHEMA))
+    return pa.concat_tables(tables).sort_by(
+        [("seed", "ascending"), ("task_id", "ascending"), ("sample_idx", "ascending")]
+    )
+
+
+def _write(tables: list[pa.Table], schema: pa.Schema, path: Path) -> Path | None:
+    if not tables:
+        return None
+    pq.write_table(pa.concat_tables(tables).cast(schema), path)
+    return path
+
+
+def _last_activity(recipe: dict, files: JobFiles) -> float:
+    """Newest mtime among the metrics files, dump files and the job record (the launch)."""
+    paths = [files.root / JOB_FILE]
+    for seed in recipe.get("seeds") or [0]:
+        paths.append(files.metrics_file(seed))
+        for folder in (files.rollout_dir(seed), files.validation_dir(seed)):
+            if folder.is_dir():
+                paths += folder.glob("*.jsonl")
+    return max((p.stat().st_mtime for p in paths if p.is_file()), default=0.0)
+
+
+def _progress(recipe: dict, files: JobFiles) -> float | None:
+    """Finished steps over all seeds' steps, from the last line of each metrics file."""
+    seeds = recipe.get("seeds") or [0]
+    total = recipe["grpo"]["steps"] * len(seeds)
+    if total <= 0:
+        return None
+    done = sum(_last_step(files.metrics_file(seed)) for seed in seeds)
+    return min(1.0, done / total)
+
+
+def _last_step(path: Path) -> int:
+    text = _read_text(path)
+    for line in reversed((text or "").splitlines()):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a line being written, or a foreign one
+    return 0
+
+
+def _ray_client(address: str) -> Any:
+    try:
+        from ray.job_submission import JobSubmissionClient
+    except ImportError as err:
+        raise EvoError(
+            "verl.ray_address is set, and Ray's job client is not installed here",
+            field="verl.ray_address",
+            hint='pip install "ray[default]"',
+        ) from err
+    try:
+        return JobSubmissionClient(address)
+    except ConnectionError as err:
+        raise EvoError(
+            f"cannot reach the Ray job server: {err}",
+            field="verl.ray_address",
+            hint="is the head's dashboard up (ray start --head --dashboard-host "
+            "0.0.0.0) and reachable on port 8265?",
+        ) from err
+
+
+def _package_parent() -> str:
+    return str(Path(evotrainer.__file__).resolve().parent.parent)
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return None
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

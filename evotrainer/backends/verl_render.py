@@ -1,0 +1,475 @@
+"""Render a resolved recipe as a verl 0.9.1 GRPO run: `python3 -m verl.trainer.main_ppo` plus
+Hydra overrides, the environment it needs, and the checks verl itself does not make.
+
+Facts behind every key are in shared/reference/verl.md. The traps this module exists to avoid:
+there is no `trainer.seed`; the legacy top-level reward keys compose but are silently ignored,
+so only `reward.custom_reward_function.*` is emitted; `resume_mode` defaults to `auto` (a rerun
+in the same dir resumes); and every output path must be absolute because the writers run in
+Ray actors whose cwd is not ours.
+
+The recipe's optional `verl:` section holds cluster-only settings; `VERL_DEFAULTS` lists them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from evotrainer.errors import EvoError
+
+ENTRYPOINT_MODULE = "verl.trainer.main_ppo"
+
+# The recipe's `verl:` section (read with these defaults; the lead adds them to BASE_RECIPE).
+VERL_DEFAULTS: dict[str, Any] = {
+    "python": "python3",  # the interpreter that has verl[vllm] installed
+    "ray_address": None,  # None: a local subprocess; "http://HEAD:8265": Ray Jobs
+    "nnodes": 1,
+    "n_gpus_per_node": 1,
+    "rollout_engine": "vllm",
+    "tensor_parallel": 1,  # verl's default 2 cannot place on a single GPU
+    "gpu_memory_utilization": 0.5,
+    "ppo_mini_batch_size": None,  # None: grpo.prompts_per_step (one update per step)
+    "micro_batch_size_per_gpu": 4,  # actor update, rollout and ref log-prob passes
+    "max_prompt_length": 512,
+    "project_name": "evotrainer",
+    "save_freq": -1,  # checkpoints every N steps; -1 = never
+    "resume_mode": "disable",  # each attempt gets a fresh artifact dir, so never auto-resume
+    "stall_after_s": 1800,  # watchdog: no metrics line or dump file for this long = Stalled
+    "reward_module": None,  # worktree-relative .py with the reward function; None = built-in
+    "reward_function": "compute_score",
+    "tool_config_path": None,  # worktree-relative verl tool YAML (needed with an environment)
+    "env": {},  # extra environment variables for every verl process
+    "overrides": {},  # extra Hydra overrides, dotted key -> value ("+key" adds a new key)
+}
+
+ADV_ESTIMATORS = (
+    "gae",
+    "grpo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "rloo",
+    "rloo_vectorized",
+    "opo",
+    "grpo_passk",
+    "gpg",
+    "grpo_vectorized",
+    "optimal_token_baseline",
+    "tir_optimal_token_baseline",
+    "gdpo",
+)
+ROLLOUT_ENGINES = ("vllm", "sglang", "trtllm")
+# Top-level reward keys of verl <= 0.8: they still compose in 0.9.1 but main_ppo ignores them.
+LEGACY_REWARD_PREFIXES = ("custom_reward_function", "reward_model", "sandbox_fusion")
+KL_LOSS_TYPES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
+LOSS_AGG_MODES = {"token-mean": "token-mean", "seq-mean": "seq-mean-token-mean"}
+REWARD_CONFIG_KWARG = "config_path"
+SAMPLER_CLASS = "EvoGroupFilterReplayBuffer"
+
+_A, _R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+
+
+def verl_settings(recipe: dict) -> dict[str, Any]:
+    """The recipe's `verl:` section over VERL_DEFAULTS (unknown keys are an error: a typo
+    there would otherwise silently fall back to a default on a paid cluster)."""
+    section = recipe.get("verl") or {}
+    unknown = sorted(set(section) - set(VERL_DEFAULTS))
+    if unknown:
+        raise EvoError(
+            f"unknown verl setting {unknown[0]!r}",
+            field=f"verl.{unknown[0]}",
+            hint=f"known settings: {', '.join(VERL_DEFAULTS)}",
+        )
+    return {**VERL_DEFAULTS, **section}
+
+
+@dataclass(frozen=True)
+class JobFiles:
+    """Where one job's inputs and outputs live. Everything is absolute and under the artifact
+    dir, which on a cluster must be storage the head node shares."""
+
+    artifact_dir: Path
+
+    @property
+    def root(self) -> Path:
+        return self.artifact_dir / "verl"
+
+    @property
+    def train_file(self) -> Path:
+        return self.root / "data" / "train.parquet"
+
+    @property
+    def val_file(self) -> Path:
+        return self.root / "data" / "val.parquet"
+
+    @property
+    def reward_module(self) -> Path:
+        return self.root / "reward.py"
+
+    @property
+    def reward_config(self) -> Path:
+        return self.root / "reward_config.json"
+
+    @property
+    def sampler_module(self) -> Path:
+        return self.root / "sampler.py"
+
+    @property
+    def log_file(self) -> Path:
+        return self.artifact_dir / "job.log"
+
+    def seed_dir(self, seed: int) -> Path:
+        return self.root / f"seed{seed}"
+
+    def rollout_dir(self, seed: int) -> Path:
+        return self.seed_dir(seed) / "rollouts"
+
+    def validation_dir(self, seed: int) -> Path:
+        return self.seed_dir(seed) / "validation"
+
+    def checkpoint_dir(self, seed: int) -> Path:
+        return self.seed_dir(seed) / "checkpoints"
+
+    def metrics_file(self, seed: int) -> Path:
+        return self.seed_dir(seed) / "metrics.jsonl"
+
+
+@dataclass(frozen=True)
+class Override:
+    key: str  # dotted; a leading "+" adds a key verl's schema lacks
+    value: Any
+
+    def hydra(self) -> str:
+        return f"{self.key}={hydra_value(self.value)}"
+
+
+@dataclass(frozen=True)
+class RenderedRun:
+    """One verl run (one seed)."""
+
+    seed: int
+    overrides: list[Override]
+
+    def argv(self, python: str) -> list[str]:
+        return [python, "-m", ENTRYPOINT_MODULE, *(o.hydra() for o in self.overrides)]
+
+    def shell(self, python: str) -> str:
+        return " ".join(shlex.quote(a) for a in self.argv(python))
+
+    def as_yaml_tree(self) -> dict:
+        """The overrides as one nested mapping (the "+" markers dropped)."""
+        tree: dict = {}
+        for o in self.overrides:
+            *parents, leaf = o.key.lstrip("+").split(".")
+            node = tree
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = o.value
+        return tree
+
+
+def entrypoint(runs: list[RenderedRun], python: str) -> str:
+    """The job's shell command: the seeds one after another, stopping at the first failure."""
+    return " && ".join(run.shell(python) for run in runs)
+
+
+def job_env(recipe: dict) -> dict[str, str]:
+    """Environment variables every verl process of the job needs (`verl.env`)."""
+    return {str(k): str(v) for k, v in (verl_settings(recipe)["env"] or {}).items()}
+
+
+_BARE = re.compile(r"^[A-Za-z0-9_./\-]+$")
+
+
+def hydra_value(value: Any) -> str:
+    """A Python value in Hydra's override grammar."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{hydra_value(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    # Bare strings that Hydra would read as another type (true, null, 1e3) must be quoted too.
+    if _BARE.match(text) and yaml.safe_load(text) == text:
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def render_run(
+    recipe: dict, *, version: str, seed: int, files: JobFiles, workdir: Path
+) -> RenderedRun:
+    """The verl overrides for one seed of a version (checked: EvoError if a setting would
+    fail or be silently ignored by verl)."""
+    settings = verl_settings(recipe)
+    grpo, domain = recipe["grpo"], recipe["domain"]
+    model_path = (recipe.get("model") or {}).get("path")
+    if not model_path:
+        raise EvoError(
+            "the verl backend trains a Hugging Face checkpoint, and model.path is not set",
+            field="model.path",
+            hint="set model.path to a local HF model dir (on a cluster: a path every node "
+            "can read, or a hub id the nodes may download)",
+        )
+    batch, group = grpo["prompts_per_step"], grpo["group_size"]
+    steps = grpo["steps"]
+    micro = settings["micro_batch_size_per_gpu"]
+    eval_every = grpo.get("eval_every", 0)
+    eval_k = grpo.get("eval_k", 1)
+    kl_coef = grpo.get("kl_coef", 0.0)
+    # verl stops at total_training_steps, but only inside total_epochs passes over the data.
+    batches_per_epoch = max(1, domain["train_size"] // batch)
+    filtering = (recipe.get("group_filter") or {}).get("name", "none") != "none"
+    # Dynamic sampling draws replacement prompts for every evicted group: leave room for it.
+    epochs = math.ceil(steps / batches_per_epoch) * (4 if filtering else 1)
+
+    values: dict[str, Any] = {
+        "algorithm.adv_estimator": "grpo",
+        "algorithm.norm_adv_by_std_in_grpo": bool(grpo.get("normalize_std", True)),
+        "algorithm.use_kl_in_reward": False,
+        "data.train_files": str(files.train_file),
+        "data.val_files": str(files.val_file),
+        "data.train_batch_size": batch,
+        "data.max_prompt_length": settings["max_prompt_length"],
+        "data.max_response_length": grpo["max_response_tokens"],
+        "data.filter_overlong_prompts": True,
+        "data.seed": seed,
+        "actor_rollout_ref.model.path": str(model_path),
+        f"{_A}.optim.lr": grpo["lr"],
+        f"{_A}.grad_clip": grpo.get("grad_clip", 1.0),
+        f"{_A}.ppo_epochs": grpo.get("ppo_epochs", 1),
+        f"{_A}.ppo_mini_batch_size": settings["ppo_mini_batch_size"] or batch,
+        f"{_A}.ppo_micro_batch_size_per_gpu": micro,
+        f"{_A}.clip_ratio_low": grpo["clip_low"],
+        f"{_A}.clip_ratio_high": grpo["clip_high"],
+        f"{_A}.use_kl_loss": kl_coef > 0,
+        f"{_A}.kl_loss_coef": kl_coef,
+        f"{_A}.kl_loss_type": KL_LOSS_TYPES[grpo.get("kl_estimator", "k3")],
+        f"{_A}.loss_agg_mode": LOSS_AGG_MODES[grpo.get("loss_agg", "token-mean")],
+        f"{_A}.entropy_coeff": 0,
+        f"{_A}.data_loader_seed": seed,
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": micro,
+        f"{_R}.name": settings["rollout_engine"],
+        f"{_R}.n": group,
+        f"{_R}.seed": seed,
+        f"{_R}.temperature": grpo.get("temperature", 1.0),
+        f"{_R}.top_p": grpo.get("top_p", 1.0),
+        f"{_R}.tensor_model_parallel_size": settings["tensor_parallel"],
+        f"{_R}.gpu_memory_utilization": settings["gpu_memory_utilization"],
+        f"{_R}.log_prob_micro_batch_size_per_gpu": micro,
+        # Avg@k samples k answers per task at the training temperature.
+        f"{_R}.val_kwargs.n": eval_k,
+        f"{_R}.val_kwargs.do_sample": True,
+        f"{_R}.val_kwargs.temperature": grpo.get("temperature", 1.0),
+        f"{_R}.val_kwargs.top_p": grpo.get("top_p", 1.0),
+        "reward.custom_reward_function.path": _reward_path(settings, files, workdir),
+        "reward.custom_reward_function.name": settings["reward_function"],
+        f"+reward.custom_reward_function.reward_kwargs.{REWARD_CONFIG_KWARG}": str(
+            files.reward_config
+        ),
+        "trainer.project_name": settings["project_name"],
+        "trainer.experiment_name": f"{version}-seed{seed}",
+        "trainer.logger": ["console", "file"],
+        # The file logger runs in the TaskRunner actor: the path reaches it through the
+        # runtime_env main_ppo passes to ray.init, in a local run and in a Ray job alike.
+        "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH": str(
+            files.metrics_file(seed)
+        ),
+        "trainer.total_training_steps": steps,
+        "trainer.total_epochs": epochs,
+        # Validation at the last step is what the score table is built from: with no
+        # periodic evaluation, validate only there.
+        "trainer.test_freq": eval_every if eval_every > 0 else max(steps, 1),
+        "trainer.val_before_train": True,
+        "trainer.save_freq": settings["save_freq"],
+        "trainer.default_local_dir": str(files.checkpoint_dir(seed)),
+        "trainer.resume_mode": settings["resume_mode"],
+        "trainer.rollout_data_dir": str(files.rollout_dir(seed)),
+        "trainer.validation_data_dir": str(files.validation_dir(seed)),
+        "trainer.nnodes": settings["nnodes"],
+        "trainer.n_gpus_per_node": settings["n_gpus_per_node"],
+    }
+    if settings["ray_address"] is None:
+        # main_ppo's ray.init() would join any `ray start` cluster on this host (another
+        # user's, perhaps): a local job gets a private one.
+        values["+ray_kwargs.ray_init.address"] = "local"
+    values.update(_group_filter_values(recipe, files))
+    values.update(_environment_values(recipe, settings, workdir))
+    for key, value in (settings["overrides"] or {}).items():
+        values[str(key)] = value
+
+    check_values(values, recipe)
+    return RenderedRun(seed, [Override(k, v) for k, v in values.items()])
+
+
+def render_job(recipe: dict, *, version: str, files: JobFiles, workdir: Path) -> list[RenderedRun]:
+    """One run per seed of the recipe, in seed order."""
+    return [
+        render_run(recipe, version=version, seed=seed, files=files, workdir=workdir)
+        for seed in recipe.get("seeds") or [0]
+    ]
+
+
+def _reward_path(settings: dict, files: JobFiles, workdir: Path) -> str:
+    module = settings["reward_module"]
+    if module is None:
+        return str(files.reward_module)
+    if settings["ray_address"] is not None:
+        # Ray Jobs unpack the worktree as every worker's cwd, so the path stays relative.
+        return str(module)
+    return str((workdir / module).resolve())
+
+
+def _group_filter_values(recipe: dict, files: JobFiles) -> dict[str, Any]:
+    spec = recipe.get("group_filter") or {"name": "none"}
+    name = spec.get("name", "none")
+    if name == "none":
+        return {}
+    # Either way the dataloader must switch to gen_batch_size=1 refills.
+    values: dict[str, Any] = {
+        "algorithm.filter_groups.enable": True,
+        "algorithm.filter_groups.metric": "reward",
+    }
+    if name == "zero_std":
+        return values  # verl's own test (identical rewards across the group) is the same rule
+    kwargs = {
+        "metric": "reward",
+        "train_batch_size": recipe["grpo"]["prompts_per_step"],
+        "max_inflight_gen_batches": 1,
+        "filter": {"name": name, "params": dict(spec.get("params") or {})},
+    }
+    values["trainer.v1.sampler.custom_sampler.path"] = str(files.sampler_module)
+    values["trainer.v1.sampler.custom_sampler.name"] = SAMPLER_CLASS
+    values["+trainer.v1.sampler.sampler_kwargs.spec"] = json.dumps(kwargs, sort_keys=True)
+    return values
+
+
+def _environment_values(recipe: dict, settings: dict, workdir: Path) -> dict[str, Any]:
+    environment = recipe.get("environment")
+    if not environment:
+        return {}
+    tool_config = settings["tool_config_path"]
+    if not tool_config:
+        raise EvoError(
+            "the recipe has an environment, and verl runs tools only as its own BaseTool "
+            "classes listed in a tool config YAML",
+            field="verl.tool_config_path",
+            hint="write a verl tool config (tools: [{class_name, config, tool_schema}]) in the "
+            "version's worktree and set verl.tool_config_path to its relative path",
+        )
+    if settings["ray_address"] is None:
+        tool_config = str((workdir / tool_config).resolve())
+    values: dict[str, Any] = {
+        f"{_R}.multi_turn.enable": True,
+        f"{_R}.multi_turn.tool_config_path": str(tool_config),
+        f"{_R}.agent.default_agent_loop": "tool_agent",
+    }
+    if environment.get("max_turns"):
+        values[f"{_R}.multi_turn.max_assistant_turns"] = environment["max_turns"]
+    return values
+
+
+def _override_field(key: str, recipe: dict) -> str:
+    """The recipe field a rendered key came from (raw overrides name themselves)."""
+    overrides = ((recipe.get("verl") or {}).get("overrides")) or {}
+    return f"verl.overrides.{key}" if key in overrides else _SOURCES.get(key, f"verl.{key}")
+
+
+_SOURCES = {
+    f"{_R}.n": "grpo.group_size",
+    "data.train_batch_size": "grpo.prompts_per_step",
+    f"{_A}.ppo_mini_batch_size": "verl.ppo_mini_batch_size",
+    f"{_A}.ppo_micro_batch_size_per_gpu": "verl.micro_batch_size_per_gpu",
+    f"{_R}.name": "verl.rollout_engine",
+    "trainer.n_gpus_per_node": "verl.n_gpus_per_node",
+}
+
+
+def check_values(values: dict[str, Any], recipe: dict) -> None:
+    """What verl 0.9.1 accepts silently or only reports deep inside a Ray actor."""
+
+    def fail(key: str, message: str, hint: str) -> None:
+        raise EvoError(message, field=_override_field(key, recipe), hint=hint)
+
+    for key in values:
+        bare = key.lstrip("+~")
+        if bare.split(".")[0] in LEGACY_REWARD_PREFIXES:
+            fail(
+                key,
+                f"{bare} is a legacy reward key that verl 0.9.1 composes but ignores",
+                f"use reward.{bare} instead",
+            )
+        if bare == "trainer.seed":
+            fail(key, "verl has no trainer.seed", "seeds come from the recipe's `seeds`")
+
+    estimator = values["algorithm.adv_estimator"]
+    if estimator not in ADV_ESTIMATORS:
+        fail(
+            "algorithm.adv_estimator",
+            f"unknown advantage estimator {estimator!r}",
+            f"choose one of: {', '.join(ADV_ESTIMATORS)}",
+        )
+    engine = values[f"{_R}.name"]
+    if engine not in ROLLOUT_ENGINES:
+        fail(
+            f"{_R}.name",
+            f"verl 0.9.1 has no rollout engine {engine!r}",
+            f"choose one of: {', '.join(ROLLOUT_ENGINES)}",
+        )
+    n = values[f"{_R}.n"]
+    if not isinstance(n, int) or (estimator.startswith("grpo") and n < 2):
+        fail(
+            f"{_R}.n",
+            f"GRPO needs at least 2 samples per prompt, got {n!r}",
+            "set grpo.group_size to 2 or more (8 is usual)",
+        )
+
+    n_gpus = values["trainer.n_gpus_per_node"] * values["trainer.nnodes"]
+    batch = values["data.train_batch_size"]
+    mini = values[f"{_A}.ppo_mini_batch_size"]
+    micro = values[f"{_A}.ppo_micro_batch_size_per_gpu"]
+    if (batch * n) % n_gpus:
+        fail(
+            "data.train_batch_size",
+            f"prompts_per_step × group_size = {batch * n} samples do not split evenly over "
+            f"{n_gpus} GPU(s)",
+            f"make grpo.prompts_per_step × grpo.group_size a multiple of {n_gpus}",
+        )
+    if mini > batch or batch % mini:
+        fail(
+            f"{_A}.ppo_mini_batch_size",
+            f"ppo_mini_batch_size {mini} must divide prompts_per_step {batch}",
+            "set verl.ppo_mini_batch_size to a divisor of grpo.prompts_per_step",
+        )
+    per_gpu, rest = divmod(mini * n, n_gpus)
+    if rest or per_gpu == 0 or per_gpu % micro:
+        fail(
+            f"{_A}.ppo_micro_batch_size_per_gpu",
+            f"a mini-batch of {mini} prompts × {n} samples over {n_gpus} GPU(s) does not split "
+            f"into micro-batches of {micro}",
+            "choose verl.micro_batch_size_per_gpu dividing ppo_mini_batch_size × group_size / GPUs",
+        )
+    train_size = recipe["domain"]["train_size"]
+    if train_size < batch:
+        raise EvoError(
+            f"train_size {train_size} is smaller than one batch of {batch} prompts",
+            field="domain.train_size",
+            hint="raise domain.train_size",
+        )
+    if values.get(f"{_R}.val_kwargs.do_sample") and values.get(f"{_R}.temperature", 1) <= 0:
+        raise EvoError(
+            "sampled validation needs a temperature above 0",
+            field="grpo.temperature",
+            hint="temperature: 1.0",
+        )

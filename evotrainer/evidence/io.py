@@ -149,3 +149,20 @@ def table_digest(*tables: pa.Table | None) -> str:
             writer.write_table(table.combine_chunks())
         outer.update(hashlib.sha256(sink.getvalue()).digest())
     return "sha256:" + outer.hexdigest()
+
+
+def val_scores(rollouts: pa.Table) -> pa.Table:
+    """The per-task score table of a version's latest validation step (per seed)."""
+    import duckdb
+
+    con = duckdb.connect()
+    con.register("r", rollouts)
+    scores = con.sql(
+        """SELECT r.seed, task_id, data_source, sample_idx, correct FROM r
+           JOIN (SELECT seed, max(step) AS step FROM r WHERE split = 'val' GROUP BY seed)
+           USING (seed, step)
+           WHERE split = 'val' AND correct IS NOT NULL
+           ORDER BY r.seed, task_id, sample_idx"""
+    ).to_arrow_table()
+    con.close()
+    return scores.cast(pa.schema([f for f in SCORE_SCHEMA if f.name != "version"]))

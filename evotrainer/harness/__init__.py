@@ -1,0 +1,1 @@
+"""The harness engine: revisions as data, sandboxed SQL metrics, analyzers, alerts, gate."""

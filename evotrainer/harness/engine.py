@@ -1,0 +1,299 @@
+"""Diagnose a version's evidence with a harness revision, and apply the promotion gate.
+
+A rollout id is `version/seed/split/step/group_id/sample_idx`: stable across re-ingests and
+enough to find the row again in the version's rollout table.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from evotrainer import cel
+from evotrainer.errors import EvoError
+from evotrainer.evidence.io import (
+    file_digest,
+    is_verl_dump,
+    read_rollouts,
+    rollout_files,
+    table_digest,
+    val_scores,
+)
+from evotrainer.harness.analyzers import ANALYZERS
+from evotrainer.harness.revision import Alert, HarnessRevision, Metric
+from evotrainer.harness.sql import Sandbox
+
+ROLLOUT_ID_SQL = "concat_ws('/', version, seed, split, step, group_id, sample_idx) AS id"
+
+
+def diagnose(
+    rollouts: pa.Table | str | Path,
+    steps: pa.Table | None,
+    harness: HarnessRevision,
+    parent_scores: pa.Table | None = None,
+    *,
+    timeout_s: float = 60.0,
+) -> dict:
+    """Compute every metric, series, trend and alert of `harness` over the evidence.
+
+    `parent_scores` (a per-task score table) feeds the version-layer comparison metrics;
+    the candidate's own scores come from its latest validation rollouts."""
+    if isinstance(rollouts, (str, Path)):
+        path = Path(rollouts)
+        files = sorted(path.glob("*.jsonl")) if is_verl_dump(path) else rollout_files(path)
+        table = read_rollouts(path)
+        evidence_digest = file_digest(files)
+    else:
+        table = rollouts
+        evidence_digest = table_digest(table, steps)
+    run = _Run(table, steps, harness, timeout_s)
+    try:
+        comparison = None
+        if parent_scores is not None:
+            from evotrainer.stats import compare_tables
+
+            candidate = val_scores(table)
+            if candidate.num_rows:
+                comparison = compare_tables(parent_scores, candidate, alpha=harness.alpha)
+        metrics: dict[str, float | None] = {}
+        series: dict[str, list[list[float]]] = {}
+        gaps: list[dict[str, str]] = []
+        for metric in harness.metrics:
+            value, points, gap = run.metric(metric, comparison)
+            metrics[metric.name] = value
+            if metric.series:
+                series[metric.name] = points
+            if value is None:
+                gaps.append(
+                    {"metric": metric.name, "reason": gap or "not computable from the evidence"}
+                )
+        alerts = [fired for alert in harness.alerts if (fired := run.alert(alert, metrics))]
+    finally:
+        run.close()
+    return {
+        "harness": {"name": harness.name, "digest": harness.digest},
+        "evidence_digest": evidence_digest,
+        "metrics": metrics,
+        "layers": {m.name: m.layer for m in harness.metrics},
+        "trends": {name: _slope(points) for name, points in series.items()},
+        "series": series,
+        "alerts": alerts,
+        "gaps": gaps,
+        "comparison": comparison,
+    }
+
+
+def diagnosis_document(diagnosis: dict, version: str) -> dict:
+    """The `runs/<version>/diagnosis.yaml` document (kind: Diagnosis)."""
+    return {
+        "apiVersion": "evotrainer/v1",
+        "kind": "Diagnosis",
+        "version": version,
+        "harness": dict(diagnosis["harness"]),
+        "evidence_digest": diagnosis["evidence_digest"],
+        "metrics": {
+            name: {
+                "value": value,
+                "layer": diagnosis["layers"][name],
+                "trend": diagnosis["trends"].get(name),
+            }
+            for name, value in diagnosis["metrics"].items()
+        },
+        "series": diagnosis["series"],
+        "alerts": diagnosis["alerts"],
+        "gaps": diagnosis["gaps"],
+        **({"comparison": diagnosis["comparison"]} if diagnosis.get("comparison") else {}),
+    }
+
+
+def gate_verdict(
+    harness: HarnessRevision,
+    diagnosis: dict,
+    comparison: dict | None = None,
+    parent_metrics: dict[str, float | None] | None = None,
+) -> dict:
+    """Apply the gate: the first rule whose `when` holds decides; none holding means
+    inconclusive. A rule that reads a null value does not hold."""
+    comparison = comparison or diagnosis.get("comparison") or {}
+    alerts = diagnosis["alerts"]
+    variables = {
+        **diagnosis["metrics"],
+        "delta": comparison.get("delta"),
+        "ci_low": comparison.get("ci_low"),
+        "ci_high": comparison.get("ci_high"),
+        "p_value": comparison.get("p_bootstrap"),
+        "p_wilcoxon": comparison.get("p_wilcoxon"),
+        "parent": dict(parent_metrics or {}),
+        "alpha": harness.alpha,
+        "min_delta": harness.min_delta,
+        "critical_alerts": sum(a["severity"] == "critical" for a in alerts),
+        "warning_alerts": sum(a["severity"] == "warning" for a in alerts),
+        "alerts": [a["name"] for a in alerts],
+        "params": harness.params,
+    }
+    for rule in harness.gate_rules:
+        if _holds(rule.when, variables, where=harness.source, field=f"gate rule {rule.name}"):
+            return {"verdict": rule.verdict, "rule": rule.name, "variables": _plain(variables)}
+    return {"verdict": "inconclusive", "rule": None, "variables": _plain(variables)}
+
+
+def _holds(expr: str, variables: dict[str, Any], *, where: str, field: str) -> bool:
+    try:
+        return cel.evaluate(expr, variables) is True
+    except EvoError as err:
+        if any(variables.get(name) is None for name in cel.names(expr)):
+            return False  # null metrics never fire and never decide
+        if "parent" in cel.names(expr):
+            return False  # a parent metric that is absent from the map
+        raise EvoError(err.message, where=where, field=field) from None
+
+
+def _plain(variables: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in variables.items() if k != "params"}
+
+
+def _slope(points: list[list[float]]) -> float | None:
+    if len({step for step, _ in points}) < 2:
+        return None
+    steps, values = np.array(points, dtype=float).T
+    return float(np.polyfit(steps, values, 1)[0])
+
+
+def _clean(value: Any) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return None if math.isnan(value) or math.isinf(value) else value
+
+
+class _Run:
+    """One diagnosis: sandboxed connections and split tables, made on first use."""
+
+    def __init__(
+        self, table: pa.Table, steps: pa.Table | None, harness: HarnessRevision, timeout_s: float
+    ) -> None:
+        self.table, self.steps, self.harness, self.timeout_s = table, steps, harness, timeout_s
+        self.sandboxes: dict[str | None, Sandbox] = {}
+        self.split_rows = {
+            split: pc.sum(pc.equal(table.column("split"), split)).as_py() or 0
+            for split in ("train", "val")
+        }
+
+    def sandbox(self, split: str | None) -> Sandbox:
+        if split not in self.sandboxes:
+            self.sandboxes[split] = Sandbox(self.table, self.steps, split, timeout_s=self.timeout_s)
+        return self.sandboxes[split]
+
+    def close(self) -> None:
+        for sandbox in self.sandboxes.values():
+            sandbox.close()
+
+    def metric(
+        self, metric: Metric, comparison: dict | None
+    ) -> tuple[float | None, list[list[float]], str | None]:
+        """(value, series points, gap reason when the value is null)."""
+        if metric.comparison:
+            if comparison is None:
+                return None, [], "no parent scores to compare with"
+            return _clean(comparison[metric.comparison]), [], None
+        if not self.split_rows[metric.split]:
+            return None, [], f"no {metric.split} rollouts"
+        if metric.requires:
+            missing = self._unrecorded(metric.split, metric.requires)
+            if missing:
+                return None, [], f"{', '.join(missing)} not recorded in {metric.split} rollouts"
+        field = f"metrics.{metric.name}"
+        try:
+            if metric.sql:
+                value, points = self._sql(metric)
+            else:
+                value, points = self._analyzer(metric)
+        except EvoError as err:
+            raise EvoError(
+                err.message, where=self.harness.source, field=field, hint=err.hint
+            ) from None
+        return value, points, None
+
+    def _unrecorded(self, split: str, columns: tuple[str, ...]) -> list[str]:
+        sql = "SELECT " + ", ".join(f"count({c})" for c in columns) + " FROM rollouts"
+        _, rows = self.sandbox(split).query(sql, {}, field="requires")
+        return [c for c, n in zip(columns, rows[0], strict=True) if n == 0]
+
+    def _sql(self, metric: Metric) -> tuple[float | None, list[list[float]]]:
+        columns, rows = self.sandbox(metric.split).query(
+            metric.sql, self.harness.params, field=metric.name
+        )
+        if "value" not in columns:
+            raise EvoError("the query must return a column named `value`")
+        vi = columns.index("value")
+        if "step" not in columns:
+            if len(rows) > 1:
+                raise EvoError(
+                    f"the query returned {len(rows)} rows; return one row, or a "
+                    "`step` column with GROUP BY ROLLUP (step)"
+                )
+            return (_clean(rows[0][vi]) if rows else None), []
+        si = columns.index("step")
+        total = [r for r in rows if r[si] is None]
+        if len(total) != 1:
+            raise EvoError(
+                "a query with a `step` column needs GROUP BY ROLLUP (step) so one "
+                "row (step NULL) carries the overall value"
+            )
+        points = sorted(
+            [int(r[si]), v] for r in rows if r[si] is not None and (v := _clean(r[vi])) is not None
+        )
+        return _clean(total[0][vi]), points
+
+    def _analyzer(self, metric: Metric) -> tuple[float | None, list[list[float]]]:
+        spec = ANALYZERS[metric.analyzer]
+        view = self.table.select(["split", "step", *spec.columns])
+        view = view.filter(pc.equal(view.column("split"), metric.split))
+        params = {**self.harness.params, **metric.analyzer_params}
+        values = np.asarray(spec.fn(view, params), dtype=float)
+        keep = ~np.isnan(values)
+        if not keep.any():
+            return None, []
+        steps = view.column("step").to_numpy()[keep]
+        values = values[keep]
+        uniq, inverse = np.unique(steps, return_inverse=True)
+        sums = np.bincount(inverse, weights=values)
+        counts = np.bincount(inverse)
+        points = [[int(s), float(v)] for s, v in zip(uniq, sums / counts, strict=True)]
+        return float(values.mean()), points
+
+    def alert(self, alert: Alert, metrics: dict[str, float | None]) -> dict | None:
+        variables = {**metrics, "params": self.harness.params}
+        for i, level in enumerate(alert.levels):
+            field = f"alerts.{alert.name}.levels[{i}].when"
+            if _holds(level.when, variables, where=self.harness.source, field=field):
+                metric = self.harness.metric(alert.metric)
+                return {
+                    "name": alert.name,
+                    "metric": alert.metric,
+                    "layer": metric.layer,
+                    "severity": level.severity,
+                    "value": metrics[alert.metric],
+                    "threshold": level.threshold,
+                    "message": alert.message,
+                    "examples": self._examples(alert, metric),
+                }
+        return None
+
+    def _examples(self, alert: Alert, metric: Metric) -> list[str]:
+        if alert.sample_where is None or alert.sample_limit <= 0:
+            return []
+        split = alert.sample_split or metric.split
+        sql = (
+            f"SELECT {ROLLOUT_ID_SQL} FROM rollouts WHERE ({alert.sample_where}) "
+            f"ORDER BY step DESC, seed, group_id, sample_idx LIMIT {alert.sample_limit}"
+        )
+        _, rows = self.sandbox(None if split == "all" else split).query(
+            sql, self.harness.params, field=f"alerts.{alert.name}.sample.where"
+        )
+        return [r[0] for r in rows]

@@ -1,0 +1,86 @@
+"""Run harness SQL read-only: one SELECT per metric, no file, network or extension access,
+bounded time. Views: `rollouts` (the metric's split), `all_rollouts` and `steps`."""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from evotrainer.errors import EvoError
+from evotrainer.evidence.steps import empty_steps
+
+_PARAM = re.compile(r"\$([A-Za-z_]\w*)")
+_LOCKDOWN = (
+    "SET enable_external_access = false",
+    "SET autoinstall_known_extensions = false",
+    "SET autoload_known_extensions = false",
+    "SET allow_community_extensions = false",
+    "SET lock_configuration = true",
+)
+
+
+def check_select(sql: str, *, where: str | None = None, field: str | None = None) -> None:
+    """Refuse anything but exactly one SELECT statement."""
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error as err:
+        raise EvoError(f"SQL does not parse: {err}", where=where, field=field) from None
+    if len(statements) != 1 or statements[0].type != duckdb.StatementType.SELECT:
+        kinds = ", ".join(s.type.name for s in statements) or "nothing"
+        raise EvoError(
+            f"harness SQL must be exactly one SELECT statement, found {kinds}",
+            where=where,
+            field=field,
+            hint="metrics only read the `rollouts`, `all_rollouts` and `steps` views",
+        )
+
+
+def sql_params(sql: str) -> list[str]:
+    """Names of the `$param` placeholders in `sql`."""
+    return sorted(set(_PARAM.findall(sql)))
+
+
+class Sandbox:
+    """A locked-down DuckDB connection whose `rollouts` view holds one split."""
+
+    def __init__(
+        self,
+        rollouts: pa.Table,
+        steps: pa.Table | None,
+        split: str | None,
+        *,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.con = duckdb.connect()
+        self.con.register("all_rollouts", rollouts)
+        self.con.register("steps", steps if steps is not None else empty_steps())
+        where = "" if split is None else f" WHERE split = '{split}'"
+        self.con.execute(f"CREATE VIEW rollouts AS SELECT * FROM all_rollouts{where}")
+        for statement in _LOCKDOWN:
+            self.con.execute(statement)
+
+    def query(self, sql: str, params: dict[str, Any], *, field: str) -> tuple[list[str], list]:
+        """Run one checked SELECT; return (column names, rows)."""
+        check_select(sql, field=field)
+        used = {name: params[name] for name in sql_params(sql)}
+        timer = threading.Timer(self.timeout_s, self.con.interrupt)
+        timer.start()
+        try:
+            result = self.con.execute(sql, used or None)
+            columns = [d[0] for d in result.description]
+            rows = result.fetchall()
+        except duckdb.InterruptException:
+            raise EvoError(f"query ran longer than {self.timeout_s:g} s", field=field) from None
+        except duckdb.Error as err:
+            raise EvoError(f"query failed: {err}", field=field) from None
+        finally:
+            timer.cancel()
+        return columns, rows
+
+    def close(self) -> None:
+        self.con.close()

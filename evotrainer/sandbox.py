@@ -1,0 +1,552 @@
+"""Run untrusted Python programs (model-written solutions) with limits, and say what happened.
+
+`LocalSandbox` needs no daemon. What it enforces depends on the privileges it has:
+
+* Always: a new session (process group) killed as a whole at the end; RLIMIT_CPU (SIGXCPU,
+  then SIGKILL one second later), RLIMIT_AS (memory), RLIMIT_FSIZE (file size),
+  RLIMIT_NOFILE, no core dumps; a wall-clock deadline; stdout and stderr capped while they
+  are read (the program is killed as soon as it writes past the cap, so a 1 GB print never
+  reaches the parent's memory); a minimal environment; `python -I -S` (no site-packages, no
+  user site, PYTHON* variables ignored).
+* As root (`isolation` contains "uid", "netns", "mountns"): the program runs as a fresh
+  unprivileged uid/gid that no other process uses, so RLIMIT_NPROC really bounds its process
+  count (a fork bomb hits the limit) and, at the end, `kill(-1, SIGKILL)` issued as that uid
+  kills every process it started, including ones that left the process group with setsid.
+  It runs in its own network namespace (only a downed loopback: no network at all) and its
+  own mount namespace, where every top-level directory except the system ones (/usr, /etc,
+  /dev, /proc and the /bin, /lib symlinks) is covered by an empty read-only tmpfs, the
+  interpreter's prefix is bind-mounted back read-only, and /tmp is a fresh size-limited tmpfs
+  owned by the sandbox uid that holds the program and is its working directory. Nothing of
+  it survives the run. Readable outside /tmp: world-readable files under the system
+  directories and the interpreter prefix; /proc shows other processes (no pid namespace).
+* Not root (`isolation` lacks "uid"): the program runs as the caller in a scratch directory
+  under the system temp dir; a network namespace is tried through an unprivileged user
+  namespace ("netns" when it worked); RLIMIT_NPROC is not set (it would count all the
+  caller's processes), so only the process-group kill and the CPU/memory/wall limits contain
+  a fork bomb, and a child that calls setsid can outlive the run. Files the caller can read
+  stay readable.
+
+`DockerSandbox` runs the same programs in a container through the `docker` SDK when a daemon
+is reachable (network disabled, memory, pids and CPU limits, output capped by RLIMIT_FSIZE).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import itertools
+import math
+import os
+import resource
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+# Outcome of one run. "ok" means exit status 0; the caller judges the output.
+STATUSES = (
+    "ok",
+    "runtime_error",
+    "timeout",
+    "cpu_limit",
+    "memory_limit",
+    "output_limit",
+    "sandbox_error",
+)
+
+_STDERR_KEEP = 4096  # tail of stderr kept in the result, enough for a traceback's last lines
+_READ_CHUNK = 65536
+
+# Linux constants (sched.h, mount.h); Python 3.11's os module has no unshare/mount.
+_CLONE_NEWNS = 0x00020000
+_CLONE_NEWPID = 0x20000000
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWNET = 0x40000000
+_MS_RDONLY = 0x1
+_MS_NOSUID = 0x2
+_MS_NODEV = 0x4
+_MS_NOEXEC = 0x8
+_MS_REMOUNT = 0x20
+_MS_BIND = 0x1000
+_MS_REC = 0x4000
+_MS_PRIVATE = 0x40000
+
+# Top-level directories left visible inside the mount namespace: what a CPython program needs.
+_SYSTEM_DIRS = frozenset({"usr", "etc", "dev", "proc", "bin", "sbin", "lib", "lib32", "lib64"})
+
+# Sandbox uids: far above any real account, a block of 2**15 per parent pid (modulo 2**15),
+# used round-robin, so concurrent runs practically never share a uid and its process count.
+_UID_BASE = 1 << 30
+_UID_BLOCK = 1 << 15
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-run limits. Memory is address space (RLIMIT_AS), so leave room for the runtime."""
+
+    cpu_seconds: float = 2.0
+    wall_seconds: float = 6.0
+    memory_bytes: int = 512 * 2**20
+    output_bytes: int = 2**20
+    processes: int = 16
+    file_bytes: int = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class RunResult:
+    status: str
+    stdout: str
+    stderr: str  # the tail only
+    exit_code: int | None = None  # the exit status, or minus the signal number
+    wall_seconds: float = 0.0
+    isolation: tuple[str, ...] = ()  # what was enforced for this run, see the module doc
+    detail: str = ""  # a one-line reason for a status other than "ok"
+
+    def as_dict(self) -> dict:
+        return {
+            "status": self.status,
+            "exit_code": self.exit_code,
+            "wall_seconds": round(self.wall_seconds, 4),
+            "isolation": list(self.isolation),
+            "detail": self.detail,
+            "stderr_tail": self.stderr[-500:],
+        }
+
+
+class Sandbox(Protocol):
+    def run(self, source: str, stdin: str = "", limits: Limits | None = None) -> RunResult: ...
+
+
+@dataclass
+class _Capture:
+    """Bytes read from the program's pipes, with the caps applied while reading."""
+
+    limit: int
+    stdout: bytearray = field(default_factory=bytearray)
+    stderr: bytearray = field(default_factory=bytearray)
+    stderr_total: int = 0
+    overflow: str = ""  # "stdout" or "stderr" once a cap was crossed
+
+    def add(self, name: str, chunk: bytes) -> None:
+        if name == "stdout":
+            self.stdout += chunk
+            if len(self.stdout) > self.limit:
+                del self.stdout[self.limit :]
+                self.overflow = "stdout"
+        else:
+            self.stderr_total += len(chunk)
+            self.stderr = (self.stderr + chunk)[-_STDERR_KEEP:]
+            if self.stderr_total > self.limit:
+                self.overflow = "stderr"
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    libc.unshare.argtypes = [ctypes.c_int]
+    libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+    return libc
+
+
+# Loaded once in the parent: the child must not dlopen between fork and exec.
+_LIBC = _libc()
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+def _mount(source: str, target: str, fstype: str | None, flags: int, data: str = "") -> None:
+    assert _LIBC is not None
+    _check(
+        _LIBC.mount(
+            source.encode(),
+            target.encode(),
+            fstype.encode() if fstype else None,
+            flags,
+            data.encode() or None,
+        ),
+        f"mount {target}",
+    )
+
+
+class LocalSandbox:
+    """Runs programs as child processes of this one; see the module doc for what it enforces.
+
+    `privileged=None` uses the root-only isolation when running as root with a usable libc;
+    `False` forces the unprivileged mode (for callers that must not create namespaces).
+    """
+
+    def __init__(self, python: str | None = None, privileged: bool | None = None) -> None:
+        # The real interpreter, not a venv launcher: -I ignores the venv anyway, and the mount
+        # namespace has to re-expose the directory it lives in.
+        self.python = os.path.realpath(python or sys.executable)
+        self.prefix = os.path.dirname(os.path.dirname(self.python))
+        can = os.geteuid() == 0 and _LIBC is not None and sys.platform.startswith("linux")
+        self.privileged = can if privileged is None else (privileged and can)
+        self.user_netns = not self.privileged and _probe_user_netns()
+        self._runs = itertools.count()
+
+    def run(self, source: str, stdin: str = "", limits: Limits | None = None) -> RunResult:
+        limits = limits or Limits()
+        if self.privileged:
+            uid = (
+                _UID_BASE + (os.getpid() % _UID_BLOCK) * _UID_BLOCK + next(self._runs) % _UID_BLOCK
+            )
+            return self._run(source, stdin, limits, uid, scratch=None)
+        scratch = tempfile.mkdtemp(prefix="evotrainer-sandbox-")
+        try:
+            with open(os.path.join(scratch, "main.py"), "w", encoding="utf-8") as f:
+                f.write(source)
+            return self._run(source, stdin, limits, uid=None, scratch=scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def _run(
+        self, source: str, stdin: str, limits: Limits, uid: int | None, scratch: str | None
+    ) -> RunResult:
+        isolation = ["rlimits", "process_group", "wall_clock", "output_cap"]
+        if uid is not None:
+            isolation += ["uid", "netns", "mountns"]
+        elif self.user_netns:
+            isolation.append("netns")
+        setup = _ChildSetup(limits, uid, source.encode(), self.prefix, self.user_netns)
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp" if uid else scratch}
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                [self.python, "-I", "-S", "-X", "utf8", "main.py"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=scratch,
+                env=env,
+                start_new_session=True,
+                preexec_fn=setup,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            return RunResult(
+                "sandbox_error",
+                "",
+                "",
+                detail=f"could not start: {exc}",
+                isolation=tuple(isolation),
+            )
+        try:
+            capture, timed_out, cpu = _supervise(proc, stdin.encode(), limits, start)
+        finally:
+            _kill_all(proc.pid)
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                pipe.close()  # type: ignore[union-attr]
+        wall = time.monotonic() - start
+        code = None if timed_out else proc.returncode
+        return _classify(capture, timed_out, cpu, code, limits, wall, tuple(isolation))
+
+
+@dataclass
+class _ChildSetup:
+    """The preexec step: runs in the forked child, before exec, as the caller."""
+
+    limits: Limits
+    uid: int | None
+    program: bytes
+    prefix: str
+    user_netns: bool
+
+    def __call__(self) -> None:
+        if self.uid is not None:
+            self._isolate(self.uid)
+        elif self.user_netns:
+            assert _LIBC is not None
+            _check(_LIBC.unshare(_CLONE_NEWUSER | _CLONE_NEWNET), "unshare")
+        # Last: the child is still a copy of the parent (possibly gigabytes of address space),
+        # so RLIMIT_AS must not apply to the Python code above.
+        lim = self.limits
+        cpu = max(1, math.ceil(lim.cpu_seconds))
+        # Pid 1 of a namespace ignores SIGXCPU, so as root the hard limit (SIGKILL) is the limit.
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu if self.uid is not None else cpu + 1))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (lim.file_bytes, lim.file_bytes))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if self.uid is not None:
+            # Counted against the fresh uid alone, so it bounds exactly this program's processes.
+            resource.setrlimit(resource.RLIMIT_NPROC, (lim.processes, lim.processes))
+        resource.setrlimit(resource.RLIMIT_AS, (lim.memory_bytes, lim.memory_bytes))
+
+    def _isolate(self, uid: int) -> None:
+        """Root only: new pid, mount and network namespaces, hidden host, fresh uid."""
+        assert _LIBC is not None
+        _check(_LIBC.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID), "unshare")
+        # Private first: without it the mounts below would propagate to the host's namespace.
+        _mount("none", "/", None, _MS_REC | _MS_PRIVATE)
+        if os.fork() != 0:
+            _mirror_child_and_exit()
+        # Now pid 1 of the new pid namespace: when it exits, the kernel kills and reaps every
+        # process it left behind, setsid or not.
+        _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+        self._hide_host()
+        scratch = f"size={self.limits.file_bytes},nr_inodes=4096,mode=700,uid={uid},gid={uid}"
+        _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, scratch)
+        with open("/tmp/main.py", "wb") as f:
+            f.write(self.program)
+        os.chown("/tmp/main.py", uid, uid)
+        os.chdir("/tmp")
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+
+    def _hide_host(self) -> None:
+        """Cover every non-system top-level entry; bring the interpreter prefix back, read-only."""
+        prefix_fd = os.open(self.prefix, os.O_PATH | os.O_DIRECTORY)
+        for name in os.listdir("/"):
+            path = "/" + name
+            if name in _SYSTEM_DIRS or name == "tmp" or os.path.islink(path):
+                continue
+            if os.path.isdir(path):
+                _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=64k,mode=755")
+            elif os.path.isfile(path):
+                _mount("/dev/null", path, None, _MS_BIND)
+        if not os.path.isdir(self.prefix):
+            # Its top-level directory was covered: recreate the path, then bind the original.
+            os.makedirs(self.prefix)
+            _mount(f"/proc/self/fd/{prefix_fd}", self.prefix, None, _MS_BIND | _MS_REC)
+            _mount(
+                "none",
+                self.prefix,
+                None,
+                _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV,
+            )
+        os.close(prefix_fd)
+
+
+def _mirror_child_and_exit() -> None:
+    """In the process between Popen and the namespace's pid 1: wait for it, exit the same way.
+
+    It closes every descriptor first, so Popen sees the exec succeed and the pipes reach EOF
+    when the program's side closes; it never returns."""
+    code = 255  # what the caller sees if anything below fails
+    try:
+        os.closerange(0, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        _, status = os.wait()
+        code = os.waitstatus_to_exitcode(status)
+        if code < 0:
+            with contextlib.suppress(OSError, ValueError):  # SIGKILL has no handler to reset
+                signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+    finally:
+        os._exit(code if code >= 0 else 128 - code)
+
+
+def _probe_user_netns() -> bool:
+    """Whether this (unprivileged) process may create a user + network namespace."""
+    if _LIBC is None:
+        return False
+    child = os.fork()
+    if child == 0:
+        os._exit(0 if _LIBC.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) == 0 else 1)
+    return os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+
+
+def _supervise(
+    proc: subprocess.Popen, stdin: bytes, limits: Limits, start: float
+) -> tuple[_Capture, bool, float]:
+    """Feed stdin, read both pipes under the cap, reap the program, stop at the deadline.
+
+    Returns the capture, whether the deadline passed, and the CPU seconds the program used.
+    When the program exits, whatever it left running is killed at once, so a background
+    child holding the pipes open cannot stretch the run to the deadline."""
+    assert proc.stdin and proc.stdout and proc.stderr
+    capture = _Capture(limits.output_bytes)
+    deadline = start + limits.wall_seconds
+    pending = memoryview(stdin)
+    cpu = 0.0
+    pidfd = os.pidfd_open(proc.pid)
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
+    sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
+    sel.register(pidfd, selectors.EVENT_READ, "exit")
+    if pending:
+        os.set_blocking(proc.stdin.fileno(), False)
+        sel.register(proc.stdin, selectors.EVENT_WRITE, "stdin")
+    else:
+        proc.stdin.close()
+    try:
+        while sel.get_map() and not capture.overflow:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return capture, True, cpu
+            for key, _ in sel.select(remaining):
+                if key.data == "stdin":
+                    try:
+                        pending = pending[os.write(key.fd, pending[:_READ_CHUNK]) :]
+                    except BrokenPipeError:  # the program closed its stdin: input not needed
+                        pending = pending[:0]
+                    if not pending:
+                        sel.unregister(proc.stdin)
+                        proc.stdin.close()
+                elif key.data == "exit":
+                    sel.unregister(pidfd)
+                    _, status, usage = os.wait4(proc.pid, 0)
+                    proc.returncode = os.waitstatus_to_exitcode(status)
+                    cpu = usage.ru_utime + usage.ru_stime
+                    _kill_all(proc.pid)
+                    if not proc.stdin.closed:
+                        sel.unregister(proc.stdin)
+                        proc.stdin.close()
+                elif chunk := os.read(key.fd, _READ_CHUNK):
+                    capture.add(key.data, chunk)
+                else:
+                    sel.unregister(key.fileobj)
+        return capture, False, cpu
+    finally:
+        sel.close()
+        os.close(pidfd)
+
+
+def _kill_all(pid: int) -> None:
+    """SIGKILL the program's process group. As root the group holds the namespace's pid 1, whose
+    death takes every other process of the namespace with it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _classify(
+    capture: _Capture,
+    timed_out: bool,
+    cpu: float,
+    code: int | None,
+    limits: Limits,
+    wall: float,
+    isolation: tuple[str, ...],
+) -> RunResult:
+    """Name the outcome. `code` is the exit status, minus the signal number, or None."""
+    stdout = capture.stdout.decode("utf-8", errors="replace")
+    stderr = capture.stderr.decode("utf-8", errors="replace")
+
+    def result(status: str, detail: str = "") -> RunResult:
+        return RunResult(status, stdout, stderr, code, wall, isolation, detail)
+
+    if capture.overflow:
+        return result("output_limit", f"{capture.overflow} exceeded {limits.output_bytes} bytes")
+    if timed_out:
+        return result("timeout", f"still running after {limits.wall_seconds:g} s wall clock")
+    # RLIMIT_CPU sends SIGXCPU at the soft limit and SIGKILL at the hard one.
+    if code == -signal.SIGXCPU or (code == -signal.SIGKILL and cpu >= limits.cpu_seconds):
+        return result("cpu_limit", f"used {cpu:.2f} s of CPU (limit {limits.cpu_seconds:g} s)")
+    # Python ignores SIGXFSZ, so a too-large file shows as EFBIG (or ENOSPC on the scratch fs).
+    if code == -signal.SIGXFSZ or (
+        code != 0 and ("[Errno 27]" in stderr or "[Errno 28]" in stderr)
+    ):
+        return result("output_limit", f"files exceeded {limits.file_bytes} bytes")
+    if code != 0 and "MemoryError" in stderr:
+        return result("memory_limit", f"MemoryError (limit {limits.memory_bytes} bytes)")
+    if code == 0:
+        return result("ok")
+    last = (stderr.strip().splitlines() or [""])[-1][:200]
+    how = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+    return result("runtime_error", f"{how}: {last}" if last else how)
+
+
+class DockerSandbox:
+    """The same interface, one throw-away container per run (`docker` SDK, daemon required).
+
+    Enforced by Docker: network disabled, memory (no swap), pids, one CPU, RLIMIT_CPU and
+    RLIMIT_FSIZE ulimits (stdout goes to a file, so the file limit caps it), a non-root user,
+    the wall deadline (the container is killed and removed)."""
+
+    def __init__(self, image: str = "python:3.11-slim", client: object | None = None) -> None:
+        import docker  # optional dependency: only this class needs it
+
+        self.image = image
+        self.client = client or docker.from_env()
+
+    @staticmethod
+    def available() -> bool:
+        """True when the SDK is installed and a daemon answers a ping."""
+        try:
+            import docker
+
+            return bool(docker.from_env(timeout=3).ping())
+        except Exception:  # no SDK, no socket, daemon down: all mean "not available"
+            return False
+
+    def run(self, source: str, stdin: str = "", limits: Limits | None = None) -> RunResult:
+        from docker.types import Ulimit
+
+        limits = limits or Limits()
+        cpu = max(1, math.ceil(limits.cpu_seconds))
+        start = time.monotonic()
+        container = self.client.containers.create(
+            self.image,
+            ["sh", "-c", "python -I -S -X utf8 main.py <stdin.txt >stdout.txt 2>stderr.txt"],
+            working_dir="/tmp",
+            user="65534:65534",
+            network_disabled=True,
+            mem_limit=limits.memory_bytes,
+            memswap_limit=limits.memory_bytes,
+            pids_limit=limits.processes,
+            nano_cpus=10**9,
+            ulimits=[
+                Ulimit(name="cpu", soft=cpu, hard=cpu + 1),
+                Ulimit(name="fsize", soft=limits.output_bytes, hard=limits.output_bytes),
+            ],
+        )
+        isolation = ("rlimits", "wall_clock", "output_cap", "uid", "netns", "mountns", "docker")
+        try:
+            container.put_archive("/tmp", _tar({"main.py": source, "stdin.txt": stdin}))
+            container.start()
+            try:
+                status = container.wait(timeout=limits.wall_seconds)["StatusCode"]
+            except Exception:  # requests' ReadTimeout: the deadline passed
+                container.kill()
+                return RunResult(
+                    "timeout",
+                    "",
+                    "",
+                    None,
+                    time.monotonic() - start,
+                    isolation,
+                    f"still running after {limits.wall_seconds:g} s wall clock",
+                )
+            stdout = _untar(container, "/tmp/stdout.txt", limits.output_bytes)
+            stderr = _untar(container, "/tmp/stderr.txt", limits.output_bytes)[-_STDERR_KEEP:]
+        finally:
+            container.remove(force=True)
+        capture = _Capture(limits.output_bytes, bytearray(stdout), bytearray(stderr))
+        # sh reports a python killed by signal N as exit status 128 + N.
+        code = -(status - 128) if status > 128 else status
+        cpu_used = limits.cpu_seconds if code in (-signal.SIGXCPU, -signal.SIGKILL) else 0.0
+        return _classify(
+            capture, False, cpu_used, code, limits, time.monotonic() - start, isolation
+        )
+
+
+def _tar(files: dict[str, str]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def _untar(container: object, path: str, limit: int) -> bytes:
+    stream, _ = container.get_archive(path)  # type: ignore[attr-defined]
+    with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as archive:
+        member = archive.getmembers()[0]
+        extracted = archive.extractfile(member)
+        return extracted.read(limit) if extracted else b""

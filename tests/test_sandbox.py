@@ -1,0 +1,147 @@
+"""The sandbox contains hostile programs and says what happened (no timing assertions)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from evotrainer.sandbox import DockerSandbox, Limits, LocalSandbox
+
+FAST = Limits(cpu_seconds=1, wall_seconds=3)
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> LocalSandbox:
+    return LocalSandbox()
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="namespace isolation needs root")
+
+
+def test_runs_a_program_with_stdin(sandbox: LocalSandbox) -> None:
+    result = sandbox.run("a, b = map(int, input().split())\nprint(a + b)", "2 40\n")
+    assert (result.status, result.stdout, result.exit_code) == ("ok", "42\n", 0)
+
+
+def test_large_stdin_is_fed_while_output_is_read(sandbox: LocalSandbox) -> None:
+    data = "x" * 300_000 + "\n"  # larger than a pipe buffer in both directions
+    result = sandbox.run("import sys\nsys.stdout.write(sys.stdin.read())", data)
+    assert result.status == "ok"
+    assert result.stdout == data
+
+
+def test_runtime_error_keeps_the_traceback_tail(sandbox: LocalSandbox) -> None:
+    result = sandbox.run("raise ValueError('boom')")
+    assert result.status == "runtime_error"
+    assert "ValueError: boom" in result.detail
+    assert "ValueError: boom" in result.stderr
+
+
+def test_infinite_loop_hits_the_cpu_limit(sandbox: LocalSandbox) -> None:
+    result = sandbox.run("while True:\n    pass", limits=FAST)
+    assert result.status == "cpu_limit"
+
+
+def test_sleeping_program_hits_the_wall_clock(sandbox: LocalSandbox) -> None:
+    result = sandbox.run("import time\ntime.sleep(60)", limits=Limits(wall_seconds=1))
+    assert result.status == "timeout"
+    assert "wall clock" in result.detail
+
+
+def test_memory_hog_is_stopped(sandbox: LocalSandbox) -> None:
+    hog = "chunks = []\nwhile True:\n    chunks.append(bytearray(10**7))"
+    result = sandbox.run(hog, limits=Limits(memory_bytes=256 * 2**20))
+    assert result.status == "memory_limit"
+
+
+def test_one_gigabyte_of_stdout_is_cut_at_the_cap(sandbox: LocalSandbox) -> None:
+    flood = "import sys\nblock = 'x' * 2**20\nfor _ in range(1024):\n    sys.stdout.write(block)"
+    result = sandbox.run(flood, limits=Limits(output_bytes=2**20))
+    assert result.status == "output_limit"
+    assert len(result.stdout) == 2**20
+
+
+def test_stderr_flood_is_cut_too(sandbox: LocalSandbox) -> None:
+    flood = "import sys\nwhile True:\n    sys.stderr.write('e' * 65536)"
+    result = sandbox.run(flood, limits=Limits(output_bytes=2**20))
+    assert result.status == "output_limit"
+    assert len(result.stderr) <= 4096
+
+
+@needs_root
+def test_fork_bomb_is_contained_and_leaves_nothing_behind(sandbox: LocalSandbox) -> None:
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    result = sandbox.run(bomb, limits=Limits(cpu_seconds=1, wall_seconds=2, processes=8))
+    assert result.status in ("timeout", "cpu_limit")
+    # The machine still forks fine and a fresh run works.
+    assert sandbox.run("print('alive')").stdout == "alive\n"
+
+
+@needs_root
+def test_setsid_escapee_is_killed_with_the_program(sandbox: LocalSandbox) -> None:
+    escape = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    time.sleep(60)\n"
+        "print(os.getpid())\n"
+    )
+    result = sandbox.run(escape, limits=FAST)
+    # The program is pid 1 of its own pid namespace: its exit takes the sleeper with it,
+    # so the run ends at once instead of waiting for the deadline.
+    assert result.status == "ok"
+    assert result.stdout == "1\n"
+
+
+@needs_root
+def test_network_is_unreachable(sandbox: LocalSandbox) -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        program = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)"
+        result = sandbox.run(program, limits=FAST)
+    assert result.status == "runtime_error"
+    assert "OSError" in result.detail
+    assert "netns" in result.isolation
+
+
+@needs_root
+def test_files_outside_the_scratch_dir_are_hidden(sandbox: LocalSandbox, tmp_path) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_text("do not read")
+    secret.chmod(0o644)
+    program = f"print(open({str(secret)!r}).read())"
+    result = sandbox.run(program, limits=FAST)
+    assert result.status == "runtime_error"
+    assert "FileNotFoundError" in result.detail
+    repo_file = os.path.abspath(__file__)
+    assert "FileNotFoundError" in sandbox.run(f"open({repo_file!r})", limits=FAST).detail
+
+
+@needs_root
+def test_scratch_dir_is_private_writable_and_size_limited(sandbox: LocalSandbox) -> None:
+    program = (
+        "import os\n"
+        "open('note.txt', 'w').write('hi')\n"
+        "print(os.getcwd(), sorted(os.listdir('.')), os.getuid() != 0)\n"
+        "open('big.bin', 'wb').write(b'x' * 2**22)\n"
+    )
+    result = sandbox.run(program, limits=Limits(file_bytes=2**20))
+    assert result.stdout == "/tmp ['main.py', 'note.txt'] True\n"
+    assert result.status == "output_limit"  # SIGXFSZ: the file grew past the limit
+
+
+def test_unprivileged_mode_still_limits(tmp_path) -> None:
+    plain = LocalSandbox(privileged=False)
+    assert "uid" not in plain.run("print(1)").isolation
+    assert plain.run("print(input()[::-1])", "abc\n").stdout == "cba\n"
+    assert plain.run("while True:\n    pass", limits=FAST).status == "cpu_limit"
+
+
+@pytest.mark.skipif(not DockerSandbox.available(), reason="no Docker daemon reachable")
+def test_docker_sandbox_runs_a_program() -> None:
+    result = DockerSandbox().run("print(int(input()) * 2)", "21\n")
+    assert (result.status, result.stdout) == ("ok", "42\n")

@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from evotrainer.errors import EvoError
 
 ENTRYPOINT_MODULE = "verl.trainer.main_ppo"
@@ -185,7 +183,9 @@ def job_env(recipe: dict) -> dict[str, str]:
     return {str(k): str(v) for k, v in (verl_settings(recipe)["env"] or {}).items()}
 
 
-_BARE = re.compile(r"^[A-Za-z0-9_./\-]+$")
+# Unquoted strings that Hydra cannot read as a number (no leading digit or sign) or keyword.
+_BARE = re.compile(r"^[A-Za-z_/][A-Za-z0-9_./\-]*$")
+_KEYWORDS = {"true", "false", "null", "inf", "nan"}
 
 
 def hydra_value(value: Any) -> str:
@@ -201,8 +201,7 @@ def hydra_value(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ",".join(f"{k}:{hydra_value(v)}" for k, v in value.items()) + "}"
     text = str(value)
-    # Bare strings that Hydra would read as another type (true, null, 1e3) must be quoted too.
-    if _BARE.match(text) and yaml.safe_load(text) == text:
+    if _BARE.match(text) and text.lower() not in _KEYWORDS:
         return text
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 

@@ -37,16 +37,18 @@ def diagnose(
     harness: HarnessRevision,
     parent_scores: pa.Table | None = None,
     *,
+    split: str = "train",
     timeout_s: float = 60.0,
 ) -> dict:
     """Compute every metric, series, trend and alert of `harness` over the evidence.
 
     `parent_scores` (a per-task score table) feeds the version-layer comparison metrics;
-    the candidate's own scores come from its latest validation rollouts."""
+    the candidate's own scores come from its latest validation rollouts. `split` labels the
+    rows of a verl dump folder."""
     if isinstance(rollouts, (str, Path)):
         path = Path(rollouts)
         files = sorted(path.glob("*.jsonl")) if is_verl_dump(path) else rollout_files(path)
-        table = read_rollouts(path)
+        table = read_rollouts(path, split=split)
         evidence_digest = file_digest(files)
     else:
         table = rollouts
@@ -78,6 +80,7 @@ def diagnose(
     return {
         "harness": {"name": harness.name, "digest": harness.digest},
         "evidence_digest": evidence_digest,
+        "versions": sorted(pc.unique(table.column("version")).to_pylist()),
         "metrics": metrics,
         "layers": {m.name: m.layer for m in harness.metrics},
         "trends": {name: _slope(points) for name, points in series.items()},
@@ -88,12 +91,13 @@ def diagnose(
     }
 
 
-def diagnosis_document(diagnosis: dict, version: str) -> dict:
-    """The `runs/<version>/diagnosis.yaml` document (kind: Diagnosis)."""
+def diagnosis_document(diagnosis: dict, version: str | None = None) -> dict:
+    """The `runs/<version>/diagnosis.yaml` document (kind: Diagnosis); `version` defaults to
+    the rollouts' version label(s)."""
     return {
         "apiVersion": "evotrainer/v1",
         "kind": "Diagnosis",
-        "version": version,
+        "version": version or ",".join(diagnosis["versions"]),
         "harness": dict(diagnosis["harness"]),
         "evidence_digest": diagnosis["evidence_digest"],
         "metrics": {

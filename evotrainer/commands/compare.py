@@ -1,0 +1,71 @@
+"""`evotrainer compare A B`: paired comparison of two per-task score tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from evotrainer.evidence.io import read_scores
+from evotrainer.stats import compare_tables
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("compare")
+    def compare(
+        a: Path = typer.Argument(..., help="Parent: scores csv/parquet or a run folder."),
+        b: Path = typer.Argument(..., help="Candidate: scores csv/parquet or a run folder."),
+        resamples: int = typer.Option(10_000, "--resamples", help="Bootstrap resamples."),
+        seed: int = typer.Option(0, "--seed", help="Bootstrap RNG seed."),
+        alpha: float = typer.Option(0.05, "--alpha", help="1 - confidence level."),
+        as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    ) -> None:
+        """Delta = B - A over common tasks: paired bootstrap CI and p (stratified by
+        data_source, seeds pooled hierarchically), Wilcoxon signed-rank, pass@k."""
+        result = compare_tables(read_scores(a), read_scores(b), B=resamples, seed=seed, alpha=alpha)
+        if as_json:
+            typer.echo(json.dumps(result, indent=2))
+            return
+        level = f"{result['confidence']:.0%}"
+        table = Table(
+            title=f"B - A over {result['n_tasks']} tasks "
+            f"({result['samples_per_task']} samples/task, seeds "
+            f"{result['n_seeds_a']}/{result['n_seeds_b']})"
+        )
+        for column in (
+            "stratum",
+            "tasks",
+            "A",
+            "B",
+            "delta",
+            f"{level} CI",
+            "p boot",
+            "p wilcoxon",
+        ):
+            table.add_column(column, justify="left" if column == "stratum" else "right")
+        rows = result["strata"] if len(result["strata"]) > 1 else []
+        for row in [*rows, {**result, "data_source": "all", "n_tasks": result["n_tasks"]}]:
+            table.add_row(
+                row["data_source"],
+                str(row["n_tasks"]),
+                f"{row['mean_a']:.4f}",
+                f"{row['mean_b']:.4f}",
+                f"{row['delta']:+.4f}",
+                f"[{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]",
+                f"{row['p_bootstrap']:.4g}",
+                f"{row['p_wilcoxon']:.4g}",
+            )
+        console = Console()
+        console.print(table)
+        for row in result["pass_at_k"]:
+            console.print(
+                f"pass@{row['k']}: A {row['a']:.4f}  B {row['b']:.4f}  delta {row['delta']:+.4f}"
+            )
+        if result["n_only_a"] or result["n_only_b"]:
+            console.print(
+                f"[yellow]Left out {result['n_only_a']} task(s) only in A and "
+                f"{result['n_only_b']} only in B.[/]"
+            )

@@ -1,0 +1,95 @@
+"""`evotrainer diagnose --rollouts PATH`: run a harness revision over rollouts."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from evotrainer.evidence.io import find_steps, read_steps
+from evotrainer.harness.engine import diagnose as run_diagnosis
+from evotrainer.harness.engine import diagnosis_document
+from evotrainer.harness.revision import LAYERS, resolve_harness
+
+_JSON_KEYS = ("harness", "evidence_digest", "metrics", "series", "alerts", "gaps")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("diagnose")
+    def diagnose(
+        rollouts: Path = typer.Option(
+            ...,
+            "--rollouts",
+            help="Canonical Parquet file or folder, run artifact folder, or verl dump folder.",
+        ),
+        harness: str = typer.Option(
+            "h0",
+            "--harness",
+            help="Harness revision: a name "
+            "(harness_versions/<name>.yaml, else built-in) or a file.",
+        ),
+        steps: Path = typer.Option(
+            None, "--steps", help="steps.parquet [default: the one beside the rollouts, if any]."
+        ),
+        split: str = typer.Option("train", "--split", help="Split of a verl dump folder."),
+        out: Path = typer.Option(None, "--out", help="Also write the Diagnosis YAML here."),
+        as_json: bool = typer.Option(False, "--json", help="Print the diagnosis as JSON."),
+    ) -> None:
+        """Diagnose rollouts standalone: metrics by layer, trends, alerts with example
+        rollout ids, and gaps (metrics the evidence cannot support)."""
+        revision = resolve_harness(harness)
+        steps_path = steps or find_steps(rollouts)
+        steps_table = read_steps(steps_path) if steps_path else None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            diagnosis = run_diagnosis(rollouts, steps_table, revision, split=split)
+        if out is not None:
+            document = diagnosis_document(diagnosis)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
+        if as_json:
+            typer.echo(json.dumps({k: diagnosis[k] for k in _JSON_KEYS}, indent=2))
+        else:
+            _print(diagnosis, revision.metrics)
+        for warning in caught:
+            Console(stderr=True).print(f"[yellow]warning:[/] {warning.message}", highlight=False)
+
+
+def _fmt(value: float | None) -> str:
+    return "—" if value is None else f"{value:.4g}"
+
+
+def _print(diagnosis: dict, metrics) -> None:
+    console = Console()
+    table = Table(title=f"Diagnosis with harness {diagnosis['harness']['name']}")
+    for column in ("layer", "metric", "split", "value", "trend/step"):
+        table.add_column(column, justify="right" if column in ("value", "trend/step") else "left")
+    for layer in LAYERS:
+        for metric in (m for m in metrics if m.layer == layer):
+            table.add_row(
+                layer,
+                metric.name,
+                metric.split,
+                _fmt(diagnosis["metrics"][metric.name]),
+                _fmt(diagnosis["trends"].get(metric.name)),
+            )
+        table.add_section()
+    console.print(table)
+    for alert in diagnosis["alerts"]:
+        color = "red" if alert["severity"] == "critical" else "yellow"
+        console.print(
+            f"[bold {color}]{alert['severity'].upper()}[/] {alert['name']}: {alert['metric']} = "
+            f"{_fmt(alert['value'])} (threshold {_fmt(alert['threshold'])}). {alert['message']}",
+            highlight=False,
+        )
+        for example in alert["examples"]:
+            console.print(f"    e.g. {example}", highlight=False)
+    if not diagnosis["alerts"]:
+        console.print("No alerts.")
+    for gap in diagnosis["gaps"]:
+        console.print(f"gap: {gap['metric']}: {gap['reason']}", highlight=False)

@@ -1,0 +1,74 @@
+"""`evotrainer ingest verl DIR`: verl rollout / validation dumps to the canonical table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import typer
+from rich.console import Console
+
+from evotrainer.errors import EvoError
+from evotrainer.evidence.verl import ingest_dump, read_metrics_log
+
+
+def register(app: typer.Typer) -> None:
+    ingest = typer.Typer(
+        help="Bring external training evidence into the canonical tables.", no_args_is_help=True
+    )
+    app.add_typer(ingest, name="ingest")
+
+    @ingest.command("verl")
+    def verl(
+        directory: Path = typer.Argument(..., help="verl rollout_data_dir or validation_data_dir."),
+        version: str = typer.Option(..., "--version", help="Version label for the rows."),
+        split: str = typer.Option(..., "--split", help="train or val."),
+        out: Path = typer.Option(
+            None, "--out", help="Parquet to write [default: rollouts/<split>.parquet]."
+        ),
+        metrics: Path = typer.Option(
+            None,
+            "--metrics",
+            help="verl file-logger JSONL ({step, data} lines) to write as steps.parquet.",
+        ),
+        seed: int = typer.Option(0, "--seed", help="Seed label for the rows."),
+        as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    ) -> None:
+        """Read `<step>.jsonl` dumps into the canonical rollout table. Corrupt or cut-off
+        lines are skipped and listed with file:line; the rest is kept."""
+        if not directory.is_dir():
+            raise EvoError("no such directory", where=str(directory))
+        out = out or Path("rollouts") / f"{split}.parquet"
+        result = ingest_dump(directory, version=version, split=split, seed=seed)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(result.rollouts, out)
+        skipped = list(result.skipped)
+        summary = {
+            "rollouts": str(out),
+            "files": result.files,
+            "rows": result.rollouts.num_rows,
+            "megabytes": round(result.bytes / 1e6, 3),
+        }
+        if metrics is not None:
+            steps, bad = read_metrics_log(metrics, version=version, seed=seed)
+            steps_out = out.parent.parent if out.parent.name == "rollouts" else out.parent
+            steps_out = steps_out / "steps.parquet"
+            pq.write_table(steps, steps_out)
+            skipped.extend(bad)
+            summary.update(steps=str(steps_out), step_metric_rows=steps.num_rows)
+        summary["skipped"] = [f"{s.file}:{s.line}: {s.reason}" for s in skipped]
+        if as_json:
+            typer.echo(json.dumps(summary, indent=2))
+            return
+        console = Console()
+        console.print(
+            f"Wrote {summary['rows']} rollouts from {summary['files']} file(s) "
+            f"({summary['megabytes']} MB) to {out}"
+        )
+        if metrics is not None:
+            console.print(f"Wrote {summary['step_metric_rows']} step metrics to {summary['steps']}")
+        if skipped:
+            console.print(f"[yellow]Skipped {len(skipped)} unreadable line(s):[/]")
+            for line in summary["skipped"]:
+                console.print(f"  {line}", highlight=False)

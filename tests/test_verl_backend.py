@@ -1,0 +1,198 @@
+"""The verl backend end to end on CPU.
+
+Real: the backend (render, data and reward files, detached local process group, Ray Jobs
+through a real Ray head this module starts on loopback with 1 CPU, status mapping, watchdog,
+cancel, logs), the reward module (it scores with the real `arith` domain) and the dump ingest.
+Stand-in: `tests/verl_standin/verl/trainer/main_ppo.py` replaces verl itself (which cannot
+train without a GPU): it takes the same overrides and writes verl 0.9.1's dump and metrics
+formats, and can fail or hang on request.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+
+from evotrainer.backends.base import JobSpec, JobState, job_id
+from evotrainer.backends.verl import VerlBackend
+from evotrainer.backends.verl_render import JobFiles
+from evotrainer.errors import EvoError
+from evotrainer.recipe import BASE_RECIPE, deep_merge, digest
+
+STANDIN = Path(__file__).parent / "verl_standin" / "verl"
+SEEDS = [0, 1]
+VAL_SIZE, EVAL_K, STEPS = 4, 2, 3
+
+
+def make_job(tmp_path: Path, name: str, mode: str = "ok", **verl: object) -> JobSpec:
+    workdir = tmp_path / name / "worktree"
+    shutil.copytree(STANDIN, workdir / "verl")  # shadows the real verl for this job only
+    recipe = deep_merge(
+        BASE_RECIPE,
+        {
+            "backend": "verl",
+            "model": {"path": "/models/not-loaded-by-the-stand-in"},
+            "domain": {"train_size": 16, "val_size": VAL_SIZE},
+            "grpo": {
+                "group_size": 2,
+                "prompts_per_step": 4,
+                "steps": STEPS,
+                "eval_every": 2,
+                "eval_k": EVAL_K,
+            },
+            "seeds": SEEDS,
+            "verl": {"python": sys.executable, **verl},
+        },
+    )
+    env = {"STANDIN_MODE": mode, "STANDIN_STEP_SLEEP": "0.3" if mode != "ok" else "0"}
+    return JobSpec(
+        job_id=job_id(name, 1, digest(recipe)),
+        version=name,
+        recipe=recipe,
+        workdir=workdir,
+        artifact_dir=tmp_path / name / "artifacts",
+        env=env,
+    )
+
+
+def wait_for(backend: VerlBackend, job: JobSpec, states: set[JobState], limit: float = 60):
+    deadline = time.monotonic() + limit
+    while True:
+        status = backend.status(job)
+        if status.state in states or time.monotonic() > deadline:
+            return status
+        time.sleep(0.2)
+
+
+def check_collected(backend: VerlBackend, job: JobSpec) -> None:
+    collected = backend.collect(job)
+    scores = pacsv.read_csv(collected.scores)
+    assert scores.column_names == ["seed", "task_id", "data_source", "sample_idx", "correct"]
+    assert scores.num_rows == len(SEEDS) * VAL_SIZE * EVAL_K
+    assert set(scores.column("seed").to_pylist()) == set(SEEDS)
+    assert all(t.startswith("arith:") for t in scores.column("task_id").to_pylist())
+    assert set(scores.column("sample_idx").to_pylist()) == set(range(EVAL_K))
+    assert 0 < sum(scores.column("correct").to_pylist()) < scores.num_rows
+    val = pq.read_table(collected.val_rollouts)
+    assert set(val.column("step").to_pylist()) == {0, 2, 3}  # before training, every 2, last
+    train = pq.read_table(collected.train_rollouts)
+    assert train.num_rows == len(SEEDS) * STEPS * 4 * 2
+    steps = pq.read_table(collected.steps)
+    assert "critic/score/mean" in steps.column("metric").to_pylist()
+    assert collected.result["tasks"] == VAL_SIZE and collected.result["skipped_lines"] == 0
+
+
+def test_local_job_end_to_end(tmp_path):
+    backend, job = VerlBackend(), make_job(tmp_path, "v1")
+    assert backend.status(job).state is JobState.UNKNOWN
+    backend.submit(job)
+    record = json.loads((JobFiles(job.artifact_dir).root / "job.json").read_text())
+    backend.submit(job)  # adopts the job instead of launching it twice
+    assert json.loads((JobFiles(job.artifact_dir).root / "job.json").read_text()) == record
+    status = wait_for(backend, job, {JobState.SUCCEEDED, JobState.FAILED})
+    assert status.state is JobState.SUCCEEDED, backend.logs(job)
+    assert status.exit_code == 0 and status.progress == 1.0
+    assert "Final validation metrics" in backend.logs(job, tail=5)
+    check_collected(backend, job)
+
+    # A cut-off line (a dump being written when the job died) is skipped and reported.
+    last = JobFiles(job.artifact_dir).validation_dir(0) / "3.jsonl"
+    with last.open("a") as out:
+        out.write('{"input": "12+3=", "outp')
+    collected = backend.collect(job)
+    assert collected.result["skipped_lines"] == 1
+    assert "3.jsonl:" in collected.result["skipped"][0]
+
+
+def test_local_job_that_fails(tmp_path):
+    backend, job = VerlBackend(), make_job(tmp_path, "v2", mode="fail")
+    backend.submit(job)
+    status = wait_for(backend, job, {JobState.SUCCEEDED, JobState.FAILED})
+    assert status.state is JobState.FAILED and status.exit_code == 1
+    assert "Error executing job with overrides" in backend.logs(job)
+
+
+def test_local_job_that_stalls_then_is_cancelled(tmp_path):
+    backend, job = VerlBackend(), make_job(tmp_path, "v3", mode="stall", stall_after_s=1)
+    backend.submit(job)
+    status = wait_for(backend, job, {JobState.STALLED, JobState.FAILED, JobState.SUCCEEDED})
+    assert status.state is JobState.STALLED, status
+    assert "Ray cannot place" in status.detail
+    assert 0 < status.progress < 1
+    backend.cancel(job)
+    status = backend.status(job)
+    assert status.state is JobState.FAILED and status.detail == "cancelled"
+
+
+def test_collect_rejects_missing_and_malformed_dumps(tmp_path):
+    backend, job = VerlBackend(), make_job(tmp_path, "v4")
+    with pytest.raises(EvoError) as err:
+        backend.collect(job)
+    assert "no validation dump" in err.value.message
+    files = JobFiles(job.artifact_dir)
+    for seed in SEEDS:
+        files.validation_dir(seed).mkdir(parents=True)
+        (files.validation_dir(seed) / "2.jsonl").write_text(
+            json.dumps({"input": "1+1=", "output": "2", "score": 1.0, "step": 2, "uid": "abc_0_0"})
+            + "\n"
+        )
+    with pytest.raises(EvoError) as err:  # a custom reward that forgot `acc`
+        backend.collect(job)
+    assert "without `acc`" in err.value.message and err.value.where.endswith("2.jsonl")
+    (files.validation_dir(0) / "2.jsonl").write_text('{"prompt": "not a verl dump"}\n')
+    with pytest.raises(EvoError):
+        backend.collect(job)
+
+
+# ---- Ray Jobs --------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    ray = pytest.importorskip(
+        "ray.job_submission", reason='Ray Jobs need `pip install "ray[default]"`'
+    ) and __import__("ray")
+    port = _free_port()
+    ray.init(
+        num_cpus=1,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        dashboard_port=port,
+        log_to_driver=False,
+    )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        ray.shutdown()
+
+
+def test_ray_job_end_to_end_and_cancel(tmp_path, ray_head):
+    backend = VerlBackend()
+    job = make_job(tmp_path, "r1", ray_address=ray_head)
+    backend.submit(job)
+    status = wait_for(backend, job, {JobState.SUCCEEDED, JobState.FAILED}, limit=120)
+    assert status.state is JobState.SUCCEEDED, (status, backend.logs(job))
+    assert "Final validation metrics" in backend.logs(job)
+    check_collected(backend, job)
+
+    stuck = make_job(tmp_path, "r2", mode="stall", ray_address=ray_head, stall_after_s=1)
+    backend.submit(stuck)
+    status = wait_for(backend, stuck, {JobState.STALLED, JobState.FAILED}, limit=120)
+    assert status.state is JobState.STALLED, (status, backend.logs(stuck))
+    backend.cancel(stuck)
+    status = wait_for(backend, stuck, {JobState.FAILED}, limit=60)
+    assert status.state is JobState.FAILED and status.detail.startswith("stopped")

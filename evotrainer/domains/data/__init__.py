@@ -1,0 +1,165 @@
+"""Datasets of the `math` and `code` domains: the small samples shipped here and the rows a user
+points the recipe at (`domain.data.train` / `domain.data.val`, JSONL or Parquet)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from abc import abstractmethod
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from evotrainer.domains.base import Domain, Task
+from evotrainer.errors import EvoError
+
+DATA_KEYS = ("train", "val")
+
+
+def sample_path(name: str) -> Path:
+    """A dataset shipped in this package, e.g. `sample_path("math_sample.jsonl")`."""
+    return Path(str(resources.files(__name__).joinpath(name)))
+
+
+def read_rows(path: Path, field: str) -> list[dict[str, Any]]:
+    """Rows of a `.jsonl` or `.parquet` file; `field` names the recipe key for error messages."""
+    if not path.is_file():
+        raise EvoError(
+            f"dataset {path} does not exist",
+            field=field,
+            hint="give a JSONL or Parquet file path (relative to the workspace)",
+        )
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.suffix not in (".jsonl", ".json"):
+        raise EvoError(
+            f"dataset {path} is neither .jsonl nor .parquet",
+            field=field,
+            hint="convert it to JSON Lines (one object per line) or Parquet",
+        )
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise EvoError(
+                f"not valid JSON ({exc.msg})",
+                where=f"{path}:{number}",
+                field=field,
+                hint="each line must be one JSON object",
+            ) from exc
+        if not isinstance(row, dict):
+            raise EvoError(
+                "a line is not a JSON object",
+                where=f"{path}:{number}",
+                field=field,
+                hint="each line must be one JSON object",
+            )
+        rows.append(row)
+    return rows
+
+
+def stable_id(prefix: str, row: dict[str, Any], content: str) -> str:
+    """The row's own `id` when it has one, else a digest of its content: stable either way."""
+    if row.get("id") not in (None, ""):
+        return f"{prefix}:{row['id']}"
+    return f"{prefix}:{hashlib.sha256(content.encode()).hexdigest()[:12]}"
+
+
+class DatasetDomain(Domain):
+    """A domain whose tasks are the rows of a dataset file.
+
+    Without `data` the shipped sample is the pool and `split` draws train and val from it, as
+    for the generated domains. With `data.train` alone that file is the pool. With `data.val`
+    too, train tasks come from the train file and val tasks from the val file (each a seeded
+    sample of the requested size), so a benchmark file can serve as the validation set."""
+
+    sample_file = ""
+
+    def __init__(
+        self, params: dict[str, Any] | None = None, data: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__(params)
+        self.data = {key: value for key, value in (data or {}).items() if value is not None}
+        unknown = sorted(set(self.data) - set(DATA_KEYS))
+        if unknown:
+            raise EvoError(
+                f"domain {self.name!r} has no data entry {unknown[0]!r}",
+                field=f"domain.data.{unknown[0]}",
+                hint="use train and/or val",
+            )
+        if "val" in self.data and "train" not in self.data:
+            raise EvoError(
+                "domain.data.val is set without domain.data.train",
+                field="domain.data.train",
+                hint="give the training file too",
+            )
+        # Loaded on first use: the verl reward workers build the domain only to score.
+        self._pools: dict[str, list[Task]] = {}
+
+    @abstractmethod
+    def make_task(self, row: dict[str, Any], source: str, where: str, field: str) -> Task:
+        """One task from one row; EvoError at `where` (file:row) naming `field` for bad rows."""
+
+    def pool(self, key: str) -> list[Task]:
+        if key not in self._pools:
+            path = Path(self.data[key]) if key in self.data else sample_path(self.sample_file)
+            field = f"domain.data.{key}"
+            source = f"{self.name}/{path.stem}"
+            tasks = [
+                self.make_task(row, source, f"{path}:row {i + 1}", field)
+                for i, row in enumerate(read_rows(path, field))
+            ]
+            ids = [t.task_id for t in tasks]
+            if len(set(ids)) != len(ids):
+                duplicate = next(i for i in ids if ids.count(i) > 1)
+                raise EvoError(
+                    f"task id {duplicate!r} occurs twice in {path}",
+                    field=field,
+                    hint="give every row a unique `id` (or remove duplicate rows)",
+                )
+            self._pools[key] = tasks
+        return self._pools[key]
+
+    def num_tasks(self) -> int:
+        return len(self.pool("train"))
+
+    def task_at(self, index: int) -> Task:
+        return self.pool("train")[index]
+
+    def split(
+        self, train_size: int, val_size: int, split_seed: int = 0
+    ) -> tuple[list[Task], list[Task]]:
+        if "val" not in self.data:
+            return super().split(train_size, val_size, split_seed)
+        picked = []
+        for key, size in (("train", train_size), ("val", val_size)):
+            pool = self.pool(key)
+            if size > len(pool):
+                raise EvoError(
+                    f"{self.data[key]} holds {len(pool)} tasks, fewer than {key}_size = {size}",
+                    field=f"domain.{key}_size",
+                    hint=f"lower domain.{key}_size to at most {len(pool)}",
+                )
+            picked.append(random.Random(split_seed).sample(pool, size))
+        return picked[0], picked[1]
+
+
+def require_text(row: dict[str, Any], key: str, where: str, field: str) -> str:
+    """A non-empty string field of a row (numbers are accepted and turned into text)."""
+    value = row.get(key)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not value.strip():
+        raise EvoError(
+            f"row has no {key!r} text",
+            where=where,
+            field=field,
+            hint=f"every row needs a non-empty {key!r}",
+        )
+    return value

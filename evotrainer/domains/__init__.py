@@ -1,0 +1,53 @@
+"""The domain registry: names → lazy import strings, so listing domains or validating a recipe
+never imports a domain that is not used (or not written yet)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from evotrainer.domains.base import Domain, Environment, EnvStep, Score, Task
+from evotrainer.errors import EvoError
+
+REGISTRY: dict[str, str] = {
+    "arith": "evotrainer.domains.arith:ArithDomain",
+    "toolenv": "evotrainer.domains.toolenv:ToolEnvDomain",
+    "math": "evotrainer.domains.math:MathDomain",
+    "code": "evotrainer.domains.code:CodeDomain",
+}
+
+
+def get_domain(name: str) -> type[Domain]:
+    """The domain class registered under `name` (EvoError naming `domain.name` otherwise)."""
+    if name not in REGISTRY:
+        raise EvoError(
+            f"unknown domain {name!r}",
+            field="domain.name",
+            hint=f"choose one of: {', '.join(sorted(REGISTRY))}",
+        )
+    module_name, _, attr = REGISTRY[name].partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise EvoError(
+            f"domain {name!r} is registered but cannot be loaded ({exc})",
+            field="domain.name",
+            hint=f"{REGISTRY[name]} is not available in this installation; use another domain",
+        ) from exc
+
+
+def make_domain(domain_cfg: dict[str, Any]) -> Domain:
+    """Instantiate the recipe's `domain` section (its `name` and `params`)."""
+    return get_domain(domain_cfg.get("name", ""))(domain_cfg.get("params") or {})
+
+
+__all__ = [
+    "REGISTRY",
+    "Domain",
+    "EnvStep",
+    "Environment",
+    "Score",
+    "Task",
+    "get_domain",
+    "make_domain",
+]

@@ -1,0 +1,33 @@
+"""`python -m evotrainer.engine RECIPE_JSON OUT_DIR VERSION`: one job, as the `local` backend
+launches it in a detached subprocess. RECIPE_JSON is a file holding the resolved recipe as JSON.
+Exit status 0 on success, 1 on failure (result.json in OUT_DIR says why)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from evotrainer.engine.grpo import run_job
+from evotrainer.errors import EvoError
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print("usage: python -m evotrainer.engine RECIPE_JSON OUT_DIR VERSION", file=sys.stderr)
+        return 2
+    recipe_path, out_dir, version = argv
+    try:
+        recipe = json.loads(Path(recipe_path).read_text())
+        run_job(recipe, Path(out_dir), version, progress=sys.stderr.isatty())
+    except EvoError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # result.json and train.log already hold the failure
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

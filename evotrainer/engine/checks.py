@@ -1,0 +1,260 @@
+"""`check_recipe`: reject a bad resolved recipe before any compute, naming the field and the fix.
+
+Imports no torch, so the validator can call it cheaply.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from evotrainer.domains import make_domain
+from evotrainer.engine.filters import check_filter_spec
+from evotrainer.errors import EvoError
+
+FAMILIES = ("qwen2", "llama")
+KL_ESTIMATORS = ("k1", "k3")
+LOSS_AGGS = ("token-mean", "seq-mean")
+
+
+def _require(ok: bool, field: str, message: str, hint: str) -> None:
+    if not ok:
+        raise EvoError(message, field=field, hint=hint)
+
+
+def _is_int(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _is_num(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def environment_config(recipe: dict[str, Any], domain: Any) -> dict[str, Any] | None:
+    """The domain's default environment with the recipe's `environment` merged over it (tools
+    merge by name), or None for single-turn domains."""
+    if domain.turn_end is None:
+        return None
+    config = {**domain.default_environment, **(recipe.get("environment") or {})}
+    tools = {t["name"]: dict(t) for t in domain.default_environment.get("tools", [])}
+    for tool in (recipe.get("environment") or {}).get("tools", []):
+        tools[tool["name"]] = {**tools.get(tool["name"], {}), **tool}
+    config["tools"] = list(tools.values())
+    return config
+
+
+def check_recipe(recipe: dict[str, Any]) -> None:
+    """Raise EvoError for the first problem found in a resolved recipe."""
+    model = recipe.get("model") or {}
+    path = model.get("path")
+    if path:
+        _require(
+            Path(path).is_dir() and (Path(path) / "config.json").is_file(),
+            "model.path",
+            f"no Hugging Face checkpoint directory at {path!r} (needs config.json)",
+            "point model.path at a local directory written by save_pretrained, or set it "
+            "to null to train the tiny model from model.tiny",
+        )
+    else:
+        tiny = model.get("tiny") or {}
+        _require(
+            tiny.get("family", "qwen2") in FAMILIES,
+            "model.tiny.family",
+            f"unknown model family {tiny.get('family')!r}",
+            f"one of: {', '.join(FAMILIES)}",
+        )
+        for key in (
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "max_position_embeddings",
+        ):
+            _require(
+                _is_int(tiny.get(key), 1),
+                f"model.tiny.{key}",
+                f"must be a positive integer, got {tiny.get(key)!r}",
+                f"e.g. {key}: 128",
+            )
+        _require(
+            tiny["hidden_size"] % tiny["num_heads"] == 0,
+            "model.tiny.hidden_size",
+            "must be divisible by num_heads",
+            "e.g. hidden_size 128 with num_heads 4",
+        )
+        _require(
+            tiny["num_heads"] % tiny["num_kv_heads"] == 0,
+            "model.tiny.num_kv_heads",
+            "num_heads must be divisible by num_kv_heads",
+            "e.g. num_kv_heads = num_heads",
+        )
+    warm = model.get("warm_start") or {}
+    _require(
+        _is_int(warm.get("steps", 0), 0),
+        "model.warm_start.steps",
+        f"must be an integer >= 0, got {warm.get('steps')!r}",
+        "0 disables the warm start",
+    )
+    _require(
+        _is_num(warm.get("lr", 1e-3)) and warm.get("lr", 1e-3) > 0,
+        "model.warm_start.lr",
+        "must be a positive number",
+        "e.g. lr: 1.0e-3",
+    )
+    _require(
+        _is_int(warm.get("batch_size", 32), 1),
+        "model.warm_start.batch_size",
+        "must be a positive integer",
+        "e.g. batch_size: 32",
+    )
+    target = warm.get("stop_at_accuracy")
+    _require(
+        target is None or (_is_num(target) and 0 < target <= 1),
+        "model.warm_start.stop_at_accuracy",
+        f"must be in (0, 1] or null, got {target!r}",
+        "e.g. 0.35 (stop the warm start at 35% sampled accuracy) or null",
+    )
+
+    domain_cfg = recipe.get("domain") or {}
+    domain = make_domain(domain_cfg)
+    for key in ("train_size", "val_size"):
+        _require(
+            _is_int(domain_cfg.get(key), 1),
+            f"domain.{key}",
+            f"must be a positive integer, got {domain_cfg.get(key)!r}",
+            f"e.g. {key}: 32",
+        )
+    domain.split(domain_cfg["train_size"], domain_cfg["val_size"])
+
+    g = recipe.get("grpo") or {}
+    _require(
+        _is_int(g.get("group_size"), 2),
+        "grpo.group_size",
+        f"must be an integer >= 2, got {g.get('group_size')!r}: group-relative advantages "
+        "compare completions of the same prompt",
+        "e.g. group_size: 8",
+    )
+    for key, low in (
+        ("prompts_per_step", 1),
+        ("steps", 0),
+        ("ppo_epochs", 1),
+        ("max_response_tokens", 1),
+        ("eval_every", 1),
+        ("eval_k", 1),
+    ):
+        _require(
+            _is_int(g.get(key), low),
+            f"grpo.{key}",
+            f"must be an integer >= {low}, got {g.get(key)!r}",
+            f"e.g. {key}: {max(low, 1)}",
+        )
+    for key in ("lr", "grad_clip", "temperature"):
+        _require(
+            _is_num(g.get(key)) and g[key] > 0,
+            f"grpo.{key}",
+            f"must be a positive number, got {g.get(key)!r}",
+            "see BASE_RECIPE for defaults",
+        )
+    _require(
+        _is_num(g.get("top_p")) and 0 < g["top_p"] <= 1,
+        "grpo.top_p",
+        f"must be in (0, 1], got {g.get('top_p')!r}",
+        "top_p: 1.0 samples the full softmax",
+    )
+    _require(
+        _is_num(g.get("clip_low")) and 0 < g["clip_low"] < 1,
+        "grpo.clip_low",
+        f"must be in (0, 1), got {g.get('clip_low')!r}",
+        "clip_low: 0.20",
+    )
+    _require(
+        _is_num(g.get("clip_high")) and g["clip_high"] >= g["clip_low"],
+        "grpo.clip_high",
+        f"must be >= grpo.clip_low ({g['clip_low']}), got {g.get('clip_high')!r}",
+        "Clip-Higher widens the upper bound only: clip_high: 0.27 with clip_low: 0.20",
+    )
+    _require(
+        _is_num(g.get("kl_coef")) and g["kl_coef"] >= 0,
+        "grpo.kl_coef",
+        f"must be >= 0, got {g.get('kl_coef')!r}",
+        "0 disables the KL term",
+    )
+    _require(
+        g.get("kl_estimator") in KL_ESTIMATORS,
+        "grpo.kl_estimator",
+        f"unknown estimator {g.get('kl_estimator')!r}",
+        "k1 or k3",
+    )
+    _require(
+        g.get("loss_agg") in LOSS_AGGS,
+        "grpo.loss_agg",
+        f"unknown aggregation {g.get('loss_agg')!r}",
+        "token-mean or seq-mean",
+    )
+    _require(
+        domain_cfg["train_size"] >= g["prompts_per_step"],
+        "grpo.prompts_per_step",
+        f"exceeds domain.train_size ({domain_cfg['train_size']})",
+        "lower grpo.prompts_per_step or raise domain.train_size",
+    )
+
+    seeds = recipe.get("seeds")
+    _require(
+        isinstance(seeds, list) and bool(seeds) and all(_is_int(s, 0) for s in seeds),
+        "seeds",
+        f"must be a non-empty list of integers >= 0, got {seeds!r}",
+        "seeds: [0]",
+    )
+    _require(
+        _is_int(recipe.get("threads", 1), 1),
+        "threads",
+        f"must be a positive integer, got {recipe.get('threads')!r}",
+        "threads: 1 (more threads oversubscribe a small shared machine)",
+    )
+
+    components = (recipe.get("reward") or {}).get("components") or []
+    _require(
+        bool(components),
+        "reward.components",
+        "no reward components",
+        "e.g. components: [{name: correctness, weight: 1.0}]",
+    )
+    for i, comp in enumerate(components):
+        _require(
+            comp.get("name") in domain.components,
+            f"reward.components[{i}].name",
+            f"domain {domain.name!r} has no reward component {comp.get('name')!r}",
+            f"available: {', '.join(domain.components)}",
+        )
+        _require(
+            _is_num(comp.get("weight", 1.0)),
+            f"reward.components[{i}].weight",
+            f"must be a number, got {comp.get('weight')!r}",
+            "e.g. weight: 1.0",
+        )
+
+    check_filter_spec(recipe.get("group_filter"))
+
+    env = recipe.get("environment")
+    if domain.turn_end is None:
+        _require(
+            env is None,
+            "environment",
+            f"domain {domain.name!r} is single-turn and takes no environment",
+            "set environment: null",
+        )
+        return
+    for i, tool in enumerate((env or {}).get("tools") or []):
+        _require(
+            isinstance(tool, dict) and tool.get("name") in domain.tools,
+            f"environment.tools[{i}].name",
+            f"domain {domain.name!r} has no tool {(tool or {}).get('name')!r}",
+            f"available: {', '.join(domain.tools)}",
+        )
+    _require(
+        _is_int(environment_config(recipe, domain)["max_turns"], 1),
+        "environment.max_turns",
+        "must be a positive integer",
+        "e.g. max_turns: 8",
+    )

@@ -1,0 +1,386 @@
+"""The embedded GRPO engine, top to bottom.
+
+Per training step:
+  1. sample `prompts_per_step` training tasks and G = `group_size` episodes of each
+     (multi-turn episodes interleave policy actions with environment replies);
+  2. score every episode with the domain; reward = Σ weight × component (recipe `reward`);
+  3. group-relative advantages A = (r - mean_group) / (std_group + eps) (std switchable);
+  4. the group filter decides which groups enter the loss;
+  5. `ppo_epochs` updates of the token-level clipped surrogate with Clip-Higher
+     (ratio clipped to [1 - clip_low, 1 + clip_high]) plus an optional KL to the frozen
+     reference (k1 or k3), aggregated token-mean or seq-mean; AdamW with grad clipping.
+     Old log-probs are those of the first epoch's forward pass, before any update.
+Environment tokens are masked out of the loss. Validation (`eval_k` samples per val task) runs
+at step 0, every `eval_every` steps and at the end; `grpo.steps: 0` means evaluate only.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from evotrainer.domains import Domain, Task, make_domain
+from evotrainer.engine.checks import check_recipe, environment_config
+from evotrainer.engine.filters import ZERO_STD, make_filter
+from evotrainer.engine.model import initial_model, offline_environment, save_checkpoint
+from evotrainer.engine.outputs import RunLog, RunOutputs, write_json
+from evotrainer.engine.rollout import Episode, batch_tensors, sample_episodes, token_logprobs
+from evotrainer.engine.warm_start import warm_start
+from evotrainer.recipe import digest
+
+ADV_EPS = 1e-6
+
+
+# ----------------------------------------------------------------------------- the algorithm
+
+
+def group_advantages(rewards: np.ndarray, normalize_std: bool) -> np.ndarray:
+    """rewards (groups, G) → advantages (groups, G): centred per group, optionally divided by the
+    group's (unbiased, as verl and TRL) std."""
+    centred = rewards - rewards.mean(axis=1, keepdims=True)
+    if not normalize_std:
+        return centred
+    return centred / (rewards.std(axis=1, ddof=1, keepdims=True) + ADV_EPS)
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    g: dict[str, Any],
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-level clipped surrogate (+ KL). logp/old_logp/ref_logp/mask: (B, T); advantages
+    (B,), one per sequence, broadcast over its tokens."""
+    adv = advantages[:, None]
+    ratio = torch.exp(logp - old_logp)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - g["clip_low"], 1 + g["clip_high"]) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    kl = torch.zeros_like(logp)
+    if ref_logp is not None:
+        log_ref_ratio = ref_logp - logp
+        # k1 = log π/π_ref; k3 = e^x - x - 1 with x = log π_ref/π (unbiased, never negative).
+        kl = (
+            -log_ref_ratio
+            if g["kl_estimator"] == "k1"
+            else (torch.exp(log_ref_ratio) - log_ref_ratio - 1)
+        )
+        per_token = per_token + g["kl_coef"] * kl
+    loss = aggregate(per_token, mask, g["loss_agg"])
+    with torch.no_grad():
+        tokens = mask.sum().clamp(min=1)
+        stats = {
+            "clip_frac": float(((clipped < unclipped).float() * mask).sum() / tokens),
+            "kl": float((kl * mask).sum() / tokens),
+            "ratio_mean": float((ratio * mask).sum() / tokens),
+        }
+    return loss, stats
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+    """token-mean: every trained token weighs the same (DAPO); seq-mean: mean over sequences
+    of each sequence's token mean."""
+    if how == "token-mean":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+    per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return per_seq.mean()
+
+
+def update(
+    model: PreTrainedModel,
+    ref: PreTrainedModel | None,
+    optimizer: torch.optim.Optimizer,
+    episodes: list[Episode],
+    advantages: np.ndarray,
+    g: dict[str, Any],
+    pad_id: int,
+) -> dict[str, float]:
+    """`ppo_epochs` gradient steps on the kept episodes (one full batch each)."""
+    rows = [e.prompt_ids + e.ids for e in episodes]
+    ids, attn, positions, mask = batch_tensors(rows, [e.mask for e in episodes], pad_id)
+    adv = torch.tensor(advantages, dtype=torch.float32)
+    ref_logp = None
+    if ref is not None:
+        with torch.no_grad():
+            ref_logp = token_logprobs(ref, ids, attn, positions)[0]
+    old_logp = None
+    model.train()
+    for _ in range(g["ppo_epochs"]):
+        logp, entropy = token_logprobs(model, ids, attn, positions)
+        if old_logp is None:
+            old_logp = logp.detach()
+        loss, stats = policy_loss(logp, old_logp, ref_logp, adv, mask, g)
+        optimizer.zero_grad()
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), g["grad_clip"])
+        optimizer.step()
+    return {
+        **stats,
+        "loss": float(loss),
+        "grad_norm": float(grad_norm),
+        "entropy": float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1)),
+    }
+
+
+# ------------------------------------------------------------------------------- one seed
+
+
+class Trainer:
+    """Everything one seed's run needs; `run()` is the loop."""
+
+    def __init__(
+        self,
+        recipe: dict[str, Any],
+        seed: int,
+        domain: Domain,
+        outputs: RunOutputs,
+        log: RunLog,
+        cache_root: Path,
+    ) -> None:
+        self.recipe, self.seed, self.domain = recipe, seed, domain
+        self.outputs, self.log = outputs, log
+        self.g = recipe["grpo"]
+        self.env_config = environment_config(recipe, domain)
+        self.weights = {
+            c["name"]: float(c.get("weight", 1.0)) for c in recipe["reward"]["components"]
+        }
+        random.seed(seed)
+        np.random.seed(seed)
+        self.train_tasks, self.val_tasks = domain.split(
+            recipe["domain"]["train_size"], recipe["domain"]["val_size"]
+        )
+        model, self.tokenizer = initial_model(recipe["model"], seed)
+        self.model, self.warm_start = warm_start(
+            model,
+            self.tokenizer,
+            domain,
+            self.train_tasks,
+            recipe,
+            self.env_config,
+            seed,
+            cache_root,
+            log,
+        )
+        # Reseed after the warm start, so a cached and a freshly trained start give the same run.
+        torch.manual_seed(seed)
+        self.rng = random.Random(seed)
+        self.ref = copy.deepcopy(self.model).eval() if self.g["kl_coef"] > 0 else None
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.g["lr"])
+        self.group_filter = make_filter(recipe.get("group_filter"))
+
+    def sample(self, tasks: list[Task]) -> list[Episode]:
+        return sample_episodes(
+            self.model,
+            self.tokenizer,
+            self.domain,
+            tasks,
+            self.env_config,
+            self.g["max_response_tokens"],
+            self.g["temperature"],
+            self.g["top_p"],
+        )
+
+    def score(self, episodes: list[Episode]) -> tuple[np.ndarray, list[Any]]:
+        scores = [self.domain.score(e.task, e.response, e.tool_calls) for e in episodes]
+        rewards = np.array(
+            [sum(w * s.components[name] for name, w in self.weights.items()) for s in scores]
+        )
+        return rewards, scores
+
+    def run(self) -> float:
+        steps = self.g["steps"]
+        val_avg = self.evaluate(0)
+        with self.log.steps(steps, f"seed {self.seed}") as advance:
+            for step in range(1, steps + 1):
+                self.train_step(step)
+                if step % self.g["eval_every"] == 0 or step == steps:
+                    val_avg = self.evaluate(step)
+                advance()
+        return val_avg
+
+    def train_step(self, step: int) -> None:
+        start = time.perf_counter()
+        size = self.g["group_size"]
+        tasks = self.rng.sample(self.train_tasks, self.g["prompts_per_step"])
+        episodes = self.sample([t for t in tasks for _ in range(size)])
+        rewards, scores = self.score(episodes)
+        grouped = rewards.reshape(len(tasks), size)
+        advantages = group_advantages(grouped, self.g["normalize_std"]).reshape(-1)
+        keep_groups = self.group_filter.keep(list(grouped))
+        keep = np.repeat(keep_groups, size)
+        stats: dict[str, float] = {}
+        if keep.any():
+            kept = [e for e, k in zip(episodes, keep, strict=True) if k]
+            stats = update(
+                self.model,
+                self.ref,
+                self.optimizer,
+                kept,
+                advantages[keep],
+                self.g,
+                self.tokenizer.pad_token_id,
+            )
+        elapsed = time.perf_counter() - start
+        sampled = sum(sum(e.mask) for e in episodes)
+        stats |= {
+            "reward_mean": float(rewards.mean()),
+            "correct_mean": float(np.mean([s.correct for s in scores])),
+            "dead_group_ratio": float(np.mean(grouped.std(axis=1) <= ZERO_STD)),
+            "kept_group_ratio": float(keep_groups.mean()),
+            "response_tokens_mean": sampled / len(episodes),
+            "truncated_ratio": float(np.mean([e.finish_reason != "stop" for e in episodes])),
+            "time_per_step": elapsed,
+            "tokens_per_s": sampled / elapsed,
+        }
+        for name, value in stats.items():
+            self.outputs.metric(self.seed, step, name, value)
+        self.record("train", step, episodes, rewards, scores, advantages, keep)
+        self.log(
+            f"seed {self.seed} step {step}: reward {stats['reward_mean']:.3f} "
+            f"kept {stats['kept_group_ratio']:.2f} loss {stats.get('loss', 0.0):.4f} "
+            f"({elapsed:.2f}s)"
+        )
+
+    def evaluate(self, step: int) -> float:
+        """eval_k samples per val task. A private RNG stream (seed, step) keeps evaluation from
+        shifting the training samples, so `eval_every` does not change the training run."""
+        k = self.g["eval_k"]
+        with torch.random.fork_rng():
+            torch.manual_seed(self.seed * 1_000_003 + step)
+            episodes = self.sample([t for t in self.val_tasks for _ in range(k)])
+        rewards, scores = self.score(episodes)
+        self.record("val", step, episodes, rewards, scores)
+        val_avg = float(np.mean([s.correct for s in scores]))
+        self.outputs.metric(self.seed, step, "val_avg", val_avg)
+        self.outputs.metric(self.seed, step, "val_reward_mean", float(rewards.mean()))
+        self.outputs.scores = [r for r in self.outputs.scores if r["seed"] != self.seed] + [
+            {
+                "seed": self.seed,
+                "task_id": e.task.task_id,
+                "data_source": e.task.data_source,
+                "sample_idx": i % k,
+                "correct": s.correct,
+            }
+            for i, (e, s) in enumerate(zip(episodes, scores, strict=True))
+        ]
+        self.outputs.flush()
+        self.log(f"seed {self.seed} step {step}: val avg@{k} {val_avg:.3f}")
+        return val_avg
+
+    def record(
+        self,
+        split: str,
+        step: int,
+        episodes: list[Episode],
+        rewards: np.ndarray,
+        scores: list[Any],
+        advantages: np.ndarray | None = None,
+        keep: np.ndarray | None = None,
+    ) -> None:
+        size = self.g["group_size"] if split == "train" else self.g["eval_k"]
+        for i, (e, r, s) in enumerate(zip(episodes, rewards, scores, strict=True)):
+            extra: dict[str, Any] = {"env_tokens": len(e.mask) - sum(e.mask)}
+            if advantages is not None and keep is not None:
+                extra |= {"advantage": float(advantages[i]), "used_in_loss": bool(keep[i])}
+            self.outputs.rollouts[split].append(
+                {
+                    "version": self.outputs.version,
+                    "seed": self.seed,
+                    "step": step,
+                    "split": split,
+                    "task_id": e.task.task_id,
+                    "data_source": e.task.data_source,
+                    "group_id": f"{split}-s{self.seed}-t{step}-g{i // size}",
+                    "sample_idx": i % size,
+                    "prompt": e.task.prompt,
+                    "response": e.response,
+                    "reward": float(r),
+                    "reward_components": list(s.components.items()),
+                    "correct": s.correct,
+                    "response_tokens": sum(e.mask),
+                    "truncated": e.finish_reason != "stop",
+                    "finish_reason": e.finish_reason,
+                    "turns": e.turns,
+                    "tool_calls": e.tool_calls,
+                    "mean_logprob": float(np.mean(e.logprobs)) if e.logprobs else None,
+                    "extra": json.dumps(extra, sort_keys=True),
+                }
+            )
+
+
+# ------------------------------------------------------------------------------- one job
+
+
+def run_job(
+    recipe: dict[str, Any],
+    out_dir: Path,
+    version: str = "adhoc",
+    progress: bool = False,
+    cache_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Train every seed of a resolved recipe in turn and write the run's outputs to `out_dir`.
+
+    Warm starts are cached under `cache_dir` (default: `<out_dir>/../warm_start`, i.e. beside
+    the other runs of the same artifact root). Returns the content of result.json; on failure
+    result.json says `failed` with the error and the exception propagates.
+    """
+    check_recipe(recipe)
+    offline_environment()
+    torch.set_num_threads(recipe.get("threads", 1))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cache_root = Path(cache_dir) if cache_dir else out_dir.resolve().parent / "warm_start"
+    log = RunLog(out_dir / "train.log", progress)
+    outputs = RunOutputs(out_dir, version)
+    started = time.perf_counter()
+    result: dict[str, Any] = {
+        "status": "running",
+        "version": version,
+        "recipe_digest": digest(recipe),
+        "steps": recipe["grpo"]["steps"],
+        "steps_done": 0,
+        "seeds": recipe["seeds"],
+        "eval_k": recipe["grpo"]["eval_k"],
+        "val_avg": None,
+        "val_avg_by_seed": {},
+        "warm_start": {},
+        "wall_time_s": 0.0,
+        "error": None,
+    }
+    write_json(out_dir / "result.json", result)
+    log(f"run {version}: recipe {result['recipe_digest']}, seeds {recipe['seeds']}")
+    try:
+        domain = make_domain(recipe["domain"])
+        for index, seed in enumerate(recipe["seeds"]):
+            trainer = Trainer(recipe, seed, domain, outputs, log, cache_root)
+            result["warm_start"][str(seed)] = trainer.warm_start
+            result["val_avg_by_seed"][str(seed)] = trainer.run()
+            result["steps_done"] = recipe["grpo"]["steps"]
+            name = "checkpoint" if index == 0 else f"checkpoint-seed{seed}"
+            save_checkpoint(trainer.model, trainer.tokenizer, out_dir / name)
+        result["val_avg"] = float(np.mean(list(result["val_avg_by_seed"].values())))
+        result["status"] = "ok"
+    except BaseException as exc:
+        result["status"] = "failed"
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        log(f"failed: {result['error']}")
+        raise
+    finally:
+        result["wall_time_s"] = round(time.perf_counter() - started, 3)
+        write_json(out_dir / "result.json", result)
+        log(
+            f"run {version}: {result['status']} in {result['wall_time_s']:.1f}s, "
+            f"val avg@{result['eval_k']} {result['val_avg']}"
+        )
+        log.close()
+    return result

@@ -1,0 +1,111 @@
+"""What a run leaves under its artifact dir, written atomically (temp file, then rename) so a
+crash never leaves half a file: rollouts/{train,val}.parquet, steps.parquet, scores.csv,
+result.json; plus the train.log / terminal progress."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from rich.progress import Progress
+
+from evotrainer.evidence.schema import ROLLOUT_SCHEMA
+from evotrainer.evidence.steps import STEPS_SCHEMA
+
+SCORE_COLUMNS = ["seed", "task_id", "data_source", "sample_idx", "correct"]
+
+
+def _replace(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def write_parquet(path: Path, rows: list[dict[str, Any]], schema: pa.Schema) -> None:
+    sink = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), sink)
+    _replace(path, sink.getvalue())
+
+
+def write_json(path: Path, value: Any) -> None:
+    _replace(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
+
+
+class RunOutputs:
+    """Accumulates a run's rows (all seeds) and rewrites the files on `flush`."""
+
+    def __init__(self, out_dir: Path, version: str) -> None:
+        self.out_dir = out_dir
+        self.version = version
+        self.rollouts: dict[str, list[dict[str, Any]]] = {"train": [], "val": []}
+        self.steps: list[dict[str, Any]] = []
+        self.scores: list[dict[str, Any]] = []
+
+    def metric(self, seed: int, step: int, name: str, value: float) -> None:
+        self.steps.append(
+            {
+                "version": self.version,
+                "seed": seed,
+                "step": step,
+                "metric": name,
+                "value": float(value),
+            }
+        )
+
+    def flush(self) -> None:
+        for split, rows in self.rollouts.items():
+            write_parquet(self.out_dir / "rollouts" / f"{split}.parquet", rows, ROLLOUT_SCHEMA)
+        write_parquet(self.out_dir / "steps.parquet", self.steps, STEPS_SCHEMA)
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=SCORE_COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(self.scores)
+        _replace(self.out_dir / "scores.csv", text.getvalue().encode())
+
+
+class RunLog:
+    """Timestamped lines into train.log; on the terminal a rich progress bar when attached to a
+    TTY, plain lines on stderr otherwise, nothing when `progress` is off."""
+
+    def __init__(self, path: Path, progress: bool) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a", encoding="utf-8")
+        self.terminal = progress
+        self.bar: Progress | None = None
+
+    def __call__(self, message: str) -> None:
+        line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}"
+        self.file.write(line + "\n")
+        self.file.flush()
+        if self.bar is not None:
+            self.bar.console.print(message, highlight=False)
+        elif self.terminal:
+            print(line, file=sys.stderr, flush=True)
+
+    @contextmanager
+    def steps(self, total: int, description: str) -> Iterator[Any]:
+        """Yields `advance()`: one call per finished step."""
+        if not (self.terminal and sys.stderr.isatty()):
+            yield lambda: None
+            return
+        with Progress(transient=True) as bar:
+            self.bar = bar
+            task = bar.add_task(description, total=total)
+            try:
+                yield lambda: bar.advance(task)
+            finally:
+                self.bar = None
+
+    def close(self) -> None:
+        self.file.close()

@@ -1,0 +1,279 @@
+"""h0 on small hand-made tables: every metric against a hand computation, every alert
+planted once, a healthy table that fires nothing, nulls that never fire."""
+
+import math
+
+import numpy as np
+import pytest
+
+from evotrainer.evidence.synthetic import rollout_table
+from evotrainer.harness.engine import diagnose, diagnosis_document, gate_verdict
+from evotrainer.harness.revision import resolve_harness
+
+H0 = resolve_harness("h0")
+
+
+def _tiny():
+    # (step, group, reward, correct, turns, truncated, tokens, tool_calls)
+    spec = [
+        (1, "A", 1, 1, 2, False, 10, ["bash ls", "bash ls", "read f"]),
+        (1, "A", 1, 1, 3, False, 20, ["reveal"]),
+        (1, "A", 1, 1, 4, False, 30, ["bash git log -1"]),
+        (1, "B", 0, 0, 70, True, 40, []),
+        (1, "B", 0, 0, 70, True, 50, []),
+        (1, "B", 0, 0, 2, False, 60, []),
+        (1, "C", 1, 1, 5, False, 70, []),
+        (1, "C", 0, 0, 6, False, 80, []),
+        (1, "C", 0, 0, 7, False, 90, []),
+        (2, "A", 1, 1, 3, False, 15, []),
+        (2, "A", 0.5, 0, 3, False, 25, []),
+        (2, "A", 0, 0, 3, False, 35, []),
+        (2, "D", 1, 1, 10, False, 45, None),
+    ]
+    rows = [
+        dict(
+            step=s,
+            task_id=g,
+            group_id=g,
+            sample_idx=i,
+            reward=float(r),
+            correct=float(c),
+            turns=t,
+            truncated=tr,
+            response_tokens=tok,
+            tool_calls=calls,
+            mean_logprob=-0.2 - 0.01 * i,
+        )
+        for i, (s, g, r, c, t, tr, tok, calls) in enumerate(spec)
+    ]
+    val = [("A", 1), ("A", 0), ("B", 1), ("B", 1)]
+    rows += [
+        dict(split="val", step=10, task_id=t, group_id=t, sample_idx=i, correct=float(c))
+        for i, (t, c) in enumerate(val)
+    ]
+    rows += [dict(split="val", step=5, task_id="A", group_id="A", correct=0.0)]
+    return rows, spec
+
+
+def test_every_h0_metric_matches_a_hand_computation():
+    rows, spec = _tiny()
+    d = diagnose(rollout_table(rows), None, H0)
+    m = d["metrics"]
+    rewards = np.array([r for _, _, r, *_ in spec], dtype=float)
+    tokens = np.array([t[6] for t in spec], dtype=float)
+    assert m["avg_at_k"] == pytest.approx((0.5 + 1.0) / 2)
+    assert m["reward_mean"] == pytest.approx(6.5 / 13)
+    assert m["correct_rate"] == pytest.approx(6 / 13)
+    # Groups with >= 2 rows: A@1 (all 1), B@1 (all 0), C@1 (1,0,0), A@2 (1,.5,0).
+    assert m["dead_group_ratio"] == pytest.approx(2 / 4)
+    assert m["all_correct_group_ratio"] == pytest.approx(1 / 4)
+    assert m["all_wrong_group_ratio"] == pytest.approx(1 / 4)
+    assert m["reward_spread"] == pytest.approx((math.sqrt(2 / 9) + math.sqrt(0.5 / 3)) / 4)
+    assert m["truncation_rate"] == pytest.approx(2 / 13)
+    assert m["turns_mean"] == pytest.approx(188 / 13)
+    assert m["turns_p90"] == pytest.approx(58.0)  # sorted[10] + 0.8 * (sorted[11] - sorted[10])
+    assert m["turns_max"] == 70
+    assert m["echo_trap_ratio"] == pytest.approx(2 / 13)
+    assert m["tool_calls_mean"] == pytest.approx(5 / 12)  # the null-tool row is left out
+    assert m["max_same_tool_streak_mean"] == pytest.approx((2 + 1 + 1) / 3)
+    assert m["leak_ratio"] == pytest.approx(2 / 12)  # `reveal` and `bash git log -1`
+    assert m["val_leak_ratio"] is None  # val rows carry no tool data
+    assert m["tool_type_entropy"] == pytest.approx(-(0.6 * math.log2(0.6) + 0.4 * math.log2(0.2)))
+    assert m["length_reward_corr"] == pytest.approx(np.corrcoef(tokens, rewards)[0, 1])
+    assert m["response_tokens_mean"] == pytest.approx(tokens.mean())
+    assert m["mean_logprob"] == pytest.approx(np.mean([-0.2 - 0.01 * i for i in range(13)]))
+    assert d["series"]["dead_group_ratio"] == [[1, pytest.approx(2 / 3)], [2, 0.0]]
+    assert d["trends"]["dead_group_ratio"] == pytest.approx(-2 / 3)
+    assert d["series"]["leak_ratio"] == [[1, pytest.approx(2 / 9)], [2, 0.0]]
+    gaps = {g["metric"]: g["reason"] for g in d["gaps"]}
+    assert gaps["val_leak_ratio"] == "tool_calls not recorded in val rollouts"
+    assert gaps["delta_avg_at_k"] == "no parent scores to compare with"
+
+
+def _healthy(steps: int = 4, groups: int = 10, size: int = 4) -> list[dict]:
+    rows = []
+    for s in range(1, steps + 1):
+        for g in range(groups):
+            for i in range(size):
+                ok = float((i + g) % 2 == 0)
+                rows.append(
+                    dict(
+                        step=s,
+                        task_id=f"t{g}",
+                        group_id=f"s{s}g{g}",
+                        sample_idx=i,
+                        reward=ok,
+                        correct=ok,
+                        turns=8 + (i * 3 + g) % 7,
+                        truncated=False,
+                        response_tokens=100 + (i * 7 + g * 13) % 50,
+                        mean_logprob=-0.5,
+                        tool_calls=["read a.py", "bash pytest"],
+                    )
+                )
+    for g in range(groups):
+        rows += [
+            dict(
+                split="val",
+                step=steps,
+                task_id=f"t{g}",
+                group_id=f"v{g}",
+                sample_idx=i,
+                correct=float(i % 2),
+                tool_calls=["read a.py"],
+            )
+            for i in range(4)
+        ]
+    return rows
+
+
+def _fired(rows) -> dict[str, str]:
+    return {a["name"]: a["severity"] for a in diagnose(rollout_table(rows), None, H0)["alerts"]}
+
+
+def test_healthy_table_fires_no_alert():
+    assert _fired(_healthy()) == {}
+
+
+def _plant(fraction: float, change: dict, where=lambda r: r.get("split", "train") == "train"):
+    rows = _healthy()
+    train = [r for r in rows if where(r)]
+    for r in train[: int(len(train) * fraction)]:
+        r.update(change(r) if callable(change) else change)
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("rows", "alert", "severity"),
+    [
+        (lambda: _plant(0.4, {"reward": 1.0, "correct": 1.0}), "dead_groups", "warning"),
+        (lambda: _plant(0.6, {"reward": 1.0, "correct": 1.0}), "dead_groups", "critical"),
+        (
+            lambda: _plant(1.0, lambda r: {"reward": 0.5 + 0.02 * r["reward"]}),
+            "weak_signal",
+            "warning",
+        ),
+        (lambda: _plant(0.2, {"truncated": True}), "truncation", "warning"),
+        (lambda: _plant(0.1, {"turns": 70, "correct": 0.0}), "echo_trap", "warning"),
+        (lambda: _plant(1.0, {"turns": 55}), "echo_trap", "warning"),
+        (lambda: _plant(0.99, {"turns": 2}), "abandonment", "critical"),
+        (
+            lambda: _plant(0.01, {"tool_calls": [{"name": "reveal", "args": ""}]}),
+            "leak",
+            "critical",
+        ),
+        (
+            lambda: _plant(0.01, {"tool_calls": [{"name": "bash", "args": "git show HEAD~1"}]}),
+            "leak",
+            "critical",
+        ),
+        (
+            lambda: _plant(
+                0.1,
+                {"tool_calls": [{"name": "reveal", "args": ""}]},
+                where=lambda r: r.get("split") == "val",
+            ),
+            "leak",
+            "critical",
+        ),
+        (lambda: _plant(1.0, {"mean_logprob": -0.08}), "overconfidence", "warning"),
+        (lambda: _plant(1.0, {"mean_logprob": -0.01}), "overconfidence", "critical"),
+        (
+            lambda: _plant(1.0, lambda r: {"response_tokens": 100 + int(500 * r["reward"])}),
+            "length_gaming",
+            "warning",
+        ),
+    ],
+)
+def test_planted_pathology_fires_its_alert(rows, alert, severity):
+    assert _fired(rows()).get(alert) == severity
+
+
+def test_alert_examples_are_rollout_ids_of_the_pathology():
+    rows = _plant(0.01, {"tool_calls": [{"name": "reveal", "args": ""}]})
+    d = diagnose(rollout_table(rows), None, H0)
+    (leak,) = [a for a in d["alerts"] if a["name"] == "leak"]
+    assert leak["examples"] == ["v0/0/train/1/s1g0/0"]
+    assert leak["layer"] == "behavior" and leak["threshold"] == 0
+
+
+def test_small_multi_turn_env_does_not_fire_abandonment():
+    # A toolenv capped at 6 turns whose episodes end in ~3 turns is not abandoning.
+    rows = _plant(1.0, lambda r: {"turns": 2 + r["sample_idx"] % 3 + (r["step"] == 1)})
+    assert "abandonment" not in _fired(rows)
+
+
+def test_null_metrics_never_fire_and_are_gaps():
+    rows = [
+        dict(
+            step=1,
+            group_id=f"g{i // 4}",
+            sample_idx=i % 4,
+            reward=float(i % 2),
+            correct=float(i % 2),
+        )
+        for i in range(16)
+    ]
+    d = diagnose(rollout_table(rows), None, H0)
+    assert d["alerts"] == []
+    gaps = {g["metric"] for g in d["gaps"]}
+    assert {"turns_mean", "truncation_rate", "mean_logprob", "leak_ratio", "avg_at_k"} <= gaps
+
+
+def test_single_turn_data_has_null_turn_metrics():
+    rows = [
+        dict(step=1, group_id="g", sample_idx=i, reward=float(i % 2), turns=1) for i in range(4)
+    ]
+    m = diagnose(rollout_table(rows), None, H0)["metrics"]
+    assert m["turns_mean"] is None and m["turns_p90"] is None
+
+
+def test_eval_only_baseline_lists_train_gaps():
+    rows = [r for r in _healthy() if r.get("split") == "val"]
+    d = diagnose(rollout_table(rows), None, H0)
+    assert d["metrics"]["avg_at_k"] == pytest.approx(0.5)
+    assert d["metrics"]["dead_group_ratio"] is None
+    assert {"metric": "dead_group_ratio", "reason": "no train rollouts"} in d["gaps"]
+    assert d["alerts"] == []
+
+
+def test_parent_scores_feed_version_metrics_and_gate():
+    import pyarrow as pa
+
+    rows = _healthy()
+    for r in rows:
+        if r.get("split") == "val":
+            r["correct"] = 1.0
+    parent = pa.table(
+        {
+            "seed": [0] * 40,
+            "task_id": [f"t{g}" for g in range(10) for _ in range(4)],
+            "data_source": ["synthetic"] * 40,
+            "sample_idx": list(range(4)) * 10,
+            "correct": [0.0] * 40,
+        }
+    )
+    d = diagnose(rollout_table(rows), None, H0, parent_scores=parent)
+    assert d["metrics"]["delta_avg_at_k"] == pytest.approx(1.0)
+    assert gate_verdict(H0, d)["verdict"] == "promote"
+    doc = diagnosis_document(d, "v3")
+    assert doc["kind"] == "Diagnosis" and doc["metrics"]["delta_avg_at_k"]["layer"] == "version"
+    assert doc["comparison"]["n_tasks"] == 10
+
+
+def test_gate_rules_in_order():
+    d = diagnose(rollout_table(_healthy()), None, H0)
+
+    def verdict(**comparison):
+        return gate_verdict(H0, d, comparison)["verdict"]
+
+    assert verdict(ci_low=0.01, ci_high=0.2, delta=0.1) == "promote"
+    assert verdict(ci_low=-0.3, ci_high=-0.01, delta=-0.1) == "prune"
+    assert verdict(ci_low=-0.1, ci_high=0.1, delta=0.0) == "inconclusive"
+    assert verdict() == "inconclusive"  # no comparison: the nulls decide nothing
+    leaking = diagnose(
+        rollout_table(_plant(0.01, {"tool_calls": [{"name": "reveal", "args": ""}]})), None, H0
+    )
+    result = gate_verdict(H0, leaking, {"ci_low": 0.1, "ci_high": 0.3, "delta": 0.2})
+    assert (result["verdict"], result["rule"]) == ("block", "critical_alert")
+    assert result["variables"]["critical_alerts"] == 1

@@ -1,0 +1,146 @@
+"""HarnessRevision loading: clear errors naming file and field; SQL that could touch the
+outside world is refused."""
+
+import copy
+import json
+
+import pyarrow.parquet as pq
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from evotrainer.builtin import builtin_dir
+from evotrainer.commands import diagnose as diagnose_cmd
+from evotrainer.errors import EvoError
+from evotrainer.evidence.synthetic import rollout_table
+from evotrainer.harness.engine import diagnose
+from evotrainer.harness.revision import load_harness, parse_harness, resolve_harness
+
+H0_DOC = yaml.safe_load((builtin_dir("harness_versions") / "h0.yaml").read_text())
+ROWS = rollout_table(
+    [dict(step=1, group_id="g", sample_idx=i, reward=float(i % 2)) for i in range(4)]
+)
+
+
+def _with_metric(sql: str) -> dict:
+    doc = copy.deepcopy(H0_DOC)
+    doc["metrics"].append({"name": "evil", "layer": "signal", "split": "train", "sql": sql})
+    return doc
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "COPY (SELECT 1) TO '/tmp/out.csv'",
+        "ATTACH '/tmp/other.db'",
+        "INSTALL httpfs",
+        "LOAD httpfs",
+        "PRAGMA version",
+        "SET enable_external_access = true",
+        "CREATE TABLE t AS SELECT 1",
+        "SELECT 1 AS value; SELECT 2 AS value",
+    ],
+)
+def test_non_select_sql_is_refused_at_load(sql):
+    with pytest.raises(EvoError, match="exactly one SELECT") as err:
+        parse_harness(_with_metric(sql), source="h.yaml")
+    assert err.value.field == f"metrics[{len(H0_DOC['metrics'])}].sql"
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT count(*) AS value FROM read_csv('/etc/passwd')",
+        "SELECT count(*) AS value FROM '/etc/hostname'",
+        "SELECT count(*) AS value FROM read_parquet('/tmp/x.parquet')",
+    ],
+)
+def test_file_reads_are_refused_at_run_time(sql):
+    harness = parse_harness(_with_metric(sql), source="h.yaml")
+    with pytest.raises(EvoError, match="query failed") as err:
+        diagnose(ROWS, None, harness)
+    assert err.value.field == "metrics.evil"
+
+
+def test_sample_where_injection_is_refused():
+    doc = copy.deepcopy(H0_DOC)
+    doc["alerts"][0]["sample"]["where"] = "true); COPY (SELECT 1) TO '/tmp/x.csv'; SELECT (1"
+    with pytest.raises(EvoError, match="exactly one SELECT"):
+        parse_harness(doc, source="h.yaml")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field", "message"),
+    [
+        (lambda d: d.update(kind="Harness"), "kind", "HarnessRevision"),
+        (lambda d: d["metrics"][0].update(layer="vibes"), "metrics[0].layer", "not one of"),
+        (lambda d: d["metrics"][1].update(name="Bad-Name"), "metrics[1].name", "lower_snake_case"),
+        (lambda d: d["metrics"][1].update(analyzer={"name": "leak"}), "metrics[1]", "exactly one"),
+        (
+            lambda d: d["metrics"][1].update(sql="SELECT $nope AS value"),
+            "metrics[1].sql",
+            "undefined param",
+        ),
+        (
+            lambda d: d["alerts"][2].update(when="truncation_rate >"),
+            "alerts[2].when",
+            "invalid CEL",
+        ),
+        (
+            lambda d: d["alerts"][2].update(when="trunc_rate > 0.1"),
+            "alerts[2].when",
+            "unknown name",
+        ),
+        (lambda d: d["alerts"][2].update(metric="nope"), "alerts[2].metric", "unknown metric"),
+        (
+            lambda d: d["gate"]["rules"][0].update(verdict="ship"),
+            "gate.rules[0].verdict",
+            "not one of",
+        ),
+        (lambda d: d["metrics"].append(dict(d["metrics"][0])), "metrics[24].name", "duplicate"),
+    ],
+)
+def test_structural_errors_name_the_field(mutate, field, message):
+    doc = copy.deepcopy(H0_DOC)
+    mutate(doc)
+    with pytest.raises(EvoError, match=message) as err:
+        parse_harness(doc, source="harness_versions/h1.yaml")
+    assert err.value.field == field and err.value.where == "harness_versions/h1.yaml"
+
+
+def test_yaml_syntax_error_has_a_location(tmp_path):
+    bad = tmp_path / "h1.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(EvoError, match="invalid YAML") as err:
+        load_harness(bad)
+    assert err.value.where.startswith(str(bad) + ":")
+
+
+def test_workspace_revision_wins_over_builtin_and_digest_tracks_content(tmp_path):
+    (tmp_path / "harness_versions").mkdir()
+    doc = copy.deepcopy(H0_DOC)
+    doc["params"]["echo_turns"] = 30
+    (tmp_path / "harness_versions" / "h0.yaml").write_text(yaml.safe_dump(doc))
+    local = resolve_harness("h0", tmp_path)
+    assert local.params["echo_turns"] == 30
+    assert local.digest != resolve_harness("h0", tmp_path / "elsewhere").digest
+    with pytest.raises(EvoError, match="no harness revision named"):
+        resolve_harness("h9", tmp_path)
+
+
+def test_diagnose_cli_json(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    pq.write_table(ROWS, tmp_path / "r.parquet")
+    app = typer.Typer()
+    app.callback()(lambda: None)  # keep `diagnose` a subcommand, as in the real CLI
+    diagnose_cmd.register(app)
+    result = CliRunner().invoke(
+        app, ["diagnose", "--rollouts", "r.parquet", "--json", "--out", "d.yaml"]
+    )
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert set(out) == {"harness", "evidence_digest", "metrics", "series", "alerts", "gaps"}
+    assert out["harness"]["name"] == "h0" and out["evidence_digest"].startswith("sha256:")
+    assert out["metrics"]["dead_group_ratio"] == 0.0
+    assert yaml.safe_load((tmp_path / "d.yaml").read_text())["kind"] == "Diagnosis"

@@ -89,7 +89,8 @@ _UID_BLOCK = 1 << 15
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-run limits. Memory is address space (RLIMIT_AS), so leave room for the runtime."""
+    """Per-run limits. Memory is address space (RLIMIT_AS), so leave room for the runtime;
+    CPU time is enforced in whole seconds (rounded up)."""
 
     cpu_seconds: float = 2.0
     wall_seconds: float = 6.0
@@ -442,8 +443,10 @@ def _classify(
         return result("output_limit", f"{capture.overflow} exceeded {limits.output_bytes} bytes")
     if timed_out:
         return result("timeout", f"still running after {limits.wall_seconds:g} s wall clock")
-    # RLIMIT_CPU sends SIGXCPU at the soft limit and SIGKILL at the hard one.
-    if code == -signal.SIGXCPU or (code == -signal.SIGKILL and cpu >= limits.cpu_seconds):
+    # RLIMIT_CPU sends SIGXCPU at the soft limit and SIGKILL at the hard one. It counts whole
+    # seconds exactly while rusage is sampled per tick, hence the margin.
+    enforced_cpu = max(1, math.ceil(limits.cpu_seconds))
+    if code == -signal.SIGXCPU or (code == -signal.SIGKILL and cpu >= 0.9 * enforced_cpu):
         return result("cpu_limit", f"used {cpu:.2f} s of CPU (limit {limits.cpu_seconds:g} s)")
     # Python ignores SIGXFSZ, so a too-large file shows as EFBIG (or ENOSPC on the scratch fs).
     if code == -signal.SIGXFSZ or (

@@ -163,9 +163,9 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ray_head():
-    ray = pytest.importorskip(
-        "ray.job_submission", reason='Ray Jobs need `pip install "ray[default]"`'
-    ) and __import__("ray")
+    pytest.importorskip("ray.job_submission", reason='Ray Jobs need `pip install "ray[default]"`')
+    import ray
+
     port = _free_port()
     ray.init(
         num_cpus=1,

@@ -1,0 +1,93 @@
+"""The group-filter replay buffer's own logic.
+
+Real: `evotrainer/backends/verl_sampler.py` and the engine's `std_group_filter`.
+Stand-in: verl's `ReplayBuffer` base and TransferQueue, whose import chain (datasets, peft,
+torchdata, fastapi, … on top of torch) is too heavy for CPU CI. The stand-in keeps the 0.9.1
+constructor keywords and the attributes the subclass reads (see verl's replay_buffer.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import types
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+SAMPLER = Path(__file__).parents[1] / "evotrainer" / "backends" / "verl_sampler.py"
+
+
+class StandInReplayBuffer:
+    def __init__(
+        self,
+        trainer_mode,
+        trainer_config,
+        max_off_policy_threshold,
+        max_off_policy_strategy,
+        sampler_kwargs,
+        poll_interval=2.0,
+        refill_fn=None,
+        filter_groups_metric=None,
+        train_batch_size=None,
+        gen_batch_size=None,
+        max_inflight_gen_batches=1,
+        sync_refill_failed_groups=False,
+    ):
+        self.filter_groups_metric = filter_groups_metric
+        self.train_batch_size = train_batch_size
+        self.gen_batch_size = gen_batch_size
+        self.partitions = defaultdict(dict)
+        self.finished_keys = defaultdict(set)
+        self._dapo_classification_cache = defaultdict(dict)
+
+
+def load_sampler(monkeypatch, rewards: dict[str, float]):
+    fake_tq = types.ModuleType("transfer_queue")
+    fake_tq.kv_batch_get = lambda keys, partition_id, select_fields: {
+        "rm_scores": [torch.tensor([0.0, rewards[k]], dtype=torch.float64) for k in keys]
+    }
+    fake_rb = types.ModuleType("verl.trainer.ppo.v1.replay_buffer")
+    fake_rb.ReplayBuffer = StandInReplayBuffer
+    fake_rb.FILTER_GROUPS_REWARD_METRIC = "reward"
+    monkeypatch.setitem(sys.modules, "transfer_queue", fake_tq)
+    monkeypatch.setitem(sys.modules, "verl.trainer.ppo.v1.replay_buffer", fake_rb)
+    spec = importlib.util.spec_from_file_location("evo_verl_sampler", SAMPLER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.EvoGroupFilterReplayBuffer
+
+
+def test_sampler_drops_the_groups_the_engine_filter_drops(monkeypatch):
+    # Group "a" is dead (all equal), "b" barely varies, "c" and "d" are informative.
+    group_rewards = {"a": [1, 1], "b": [0.5, 0.52], "c": [0, 1], "d": [1, 0]}
+    rewards = {f"{g}_{s}_0": r for g, rs in group_rewards.items() for s, r in enumerate(rs)}
+    cls = load_sampler(monkeypatch, rewards)
+    spec = {
+        "metric": "reward",
+        "train_batch_size": 4,
+        "max_inflight_gen_batches": 1,
+        "filter": {
+            "name": "std_group_filter",
+            "params": {"mode": "absolute", "min_std_threshold": 0.1, "min_keep_ratio": 0.1},
+        },
+    }
+    buffer = cls(
+        trainer_mode="sync",
+        trainer_config={},
+        max_off_policy_threshold=8,
+        max_off_policy_strategy="drop",
+        sampler_kwargs={"spec": json.dumps(spec)},
+        refill_fn=lambda n: None,
+    )
+    assert (buffer.filter_groups_metric, buffer.gen_batch_size) == ("reward", 1)
+    buffer.partitions["train"] = {key: {} for key in rewards}
+    buffer.finished_keys["train"] = set(group_rewards)
+    dropped, counts = buffer._dapo_filtered_keys("train")
+    assert dropped == {"a", "b"}
+    assert counts == {1.0: 1, 0.51: 1}
+    assert buffer._dapo_filtered_keys("val") == (set(), {})
+    # Judged once: a group that finished earlier keeps its verdict.
+    assert buffer._dapo_filtered_keys("train")[0] == {"a", "b"}

@@ -1,0 +1,192 @@
+"""Benchmark: full h0 diagnosis vs a per-record Python loop vs a bare column scan, and verl
+JSONL ingest throughput vs a json.loads loop. Everything is measured in this one run.
+
+    .venv/bin/python bench/diagnose.py [--rows 1000000] [--ingest-rows 200000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import duckdb
+
+from evotrainer.evidence.synthetic import random_rollouts
+from evotrainer.evidence.verl import ingest_dump
+from evotrainer.harness.engine import diagnose
+from evotrainer.harness.revision import resolve_harness
+
+COLUMNS = [
+    "step",
+    "seed",
+    "group_id",
+    "reward",
+    "correct",
+    "turns",
+    "truncated",
+    "response_tokens",
+    "tool_calls",
+    "mean_logprob",
+]
+
+
+def per_record_loop(records: list[dict], params: dict) -> dict:
+    """The h0 train metrics the way an analysis script walks records."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    n = len(records)
+    trunc = turns = echo = calls_total = calls_rows = leak = 0
+    streaks, logprobs, toks, rewards = [], [], [], []
+    patterns = [re.compile(p) for p in params["leak_patterns"]]
+    for r in records:
+        groups[(r["seed"], r["step"], r["group_id"])].append(r)
+        trunc += bool(r["truncated"])
+        turns += r["turns"]
+        echo += r["turns"] > params["echo_turns"] and r["correct"] == 0
+        calls = r["tool_calls"] or []
+        calls_total += len(calls)
+        calls_rows += r["tool_calls"] is not None
+        if any(
+            c["name"] in params["leak_tools"]
+            or any(p.search(f"{c['name']} {c['args']}") for p in patterns)
+            for c in calls
+        ):
+            leak += 1
+        if calls:
+            best = run = 1
+            for prev, cur in zip(calls, calls[1:], strict=False):
+                run = run + 1 if cur["name"] == prev["name"] else 1
+                best = max(best, run)
+            streaks.append(best)
+        logprobs.append(r["mean_logprob"])
+        toks.append(r["response_tokens"])
+        rewards.append(r["reward"])
+    dead = spread = all_ok = all_bad = 0
+    sized = [g for g in groups.values() if len(g) >= 2]
+    for g in sized:
+        sd = statistics.pstdev([r["reward"] for r in g])
+        dead += sd < 1e-3
+        spread += sd
+        all_ok += all(r["correct"] == 1 for r in g)
+        all_bad += all(r["correct"] == 0 for r in g)
+    mt, mr = sum(toks) / n, sum(rewards) / n
+    cov = sum((t - mt) * (w - mr) for t, w in zip(toks, rewards, strict=True))
+    var_t = sum((t - mt) ** 2 for t in toks)
+    var_r = sum((w - mr) ** 2 for w in rewards)
+    return {
+        "reward_mean": mr,
+        "dead_group_ratio": dead / len(sized),
+        "reward_spread": spread / len(sized),
+        "all_correct_group_ratio": all_ok / len(sized),
+        "all_wrong_group_ratio": all_bad / len(sized),
+        "truncation_rate": trunc / n,
+        "turns_mean": turns / n,
+        "echo_trap_ratio": echo / n,
+        "tool_calls_mean": calls_total / calls_rows,
+        "leak_ratio": leak / calls_rows,
+        "max_same_tool_streak_mean": sum(streaks) / len(streaks),
+        "mean_logprob": sum(logprobs) / n,
+        "length_reward_corr": cov / math.sqrt(var_t * var_r),
+    }
+
+
+def bare_scan(table) -> float:
+    con = duckdb.connect()
+    con.register("t", table)
+    start = time.perf_counter()
+    con.execute(
+        "SELECT sum(step), count(DISTINCT group_id), sum(reward), sum(correct), "
+        "sum(turns), count_if(truncated), sum(response_tokens), sum(len(tool_calls)), "
+        "sum(mean_logprob) FROM t"
+    ).fetchall()
+    return time.perf_counter() - start
+
+
+def write_dump(folder: Path, rows: int, steps: int) -> int:
+    per_step = max(1, rows // steps)
+    size = 0
+    for step in range(1, steps + 1):
+        lines = []
+        for g in range(per_step // 8):
+            prompt_uid = uuid.uuid4().hex
+            for s in range(8):
+                lines.append(
+                    json.dumps(
+                        {
+                            "input": f"<|user|>Problem {g}: compute {g} * {s} and explain. " * 4,
+                            "output": "Let me think step by step. " * 12
+                            + f"The answer is {g * s}.",
+                            "gts": str(g * s),
+                            "score": float(s % 2),
+                            "step": step,
+                            "uid": f"{prompt_uid}_{s}_0",
+                        }
+                    )
+                )
+        path = folder / f"{step}.jsonl"
+        path.write_text("\n".join(lines) + "\n")
+        size += path.stat().st_size
+    return size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--ingest-rows", type=int, default=200_000)
+    args = parser.parse_args()
+    harness = resolve_harness("h0")
+
+    table = random_rollouts(args.rows, group_size=8, steps=200)
+    start = time.perf_counter()
+    diagnosis = diagnose(table, None, harness)
+    t_diag = time.perf_counter() - start
+    t_scan = bare_scan(table)
+
+    start = time.perf_counter()
+    records = table.select(COLUMNS).to_pylist()
+    t_convert = time.perf_counter() - start
+    start = time.perf_counter()
+    loop = per_record_loop(records, harness.params)
+    t_loop = time.perf_counter() - start
+    for name, value in loop.items():  # both paths must agree before their times mean anything
+        assert math.isclose(value, diagnosis["metrics"][name], rel_tol=1e-6, abs_tol=1e-9), name
+
+    print(f"rows: {args.rows:,} (groups of 8, 200 steps)")
+    print(f"h0 diagnosis (all {len(harness.metrics)} metrics, series, alerts): {t_diag:8.2f} s")
+    print(
+        f"per-record Python loop (13 train metrics, no series):  {t_loop:8.2f} s "
+        f"(+ {t_convert:.2f} s to make the records)"
+    )
+    print(f"bare DuckDB scan of the needed columns:                 {t_scan:8.2f} s")
+    print(
+        f"ratio loop / diagnosis: {t_loop / t_diag:6.1f}x   diagnosis / scan: "
+        f"{t_diag / t_scan:6.1f}x"
+    )
+
+    with tempfile.TemporaryDirectory() as tmp:
+        size = write_dump(Path(tmp), args.ingest_rows, 50)
+        start = time.perf_counter()
+        result = ingest_dump(tmp, version="bench", split="train")
+        t_ingest = time.perf_counter() - start
+        start = time.perf_counter()
+        for path in Path(tmp).glob("*.jsonl"):
+            with open(path) as handle:
+                for line in handle:
+                    json.loads(line)
+        t_json = time.perf_counter() - start
+    mb = size / 1e6
+    print(
+        f"verl ingest: {result.rollouts.num_rows:,} rows, {mb:.0f} MB in {t_ingest:.2f} s = "
+        f"{mb / t_ingest:.0f} MB/s (json.loads loop alone: {mb / t_json:.0f} MB/s)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -5,6 +5,7 @@ Exit status 0 on success, 1 on failure (result.json in OUT_DIR says why)."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -17,6 +18,8 @@ def main(argv: list[str]) -> int:
         print("usage: python -m evotrainer.engine RECIPE_JSON OUT_DIR VERSION", file=sys.stderr)
         return 2
     recipe_path, out_dir, version = argv
+    # `cancel` sends SIGTERM: exit through Python so result.json records the failure.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         recipe = json.loads(Path(recipe_path).read_text())
         run_job(recipe, Path(out_dir), version, progress=sys.stderr.isatty())

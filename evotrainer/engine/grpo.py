@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -126,7 +127,7 @@ def update(
         optimizer.step()
     return {
         **stats,
-        "loss": float(loss),
+        "loss": loss.item(),
         "grad_norm": float(grad_norm),
         "entropy": float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1)),
     }
@@ -330,16 +331,21 @@ def run_job(
 ) -> dict[str, Any]:
     """Train every seed of a resolved recipe in turn and write the run's outputs to `out_dir`.
 
-    Warm starts are cached under `cache_dir` (default: `<out_dir>/../warm_start`, i.e. beside
-    the other runs of the same artifact root). Returns the content of result.json; on failure
-    result.json says `failed` with the error and the exception propagates.
+    Warm starts are cached under `cache_dir`, else $EVOTRAINER_CACHE_DIR (the `local` backend
+    points it at the artifact root), else `<out_dir>/../warm_start`. Returns the content of
+    result.json; on failure result.json says `failed` with the `error` and the exception
+    propagates.
     """
     check_recipe(recipe)
     offline_environment()
     torch.set_num_threads(recipe.get("threads", 1))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cache_root = Path(cache_dir) if cache_dir else out_dir.resolve().parent / "warm_start"
+    cache_root = Path(
+        cache_dir
+        or os.environ.get("EVOTRAINER_CACHE_DIR")
+        or out_dir.resolve().parent / "warm_start"
+    )
     log = RunLog(out_dir / "train.log", progress)
     outputs = RunOutputs(out_dir, version)
     started = time.perf_counter()
@@ -355,7 +361,6 @@ def run_job(
         "val_avg_by_seed": {},
         "warm_start": {},
         "wall_time_s": 0.0,
-        "error": None,
     }
     write_json(out_dir / "result.json", result)
     log(f"run {version}: recipe {result['recipe_digest']}, seeds {recipe['seeds']}")

@@ -20,8 +20,12 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
+from transformers.utils import logging as hf_logging
 
 from evotrainer.errors import EvoError
+
+# save_pretrained's shard progress bar would interleave with the run's own progress.
+hf_logging.disable_progress_bar()
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 # Printable ASCII covers every domain's prompts, actions and observations.

@@ -1,0 +1,55 @@
+"""`evotrainer train RECIPE.yaml --out DIR`: one standalone job on the embedded engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+import yaml
+from rich.console import Console
+
+from evotrainer import recipe as recipes
+from evotrainer.errors import EvoError
+
+
+def load_recipe(path: Path) -> dict:
+    """A (possibly partial) recipe mapping from YAML, resolved onto BASE_RECIPE."""
+    try:
+        overrides = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise EvoError(f"cannot read the recipe: {err}", where=str(path)) from None
+    if not isinstance(overrides, dict):
+        raise EvoError(
+            "a recipe file must hold a mapping", where=str(path), hint="e.g. `grpo: {steps: 20}`"
+        )
+    return recipes.resolve(overrides, [])
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("train")
+    def train(
+        recipe_file: Path = typer.Argument(
+            ..., help="Recipe YAML (partial: merged onto the base recipe).", metavar="RECIPE.yaml"
+        ),
+        out: Path = typer.Option(
+            ..., "--out", help="Artifact directory for the run.", metavar="DIR"
+        ),
+        version: str = typer.Option("adhoc", "--version", help="Version name on the rows."),
+    ) -> None:
+        """Train one job on the embedded GRPO engine (warm start, GRPO, evaluation) and write
+        rollouts, steps, scores, checkpoint and result.json under DIR."""
+        recipe = load_recipe(recipe_file)
+        from evotrainer.engine import check_recipe, run_job
+
+        try:
+            check_recipe(recipe)
+        except EvoError as err:
+            err.where = err.where or str(recipe_file)
+            raise
+        result = run_job(recipe, out, version, progress=True)
+        Console().print(
+            f"{version}: {result['status']}, {result['steps_done']} steps, "
+            f"val avg@{result['eval_k']} {result['val_avg']:.3f} "
+            f"in {result['wall_time_s']:.1f}s → {out}",
+            highlight=False,
+        )

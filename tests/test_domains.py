@@ -1,0 +1,103 @@
+"""The domain registry and the built-in toy domains (no torch needed)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from evotrainer import domains
+from evotrainer.domains import get_domain, make_domain
+from evotrainer.domains.toolenv import ToolEnvDomain
+from evotrainer.errors import EvoError
+
+
+def test_registry_names_the_field_for_unknown_and_unloadable_domains(monkeypatch):
+    with pytest.raises(EvoError) as err:
+        get_domain("chess")
+    assert err.value.field == "domain.name" and "arith" in err.value.hint
+    monkeypatch.setitem(domains.REGISTRY, "later", "evotrainer.domains.not_written_yet:X")
+    with pytest.raises(EvoError, match="cannot be loaded") as err:
+        get_domain("later")
+    assert err.value.field == "domain.name"
+    assert "math" in domains.REGISTRY and "code" in domains.REGISTRY
+
+
+def test_unknown_domain_parameter_is_named():
+    with pytest.raises(EvoError) as err:
+        make_domain({"name": "arith", "params": {"digit": 2}})
+    assert err.value.field == "domain.params.digit"
+    with pytest.raises(EvoError) as err:
+        make_domain({"name": "arith", "params": {"ops": ["/"]}})
+    assert err.value.field == "domain.params.ops"
+
+
+@pytest.mark.parametrize("name", ["arith", "toolenv"])
+def test_split_is_seeded_disjoint_and_ids_are_content_derived(name):
+    domain = make_domain({"name": name})
+    train, val = domain.split(100, 20)
+    again_train, again_val = make_domain({"name": name}).split(100, 20)
+    assert [t.task_id for t in val] == [t.task_id for t in again_val]
+    assert [t.task_id for t in train] == [t.task_id for t in again_train]
+    assert not {t.task_id for t in train} & {t.task_id for t in val}
+    assert len({t.task_id for t in train + val}) == 120
+    with pytest.raises(EvoError) as err:
+        domain.split(domain.num_tasks(), 1)
+    assert err.value.field == "domain.train_size"
+
+
+def test_arith_scoring_components():
+    domain = make_domain({"name": "arith", "params": {"digits": 2, "ops": ["-"]}})
+    task = next(t for t in (domain.task_at(i) for i in range(10_000)) if t.answer == "-12")
+    assert domain.score(task, "-12", []).correct == 1.0
+    wrong = domain.score(task, "-11", [])
+    assert wrong.correct == 0.0 and wrong.components["format"] == 1.0
+    assert wrong.components["partial"] == pytest.approx(1 - 1 / 12)
+    garbage = domain.score(task, "1a", [])
+    assert garbage.components == {"correctness": 0.0, "format": 0.0, "partial": 0.0}
+    assert domain.demonstration(task, random.Random(0)) == [("-12", True)]
+
+
+def _play(domain: ToolEnvDomain, task, transcript_actions, tools):
+    env = domain.environment(task, {"max_turns": 8, "tools": tools})
+    return [env.step(a) for a in transcript_actions]
+
+
+def test_toolenv_environment_compare_reveal_and_answer():
+    domain = make_domain({"name": "toolenv"})
+    task = next(t for t in (domain.task_at(i) for i in range(200)) if t.answer == "20")
+    tools = [{"name": "compare", "enabled": True}, {"name": "reveal", "enabled": True}]
+    replies = _play(domain, task, ["?25", "?10", "?20", "!", "hello", "=20"], tools)
+    assert [r.observation for r in replies] == ["<;", ">;", "=;", "20;", "x;", ""]
+    assert [r.done for r in replies] == [False] * 5 + [True]
+    assert replies[3].tool_call == {"name": "reveal", "args": ""}
+    assert replies[0].tool_call == {"name": "compare", "args": "25"}
+    assert replies[4].tool_call is None
+    sealed = _play(domain, task, ["!"], [{"name": "reveal", "enabled": False}])
+    assert sealed[0].observation == "x;" and sealed[0].tool_call["name"] == "reveal"
+
+
+def test_toolenv_demonstrations_solve_the_task_and_sometimes_reveal():
+    domain = make_domain({"name": "toolenv"})
+    rng = random.Random(0)
+    train, _ = domain.split(300, 10)
+    reveals = 0
+    for task in train:
+        segments = domain.demonstration(task, rng)
+        transcript = "".join(text for text, _ in segments)
+        assert domain.score(task, transcript, []).correct == 1.0
+        assert all(trained == (i % 2 == 0) for i, (_, trained) in enumerate(segments))
+        reveals += "!;" in transcript
+        assert transcript.count(";") <= 2 * 8
+    assert 0.05 < reveals / len(train) < 0.3
+
+
+def test_toolenv_scoring_of_partial_and_malformed_transcripts():
+    domain = make_domain({"name": "toolenv"})
+    task = next(t for t in (domain.task_at(i) for i in range(200)) if t.answer == "20")
+    width = task.meta["hi"] - task.meta["lo"] + 1
+    near = domain.score(task, "?25;<;=22;", [])
+    assert near.correct == 0.0 and near.components["format"] == 1.0
+    assert near.components["partial"] == pytest.approx(1 - 2 / width)
+    unfinished = domain.score(task, "?25;<;zz;x;?1", [])
+    assert unfinished.correct == 0.0 and unfinished.components["format"] == pytest.approx(2 / 3)

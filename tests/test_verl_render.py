@@ -238,10 +238,15 @@ def test_hydra_values_are_quoted_only_when_needed():
     assert hydra_value(1e-06) == "1e-06"
 
 
-def test_render_cli_formats(tmp_path):
+def render_app() -> typer.Typer:
     app = typer.Typer()
     register(app)
     app.command("noop")(lambda: None)  # a second command keeps `render` a subcommand
+    return app
+
+
+def test_render_cli_formats(tmp_path):
+    app = render_app()
     recipe_file = tmp_path / "r.yaml"
     recipe_file.write_text(yaml.safe_dump({"model": {"path": "/models/tiny"}, "seeds": [0, 1]}))
     runner = CliRunner()
@@ -280,3 +285,17 @@ def test_each_seed_is_its_own_run(tmp_path):
     values = {o.key: o.value for o in run.overrides}
     assert values["trainer.experiment_name"] == "v1-seed5"
     assert values["trainer.validation_data_dir"] == str(tmp_path / "verl/seed5/validation")
+
+
+def test_render_a_workspace_version(workspace, monkeypatch):
+    monkeypatch.chdir(workspace.root)
+    result = CliRunner().invoke(render_app(), ["render", "v0"])
+    # The example project trains a tiny model from scratch: verl needs a checkpoint.
+    assert isinstance(result.exception, EvoError) and result.exception.field == "model.path"
+    project = workspace.root / "spec" / "project.yaml"
+    spec = yaml.safe_load(project.read_text())
+    spec["recipe"]["model"] = {"path": "/models/qwen"}
+    project.write_text(yaml.safe_dump(spec))
+    result = CliRunner().invoke(render_app(), ["render", "v0"], catch_exceptions=False)
+    assert "actor_rollout_ref.model.path=/models/qwen" in result.output.splitlines()
+    assert str(workspace.artifact_root / "v0" / "evo-v0-a1-") in result.output

@@ -19,7 +19,9 @@ TESTS = [
     {"input": "-1 1\n", "output": "0\n"},
     {"input": "5 0\n", "output": "5\n"},
 ]
-FAST = Limits(cpu_seconds=1, wall_seconds=3)
+# The wall clock sits far above the CPU limit: on a loaded machine one CPU second can take
+# many wall seconds, and these tests must see the CPU limit, not the deadline.
+CPU_BOUND = Limits(cpu_seconds=1, wall_seconds=60)
 
 
 def block(source: str, tag: str = "python") -> str:
@@ -89,14 +91,14 @@ def test_format_failure_truncation_and_syntax_error_are_distinct() -> None:
 
 
 def test_hostile_programs_fail_with_their_reason_and_skip_the_rest() -> None:
-    looping, details = score_code(block("while True:\n    pass"), TESTS, limits=FAST)
+    looping, details = score_code(block("while True:\n    pass"), TESTS, limits=CPU_BOUND)
     assert looping.correct == 0.0 and details["failure"] == "cpu_limit"
     assert [c["verdict"] for c in details["cases"]] == ["cpu_limit"] + ["skipped"] * 3
     hog = "x = []\nwhile True:\n    x.append(bytearray(10**7))"
     _, details = score_code(block(hog), TESTS[:1], limits=Limits(memory_bytes=256 * 2**20))
     assert details["failure"] == "memory_limit"
     socket_program = "import socket\nsocket.create_connection(('93.184.216.34', 80), timeout=1)"
-    _, details = score_code(block(socket_program), TESTS[:1], limits=FAST)
+    _, details = score_code(block(socket_program), TESTS[:1], limits=CPU_BOUND)
     assert details["failure"] == "runtime_error"
     assert "OSError" in details["cases"][0]["detail"]
 
@@ -162,3 +164,12 @@ def test_bad_tests_in_a_row_name_the_row(tmp_path) -> None:
     with pytest.raises(EvoError) as err:
         CodeDomain(data={"train": str(path)}).num_tasks()
     assert err.value.where == f"{path}:row 1" and "bad tests" in err.value.message
+
+
+def test_domain_takes_the_callers_truncation_and_reports_details() -> None:
+    domain = CodeDomain()
+    task = domain.task_at(0)
+    cut = domain.score(task, "First I will read the input and", [], truncated=True)
+    assert (cut.components["format"], cut.components["truncated"]) == (1.0, 1.0)
+    _, details = domain.judge(task, block("print(0)"))
+    assert details["failure"] == "wrong_answer" and details["total"] == len(details["cases"])

@@ -151,3 +151,14 @@ def test_bad_dataset_errors_name_the_file_and_field(tmp_path) -> None:
     assert "does not exist" in err.value.message
     with pytest.raises(EvoError):
         MathDomain(data={"tran": "x.jsonl"})
+
+
+def test_domain_takes_the_callers_truncation_and_reports_details() -> None:
+    domain = MathDomain()
+    task = domain.task_at(0)
+    cut = domain.score(task, "Let me think about the divisors of", [], truncated=True)
+    assert cut.components == {"correctness": 0.0, "format": 1.0, "truncated": 1.0}
+    stopped = domain.score(task, "Let me think about the divisors of", [])
+    assert stopped.components["format"] == 0.0
+    _, details = domain.judge(task, "$\\boxed{56}$")
+    assert details == {"answer": "56", "form": "boxed", "failure": None}

@@ -229,6 +229,22 @@ class CodeDomain(DatasetDomain):
             )
         return [(f"```python\n{solution.rstrip()}\n```", True)]
 
-    def score(self, task: Task, response: str, tool_calls: list[dict[str, str]]) -> Score:
+    def judge(
+        self, task: Task, response: str, truncated: bool | None = None
+    ) -> tuple[Score, dict[str, Any]]:
+        """The Score plus details for the rollout record's `extra` (`failure`, per-case
+        verdicts, `isolation`)."""
         sandbox = default_sandbox(self.params["executor"], self.params["docker_image"])
-        return score_code(response, task.answer, sandbox=sandbox, limits=self.limits)[0]
+        return score_code(
+            response, task.answer, sandbox=sandbox, limits=self.limits, truncated=truncated
+        )
+
+    def score(
+        self,
+        task: Task,
+        response: str,
+        tool_calls: list[dict[str, str]],
+        truncated: bool | None = None,
+    ) -> Score:
+        """`truncated` (optional): the caller knows generation hit the length limit."""
+        return self.judge(task, response, truncated)[0]

@@ -146,5 +146,18 @@ class MathDomain(DatasetDomain):
         solution = task.meta.get("solution") or f"The answer is $\\boxed{{{task.answer}}}$."
         return [(solution, True)]
 
-    def score(self, task: Task, response: str, tool_calls: list[dict[str, str]]) -> Score:
-        return score_math(response, task.answer)[0]
+    def judge(
+        self, task: Task, response: str, truncated: bool | None = None
+    ) -> tuple[Score, dict[str, Any]]:
+        """The Score plus details for the rollout record's `extra` (`failure`, `answer`)."""
+        return score_math(response, task.answer, truncated=truncated)
+
+    def score(
+        self,
+        task: Task,
+        response: str,
+        tool_calls: list[dict[str, str]],
+        truncated: bool | None = None,
+    ) -> Score:
+        """`truncated` (optional): the caller knows generation hit the length limit."""
+        return self.judge(task, response, truncated)[0]

@@ -2,23 +2,24 @@
 
 `LocalSandbox` needs no daemon. What it enforces depends on the privileges it has:
 
-* Always: a new session (process group) killed as a whole at the end; RLIMIT_CPU (SIGXCPU,
-  then SIGKILL one second later), RLIMIT_AS (memory), RLIMIT_FSIZE (file size),
+* Always: a new session (process group) killed as a whole at the end; RLIMIT_CPU (whole
+  seconds, per process), RLIMIT_AS (memory, per process), RLIMIT_FSIZE (file size),
   RLIMIT_NOFILE, no core dumps; a wall-clock deadline; stdout and stderr capped while they
   are read (the program is killed as soon as it writes past the cap, so a 1 GB print never
   reaches the parent's memory); a minimal environment; `python -I -S` (no site-packages, no
   user site, PYTHON* variables ignored).
-* As root (`isolation` contains "uid", "netns", "mountns"): the program runs as a fresh
-  unprivileged uid/gid that no other process uses, so RLIMIT_NPROC really bounds its process
-  count (a fork bomb hits the limit) and, at the end, `kill(-1, SIGKILL)` issued as that uid
-  kills every process it started, including ones that left the process group with setsid.
-  It runs in its own network namespace (only a downed loopback: no network at all) and its
-  own mount namespace, where every top-level directory except the system ones (/usr, /etc,
-  /dev, /proc and the /bin, /lib symlinks) is covered by an empty read-only tmpfs, the
-  interpreter's prefix is bind-mounted back read-only, and /tmp is a fresh size-limited tmpfs
-  owned by the sandbox uid that holds the program and is its working directory. Nothing of
-  it survives the run. Readable outside /tmp: world-readable files under the system
-  directories and the interpreter prefix; /proc shows other processes (no pid namespace).
+* As root (`isolation` contains "uid", "netns", "mountns"): the program is pid 1 of its own
+  pid namespace, so when it exits or is killed the kernel kills every process it started,
+  including ones that left the process group with setsid. It runs as a fresh unprivileged
+  uid/gid that no other process uses, so RLIMIT_NPROC really bounds its process count (a
+  fork bomb hits the limit; as root the limit would be ignored). It has its own network
+  namespace (a downed loopback only: no network at all) and its own mount namespace, where
+  every top-level directory except the system ones (/usr, /etc, /dev and the /bin, /lib
+  symlinks) is covered by an empty tmpfs, the interpreter's prefix is bind-mounted back
+  read-only, /proc is the namespace's own (no other process is visible), and /tmp is a fresh
+  tmpfs of `file_bytes`, owned by the sandbox uid, holding the program and serving as its
+  working directory. Nothing of it survives the run. Still readable: world-readable files
+  under /usr, /etc and the interpreter prefix.
 * Not root (`isolation` lacks "uid"): the program runs as the caller in a scratch directory
   under the system temp dir; a network namespace is tried through an unprivileged user
   namespace ("netns" when it worked); RLIMIT_NPROC is not set (it would count all the
@@ -202,10 +203,8 @@ class LocalSandbox:
     def run(self, source: str, stdin: str = "", limits: Limits | None = None) -> RunResult:
         limits = limits or Limits()
         if self.privileged:
-            uid = (
-                _UID_BASE + (os.getpid() % _UID_BLOCK) * _UID_BLOCK + next(self._runs) % _UID_BLOCK
-            )
-            return self._run(source, stdin, limits, uid, scratch=None)
+            uid = _UID_BASE + (os.getpid() % _UID_BLOCK) * _UID_BLOCK
+            return self._run(source, stdin, limits, uid + next(self._runs) % _UID_BLOCK, None)
         scratch = tempfile.mkdtemp(prefix="evotrainer-sandbox-")
         try:
             with open(os.path.join(scratch, "main.py"), "w", encoding="utf-8") as f:

@@ -486,6 +486,7 @@ class DockerSandbox:
 
     def run(self, source: str, stdin: str = "", limits: Limits | None = None) -> RunResult:
         from docker.types import Ulimit
+        from requests.exceptions import RequestException  # a docker SDK dependency
 
         limits = limits or Limits()
         cpu = max(1, math.ceil(limits.cpu_seconds))
@@ -506,22 +507,21 @@ class DockerSandbox:
             ],
         )
         isolation = ("rlimits", "wall_clock", "output_cap", "uid", "netns", "mountns", "docker")
+
+        def result(status: str, detail: str) -> RunResult:
+            return RunResult(status, "", "", None, time.monotonic() - start, isolation, detail)
+
         try:
             container.put_archive("/tmp", _tar({"main.py": source, "stdin.txt": stdin}))
             container.start()
             try:
                 status = container.wait(timeout=limits.wall_seconds)["StatusCode"]
-            except Exception:  # requests' ReadTimeout: the deadline passed
+            except RequestException:  # the HTTP read timed out: the deadline passed
                 container.kill()
-                return RunResult(
-                    "timeout",
-                    "",
-                    "",
-                    None,
-                    time.monotonic() - start,
-                    isolation,
-                    f"still running after {limits.wall_seconds:g} s wall clock",
-                )
+                return result("timeout", f"still running after {limits.wall_seconds:g} s")
+            container.reload()
+            if container.attrs["State"].get("OOMKilled"):
+                return result("memory_limit", f"OOM-killed (limit {limits.memory_bytes} bytes)")
             stdout = _untar(container, "/tmp/stdout.txt", limits.output_bytes)
             stderr = _untar(container, "/tmp/stderr.txt", limits.output_bytes)[-_STDERR_KEEP:]
         finally:
@@ -529,7 +529,7 @@ class DockerSandbox:
         capture = _Capture(limits.output_bytes, bytearray(stdout), bytearray(stderr))
         # sh reports a python killed by signal N as exit status 128 + N.
         code = -(status - 128) if status > 128 else status
-        cpu_used = limits.cpu_seconds if code in (-signal.SIGXCPU, -signal.SIGKILL) else 0.0
+        cpu_used = float(cpu) if code in (-signal.SIGXCPU, -signal.SIGKILL) else 0.0
         return _classify(
             capture, False, cpu_used, code, limits, time.monotonic() - start, isolation
         )

@@ -7,6 +7,9 @@ import copy
 import csv
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -276,3 +279,32 @@ def test_train_command_runs_a_recipe_file_and_reports_bad_ones(tmp_path):
     assert result.exception.field == "grpo.group_size"
     assert result.exception.where == str(bad)
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.slow
+def test_module_entry_point_as_the_local_backend_launches_it(tmp_path):
+    recipe_file = tmp_path / "recipe.json"
+    recipe_file.write_text(
+        json.dumps(tiny_recipe(grpo={"steps": 1}, model={"warm_start": {"steps": 0}}))
+    )
+    env = {**os.environ, "EVOTRAINER_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run(
+        [sys.executable, "-m", "evotrainer.engine", str(recipe_file), str(tmp_path / "job"), "v3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "job/result.json").read_text())["status"] == "ok"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(resolve({"grpo": {"clip_high": 0.1}}, [])))
+    done = subprocess.run(
+        [sys.executable, "-m", "evotrainer.engine", str(bad), str(tmp_path / "badjob"), "v4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1 and "grpo.clip_high" in done.stderr
+    result = json.loads((tmp_path / "badjob/result.json").read_text())
+    assert result["status"] == "failed" and "grpo.clip_high" in result["error"]

@@ -9,7 +9,8 @@ import signal
 import sys
 from pathlib import Path
 
-from evotrainer.engine.grpo import run_job
+from evotrainer.engine import check_recipe, offline_environment
+from evotrainer.engine.outputs import write_json
 from evotrainer.errors import EvoError
 
 
@@ -18,14 +19,24 @@ def main(argv: list[str]) -> int:
         print("usage: python -m evotrainer.engine RECIPE_JSON OUT_DIR VERSION", file=sys.stderr)
         return 2
     recipe_path, out_dir, version = argv
+    offline_environment()
+    from evotrainer.engine.grpo import run_job  # after the offline switches are set
+
     # `cancel` sends SIGTERM: exit through Python so result.json records the failure.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         recipe = json.loads(Path(recipe_path).read_text())
-        run_job(recipe, Path(out_dir), version, progress=sys.stderr.isatty())
-    except EvoError as err:
+        check_recipe(recipe)
+    except (OSError, ValueError, EvoError) as err:
+        # A job that never starts still leaves result.json, so the backend can say why.
+        write_json(
+            Path(out_dir) / "result.json",
+            {"status": "failed", "version": version, "error": str(err)},
+        )
         print(f"error: {err}", file=sys.stderr)
         return 1
+    try:
+        run_job(recipe, Path(out_dir), version, progress=sys.stderr.isatty())
     except Exception as exc:  # result.json and train.log already hold the failure
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -29,9 +29,10 @@ import torch
 from transformers import PreTrainedModel
 
 from evotrainer.domains import Domain, Task, make_domain
+from evotrainer.engine import offline_environment
 from evotrainer.engine.checks import check_recipe, environment_config
 from evotrainer.engine.filters import ZERO_STD, make_filter
-from evotrainer.engine.model import initial_model, offline_environment, save_checkpoint
+from evotrainer.engine.model import initial_model, save_checkpoint
 from evotrainer.engine.outputs import RunLog, RunOutputs, write_json
 from evotrainer.engine.rollout import Episode, batch_tensors, sample_episodes, token_logprobs
 from evotrainer.engine.warm_start import warm_start

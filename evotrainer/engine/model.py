@@ -3,7 +3,6 @@ a character tokenizer built locally (no downloads), or a local HF checkpoint dir
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -31,12 +30,6 @@ SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 # Printable ASCII covers every domain's prompts, actions and observations.
 ALPHABET = [chr(c) for c in range(32, 127)]
 CONFIGS = {"qwen2": Qwen2Config, "llama": LlamaConfig}
-
-
-def offline_environment() -> None:
-    """The engine never talks to the Hub: no downloads, no telemetry."""
-    for key in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "TRANSFORMERS_OFFLINE"):
-        os.environ[key] = "1"
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:

@@ -19,6 +19,17 @@ COMMAND_MODULES = [
     "validate",
     "version",
     "lineage",
+    "approve",
+    "plan",
+    "reconcile",
+    "unlock",
+    "train",
+    "ingest",
+    "diagnose",
+    "compare",
+    "skills",
+    "backtest",
+    "render",
 ]
 
 app = typer.Typer(

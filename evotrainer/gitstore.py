@@ -22,8 +22,10 @@ from evotrainer.errors import EvoError
 BRANCH_PREFIX = "evo/"
 PRUNED_TAG_PREFIX = "pruned/"
 FALLBACK_IDENTITY = {
-    "GIT_AUTHOR_NAME": "EvoTrainer", "GIT_AUTHOR_EMAIL": "evotrainer@localhost",
-    "GIT_COMMITTER_NAME": "EvoTrainer", "GIT_COMMITTER_EMAIL": "evotrainer@localhost",
+    "GIT_AUTHOR_NAME": "EvoTrainer",
+    "GIT_AUTHOR_EMAIL": "evotrainer@localhost",
+    "GIT_COMMITTER_NAME": "EvoTrainer",
+    "GIT_COMMITTER_EMAIL": "evotrainer@localhost",
 }
 
 
@@ -42,7 +44,8 @@ class GitStore:
             self.repo = git.Repo(root)
         except (git.InvalidGitRepositoryError, git.NoSuchPathError):
             raise EvoError(
-                "not a git repository", where=str(root),
+                "not a git repository",
+                where=str(root),
                 hint="run `evotrainer init DIR` to create a workspace, or `git init` here",
             ) from None
         self.root = Path(self.repo.working_tree_dir or root)
@@ -180,11 +183,12 @@ class GitStore:
             tree = self.repo.git.merge_tree("--write-tree", target_sha, source_sha).splitlines()[0]
         except git.GitCommandError as exc:
             raise EvoError(
-                f"merging {source} into {target} conflicts", hint="merge by hand with "
-                f"`git merge {source}` on {target}, then rerun",
+                f"merging {source} into {target} conflicts",
+                hint=f"merge by hand with `git merge {source}` on {target}, then rerun",
             ) from exc
-        commit = self.repo.git.commit_tree(tree, "-p", target_sha, "-p", source_sha, "-m", message,
-                                           env=self.identity_env)
+        commit = self.repo.git.commit_tree(
+            tree, "-p", target_sha, "-p", source_sha, "-m", message, env=self.identity_env
+        )
         self.repo.git.update_ref(f"refs/heads/{target}", commit, target_sha)
         self._sync_checked_out(target, target_sha, commit)
         return commit
@@ -192,17 +196,32 @@ class GitStore:
     # ---- worktrees -----------------------------------------------------------------------
 
     def worktree_add(self, path: Path, commit: str) -> Path:
-        """A detached worktree at `commit`: the branch can keep receiving record commits."""
+        """A detached worktree at `commit` (the branch can keep receiving record commits).
+
+        An existing worktree is reused; a clean one at another commit is moved there; one
+        with uncommitted changes is never touched.
+        """
         if path.exists():
-            head = git.Repo(path).head.commit.hexsha
-            if head != commit:
+            try:
+                tree = git.Repo(path)
+            except git.InvalidGitRepositoryError:
                 raise EvoError(
-                    f"worktree {path} is at {head[:10]}, expected {commit[:10]}",
-                    hint=f"inspect it, then `git worktree remove {path}` and rerun",
-                )
+                    "exists but is not a worktree of this workspace",
+                    where=str(path),
+                    hint="move it away, then rerun",
+                ) from None
+            if tree.head.commit.hexsha != commit:
+                if tree.is_dirty(untracked_files=True):
+                    raise EvoError(
+                        "worktree has uncommitted changes and must move to a new spec commit",
+                        where=str(path),
+                        hint="commit them to the version's branch (or discard "
+                        "them) and rerun; nothing was changed",
+                    )
+                tree.git.checkout("--detach", commit)
             return path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.repo.git.worktree("prune")
+        self.repo.git.worktree("prune")  # forget worktrees whose folder was deleted
         self.repo.git.worktree("add", "--detach", str(path), commit)
         return path
 

@@ -40,13 +40,13 @@ def lineage_rows(ws: Workspace, states: dict[str, VersionState] | None = None) -
     pruned = set(ws.git.tags(PRUNED_TAG_PREFIX))
     main = ws.git.rev("refs/heads/main")
     rows = []
-    for name in _tree_order(states):
+    for name in tree_order(states):
         state = states[name]
         decision = state.records.get("decision") or {}
         run = state.records.get("run") or {}
         diagnosis = state.records.get("diagnosis") or {}
         comparison = decision.get("comparison") or {}
-        score = comparison.get("mean_b", (run.get("result") or {}).get("avg_at_k"))
+        score = comparison.get("mean_b", (run.get("result") or {}).get("val_avg"))
         ci = (comparison["ci_low"], comparison["ci_high"]) if "ci_low" in comparison else None
         rows.append(LineageRow(
             name=name, parent=state.parent, status=status_of(state), score=score, ci=ci,
@@ -58,7 +58,7 @@ def lineage_rows(ws: Workspace, states: dict[str, VersionState] | None = None) -
     return rows
 
 
-def _tree_order(states: dict[str, VersionState]) -> list[str]:
+def tree_order(states: dict[str, VersionState]) -> list[str]:
     """Depth-first from the roots, children in name order; orphans (broken parents) last."""
     children: dict[str | None, list[str]] = {}
     for name, state in states.items():

@@ -33,8 +33,11 @@ from evotrainer.errors import EvoError
 from evotrainer.recipe import deep_merge
 
 # Verdicts of the gate that count as evidence, and the list each one goes to.
-EVIDENCE_LISTS = {"promote": "evidence", "prune": "negative_evidence",
-                  "revert": "negative_evidence"}
+EVIDENCE_LISTS = {
+    "promote": "evidence",
+    "prune": "negative_evidence",
+    "revert": "negative_evidence",
+}
 SKILL_MODELINE = "# yaml-language-server: $schema=../spec/schemas/skill.schema.json\n"
 
 
@@ -103,9 +106,12 @@ def load_library(folder: Path | None = None) -> dict[str, Skill]:
     for path in sorted(folder.glob("*.yaml")):
         skill = load_skill(path, f"{folder.name}/{path.name}")
         if skill.name != path.stem:
-            raise EvoError(f"name {skill.name!r} does not match the file name",
-                           where=skill.source, field="name",
-                           hint=f"rename the file to {skill.name}.yaml or fix `name`")
+            raise EvoError(
+                f"name {skill.name!r} does not match the file name",
+                where=skill.source,
+                field="name",
+                hint=f"rename the file to {skill.name}.yaml or fix `name`",
+            )
         skills[skill.name] = skill
     return skills
 
@@ -119,8 +125,11 @@ def workspace_library(ws: Any | None) -> dict[str, Skill]:
 
 def get_skill(skills: dict[str, Skill], name: str) -> Skill:
     if name not in skills:
-        raise EvoError(f"unknown skill {name!r}", field="NAME",
-                       hint=f"known skills: {', '.join(sorted(skills)) or 'none'}")
+        raise EvoError(
+            f"unknown skill {name!r}",
+            field="NAME",
+            hint=f"known skills: {', '.join(sorted(skills)) or 'none'}",
+        )
     return skills[name]
 
 
@@ -128,8 +137,15 @@ def get_skill(skills: dict[str, Skill], name: str) -> Skill:
 
 _TOKEN = re.compile(r"[a-z0-9]+")
 # Field boosts: a word in the name or title says more about a skill than one in its prose.
-_FIELDS = (("name", 3), ("title", 3), ("category", 2), ("domains", 1), ("trigger", 1),
-           ("description", 1), ("expected_effect", 1))
+_FIELDS = (
+    ("name", 3),
+    ("title", 3),
+    ("category", 2),
+    ("domains", 1),
+    ("trigger", 1),
+    ("description", 1),
+    ("expected_effect", 1),
+)
 _BM25_K1, _BM25_B = 1.2, 0.75
 
 
@@ -167,8 +183,12 @@ def search(skills: dict[str, Skill], text: str) -> list[tuple[Skill, float]]:
         for word in query & set(counts):
             idf = math.log(1 + (len(docs) - df[word] + 0.5) / (df[word] + 0.5))
             tf = counts[word]
-            score += idf * tf * (_BM25_K1 + 1) / (
-                tf + _BM25_K1 * (1 - _BM25_B + _BM25_B * length / avg_len))
+            score += (
+                idf
+                * tf
+                * (_BM25_K1 + 1)
+                / (tf + _BM25_K1 * (1 - _BM25_B + _BM25_B * length / avg_len))
+            )
         if score > 0:
             ranked.append((skills[name], score))
     return sorted(ranked, key=lambda pair: (-pair[1], pair[0].name))
@@ -203,8 +223,12 @@ def fires(expr: str, variables: dict[str, Any], *, where: str | None = None) -> 
         # A map (`trend`) may lack the entry read: that is a missing value too.
         if any(bound[name] is None or isinstance(bound[name], dict) for name in referenced):
             return False
-        raise EvoError(err.message, where=where, field="trigger",
-                       hint="triggers compare metric values; write 2.0 * x, not 2 * x") from None
+        raise EvoError(
+            err.message,
+            where=where,
+            field="trigger",
+            hint="triggers compare metric values; write 2.0 * x, not 2 * x",
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -220,23 +244,33 @@ class Match:
     applied: bool  # the version's recipe already has what the patch sets
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.skill.name, "title": self.skill.title,
-                "category": self.skill.category, "values": self.values,
-                "in_domain": self.in_domain, "support": self.support, "against": self.against,
-                "mean_delta": self.mean_delta, "applied": self.applied}
+        return {
+            "name": self.skill.name,
+            "title": self.skill.title,
+            "category": self.skill.category,
+            "values": self.values,
+            "in_domain": self.in_domain,
+            "support": self.support,
+            "against": self.against,
+            "mean_delta": self.mean_delta,
+            "applied": self.applied,
+        }
 
 
-def _evaluate(skill: Skill, variables: dict[str, Any], domain: str | None,
-              recipe: dict[str, Any] | None) -> Match | None:
+def _evaluate(
+    skill: Skill, variables: dict[str, Any], domain: str | None, recipe: dict[str, Any] | None
+) -> Match | None:
     if not skill.trigger or not fires(skill.trigger, variables, where=skill.source):
         return None
     deltas = [e["delta"] for e in skill.evidence if e.get("delta") is not None]
     values = {name: variables.get(name) for name in sorted(cel.names(skill.trigger))}
     patch = skill.recipe_patch
     return Match(
-        skill=skill, values=values,
+        skill=skill,
+        values=values,
         in_domain=sum(e.get("domain") == domain for e in skill.evidence),
-        support=len(skill.evidence), against=len(skill.negative_evidence),
+        support=len(skill.evidence),
+        against=len(skill.negative_evidence),
         mean_delta=sum(deltas) / len(deltas) if deltas else None,
         applied=bool(patch) and recipe is not None and deep_merge(recipe, patch) == recipe,
     )
@@ -248,8 +282,13 @@ def _rank(m: Match) -> tuple:
     return (-m.in_domain, -(m.support - m.against), -(m.mean_delta or 0.0), m.skill.name)
 
 
-def match(skills: dict[str, Skill], diagnosis: dict[str, Any], *, domain: str | None = None,
-          recipe: dict[str, Any] | None = None) -> list[Match]:
+def match(
+    skills: dict[str, Skill],
+    diagnosis: dict[str, Any],
+    *,
+    domain: str | None = None,
+    recipe: dict[str, Any] | None = None,
+) -> list[Match]:
     """Skills a planner may propose for this diagnosis, best first.
 
     Negative skills never match (see `refusals`), nor skills for another domain. With the
@@ -257,17 +296,26 @@ def match(skills: dict[str, Skill], diagnosis: dict[str, Any], *, domain: str | 
     and ranked last: re-applying it would spend a version on a no-op.
     """
     variables = trigger_variables(diagnosis)
-    found = [m for s in skills.values() if not s.negative and s.applies_to(domain)
-             if (m := _evaluate(s, variables, domain, recipe)) is not None]
+    found = [
+        m
+        for s in skills.values()
+        if not s.negative and s.applies_to(domain)
+        if (m := _evaluate(s, variables, domain, recipe)) is not None
+    ]
     return sorted(found, key=lambda m: (m.applied, _rank(m)))
 
 
-def refusals(skills: dict[str, Skill], diagnosis: dict[str, Any], *,
-             domain: str | None = None) -> list[Match]:
+def refusals(
+    skills: dict[str, Skill], diagnosis: dict[str, Any], *, domain: str | None = None
+) -> list[Match]:
     """Known-harmful skills whose trigger fires: what a planner declines, and why."""
     variables = trigger_variables(diagnosis)
-    found = [m for s in skills.values() if s.negative and s.applies_to(domain)
-             if (m := _evaluate(s, variables, domain, None)) is not None]
+    found = [
+        m
+        for s in skills.values()
+        if s.negative and s.applies_to(domain)
+        if (m := _evaluate(s, variables, domain, None)) is not None
+    ]
     return sorted(found, key=lambda m: m.skill.name)
 
 
@@ -281,14 +329,18 @@ def match_version(ws: Any, version: str) -> tuple[list[Match], list[Match]]:
     state = ws.version(version, states)
     diagnosis = state.records.get("diagnosis")
     if not diagnosis:
-        raise EvoError(f"version {version!r} has no diagnosis yet",
-                       where=f"evo/{version}:runs/{version}/diagnosis.yaml",
-                       hint="run `evotrainer reconcile` to train and diagnose it")
+        raise EvoError(
+            f"version {version!r} has no diagnosis yet",
+            where=f"evo/{version}:runs/{version}/diagnosis.yaml",
+            hint="run `evotrainer reconcile` to train and diagnose it",
+        )
     recipe = ws.resolved_recipe(version, states)
     domain = recipe["domain"]["name"]
     skills = workspace_library(ws)
-    return (match(skills, diagnosis, domain=domain, recipe=recipe),
-            refusals(skills, diagnosis, domain=domain))
+    return (
+        match(skills, diagnosis, domain=domain, recipe=recipe),
+        refusals(skills, diagnosis, domain=domain),
+    )
 
 
 # --------------------------------------------------------------------------------- evidence
@@ -299,7 +351,9 @@ def evidence_entry(version: str, domain: str, decision: dict[str, Any]) -> dict[
     low, high = comparison.get("ci_low"), comparison.get("ci_high")
     harness = (decision.get("harness") or {}).get("name")
     return {
-        "version": version, "domain": domain, "delta": comparison.get("delta"),
+        "version": version,
+        "domain": domain,
+        "delta": comparison.get("delta"),
         "ci": [low, high] if low is not None and high is not None else None,
         "verdict": decision["verdict"],
         "source": f"gate ({harness})" if harness else "gate",
@@ -319,21 +373,21 @@ def with_evidence(data: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def record_evidence(ws: Any, version: str, decision: dict[str, Any]) -> list[str]:
-    """After `version` is gated, file the outcome as evidence on every skill it applied.
+def pending_evidence(
+    ws: Any, version: str, decision: dict[str, Any], states: dict | None = None
+) -> dict[str, bytes]:
+    """The skill files on `main` that still lack `version`'s gated outcome: {path: new text}.
 
     promote → `evidence`, prune/revert → `negative_evidence`; other verdicts record nothing.
-    One commit on `main` (trailer Action: evidence). Idempotent: a version already recorded
-    with the same outcome changes nothing. Returns the names of the skills that changed.
+    Empty once recorded, so reconcile can tell (level-triggered) whether it is still to do.
     """
-    verdict = decision.get("verdict")
-    if verdict not in EVIDENCE_LISTS:
-        return []
-    states = ws.versions()
+    if decision.get("verdict") not in EVIDENCE_LISTS:
+        return {}
+    states = states if states is not None else ws.versions()
     state = ws.version(version, states)
     applied = list(((state.spec or {}).get("intervention") or {}).get("skills") or [])
     if not applied:
-        return []
+        return {}
     entry = evidence_entry(version, version_domain(ws, version, states), decision)
     builtin = builtin_dir("skills")
     files: dict[str, bytes] = {}
@@ -343,9 +397,12 @@ def record_evidence(ws: Any, version: str, decision: dict[str, Any]) -> list[str
         if raw is None and (builtin / f"{name}.yaml").is_file():
             raw = (builtin / f"{name}.yaml").read_bytes()  # first evidence on a built-in skill
         if raw is None:
-            raise EvoError(f"version {version!r} applied skill {name!r}, which is neither in "
-                           "the workspace nor built in", where=f"main:{path}",
-                           hint=f"restore {path} on main")
+            raise EvoError(
+                f"version {version!r} applied skill {name!r}, which is neither in "
+                "the workspace nor built in",
+                where=f"main:{path}",
+                hint=f"restore {path} on main",
+            )
         doc = specs.load_text(raw, f"main:{path}", "Skill")
         updated = with_evidence(doc.data, entry)
         if updated is None:
@@ -353,12 +410,22 @@ def record_evidence(ws: Any, version: str, decision: dict[str, Any]) -> list[str
         text = _leading_comments(raw.decode()) + specs.dump(updated)
         specs.load_text(text, f"main:{path}", "Skill")  # never commit an invalid skill
         files[path] = text.encode()
+    return files
+
+
+def record_evidence(ws: Any, version: str, decision: dict[str, Any]) -> list[str]:
+    """File `version`'s gated outcome on every skill it applied: one commit on `main`
+    (trailer Action: evidence). Idempotent. Returns the names of the skills that changed."""
+    files = pending_evidence(ws, version, decision)
+    names = [Path(p).stem for p in files]
     if files:
-        names = [Path(p).stem for p in files]
         ws.git.commit_files(
-            "main", files, f"Evidence from {version} ({verdict}): {', '.join(names)}",
-            {"Action": "evidence", "Version": version})
-    return [Path(p).stem for p in files]
+            "main",
+            files,
+            f"Evidence from {version} ({decision['verdict']}): {', '.join(names)}",
+            {"Action": "evidence", "Version": version},
+        )
+    return names
 
 
 def _leading_comments(text: str) -> str:

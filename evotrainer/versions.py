@@ -89,8 +89,9 @@ def new_version(
 
 def approve(ws: Workspace, name: str, by: str | None = None) -> dict:
     state = ws.version(name)
-    if state.approved:
-        return state.spec
+    run = state.records.get("run")
+    if state.approved and (run is None or run.get("spec_digest") == state.spec_digest):
+        return state.spec  # nothing new to approve
     spec = dict(state.spec)
     spec["approval"] = {"approved": True, "by": by or ws.git.user(), "at": now_iso()}
     ws.git.commit_files(branch_name(name), {version_spec_path(name): spec_text(spec).encode()},

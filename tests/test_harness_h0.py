@@ -275,5 +275,9 @@ def test_gate_rules_in_order():
         rollout_table(_plant(0.01, {"tool_calls": [{"name": "reveal", "args": ""}]})), None, H0
     )
     result = gate_verdict(H0, leaking, {"ci_low": 0.1, "ci_high": 0.3, "delta": 0.2})
-    assert (result["verdict"], result["rule"]) == ("block", "critical_alert")
-    assert result["variables"]["critical_alerts"] == 1
+    assert (result["verdict"], result["rule"]) == ("block", "integrity_alert")
+    assert result["variables"]["critical_behavior_alerts"] == 1
+    # A critical *signal* alert (dead groups) names the next fix but does not veto a gain.
+    dead = dict(d, alerts=[{"name": "dead_groups", "severity": "critical", "layer": "signal"}])
+    assert gate_verdict(H0, dead, {"ci_low": 0.1, "ci_high": 0.3, "delta": 0.2})[
+        "verdict"] == "promote"

@@ -61,6 +61,9 @@ class Collected:
 class Backend(Protocol):
     name: str
 
+    def check(self, recipe: dict) -> None:
+        """Raise EvoError for a recipe this backend cannot run, before any compute."""
+
     def submit(self, job: JobSpec) -> None: ...
 
     def status(self, job: JobSpec) -> JobStatus: ...

@@ -26,7 +26,6 @@ import signal
 import socket
 import subprocess
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ import pyarrow.parquet as pq
 
 import evotrainer
 from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus
-from evotrainer.backends.local import _atomic_write, _process, _read_json
+from evotrainer.backends.local import atomic_write, live_process, read_json
 from evotrainer.backends.verl_render import (
     SAMPLER_CLASS,
     JobFiles,
@@ -53,6 +52,7 @@ from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA, SCORE_SCHEMA
 from evotrainer.evidence.steps import STEPS_SCHEMA
 from evotrainer.evidence.verl import ingest_dump, read_metrics_log
+from evotrainer.versions import now_iso
 
 JOB_FILE = "job.json"
 EXIT_FILE = "exit_code"
@@ -74,6 +74,11 @@ RAY_STATES = {
 
 class VerlBackend:
     name = "verl"
+
+    def check(self, recipe: dict) -> None:
+        """Render every seed's overrides (pure: nothing written) so a bad recipe fails here."""
+        render_job(recipe, version="check", files=JobFiles(Path("/nonexistent")),
+                   workdir=Path("."))
 
     # ---- submit ------------------------------------------------------------------------
 
@@ -120,10 +125,10 @@ class VerlBackend:
             "pid": process.pid,
             "host": socket.gethostname(),
             "create_time": psutil.Process(process.pid).create_time(),
-            "started_at": _now(),
+            "started_at": now_iso(),
             "command": command,
         }
-        _atomic_write(files.root / JOB_FILE, json.dumps(record, indent=2))
+        atomic_write(files.root / JOB_FILE, json.dumps(record, indent=2))
 
     def _submit_ray(self, job: JobSpec, address: str, command: str) -> None:
         client = _ray_client(address)
@@ -143,10 +148,10 @@ class VerlBackend:
             "job_id": job.job_id,
             "mode": "ray",
             "address": address,
-            "started_at": _now(),
+            "started_at": now_iso(),
             "command": command,
         }
-        _atomic_write(JobFiles(job.artifact_dir).root / JOB_FILE, json.dumps(record, indent=2))
+        atomic_write(JobFiles(job.artifact_dir).root / JOB_FILE, json.dumps(record, indent=2))
 
     # ---- status / cancel / logs --------------------------------------------------------
 
@@ -172,7 +177,7 @@ class VerlBackend:
         return status
 
     def _local_status(self, job: JobSpec, files: JobFiles) -> JobStatus:
-        record = _read_json(files.root / JOB_FILE)
+        record = read_json(files.root / JOB_FILE)
         if record is None or record.get("job_id") != job.job_id:
             return JobStatus(JobState.UNKNOWN, "no such job")
         exit_text = _read_text(files.root / EXIT_FILE)
@@ -185,7 +190,7 @@ class VerlBackend:
                 f"verl exited with status {code}; see {files.log_file}",
                 exit_code=code,
             )
-        if _process(record) is not None:
+        if live_process(record) is not None:
             return JobStatus(JobState.RUNNING, f"pid {record['pid']}")
         if (files.root / CANCEL_FILE).is_file():
             return JobStatus(JobState.FAILED, "cancelled")
@@ -215,11 +220,11 @@ class VerlBackend:
             _ray_client(settings["ray_address"]).stop_job(job.job_id)
             return
         files = JobFiles(job.artifact_dir)
-        record = _read_json(files.root / JOB_FILE)
-        process = _process(record) if record else None
+        record = read_json(files.root / JOB_FILE)
+        process = live_process(record) if record else None
         if process is None:
             return
-        (files.root / CANCEL_FILE).write_text(_now())
+        (files.root / CANCEL_FILE).write_text(now_iso())
         os.killpg(process.pid, signal.SIGTERM)
         try:
             process.wait(KILL_GRACE_S)
@@ -421,7 +426,3 @@ def _read_text(path: Path) -> str | None:
         return path.read_text(errors="replace")
     except FileNotFoundError:
         return None
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -39,26 +39,36 @@ def baseline_spec(now: str) -> dict:
         "parent": None,
         "description": "The untrained baseline: evaluated, not trained (the no-RL reference).",
         "train": False,
-        "intervention": {"skills": [], "factors": 0,
-                         "rationale": "Reference point for every comparison on this lineage."},
+        "intervention": {
+            "skills": [],
+            "factors": 0,
+            "rationale": "Reference point for every comparison on this lineage.",
+        },
         "approval": {"approved": True, "by": "evotrainer init", "at": now},
     }
 
 
 def init_workspace(directory: Path, example: str) -> Path:
     if example not in examples():
-        raise EvoError(f"unknown example {example!r}", field="--example",
-                       hint=f"one of {', '.join(examples())}")
+        raise EvoError(
+            f"unknown example {example!r}",
+            field="--example",
+            hint=f"one of {', '.join(examples())}",
+        )
     if directory.exists() and any(directory.iterdir()):
-        raise EvoError("directory exists and is not empty", where=str(directory),
-                       hint="choose a new directory; init never writes over existing files")
+        raise EvoError(
+            "directory exists and is not empty",
+            where=str(directory),
+            hint="choose a new directory; init never writes over existing files",
+        )
     directory.mkdir(parents=True, exist_ok=True)
     repo = git.Repo.init(directory, initial_branch="main")
 
     project_text = (EXAMPLES_DIR / f"{example}.yaml").read_text()
     (directory / "spec").mkdir()
     (directory / PROJECT_FILE).write_text(
-        schema_modeline(PROJECT_FILE, "project.schema.json") + project_text)
+        schema_modeline(PROJECT_FILE, "project.schema.json") + project_text
+    )
     shutil.copytree(builtin_dir("spec/schemas"), directory / "spec" / "schemas")
     for folder in ("harness_versions", "skills"):
         target = directory / folder
@@ -77,9 +87,13 @@ def init_workspace(directory: Path, example: str) -> Path:
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     path = version_spec_path(BASELINE)
     text = schema_modeline(path, "policy-version.schema.json") + dump(baseline_spec(now))
-    store.commit_files(branch_name(BASELINE), {path: text.encode()},
-                       f"Baseline version {BASELINE}: evaluate the untrained model",
-                       {"Action": "propose", "Version": BASELINE}, start="main")
+    store.commit_files(
+        branch_name(BASELINE),
+        {path: text.encode()},
+        f"Baseline version {BASELINE}: evaluate the untrained model",
+        {"Action": "propose", "Version": BASELINE},
+        start="main",
+    )
     return directory
 
 
@@ -87,14 +101,15 @@ def register(app: typer.Typer) -> None:
     @app.command("init")
     def init(
         directory: Path = typer.Argument(..., help="New workspace directory."),
-        example: str = typer.Option("arith", "--example", help="Starting project: "
-                                    + ", ".join(examples()) + "."),
+        example: str = typer.Option(
+            "arith", "--example", help="Starting project: " + ", ".join(examples()) + "."
+        ),
     ) -> None:
         """Create a workspace: a git repo with the project spec, the built-in harness and
         skills, and the baseline version v0 on branch evo/v0."""
         root = init_workspace(directory, example)
         console = Console()
-        console.print(f"Initialised workspace [bold]{root}[/] ({example}): main + "
-                      f"{branch_name(BASELINE)}")
-        console.print(f"Next: cd {root} && evotrainer version new v1 --parent v0 "
-                      "--rationale '...'")
+        console.print(
+            f"Initialised workspace [bold]{root}[/] ({example}): main + {branch_name(BASELINE)}"
+        )
+        console.print(f"Next: cd {root} && evotrainer version new v1 --parent v0 --rationale '...'")

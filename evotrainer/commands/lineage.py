@@ -11,8 +11,16 @@ from rich.tree import Tree
 from evotrainer.lineage import LineageRow, lineage_rows
 from evotrainer.workspace import Workspace
 
-STATUS_STYLE = {"promote": "green", "prune": "red", "revert": "red", "inconclusive": "yellow",
-                "baseline": "cyan", "Failed": "red", "Running": "blue", "proposed": "dim"}
+STATUS_STYLE = {
+    "promote": "green",
+    "prune": "red",
+    "revert": "red",
+    "inconclusive": "yellow",
+    "baseline": "cyan",
+    "Failed": "red",
+    "Running": "blue",
+    "proposed": "dim",
+}
 
 
 def describe(row: LineageRow) -> str:

@@ -25,8 +25,11 @@ def register(app: typer.Typer) -> None:
         except EvoError as err:
             problems = [err]
         if fmt == "json":
-            print(json.dumps({"valid": not problems,
-                              "problems": [p.as_dict() for p in problems]}, indent=2))
+            print(
+                json.dumps(
+                    {"valid": not problems, "problems": [p.as_dict() for p in problems]}, indent=2
+                )
+            )
         else:
             console = Console(stderr=bool(problems))
             for problem in problems:

@@ -25,16 +25,27 @@ def register(app: typer.Typer) -> None:
         skill: list[str] = typer.Option([], "--skill", help="Apply a skill's recipe patch."),
         set_: list[str] = typer.Option([], "--set", help="Recipe override dotted.path=value."),
         hypothesis: str = typer.Option(None, "--hypothesis", help="If X then Y because Z."),
-        criterion: str = typer.Option(None, "--criterion",
-                                      help="Falsifiable CEL criterion over metrics."),
+        criterion: str = typer.Option(
+            None, "--criterion", help="Falsifiable CEL criterion over metrics."
+        ),
     ) -> None:
         """Fork evo/NAME from the parent's tip with the spec committed (unapproved)."""
         ws = Workspace.find()
-        new_version(ws, name, parent, rationale=rationale, skills=skill, settings=set_,
-                    hypothesis=hypothesis, criterion=criterion)
-        Console().print(f"Created {branch_name(name)} from {branch_name(parent)} (not approved: "
-                        f"`evotrainer approve {name}` when the diff looks right: "
-                        f"git diff {branch_name(parent)}..{branch_name(name)})")
+        new_version(
+            ws,
+            name,
+            parent,
+            rationale=rationale,
+            skills=skill,
+            settings=set_,
+            hypothesis=hypothesis,
+            criterion=criterion,
+        )
+        Console().print(
+            f"Created {branch_name(name)} from {branch_name(parent)} (not approved: "
+            f"`evotrainer approve {name}` when the diff looks right: "
+            f"git diff {branch_name(parent)}..{branch_name(name)})"
+        )
 
     @group.command("show")
     def show(name: str = typer.Argument(..., help="Version name.")) -> None:
@@ -46,11 +57,20 @@ def register(app: typer.Typer) -> None:
         console = Console()
         run = state.records.get("run") or {}
         decision = state.records.get("decision") or {}
-        console.print(f"[bold]{name}[/]  branch {branch_name(name)} @ {state.sha[:10]}  "
-                      f"parent {state.parent or '—'}  "
-                      f"{'approved' if state.approved else 'not approved'}")
-        console.print(f"run: {run.get('state', 'not run')}   "
-                      f"verdict: {decision.get('verdict', '—')}")
+        console.print(
+            f"[bold]{name}[/]  branch {branch_name(name)} @ {state.sha[:10]}  "
+            f"parent {state.parent or '—'}  "
+            f"{'approved' if state.approved else 'not approved'}"
+        )
+        console.print(
+            f"run: {run.get('state', 'not run')}   verdict: {decision.get('verdict', '—')}"
+        )
         console.print(f"recipe digest: {digest(recipe)}")
-        console.print(Syntax(specs.dump({"spec": state.spec, "resolved_recipe": recipe}),
-                             "yaml", theme="ansi_dark", background_color="default"))
+        console.print(
+            Syntax(
+                specs.dump({"spec": state.spec, "resolved_recipe": recipe}),
+                "yaml",
+                theme="ansi_dark",
+                background_color="default",
+            )
+        )

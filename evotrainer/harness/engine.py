@@ -136,6 +136,11 @@ def gate_verdict(
         "alpha": harness.alpha,
         "min_delta": harness.min_delta,
         "critical_alerts": sum(a["severity"] == "critical" for a in alerts),
+        # Critical behavior alerts (leak, abandonment) say the score itself cannot be
+        # trusted; critical signal alerts (dead groups) say what to fix next.
+        "critical_behavior_alerts": sum(
+            a["severity"] == "critical" and a.get("layer") == "behavior" for a in alerts
+        ),
         "warning_alerts": sum(a["severity"] == "warning" for a in alerts),
         "alerts": [a["name"] for a in alerts],
         "params": harness.params,

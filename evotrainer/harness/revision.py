@@ -46,6 +46,7 @@ GATE_VARIABLES = frozenset(
         "alpha",
         "min_delta",
         "critical_alerts",
+        "critical_behavior_alerts",
         "warning_alerts",
         "alerts",
         "params",

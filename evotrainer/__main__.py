@@ -1,0 +1,3 @@
+from evotrainer.cli import main
+
+main()

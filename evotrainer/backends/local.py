@@ -1,0 +1,140 @@
+"""The `local` backend: the embedded engine in a detached subprocess.
+
+The job's artifact dir is its whole state: `job.json` (pid, start time, command) is written
+when the process starts, the engine writes `result.json` when it ends. A later reconcile
+pass — even from another process — reads the state back from those files, so a launch is
+never repeated while its process lives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import psutil
+
+from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus
+from evotrainer.errors import EvoError
+
+JOB_FILE = "job.json"
+RESULT_FILE = "result.json"
+LOG_FILE = "train.log"
+STDIO_FILE = "process.log"
+
+
+class LocalBackend:
+    name = "local"
+    # Run as `python -m MODULE RECIPE_JSON OUT_DIR VERSION`; it writes the engine's outputs.
+    engine_module = "evotrainer.engine"
+
+    def __init__(self, cache_dir: Path | None = None) -> None:
+        self.cache_dir = cache_dir  # shared warm-start cache under the artifact root
+
+    def check(self, recipe: dict) -> None:
+        from evotrainer.engine import check_recipe
+
+        check_recipe(recipe)
+
+    def submit(self, job: JobSpec) -> None:
+        if self.status(job).state is not JobState.UNKNOWN:
+            return  # already launched (or finished): adopt it, never launch twice
+        job.artifact_dir.mkdir(parents=True, exist_ok=True)
+        recipe_file = job.artifact_dir / "recipe.json"
+        recipe_file.write_text(json.dumps(job.recipe, indent=2, sort_keys=True))
+        command = [sys.executable, "-m", self.engine_module, str(recipe_file),
+                   str(job.artifact_dir), job.version]
+        env = {**os.environ, **job.env, "OMP_NUM_THREADS": str(job.recipe.get("threads", 1))}
+        if self.cache_dir is not None:
+            env["EVOTRAINER_CACHE_DIR"] = str(self.cache_dir)
+        with (job.artifact_dir / STDIO_FILE).open("ab") as out:
+            process = subprocess.Popen(
+                command, cwd=job.workdir, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True,  # outlives reconcile
+            )
+        record = {"job_id": job.job_id, "pid": process.pid, "host": socket.gethostname(),
+                  "create_time": psutil.Process(process.pid).create_time(),
+                  "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  "command": command}
+        atomic_write(job.artifact_dir / JOB_FILE, json.dumps(record, indent=2))
+
+    def status(self, job: JobSpec) -> JobStatus:
+        result = read_json(job.artifact_dir / RESULT_FILE)
+        record = read_json(job.artifact_dir / JOB_FILE)
+        if record is None or record.get("job_id") != job.job_id:
+            return JobStatus(JobState.UNKNOWN, "no such job")
+        process = live_process(record)
+        if process is not None:
+            return JobStatus(JobState.RUNNING, f"pid {record['pid']}")
+        if result is not None and result.get("status") == "ok":
+            return JobStatus(JobState.SUCCEEDED, "finished", 1.0, 0)
+        if result is not None:
+            return JobStatus(JobState.FAILED, str(result.get("error", "job failed")), None, 1)
+        return JobStatus(JobState.FAILED, f"process {record['pid']} disappeared without a "
+                         "result (killed, or the machine restarted)")
+
+    def cancel(self, job: JobSpec) -> None:
+        record = read_json(job.artifact_dir / JOB_FILE)
+        process = live_process(record) if record else None
+        if process is not None:
+            os.killpg(process.pid, signal.SIGTERM)
+
+    def logs(self, job: JobSpec, tail: int = 50) -> str:
+        lines: list[str] = []
+        for name in (LOG_FILE, STDIO_FILE):
+            path = job.artifact_dir / name
+            if path.is_file():
+                lines += path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-tail:])
+
+    def collect(self, job: JobSpec) -> Collected:
+        out = job.artifact_dir
+        scores = out / "scores.csv"
+        if not scores.is_file():
+            raise EvoError("the job finished but wrote no scores.csv", where=str(out),
+                           hint="see the job log: evotrainer logs " + job.version)
+
+        def present(path: Path) -> Path | None:
+            return path if path.is_file() else None
+
+        return Collected(
+            train_rollouts=present(out / "rollouts" / "train.parquet"),
+            val_rollouts=present(out / "rollouts" / "val.parquet"),
+            steps=present(out / "steps.parquet"),
+            scores=scores,
+            result=read_json(out / RESULT_FILE) or {},
+        )
+
+
+def live_process(record: dict) -> psutil.Process | None:
+    """The job's process if it still runs (same pid *and* start time: pids get reused)."""
+    if record.get("host") != socket.gethostname():
+        return None
+    try:
+        process = psutil.Process(record["pid"])
+        if abs(process.create_time() - record["create_time"]) > 1.0:
+            return None
+        if process.status() == psutil.STATUS_ZOMBIE:
+            process.wait(0)  # reap our own child so it is not seen as running
+            return None
+        return process
+    except (psutil.NoSuchProcess, psutil.TimeoutExpired, KeyError):
+        return None
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

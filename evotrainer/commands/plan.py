@@ -1,0 +1,58 @@
+"""`evotrainer plan`: what a reconcile would do, per version, and why (read-only)."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from evotrainer.reconcile import VersionPlan, load_context, plan
+from evotrainer.workspace import Workspace
+
+SYNC_STYLE = {"Synced": "green", "OutOfSync": "yellow", "Drifted": "magenta"}
+HEALTH_STYLE = {
+    "Succeeded": "green",
+    "Running": "blue",
+    "Pending": "cyan",
+    "Failed": "red",
+    "Stalled": "red",
+}
+
+
+def plan_table(plans: list[VersionPlan]) -> Table:
+    table = Table(title="plan", show_lines=False)
+    for column in ("version", "sync", "health", "action", "why"):
+        table.add_column(column)
+    for p in plans:
+        table.add_row(
+            p.version,
+            f"[{SYNC_STYLE.get(p.sync, 'white')}]{p.sync}[/]",
+            f"[{HEALTH_STYLE.get(p.health, 'white')}]{p.health}[/]",
+            f"[bold]{p.action.kind}[/]" if p.action else "[dim]—[/]",
+            p.action.reason if p.action else f"[dim]{p.note}[/]",
+        )
+    return table
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("plan")
+    def plan_command(
+        as_json: bool = typer.Option(False, "--json", help="Machine-readable."),
+    ) -> None:
+        """List the actions reconcile would take. Exit 0: nothing to do; 2: changes pending;
+        1: error (terraform's -detailed-exitcode convention)."""
+        plans = plan(load_context(Workspace.find()))
+        pending = any(p.action for p in plans)
+        if as_json:
+            print(
+                json.dumps({"changes": pending, "versions": [p.as_dict() for p in plans]}, indent=2)
+            )
+        else:
+            console = Console()
+            console.print(plan_table(plans))
+            console.print(
+                "changes pending: run `evotrainer reconcile`" if pending else "nothing to do"
+            )
+        raise typer.Exit(2 if pending else 0)

@@ -1,0 +1,108 @@
+"""The promotion gate: a version against its parent on the per-task score tables, plus the
+harness's gate rules over the diagnosis. The verdict is written with the numbers that
+decided it, so a reviewer reads `decision.yaml` and sees why."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+
+from evotrainer import API_VERSION, cel
+from evotrainer.errors import EvoError
+from evotrainer.evidence.io import read_scores
+from evotrainer.gitstore import branch_name
+from evotrainer.harness.engine import gate_verdict
+from evotrainer.harness.revision import HarnessRevision
+from evotrainer.stats import compare_tables
+from evotrainer.versions import now_iso
+from evotrainer.workspace import VersionState, Workspace, run_path
+
+
+def recorded_scores(ws: Workspace, version: str) -> pa.Table:
+    """The per-task score table committed on the version's branch."""
+    raw = ws.git.read(branch_name(version), run_path(version, "scores.csv"))
+    if raw is None:
+        raise EvoError(
+            f"{version} has no recorded scores",
+            where=branch_name(version),
+            hint="reconcile it first: the gate compares score tables",
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "scores.csv"
+        path.write_bytes(raw)
+        return read_scores(path)
+
+
+def metric_values(diagnosis: dict | None) -> dict:
+    """{name: value} from a diagnosis record's {name: {value, layer, trend}}."""
+    metrics = (diagnosis or {}).get("metrics") or {}
+    return {name: (m.get("value") if isinstance(m, dict) else m) for name, m in metrics.items()}
+
+
+def decide(
+    ws: Workspace, states: dict[str, VersionState], state: VersionState, harness: HarnessRevision
+) -> dict:
+    diagnosis = state.records["diagnosis"]
+    metrics = metric_values(diagnosis)
+    decision = {
+        "apiVersion": API_VERSION,
+        "kind": "Decision",
+        "version": state.name,
+        "parent": state.parent,
+        "harness": {"name": harness.name, "digest": harness.digest},
+    }
+    if state.parent is None:
+        return {
+            **decision,
+            "verdict": "baseline",
+            "comparison": None,
+            "blocked_by": [],
+            "reason": "root of the lineage: the reference its children are compared with",
+            "decided_at": now_iso(),
+        }
+    parent = states[state.parent]
+    comparison = compare_tables(recorded_scores(ws, parent.name), recorded_scores(ws, state.name))
+    gate = gate_verdict(
+        harness,
+        {"metrics": metrics, "alerts": diagnosis["alerts"]},
+        comparison,
+        metric_values(parent.records.get("diagnosis")),
+    )
+    critical = [a["name"] for a in diagnosis["alerts"]
+                if a.get("severity") == "critical" and a.get("layer") == "behavior"]
+    numbers = (
+        f"Δ avg@k {comparison['delta']:+.4f} 95% CI [{comparison['ci_low']:+.4f}, "
+        f"{comparison['ci_high']:+.4f}], p={comparison['p_bootstrap']:.4f} "
+        f"over {comparison['n_tasks']} tasks"
+    )
+    verdict = gate["verdict"]
+    if verdict == "block":
+        verdict = "prune"
+        reason = f"blocked by critical alert(s) {', '.join(critical)} whatever the score; {numbers}"
+    else:
+        reason = f"{numbers} (gate rule {gate['rule'] or 'none'})"
+    decision.update(
+        verdict=verdict,
+        comparison=comparison,
+        blocked_by=critical,
+        rule=gate["rule"],
+        reason=reason,
+    )
+    criterion = ((state.spec.get("intervention") or {}).get("hypothesis") or {}).get("criterion")
+    if criterion:
+        decision["criterion"] = {
+            "expression": criterion,
+            "held": _criterion_holds(criterion, gate["variables"]),
+        }
+    decision["decided_at"] = now_iso()
+    return decision
+
+
+def _criterion_holds(expression: str, variables: dict) -> bool | None:
+    """The version's falsifiable criterion; None when it reads a metric that is null."""
+    try:
+        return cel.evaluate(expression, variables) is True
+    except EvoError:
+        return None

@@ -1,0 +1,75 @@
+"""A stand-in for `python -m evotrainer.engine` in reconcile tests: same command line, same
+outputs (canonical rollouts, steps, scores.csv, result.json), no training — correctness is
+drawn from a seeded Bernoulli whose rate the test sets through `domain.params`:
+
+- `standin_skill` (default 0.3): probability that a sample is correct;
+- `standin_leak` (default false): train rollouts call the leaking tool `reveal`;
+- `standin_fail` (default false): exit 1 without results, as a crashed job does.
+
+What is real around it: the detached subprocess, job.json / result.json protocol, and every
+reconcile step after it (ingest, h0 diagnosis, paired bootstrap gate, git commits).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from evotrainer.evidence.schema import ROLLOUT_SCHEMA
+from evotrainer.recipe import digest
+
+TASKS, GROUP = 24, 4
+
+
+def rows(version: str, split: str, steps: list[int], skill: float, leak: bool, seed: int):
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in steps:
+        for task in range(TASKS):
+            for sample in range(GROUP):
+                correct = float(rng.random() < min(1.0, skill + 0.02 * (task % 5)))
+                out.append({
+                    "version": version, "seed": 0, "step": step, "split": split,
+                    "task_id": f"t{task}", "data_source": "standin",
+                    "group_id": f"{step}-{task}", "sample_idx": sample, "prompt": f"task {task}",
+                    "response": "=1" if correct else "=0", "reward": correct,
+                    "reward_components": [("correctness", correct)], "correct": correct,
+                    "response_tokens": 2, "truncated": False, "finish_reason": "stop",
+                    "turns": 2, "tool_calls": [{"name": "reveal", "args": ""}] if leak else [],
+                    "mean_logprob": -1.0, "extra": "{}"})
+    return out
+
+
+def main(recipe_file: str, out_dir: str, version: str) -> int:
+    recipe = json.loads(Path(recipe_file).read_text())
+    params = recipe["domain"].get("params") or {}
+    out = Path(out_dir)
+    if params.get("standin_fail"):
+        print("stand-in engine: failing on purpose", file=sys.stderr)
+        (out / "result.json").write_text(json.dumps({"status": "failed", "error": "on purpose"}))
+        return 1
+    skill, leak = params.get("standin_skill", 0.3), params.get("standin_leak", False)
+    seed = int(digest(recipe)[7:15], 16)
+    (out / "rollouts").mkdir(parents=True, exist_ok=True)
+    train = rows(version, "train", [1, 2, 3], skill, leak, seed)
+    val = rows(version, "val", [recipe["grpo"]["steps"]], skill, False, seed + 1)
+    pq.write_table(pa.Table.from_pylist(train, ROLLOUT_SCHEMA), out / "rollouts/train.parquet")
+    pq.write_table(pa.Table.from_pylist(val, ROLLOUT_SCHEMA), out / "rollouts/val.parquet")
+    lines = ["seed,task_id,data_source,sample_idx,correct"] + [
+        f"0,{r['task_id']},standin,{r['sample_idx']},{r['correct']}" for r in val]
+    (out / "scores.csv").write_text("\n".join(lines) + "\n")
+    (out / "train.log").write_text(f"stand-in run of {version}\n")
+    accuracy = float(np.mean([r["correct"] for r in val]))
+    (out / "result.json").write_text(json.dumps({
+        "status": "ok", "val_avg": accuracy, "steps_done": recipe["grpo"]["steps"],
+        "eval_k": GROUP, "seeds": [0], "wall_time_s": 0.01}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))

@@ -173,3 +173,23 @@ def test_domain_takes_the_callers_truncation_and_reports_details() -> None:
     assert (cut.components["format"], cut.components["truncated"]) == (1.0, 1.0)
     _, details = domain.judge(task, block("print(0)"))
     assert details["failure"] == "wrong_answer" and details["total"] == len(details["cases"])
+
+
+def test_scores_through_the_verl_reward_module(tmp_path) -> None:
+    from evotrainer.backends.verl_reward import compute_score
+
+    config = tmp_path / "reward.json"
+    config.write_text(
+        json.dumps(
+            {
+                "domain": {"name": "code", "params": {}},
+                "reward": {"components": [{"name": "pass_fraction", "weight": 1.0}]},
+            }
+        )
+    )
+    task = CodeDomain().task_at(0)
+    info = {"task_id": task.task_id, "meta": json.dumps(task.meta)}
+    response = block("a, b = map(int, input().split())\nprint(a + b if a < 5 else 0)")
+    result = compute_score(task.data_source, response, task.answer, info, config_path=str(config))
+    assert (result["score"], result["acc"]) == (0.5, 0.0)
+    assert result["task_id"] == "code:c01"

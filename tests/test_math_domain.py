@@ -162,3 +162,30 @@ def test_domain_takes_the_callers_truncation_and_reports_details() -> None:
     assert stopped.components["format"] == 0.0
     _, details = domain.judge(task, "$\\boxed{56}$")
     assert details == {"answer": "56", "form": "boxed", "failure": None}
+
+
+def test_scores_through_the_verl_reward_module(tmp_path) -> None:
+    from evotrainer.backends.verl_reward import compute_score
+
+    config = tmp_path / "reward.json"
+    config.write_text(
+        json.dumps(
+            {
+                "domain": {"name": "math", "params": {}},
+                "reward": {
+                    "components": [
+                        {"name": "correctness", "weight": 1.0},
+                        {"name": "format", "weight": 0.1},
+                    ]
+                },
+            }
+        )
+    )
+    task = MathDomain().task_at(2)
+    info = {"task_id": task.task_id, "meta": json.dumps(task.meta)}
+    result = compute_score(
+        task.data_source, "so \\boxed{1/6}", task.answer, info, config_path=str(config)
+    )
+    assert (result["score"], result["acc"], result["task_id"]) == (1.1, 1.0, "math:m03")
+    result = compute_score(task.data_source, "no idea", task.answer, info, config_path=str(config))
+    assert (result["score"], result["format"]) == (0.0, 0.0)

@@ -48,10 +48,8 @@ def extract_answer(response: str) -> tuple[str | None, str, bool]:
             cut_off = True
             break
         answer, pos = content.strip(), end
-    if answer is not None and not cut_off:
-        return answer, "boxed", False
     if answer is not None:
-        return answer, "boxed", True
+        return answer, "boxed", cut_off
     lines = [line for line in response.strip().splitlines() if line.strip()]
     if lines and not cut_off and (match := _FINAL_LINE.search(lines[-1])):
         text = (match.group("ans") or match.group("hash")).strip()

@@ -41,22 +41,15 @@ _LIMIT_STATUSES = frozenset({"timeout", "cpu_limit", "memory_limit", "output_lim
 def extract_program(response: str) -> tuple[str | None, bool]:
     """(program, cut_off): the last complete python (or untagged) fenced block; `cut_off` is
     True when the response ends inside an opened block, which then is the program."""
-    program, cut_off = None, False
     fences = list(_FENCE.finditer(response))
-    i = 0
-    while i < len(fences):
-        opening = fences[i]
-        closing = fences[i + 1] if i + 1 < len(fences) else None
-        body_start = opening.end() + 1
-        if closing is None:
-            cut_off = opening.group(1).lower() in _PYTHON_TAGS
-            if cut_off:
-                program = response[body_start:]
-            break
+    program = None
+    # An odd last fence opens a block that never closes (handled below), hence strict=False.
+    for opening, closing in zip(fences[::2], fences[1::2], strict=False):
         if opening.group(1).lower() in _PYTHON_TAGS:
-            program = response[body_start : closing.start()]
-        i += 2
-    return program, cut_off
+            program = response[opening.end() + 1 : closing.start()]
+    if len(fences) % 2 and fences[-1].group(1).lower() in _PYTHON_TAGS:
+        return response[fences[-1].end() + 1 :], True
+    return program, False
 
 
 def outputs_match(expected: str, actual: str) -> bool:

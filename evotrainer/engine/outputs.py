@@ -17,6 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from rich.console import Console
 from rich.progress import Progress
 
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
@@ -99,7 +100,7 @@ class RunLog:
         if not (self.terminal and sys.stderr.isatty()):
             yield lambda: None
             return
-        with Progress(transient=True) as bar:
+        with Progress(console=Console(stderr=True), transient=True) as bar:
             self.bar = bar
             task = bar.add_task(description, total=total)
             try:

@@ -7,7 +7,7 @@ root, pid/mount/network namespaces and a fresh uid). The plain side writes each 
 temp file once and runs `python -I -S file` per case with no limits at all. Both use the same
 interpreter and flags, so the ratio is the sandbox's own overhead.
 
-    python bench/sandbox.py [--programs 1000] [--workers 2]
+    python bench/sandbox.py [--programs 1000] [--workers 2] [--rounds 10]
 """
 
 from __future__ import annotations
@@ -61,20 +61,28 @@ def score_plain(item: tuple[str, list[dict[str, str]]]) -> int:
         os.unlink(f.name)
 
 
-def timed(fn, programs: list, workers: int) -> tuple[float, int]:
-    start = time.perf_counter()
-    if workers == 1:
-        passed = sum(map(fn, programs))
-    else:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            passed = sum(pool.imap_unordered(fn, programs, chunksize=8))
-    return time.perf_counter() - start, passed
+def timed_interleaved(programs: list, workers: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds and passed cases per side. The sides alternate over `rounds` slices of the
+    programs, so load from other processes drifting during the run hits both alike."""
+    sides = {"plain": score_plain, "sandbox": score_sandboxed}
+    totals = {name: [0.0, 0] for name in sides}
+    context = multiprocessing.get_context("fork")
+    with context.Pool(workers) as pool:
+        for r in range(rounds):
+            chunk = programs[r::rounds]
+            for name, fn in sides.items():
+                start = time.perf_counter()
+                passed = sum(pool.imap_unordered(fn, chunk, chunksize=8))
+                totals[name][0] += time.perf_counter() - start
+                totals[name][1] += passed
+    return totals
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--programs", type=int, default=1000)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
     programs = make_programs(args.programs)
     cases = args.programs * CASES
@@ -84,8 +92,8 @@ def main() -> None:
         f"{os.cpu_count()} cpus, python {sys.version.split()[0]}"
     )
     print(f"sandbox isolation: {', '.join(sandbox.run('pass').isolation)}")
-    plain_s, plain_passed = timed(score_plain, programs, args.workers)
-    sandbox_s, sandbox_passed = timed(score_sandboxed, programs, args.workers)
+    totals = timed_interleaved(programs, args.workers, max(1, args.rounds))
+    (plain_s, plain_passed), (sandbox_s, sandbox_passed) = totals["plain"], totals["sandbox"]
     if plain_passed != sandbox_passed:
         raise SystemExit(f"verdicts differ: plain {plain_passed}, sandbox {sandbox_passed}")
     print(f"plain subprocess.run : {cases / plain_s:8.1f} cases/s ({plain_s:.1f} s)")

@@ -1,0 +1,235 @@
+"""Harness revisions over recorded history: backtest, adopt, diff.
+
+A harness revision is adopted only after its backtest: every recorded version is
+re-diagnosed from its stored rollouts (the run record's `artifact_dir`) with the candidate
+and with the revision it would replace, and re-gated with each (the same `gate.decide` that
+reconcile runs, over the same recorded score tables). What changes — alerts, verdicts — is
+what adopting it would change; the candidate's own `backtest_cases` must all pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from evotrainer.errors import EvoError
+from evotrainer.evidence.io import read_rollouts, read_steps
+from evotrainer.gate import decide
+from evotrainer.harness.engine import diagnose, diagnosis_document
+from evotrainer.harness.revision import HarnessRevision, resolve_harness
+from evotrainer.lineage import tree_order
+from evotrainer.workspace import PROJECT_FILE, VersionState, Workspace
+
+
+def recorded_versions(ws: Workspace, states: dict[str, VersionState]) -> list[str]:
+    """Versions with a succeeded run whose artifacts are still on disk, in tree order."""
+    out = []
+    for name in tree_order(states):
+        run = states[name].records.get("run") or {}
+        if run.get("state") == "Succeeded" and (ws.root / run["artifact_dir"]).is_dir():
+            out.append(name)
+    return out
+
+
+def _diagnosis(ws: Workspace, state: VersionState, harness: HarnessRevision) -> dict:
+    recorded = state.records.get("diagnosis")
+    if recorded and (recorded.get("harness") or {}).get("digest") == harness.digest:
+        return recorded  # reconcile already diagnosed it with exactly this revision
+    artifact_dir = ws.root / state.records["run"]["artifact_dir"]
+    steps_file = artifact_dir / "steps.parquet"
+    result = diagnose(
+        read_rollouts(artifact_dir / "rollouts"),
+        read_steps(steps_file) if steps_file.is_file() else None,
+        harness,
+    )
+    return diagnosis_document(result, state.name)
+
+
+def _regate(
+    ws: Workspace, states: dict[str, VersionState], diagnoses: dict[str, dict],
+    harness: HarnessRevision,
+) -> dict[str, dict]:
+    """Decisions of every diagnosed version as if `harness` had diagnosed the lineage."""
+    replaced = {
+        name: dataclasses.replace(
+            state, records={**state.records, "diagnosis": diagnoses.get(name)}
+        )
+        for name, state in states.items()
+    }
+    decisions = {}
+    for name in diagnoses:
+        state = replaced[name]
+        parent = state.parent
+        if parent is not None and diagnoses.get(parent) is None:
+            continue  # the parent's evidence is gone: nothing to compare with
+        decisions[name] = decide(ws, replaced, state, harness)
+    return decisions
+
+
+def _alerts(diagnosis: dict | None) -> list[str]:
+    return sorted(f"{a['name']}:{a['severity']}" for a in (diagnosis or {}).get("alerts") or [])
+
+
+def case_passes(expect: str, decision: dict | None) -> bool:
+    if decision is None:
+        return False
+    if expect == "block":  # the gate records a block as a prune with its blocking alerts
+        return decision["verdict"] == "prune" and bool(decision.get("blocked_by"))
+    return decision["verdict"] == expect
+
+
+def backtest_harness(
+    ws: Workspace, candidate: str | HarnessRevision, against: str | HarnessRevision | None = None
+) -> dict[str, Any]:
+    """Re-diagnose and re-gate every recorded version with `candidate` and `against` (default:
+    the revision in force). Returns rows per version, the changed ones, and the cases."""
+    new = candidate if isinstance(candidate, HarnessRevision) else resolve_harness(
+        candidate, ws.root)
+    old = against if isinstance(against, HarnessRevision) else resolve_harness(
+        against or ws.harness_in_force(), ws.root)
+    states = ws.versions()
+    names = recorded_versions(ws, states)
+    old_diag = {n: _diagnosis(ws, states[n], old) for n in names}
+    new_diag = {n: _diagnosis(ws, states[n], new) for n in names}
+    old_dec = _regate(ws, states, old_diag, old)
+    new_dec = _regate(ws, states, new_diag, new)
+    rows = []
+    for name in names:
+        before, after = old_dec.get(name), new_dec.get(name)
+        row = {
+            "version": name,
+            "recorded": (states[name].records.get("decision") or {}).get("verdict"),
+            "alerts_before": _alerts(old_diag[name]),
+            "alerts_after": _alerts(new_diag[name]),
+            "verdict_before": before["verdict"] if before else None,
+            "verdict_after": after["verdict"] if after else None,
+            "metrics_added": sorted(
+                set(new_diag[name].get("metrics") or {})
+                - set(old_diag[name].get("metrics") or {})
+            ),
+        }
+        row["new_metric_values"] = {
+            m: (new_diag[name]["metrics"][m] or {}).get("value") for m in row["metrics_added"]
+        }
+        row["changed"] = (
+            row["alerts_before"] != row["alerts_after"]
+            or row["verdict_before"] != row["verdict_after"]
+        )
+        rows.append(row)
+    cases = []
+    for case in new.backtest_cases:
+        decision = new_dec.get(case["version"])
+        cases.append({
+            **case,
+            "verdict": decision["verdict"] if decision else None,
+            "passed": case_passes(case["expect"], decision),
+            **({} if decision else {"reason": "no recorded run with artifacts to re-gate"}),
+        })
+    return {
+        "candidate": new.name,
+        "against": old.name,
+        "versions": rows,
+        "changed": [r["version"] for r in rows if r["changed"]],
+        "cases": cases,
+        "passed": all(c["passed"] for c in cases),
+    }
+
+
+# ------------------------------------------------------------------------------- adopt
+
+_HARNESS_LINE = re.compile(r"^harness:.*$", re.MULTILINE)
+
+
+def adopt_harness(ws: Workspace, name: str) -> dict[str, Any]:
+    """Put `name` in force: one commit on main setting `harness:` in the project spec
+    (trailer Action: adopt-harness). Refused unless the revision is committed on main and
+    its backtest cases pass. Returns the backtest."""
+    path = f"harness_versions/{name}.yaml"
+    if ws.git.read("main", path) is None:
+        raise EvoError(f"harness revision {name!r} is not committed on main", where=path,
+                       hint=f"review it, then `git add {path} && git commit`; adoption "
+                       "points the project at a revision everyone can read")
+    current = ws.harness_in_force()
+    if current == name:
+        raise EvoError(f"harness {name!r} is already in force", where=PROJECT_FILE,
+                       field="harness")
+    report = backtest_harness(ws, name, current)
+    failed = [c for c in report["cases"] if not c["passed"]]
+    if failed:
+        listed = ", ".join(f"{c['version']} expects {c['expect']}, got {c['verdict']}"
+                           for c in failed)
+        raise EvoError(f"harness {name!r} fails {len(failed)} backtest case(s): {listed}",
+                       where=path, field="backtest_cases",
+                       hint=f"see `evotrainer harness backtest {name} --against {current}`; "
+                       "nothing was adopted")
+    raw = ws.git.read("main", PROJECT_FILE)
+    if raw is None:
+        raise EvoError("main has no project spec", where=f"main:{PROJECT_FILE}")
+    text = raw.decode()
+    if _HARNESS_LINE.search(text):
+        text = _HARNESS_LINE.sub(f"harness: {name}", text, count=1)
+    else:
+        text = re.sub(r"^(kind:.*)$", rf"\1\nharness: {name}", text, count=1, flags=re.M)
+    changed = ", ".join(report["changed"]) or "none"
+    ws.git.commit_files(
+        "main",
+        {PROJECT_FILE: text.encode()},
+        f"Adopt harness {name} (was {current}): backtest cases "
+        f"{len(report['cases'])}/{len(report['cases'])} pass; versions that change: {changed}",
+        {"Action": "adopt-harness", "Harness": name, "Previous-Harness": current},
+    )
+    return report
+
+
+# -------------------------------------------------------------------------------- diff
+
+
+def _by_name(items: tuple) -> dict[str, Any]:
+    return {item.name: item for item in items}
+
+
+def _changed_fields(a: Any, b: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
+
+
+def diff_harness(old: HarnessRevision, new: HarnessRevision) -> dict[str, Any]:
+    """What a reviewer needs beside `git diff`: metrics, alerts (thresholds), gate rules,
+    params and cases added, removed or changed."""
+    out: dict[str, Any] = {"from": old.name, "to": new.name}
+    for kind, a_items, b_items in (
+        ("metrics", old.metrics, new.metrics),
+        ("alerts", old.alerts, new.alerts),
+        ("gate_rules", old.gate_rules, new.gate_rules),
+    ):
+        a, b = _by_name(a_items), _by_name(b_items)
+        out[kind] = {
+            "added": sorted(set(b) - set(a)),
+            "removed": sorted(set(a) - set(b)),
+            "changed": {n: _changed_fields(a[n], b[n]) for n in sorted(set(a) & set(b))
+                        if a[n] != b[n]},
+        }
+    out["thresholds"] = {
+        name: {"from": [(lv.severity, lv.when) for lv in a_alert.levels],
+               "to": [(lv.severity, lv.when) for lv in b_alert.levels]}
+        for name, a_alert in _by_name(old.alerts).items()
+        if (b_alert := _by_name(new.alerts).get(name)) and a_alert.levels != b_alert.levels
+    }
+    out["gate"] = {
+        key: {"from": getattr(old, key), "to": getattr(new, key)}
+        for key in ("alpha", "min_delta") if getattr(old, key) != getattr(new, key)
+    }
+    out["rule_order"] = (
+        {"from": [r.name for r in old.gate_rules], "to": [r.name for r in new.gate_rules]}
+        if [r.name for r in old.gate_rules] != [r.name for r in new.gate_rules] else None
+    )
+    out["params"] = {
+        k: {"from": old.params.get(k), "to": new.params.get(k)}
+        for k in sorted(set(old.params) | set(new.params))
+        if old.params.get(k) != new.params.get(k)
+    }
+    old_cases = {(c["version"], c["expect"]) for c in old.backtest_cases}
+    new_cases = {(c["version"], c["expect"]) for c in new.backtest_cases}
+    out["backtest_cases"] = {"added": sorted(new_cases - old_cases),
+                             "removed": sorted(old_cases - new_cases)}
+    return out

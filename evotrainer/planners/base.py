@@ -1,0 +1,274 @@
+"""The planner interface: read-only views of the workspace in, proposals out.
+
+Two planners implement it (`rules`, `anthropic`). Both see the same `View` — the lineage,
+the frontier, its diagnosis and the skill library — and return `Proposal`s (new policy
+versions) and `HarnessProposal`s (new harness revisions). Writing them is not the
+planner's job: `write_proposals` turns each into an unapproved `evo/<name>` branch (or a
+harness revision file committed on main), so every planner's output is reviewed the same
+way, with `git diff evo/PARENT..evo/NAME`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import yaml
+
+from evotrainer.errors import EvoError
+from evotrainer.gitstore import PRUNED_TAG_PREFIX
+from evotrainer.harness.revision import HarnessRevision, parse_harness, resolve_harness
+from evotrainer.lineage import tree_order
+from evotrainer.recipe import canonical_json
+from evotrainer.skills import Skill, workspace_library
+from evotrainer.versions import new_version
+from evotrainer.workspace import VersionState, Workspace
+
+PLANNERS = ("rules", "anthropic")
+# A version that did not beat its parent: what the escalation protocol counts.
+FAILED_VERDICTS = ("prune", "revert", "inconclusive")
+DEFAULT_ESCALATE_AFTER = 3
+
+
+@dataclass
+class Proposal:
+    """One candidate policy version: a single factor on top of `parent`."""
+
+    parent: str
+    rationale: str
+    skills: list[str] = field(default_factory=list)
+    settings: list[str] = field(default_factory=list)  # dotted KEY=VALUE recipe overrides
+    hypothesis: str | None = None
+    criterion: str | None = None
+    proposal: dict[str, Any] = field(default_factory=dict)  # planner, tokens, backtest, ...
+    name: str | None = None  # assigned when written
+
+
+@dataclass
+class HarnessProposal:
+    """A new harness revision (a full HarnessRevision document) and its backtest."""
+
+    document: dict[str, Any]
+    rationale: str
+    backtest: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.document["name"]
+
+
+@dataclass
+class PlannerResult:
+    proposals: list[Proposal] = field(default_factory=list)
+    harness: list[HarnessProposal] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what was declined or skipped, and why
+    tokens: int = 0
+
+
+class Planner(Protocol):
+    name: str
+
+    def propose(self, view: View, max_proposals: int) -> PlannerResult: ...
+
+
+# ------------------------------------------------------------------------------ the view
+
+
+@dataclass
+class View:
+    """What a planner may read: git state, derived once per decision."""
+
+    ws: Workspace
+    states: dict[str, VersionState]
+    pruned: set[str]
+    harness: HarnessRevision
+    skills: dict[str, Skill]
+
+    @classmethod
+    def load(cls, ws: Workspace) -> View:
+        return cls(
+            ws=ws,
+            states=ws.versions(),
+            pruned=set(ws.git.tags(PRUNED_TAG_PREFIX)),
+            harness=resolve_harness(ws.harness_in_force(), ws.root),
+            skills=workspace_library(ws),
+        )
+
+    @property
+    def autonomy(self) -> dict[str, Any]:
+        return self.ws.project.get("autonomy") or {}
+
+    @property
+    def planner_config(self) -> dict[str, Any]:
+        return self.ws.project.get("planner") or {}
+
+    def verdict(self, name: str) -> str | None:
+        return (self.states[name].records.get("decision") or {}).get("verdict")
+
+    def run_state(self, name: str) -> str | None:
+        return (self.states[name].records.get("run") or {}).get("state")
+
+    def failed(self, name: str) -> bool:
+        """Did not beat its parent: pruned, reverted, inconclusive, or the job failed."""
+        return self.verdict(name) in FAILED_VERDICTS or (
+            self.run_state(name) == "Failed" and self.verdict(name) is None
+        )
+
+    def frontier(self) -> str:
+        """The latest promoted version on main; the root when nothing was promoted yet."""
+        main = self.ws.git.rev("refs/heads/main")
+        promoted = [
+            (decision.get("decided_at", ""), name)
+            for name, state in self.states.items()
+            if (decision := state.records.get("decision") or {}).get("verdict") == "promote"
+            and main and self.ws.git.is_ancestor(state.sha, main)
+        ]
+        if promoted:
+            return max(promoted)[1]
+        roots = [n for n in tree_order(self.states) if self.states[n].parent is None]
+        if not roots:
+            raise EvoError("no root version", hint="run `evotrainer init DIR` to get v0")
+        return roots[0]
+
+    def chain(self, name: str) -> list[str]:
+        return [s.name for s in self.ws.chain(name, self.states)]
+
+    def children(self, name: str) -> list[str]:
+        return [n for n in tree_order(self.states) if self.states[n].parent == name]
+
+    def decided_order(self) -> list[str]:
+        """Gated or failed non-root versions, oldest decision first."""
+        out = []
+        for name, state in self.states.items():
+            if state.parent is None:
+                continue
+            decision = state.records.get("decision") or {}
+            run = state.records.get("run") or {}
+            when = decision.get("decided_at") or (
+                run.get("finished_at") if run.get("state") == "Failed" else None
+            )
+            if when:
+                out.append((when, name))
+        return [name for _, name in sorted(out)]
+
+    def failure_streak(self) -> list[str]:
+        """The versions decided since the last promotion, all failed (oldest first)."""
+        streak: list[str] = []
+        for name in self.decided_order():
+            streak = [*streak, name] if self.failed(name) else []
+        return streak
+
+    def escalate_after(self) -> int:
+        return int(self.autonomy.get("escalate_after_failures") or DEFAULT_ESCALATE_AFTER)
+
+    def applied_skills(self, name: str) -> list[str]:
+        spec = self.states[name].spec or {}
+        return list((spec.get("intervention") or {}).get("skills") or [])
+
+    def refuted_skills(self, frontier: str) -> dict[str, str]:
+        """{skill: version} for skills applied by a failed ancestor of the frontier or a failed
+        sibling anywhere along its chain: interventions this lineage already refuted."""
+        chain = self.chain(frontier)
+        related = set(chain) | {n for n, s in self.states.items() if s.parent in chain}
+        refuted: dict[str, str] = {}
+        for name in sorted(related):
+            if self.failed(name) or name in self.pruned:
+                for skill in self.applied_skills(name):
+                    refuted.setdefault(skill, name)
+        return refuted
+
+    def tried_overrides(self, parent: str) -> set[str]:
+        """Canonical recipe overrides of every child of `parent`, whatever its state: the
+        same change from the same parent is never proposed twice."""
+        return {
+            canonical_json((self.states[n].spec or {}).get("recipe") or {})
+            for n in self.children(parent)
+        }
+
+
+# ------------------------------------------------------------------------------ writing
+
+_NUMBERED = re.compile(r"^(?P<head>[a-z]+)(?P<n>\d+)$")
+
+
+def next_name(existing: list[str], prefix: str) -> str:
+    numbers = [
+        int(m["n"]) for name in existing if (m := _NUMBERED.match(name)) and m["head"] == prefix
+    ]
+    return f"{prefix}{max(numbers, default=0) + 1}"
+
+
+def write_proposals(ws: Workspace, result: PlannerResult) -> list[str]:
+    """Create one unapproved branch per version proposal and commit each harness revision
+    file on main; return the names written. Proposals that `new_version` rejects (a bad
+    setting) fail loudly before anything else is written for them."""
+    written = []
+    for proposal in result.proposals:
+        name = proposal.name or next_name(list(ws.versions()), "v")
+        new_version(
+            ws,
+            name,
+            proposal.parent,
+            rationale=proposal.rationale,
+            skills=proposal.skills,
+            settings=proposal.settings,
+            hypothesis=proposal.hypothesis,
+            criterion=proposal.criterion,
+            proposal=proposal.proposal,
+        )
+        proposal.name = name
+        written.append(name)
+    for harness in result.harness:
+        written.append(write_harness_revision(ws, harness))
+    return written
+
+
+def write_harness_revision(ws: Workspace, harness: HarnessProposal) -> str:
+    """Commit `harness_versions/<name>.yaml` on main (not in force until adopted)."""
+    path = f"harness_versions/{harness.name}.yaml"
+    if ws.harness_path(harness.name).exists() or ws.git.read("main", path) is not None:
+        raise EvoError(f"harness revision {harness.name!r} already exists", where=path,
+                       hint="revisions are never overwritten; pick a new name")
+    text = (
+        "# yaml-language-server: $schema=../spec/schemas/harness-revision.schema.json\n"
+        + yaml.safe_dump(harness.document, sort_keys=False, allow_unicode=True)
+    )
+    parse_harness(yaml.safe_load(text), source=path)  # never commit an invalid revision
+    summary = ""
+    if harness.backtest:
+        cases = harness.backtest.get("cases") or []
+        passed = sum(c["passed"] for c in cases)
+        summary = (
+            f"\n\nBacktest against {harness.backtest['against']}: "
+            f"{len(harness.backtest.get('changed') or [])} version(s) change, "
+            f"cases {passed}/{len(cases)} pass."
+        )
+    ws.git.commit_files(
+        "main",
+        {path: text.encode()},
+        f"Propose harness {harness.name}: {harness.rationale}{summary}",
+        {"Action": "propose-harness", "Harness": harness.name},
+    )
+    return harness.name
+
+
+def get_planner(name: str) -> Planner:
+    if name == "rules":
+        from evotrainer.planners.rules import RulesPlanner
+
+        return RulesPlanner()
+    if name == "anthropic":
+        from evotrainer.planners.anthropic import AnthropicPlanner
+
+        return AnthropicPlanner()
+    raise EvoError(f"unknown planner {name!r}", field="--planner",
+                   hint=f"one of {', '.join(PLANNERS)}")
+
+
+def propose(ws: Workspace, planner: str | None = None, max_proposals: int = 1) -> PlannerResult:
+    """Run a planner over fresh views of the workspace and write what it proposes."""
+    name = planner or (ws.project.get("planner") or {}).get("name", "rules")
+    result = get_planner(name).propose(View.load(ws), max_proposals)
+    write_proposals(ws, result)
+    return result

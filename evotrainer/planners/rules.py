@@ -1,0 +1,507 @@
+"""The `rules` planner: deterministic, no network. The trainer-agent protocol as code.
+
+1. Frontier = the latest promoted version on main (or the root). Every proposal forks from
+   it: a failed version is never built upon.
+2. Evidence = the frontier's diagnosis and those of its gated children (a pruned child's
+   alerts say what to fix next, e.g. the leak that blocked it).
+3. Candidates = skills whose trigger fires (`skills.match`: negative skills never match and
+   are listed as declined), one factor each, with the skill's falsifiable criterion. Skills
+   this lineage already refuted (applied by a failed ancestor or sibling) or already tried
+   from the frontier are skipped. Integrity and measurement fixes (audit, eval-protocol)
+   come first: a score that cannot be trusted says nothing about anything else.
+4. A filter or reward skill is backtested on the stored rollouts that fired it; a backtest
+   that shows no effect demotes the candidate.
+5. Escalation after `autonomy.escalate_after_failures` consecutive failed versions: re-branch
+   from the last good version, prefer subtraction (undo a skill on the chain), and switch
+   layer (skip the categories the failed versions tried).
+6. Nothing left: the most promising default (train the recipe as is from an untrained root,
+   else twice the steps, else a second seed), saying that no trigger fired.
+7. A failed version without any alert is a verdict the harness cannot explain: propose a
+   harness revision adding the candidate metric that best separates it from its parent,
+   backtested on every recorded version, its cases = the recorded verdicts.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from evotrainer.backtest import (
+    backtest_filter,
+    backtest_reward,
+    skill_filter,
+    skill_reward,
+    version_rollouts,
+)
+from evotrainer.errors import EvoError
+from evotrainer.harness.revision import parse_harness
+from evotrainer.harness_ops import backtest_harness, recorded_versions
+from evotrainer.planners.base import (
+    HarnessProposal,
+    PlannerResult,
+    Proposal,
+    View,
+    next_name,
+)
+from evotrainer.recipe import canonical_json, set_dotted
+from evotrainer.skills import Match, match, refusals
+from evotrainer.versions import parse_assignment
+
+# Fix what makes the score untrustworthy first, then measurement artifacts, then the rest
+# in the library's evidence order.
+CATEGORY_FIRST = {"audit": 0, "eval-protocol": 1}
+
+# Metrics a harness revision may add when a verdict goes unexplained: from the method's
+# catalogue, computable over the canonical rollout table.
+METRIC_CATALOGUE: tuple[dict[str, Any], ...] = (
+    {
+        "metric": {
+            "name": "distinct_response_ratio",
+            "layer": "behavior",
+            "split": "train",
+            "series": True,
+            "description": "Mean over groups of distinct responses / group size (solution "
+            "diversity; low = template collapse).",
+            "sql": "SELECT step, avg(d) AS value FROM (\n"
+            "  SELECT step, count(DISTINCT response)::DOUBLE / count(*) AS d FROM rollouts\n"
+            "  GROUP BY seed, step, group_id HAVING count(*) >= 2)\n"
+            "GROUP BY ROLLUP (step)\n",
+        },
+        "alert": {
+            "name": "template_collapse",
+            "metric": "distinct_response_ratio",
+            "severity": "warning",
+            "when": "distinct_response_ratio < 0.15",
+            "threshold": 0.15,
+            "message": "Groups sample near-identical responses: exploration is collapsing.",
+        },
+    },
+    {
+        "metric": {
+            "name": "train_val_gap",
+            "layer": "score",
+            "split": "train",
+            "requires": ["correct"],
+            "description": "Train correct rate minus validation correct rate (over-fitting "
+            "or a train-only shortcut).",
+            "sql": "SELECT (SELECT avg(correct) FROM all_rollouts WHERE split = 'train')\n"
+            "  - (SELECT avg(correct) FROM all_rollouts WHERE split = 'val') AS value\n",
+        },
+        "alert": {
+            "name": "train_val_gap",
+            "metric": "train_val_gap",
+            "severity": "warning",
+            "when": "train_val_gap > 0.2",
+            "threshold": 0.2,
+            "message": "Train correctness runs well ahead of validation: a shortcut or "
+            "over-fitting.",
+        },
+    },
+)
+
+
+@dataclass
+class _Candidate:
+    proposal: Proposal
+    rank: tuple
+    skills: list[str] = field(default_factory=list)
+    overrides: str = ""  # canonical overrides of a settings-only candidate
+
+
+class RulesPlanner:
+    name = "rules"
+
+    def propose(self, view: View, max_proposals: int) -> PlannerResult:
+        result = PlannerResult()
+        frontier = view.frontier()
+        streak = view.failure_streak()
+        escalation = None
+        if len(streak) >= view.escalate_after():
+            escalation = {
+                "failed": streak,
+                "threshold": view.escalate_after(),
+                "rollback_to": frontier,
+                "avoid_categories": sorted({
+                    view.skills[s].category for v in streak for s in view.applied_skills(v)
+                    if s in view.skills
+                }),
+            }
+            result.notes.append(
+                f"escalation: {len(streak)} consecutive failed versions ({', '.join(streak)}); "
+                f"re-branching from the last good version {frontier}, subtracting first"
+            )
+        candidates: list[_Candidate] = []
+        if escalation:
+            candidates += self._subtractions(view, frontier, escalation)
+        skill_candidates, fired = self._skill_candidates(view, frontier, escalation, result)
+        candidates += skill_candidates + self._defaults(view, frontier, fired)
+        tried_skills = {s for child in view.children(frontier) for s in view.applied_skills(child)}
+        tried = view.tried_overrides(frontier)
+        for candidate in sorted(candidates, key=lambda c: c.rank):
+            if len(result.proposals) >= max_proposals:
+                break
+            if candidate.skills and set(candidate.skills) & tried_skills:
+                continue
+            if not candidate.skills and candidate.overrides in tried:
+                continue
+            if escalation:
+                candidate.proposal.proposal["escalation"] = escalation
+            result.proposals.append(candidate.proposal)
+            tried_skills |= set(candidate.skills)
+            tried.add(candidate.overrides)
+        harness = self._harness(view, frontier)
+        if harness:
+            result.harness.append(harness)
+        return result
+
+    # ---- skills ------------------------------------------------------------------------
+
+    def _evidence(self, view: View, frontier: str) -> list[tuple[str, dict]]:
+        """(version, diagnosis): the frontier's, then its gated children's, latest first."""
+        out = []
+        diagnosis = view.states[frontier].records.get("diagnosis")
+        if diagnosis:
+            out.append((frontier, diagnosis))
+        children = [c for c in view.decided_order() if view.states[c].parent == frontier]
+        for child in reversed(children):
+            if (d := view.states[child].records.get("diagnosis")) is not None:
+                out.append((child, d))
+        return out
+
+    def _skill_candidates(
+        self, view: View, frontier: str, escalation: dict | None, result: PlannerResult
+    ) -> tuple[list[_Candidate], bool]:
+        """Candidates from fired triggers, and whether any trigger fired at all."""
+        recipe = view.ws.resolved_recipe(frontier, view.states)
+        domain = recipe["domain"]["name"]
+        refuted = view.refuted_skills(frontier)
+        seen: set[str] = set()
+        out = []
+        for position, (source, diagnosis) in enumerate(self._evidence(view, frontier)):
+            for declined in refusals(view.skills, diagnosis, domain=domain):
+                note = (f"declined {declined.skill.name} (negative evidence: "
+                        f"{len(declined.skill.negative_evidence)} failed use(s))")
+                if note not in result.notes:
+                    result.notes.append(note)
+            for order, found in enumerate(match(view.skills, diagnosis, domain=domain,
+                                                recipe=recipe)):
+                name = found.skill.name
+                if name in seen:
+                    continue
+                seen.add(name)
+                if found.applied:
+                    result.notes.append(f"skipped {name}: {frontier}'s recipe already has it")
+                    continue
+                if name in refuted:
+                    result.notes.append(f"skipped {name}: refuted on this lineage by "
+                                        f"{refuted[name]}")
+                    continue
+                if escalation and found.skill.category in escalation["avoid_categories"]:
+                    result.notes.append(f"skipped {name}: escalation switches layer away "
+                                        f"from {found.skill.category}")
+                    continue
+                proposal, works = self._skill_proposal(view, frontier, source, diagnosis, found)
+                rank = (CATEGORY_FIRST.get(found.skill.category, 2), not works, position, order)
+                out.append(_Candidate(proposal, rank, skills=[name]))
+        return out, bool(seen)
+
+    def _skill_proposal(
+        self, view: View, frontier: str, source: str, diagnosis: dict, found: Match
+    ) -> tuple[Proposal, bool]:
+        skill = found.skill
+        fired = ", ".join(f"{k}={_fmt(v)}" for k, v in found.values.items())
+        alerts = [a["name"] for a in diagnosis.get("alerts") or []]
+        who = source if source == frontier else f"{source} ({view.verdict(source)}, " \
+            f"child of {frontier})"
+        rationale = f"{skill.title}: trigger `{skill.trigger}` fired on {who} ({fired})."
+        backtest, works = self._backtest(view, frontier, source, skill)
+        if backtest is not None:
+            rationale += " " + _backtest_text(backtest)
+        criterion = skill.data.get("criterion") or "delta >= 0.0"
+        hypothesis = (
+            f"If {frontier} applies {skill.name}, then {skill.data.get('expected_effect') or ''}"
+            f" (criterion: {criterion}), because its trigger fired on {source}: {fired}."
+        )
+        meta = {
+            "planner": "rules",
+            "tokens": 0,
+            "frontier": frontier,
+            "evidence_version": source,
+            "trigger": {"skill": skill.name, "expression": skill.trigger,
+                        "values": found.values, "alerts": alerts},
+            "skill_evidence": {"support": found.support, "against": found.against,
+                               "in_domain": found.in_domain, "mean_delta": found.mean_delta},
+        }
+        if backtest is not None:
+            meta["backtest"] = backtest
+        return Proposal(frontier, rationale, skills=[skill.name], hypothesis=hypothesis,
+                        criterion=criterion, proposal=_plain(meta)), works
+
+    def _backtest(
+        self, view: View, frontier: str, source: str, skill: Any
+    ) -> tuple[dict | None, bool]:
+        """Replay a filter or reward skill on the rollouts that fired it (else the
+        frontier's). Returns (numbers or the error, whether it shows an effect)."""
+        entry = (skill.entry_point or {}).get("kind")
+        is_filter = entry == "group_filter" or "group_filter" in skill.recipe_patch
+        is_reward = entry == "reward_component" or "reward" in skill.recipe_patch
+        if not (is_filter or is_reward):
+            return None, True
+        errors = []
+        for version in dict.fromkeys((source, frontier)):
+            try:
+                path = version_rollouts(view.ws, version)
+                if is_filter:
+                    name, params = skill_filter(skill)
+                    report = backtest_filter(path, name, params)
+                    works = (report["keep_ratio_min_step"] or 0.0) >= 0.3
+                else:
+                    component, weight = skill_reward(skill)
+                    domain = view.ws.resolved_recipe(version, view.states)["domain"]
+                    report = backtest_reward(path, component, weight, domain)
+                    works = report["rescued_groups"] > 0 or report["dead_groups_before"] == 0
+                return {"version": version, "kind": "filter" if is_filter else "reward",
+                        **report}, works
+            except EvoError as err:
+                errors.append(f"{version}: {err.message}")
+        return {"error": "; ".join(errors)}, True  # no evidence either way: keep its rank
+
+    # ---- escalation and defaults -------------------------------------------------------
+
+    def _subtractions(self, view: View, frontier: str, escalation: dict) -> list[_Candidate]:
+        """Undo one skill applied along the frontier's chain, latest first."""
+        out = []
+        chain = view.chain(frontier)
+        for depth, version in enumerate(reversed(chain)):
+            parent = view.states[version].parent
+            if parent is None:
+                continue
+            before = view.ws.resolved_recipe(parent, view.states)
+            for skill_name in view.applied_skills(version):
+                skill = view.skills.get(skill_name)
+                if skill is None or not skill.recipe_patch:
+                    continue
+                settings = _settings(_revert(before, skill.recipe_patch))
+                if not settings:
+                    continue
+                failed = ", ".join(escalation["failed"])
+                rationale = (
+                    f"Escalation: {len(escalation['failed'])} consecutive failed versions "
+                    f"({failed}) ≥ {escalation['threshold']}. Roll back to the last good "
+                    f"version {frontier} and subtract rather than add: undo {skill_name} "
+                    f"(applied by {version})."
+                )
+                proposal = Proposal(
+                    frontier, rationale, settings=settings,
+                    hypothesis=f"If {skill_name} is removed from {frontier}, then Avg@k holds "
+                    f"or rises, because the additions since have all failed and {skill_name} "
+                    "may be what they fight.",
+                    criterion="delta >= 0.0",
+                    proposal={"planner": "rules", "tokens": 0, "frontier": frontier,
+                              "subtracts": skill_name},
+                )
+                rank = (-1, False, depth, 0)
+                out.append(_Candidate(proposal, rank, overrides=_overrides(settings)))
+        return out
+
+    def _defaults(self, view: View, frontier: str, fired: bool) -> list[_Candidate]:
+        state = view.states[frontier]
+        recipe = view.ws.resolved_recipe(frontier, view.states)
+        why = (f"No skill trigger fired on {frontier}'s diagnosis or its children's"
+               if not fired else "Every skill whose trigger fired is already proposed, tried, "
+               "refuted or declined")
+        meta = {"planner": "rules", "tokens": 0, "frontier": frontier, "default": True,
+                "triggers_fired": fired}
+        # (settings, rationale, hypothesis, rank): training an untrained root comes right after
+        # integrity and measurement fixes; the other defaults after every fired skill.
+        options: list[tuple[list[str], str, str, tuple]] = []
+        if state.spec.get("train") is False:
+            steps = recipe["grpo"]["steps"]
+            lead = f"{why}; " if not fired else ""
+            options.append(([], f"{lead}{frontier} is untrained, so the most informative next "
+                            f"step is to train its recipe as is ({steps} GRPO steps): the "
+                            "trained reference every later intervention is compared with.",
+                            f"If the recipe is trained for {steps} steps, then Avg@k rises "
+                            f"over the untrained {frontier}, because GRPO reinforces the "
+                            "correct samples the base policy already produces.",
+                            (2, False, -1, 0)))
+        else:
+            steps = recipe["grpo"]["steps"]
+            options.append(([f"grpo.steps={2 * steps}"],
+                            f"{why}; the most promising default is more training: {steps} → "
+                            f"{2 * steps} steps on {frontier}'s recipe.",
+                            f"If {frontier} trains for {2 * steps} steps instead of {steps}, "
+                            "then Avg@k rises, because the score was still moving.",
+                            (3, False, 0, 0)))
+            seeds = list(recipe.get("seeds") or [0])
+            options.append(([f"seeds={json.dumps([*seeds, max(seeds) + 1])}"],
+                            f"{why}; a second seed on {frontier}'s recipe measures the seed "
+                            "spread before any further intervention is believed.",
+                            f"If {frontier} is rerun with another seed, then its Avg@k holds "
+                            "within the CI, because its gain was real and not seed noise.",
+                            (3, False, 0, 1)))
+        return [
+            _Candidate(Proposal(frontier, rationale, settings=settings, hypothesis=hypothesis,
+                                criterion="delta >= 0.0", proposal=dict(meta)),
+                       rank, overrides=_overrides(settings))
+            for settings, rationale, hypothesis, rank in options
+        ]
+
+    # ---- harness -----------------------------------------------------------------------
+
+    def _harness(self, view: View, frontier: str) -> HarnessProposal | None:
+        """A revision for a failed version that no alert explains, if a catalogue metric
+        separates it from its parent on the recorded rollouts."""
+        unexplained = [
+            v for v in view.decided_order()
+            if view.verdict(v) in ("prune", "revert")
+            and not (view.states[v].records.get("diagnosis") or {}).get("alerts")
+        ]
+        if not unexplained:
+            return None
+        version = unexplained[-1]
+        parent = view.states[version].parent
+        defined = set()
+        for name in view.ws.harness_names():
+            try:
+                doc = yaml.safe_load(view.ws.harness_path(name).read_text())
+                defined |= {m.get("name") for m in doc.get("metrics") or []}
+            except (OSError, yaml.YAMLError, AttributeError):
+                continue  # an unreadable revision defines nothing; `validate` reports it
+        base = yaml.safe_load(Path(view.harness.source).read_text(encoding="utf-8"))
+        best: tuple[float, dict, dict] | None = None
+        for entry in METRIC_CATALOGUE:
+            if entry["metric"]["name"] in defined | {m.name for m in view.harness.metrics}:
+                continue
+            document = _with_metric(base, entry, "probe")
+            report = backtest_harness(view.ws, parse_harness(document), view.harness)
+            values = {r["version"]: r["new_metric_values"].get(entry["metric"]["name"])
+                      for r in report["versions"]}
+            a, b = values.get(parent), values.get(version)
+            if a is None or b is None:
+                continue
+            separation = abs(b - a) / max(abs(a), 1e-6)
+            if separation > 0 and (best is None or separation > best[0]):
+                best = (separation, entry, {"parent": a, "failed": b})
+        if best is None:
+            return None
+        _, entry, values = best
+        metric = entry["metric"]["name"]
+        name = next_name(view.ws.harness_names(), "h")
+        document = _with_metric(base, entry, name)
+        document["parent"] = view.harness.name
+        document["description"] = (
+            f"{view.harness.name} plus {metric}: {version} was {view.verdict(version)}d with no "
+            f"alert; {metric} separates it from {parent} ({_fmt(values['failed'])} vs "
+            f"{_fmt(values['parent'])})."
+        )
+        states = view.states
+        document["backtest_cases"] = [
+            {"version": v, "expect": states[v].records["decision"]["verdict"]}
+            for v in recorded_versions(view.ws, states)
+            if states[v].parent is not None and (states[v].records.get("decision") or {}).get(
+                "verdict") in ("promote", "prune", "revert", "inconclusive")
+        ]
+        revision = parse_harness(document, source=f"harness_versions/{name}.yaml")
+        backtest = backtest_harness(view.ws, revision, view.harness)
+        return HarnessProposal(
+            document,
+            f"add {metric}: {version} failed with no alert (a gap in {view.harness.name})",
+            backtest,
+        )
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+
+def _with_metric(base: dict, entry: dict, name: str) -> dict:
+    document = copy.deepcopy(base)
+    document["name"] = name
+    document["metrics"] = [*document.get("metrics", []), copy.deepcopy(entry["metric"])]
+    document["alerts"] = [*document.get("alerts", []), copy.deepcopy(entry["alert"])]
+    return document
+
+
+def _revert(before: Any, patch: Any) -> Any:
+    """The override that undoes `patch` on top of `before` (None removes a key; a named
+    list entry the patch added is switched off: weight 0 or enabled false)."""
+    if isinstance(patch, dict):
+        if not isinstance(before, dict):
+            return before
+        return {k: _revert(before[k], v) if k in before else None for k, v in patch.items()}
+    if isinstance(patch, list) and all(isinstance(i, dict) and "name" in i for i in patch):
+        index = {i["name"]: i for i in before or [] if isinstance(i, dict) and "name" in i}
+        out = []
+        for item in patch:
+            if item["name"] in index:
+                out.append({"name": item["name"], **{k: index[item["name"]].get(k)
+                                                     for k in item if k != "name"}})
+            elif "weight" in item:
+                out.append({"name": item["name"], "weight": 0.0})
+            elif "enabled" in item:
+                out.append({"name": item["name"], "enabled": False})
+        return out
+    return before
+
+
+def _settings(override: dict, prefix: str = "") -> list[str]:
+    """Dotted KEY=VALUE (JSON values, which YAML reads back) for `new_version`."""
+    out = []
+    for key, value in override.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out += _settings(value, dotted + ".")
+        else:
+            out.append(f"{dotted}={json.dumps(value)}")
+    return out
+
+
+def _overrides(settings: list[str]) -> str:
+    overrides: dict = {}
+    for setting in settings:
+        set_dotted(overrides, *parse_assignment(setting))
+    return canonical_json(overrides)
+
+
+def _backtest_text(report: dict) -> str:
+    if "error" in report:
+        return f"No backtest possible ({report['error']})."
+    if report["kind"] == "filter":
+        return (
+            f"Backtest on {report['version']}'s {report['groups']} train groups: keeps "
+            f"{_pct(report['keep_ratio'])} (lowest step {_pct(report['keep_ratio_min_step'])}), "
+            f"dead-group ratio {_fmt(report['dead_group_ratio_before'])} → "
+            f"{_fmt(report['dead_group_ratio_after'])}, reward spread "
+            f"{_fmt(report['reward_spread_before'])} → {_fmt(report['reward_spread_after'])}."
+        )
+    return (
+        f"Backtest on {report['version']}'s {report['rollouts']} train rollouts "
+        f"(+{report['weight']:g} × {report['component']}): dead groups "
+        f"{report['dead_groups_before']} → {report['dead_groups_after']} "
+        f"({_pct(report['rescue_ratio'])} rescued), reward spread "
+        f"{_fmt(report['reward_spread_before'])} → {_fmt(report['reward_spread_after'])}."
+    )
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{value:.0%}"
+
+
+def _plain(value: Any) -> Any:
+    """YAML-safe plain values (numpy scalars → float, tuples → lists)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+        return value.item()
+    return value

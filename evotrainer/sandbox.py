@@ -51,17 +51,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-# Outcome of one run. "ok" means exit status 0; the caller judges the output.
-STATUSES = (
-    "ok",
-    "runtime_error",
-    "timeout",
-    "cpu_limit",
-    "memory_limit",
-    "output_limit",
-    "sandbox_error",
-)
-
 _STDERR_KEEP = 4096  # tail of stderr kept in the result, enough for a traceback's last lines
 _READ_CHUNK = 65536
 
@@ -103,6 +92,10 @@ class Limits:
 
 @dataclass(frozen=True)
 class RunResult:
+    """What happened. `status`: "ok" (exit status 0; the caller judges the output),
+    "runtime_error", "timeout" (wall clock), "cpu_limit", "memory_limit", "output_limit"
+    (stdout/stderr over the cap, or a file over `file_bytes`) or "sandbox_error"."""
+
     status: str
     stdout: str
     stderr: str  # the tail only
@@ -110,16 +103,6 @@ class RunResult:
     wall_seconds: float = 0.0
     isolation: tuple[str, ...] = ()  # what was enforced for this run, see the module doc
     detail: str = ""  # a one-line reason for a status other than "ok"
-
-    def as_dict(self) -> dict:
-        return {
-            "status": self.status,
-            "exit_code": self.exit_code,
-            "wall_seconds": round(self.wall_seconds, 4),
-            "isolation": list(self.isolation),
-            "detail": self.detail,
-            "stderr_tail": self.stderr[-500:],
-        }
 
 
 class Sandbox(Protocol):

@@ -169,8 +169,9 @@ def _mount(source: str, target: str, fstype: str | None, flags: int, data: str =
 class LocalSandbox:
     """Runs programs as child processes of this one; see the module doc for what it enforces.
 
-    `privileged=None` uses the root-only isolation when running as root with a usable libc;
-    `False` forces the unprivileged mode (for callers that must not create namespaces).
+    `privileged=None` uses the root-only isolation when running as root and a trial run in it
+    works (a container without CAP_SYS_ADMIN refuses the namespaces: then the unprivileged
+    mode is used); `False` forces the unprivileged mode.
     """
 
     def __init__(self, python: str | None = None, privileged: bool | None = None) -> None:
@@ -178,16 +179,28 @@ class LocalSandbox:
         # namespace has to re-expose the directory it lives in.
         self.python = os.path.realpath(python or sys.executable)
         self.prefix = os.path.dirname(os.path.dirname(self.python))
-        can = os.geteuid() == 0 and _LIBC is not None and sys.platform.startswith("linux")
-        self.privileged = can if privileged is None else (privileged and can)
-        self.user_netns = not self.privileged and _probe_user_netns()
         self._runs = itertools.count()
+        self.user_netns = False
+        self.privileged = (
+            privileged is not False
+            and os.geteuid() == 0
+            and _LIBC is not None
+            and sys.platform.startswith("linux")
+        )
+        if self.privileged:
+            trial = self._run("", "", Limits(), self._next_uid(), scratch=None)
+            self.privileged = trial.status == "ok"
+        if not self.privileged:
+            self.user_netns = _probe_user_netns()
+
+    def _next_uid(self) -> int:
+        block = _UID_BASE + (os.getpid() % _UID_BLOCK) * _UID_BLOCK
+        return block + next(self._runs) % _UID_BLOCK
 
     def run(self, source: str, stdin: str = "", limits: Limits | None = None) -> RunResult:
         limits = limits or Limits()
         if self.privileged:
-            uid = _UID_BASE + (os.getpid() % _UID_BLOCK) * _UID_BLOCK
-            return self._run(source, stdin, limits, uid + next(self._runs) % _UID_BLOCK, None)
+            return self._run(source, stdin, limits, self._next_uid(), scratch=None)
         scratch = tempfile.mkdtemp(prefix="evotrainer-sandbox-")
         try:
             with open(os.path.join(scratch, "main.py"), "w", encoding="utf-8") as f:

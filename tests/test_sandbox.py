@@ -7,6 +7,7 @@ import socket
 
 import pytest
 
+import evotrainer.sandbox as sandbox_module
 from evotrainer.sandbox import DockerSandbox, Limits, LocalSandbox
 
 # The wall clock sits far above the CPU limit: on a loaded machine one CPU second can take
@@ -141,6 +142,16 @@ def test_unprivileged_mode_still_limits(tmp_path) -> None:
     assert "uid" not in plain.run("print(1)").isolation
     assert plain.run("print(input()[::-1])", "abc\n").stdout == "cba\n"
     assert plain.run("while True:\n    pass", limits=CPU_BOUND).status == "cpu_limit"
+
+
+def test_refused_namespaces_fall_back_to_the_unprivileged_mode(monkeypatch) -> None:
+    # An invalid unshare flag fails like a container without CAP_SYS_ADMIN does.
+    monkeypatch.setattr(sandbox_module, "_CLONE_NEWPID", 0x1)
+    fallback = LocalSandbox()
+    assert not fallback.privileged
+    result = fallback.run("print(6 * 7)")
+    assert (result.status, result.stdout) == ("ok", "42\n")
+    assert "uid" not in result.isolation
 
 
 @pytest.mark.skipif(not DockerSandbox.available(), reason="no Docker daemon reachable")

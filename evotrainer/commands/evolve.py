@@ -1,0 +1,56 @@
+"""`evotrainer evolve`: reconcile → propose → approve → reconcile, for N rounds."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+from rich.tree import Tree
+
+from evotrainer.commands.lineage import describe
+from evotrainer.commands.propose import PLANNER_HELP, print_result
+from evotrainer.evolve import Round, evolve
+from evotrainer.lineage import lineage_rows
+from evotrainer.reconcile import VersionPlan
+from evotrainer.workspace import Workspace
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("evolve")
+    def evolve_command(
+        rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds to run."),
+        planner: str = typer.Option(None, "--planner", help=PLANNER_HELP),
+        approve: bool = typer.Option(
+            False, "--approve",
+            help="Approve this run's proposals (within autonomy.max_total_steps) when the "
+            "project is human_gated: the human says yes up front.",
+        ),
+        max_: int = typer.Option(1, "--max", min=1, help="Versions proposed per round."),
+    ) -> None:
+        """Run the trainer loop: train and gate what is approved, let the planner propose,
+        approve as autonomy allows, train and gate again; print each round and the
+        lineage with its verdicts."""
+        ws = Workspace.find()
+        console = Console()
+
+        def show_round(current: Round) -> None:
+            console.rule(f"round {current.number}")
+            print_result(console, current.result)
+            for row in current.outcomes:
+                console.print("  " + describe(row))
+            if current.stop:
+                console.print(f"[yellow]stopping:[/] {current.stop}")
+
+        with console.status("reconciling") as status:
+
+            def waiting(running: list[VersionPlan]) -> None:
+                status.update("training " + ", ".join(
+                    f"{p.version} ({p.health.lower()})" for p in running))
+
+            evolve(ws, rounds, planner=planner, approve_all=approve, max_proposals=max_,
+                   log=lambda line: console.print(f"[bold]→[/] {line}", highlight=False),
+                   on_round=show_round, on_wait=waiting)
+        tree = Tree("[bold]lineage[/]")
+        nodes = {}
+        for row in lineage_rows(ws):
+            nodes[row.name] = nodes.get(row.parent, tree).add(describe(row))
+        console.print(tree)

@@ -1,0 +1,66 @@
+"""`evotrainer propose`: let a planner propose the next versions (unapproved branches)."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from evotrainer.lock import workspace_lock
+from evotrainer.planners.base import PLANNERS, PlannerResult, propose
+from evotrainer.workspace import Workspace
+
+PLANNER_HELP = f"Planner: {' or '.join(PLANNERS)} (default: the project's planner.name)."
+
+
+def proposals_table(result: PlannerResult) -> Table:
+    table = Table(title="proposals", show_lines=True)
+    for column in ("version", "parent", "change", "criterion", "rationale"):
+        table.add_column(column, overflow="fold")
+    for p in result.proposals:
+        change = ", ".join([*(f"skill {s}" for s in p.skills), *p.settings]) or "(train as is)"
+        table.add_row(p.name or "?", p.parent, change, p.criterion or "—", p.rationale)
+    return table
+
+
+def print_result(console: Console, result: PlannerResult) -> None:
+    if result.proposals:
+        console.print(proposals_table(result))
+    for harness in result.harness:
+        backtest = harness.backtest or {}
+        cases = backtest.get("cases") or []
+        console.print(
+            f"harness revision [bold]{harness.name}[/] proposed on main: {harness.rationale}; "
+            f"backtest against {backtest.get('against')}: "
+            f"{sum(c['passed'] for c in cases)}/{len(cases)} cases pass, "
+            f"changes {', '.join(backtest.get('changed') or []) or 'no verdict or alert'}. "
+            f"Adopt with `evotrainer harness adopt {harness.name}`."
+        )
+    for note in result.notes:
+        console.print(f"[dim]· {note}[/]", highlight=False)
+    if result.tokens:
+        console.print(f"LLM tokens this decision: {result.tokens}")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("propose")
+    def propose_command(
+        planner: str = typer.Option(None, "--planner", help=PLANNER_HELP),
+        max_: int = typer.Option(1, "--max", min=1, help="Propose at most N versions."),
+    ) -> None:
+        """Propose candidate versions from the frontier's diagnosis, the lineage and the
+        skills: each one an unapproved branch evo/vN with its rationale, hypothesis,
+        falsifiable criterion and backtest. Review with `git diff evo/PARENT..evo/vN`."""
+        ws = Workspace.find()
+        with workspace_lock(ws.state_dir / "lock", " ".join(["evotrainer", *sys.argv[1:]])):
+            result = propose(ws, planner, max_)
+        console = Console()
+        print_result(console, result)
+        if result.proposals:
+            first = result.proposals[0]
+            console.print(f"Review: git diff evo/{first.parent}..evo/{first.name}; then "
+                          f"evotrainer approve {first.name}")
+        elif not result.harness:
+            console.print("nothing to propose")

@@ -1,0 +1,110 @@
+"""`evolve`: the outer loop — reconcile, propose, approve, reconcile — for N rounds.
+
+Approval follows the project's autonomy: with `mode: auto` reconcile approves proposals
+itself while `max_total_steps` allows; with `human_gated` the loop stops and says what to
+approve, unless the human approved this run's proposals up front (`--approve`, still
+within `max_total_steps`). An escalation (too many failed versions in a row) always goes
+back to a human, as the method's gates do. The whole loop holds the workspace lock, so no
+other reconcile interleaves with it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from evotrainer.backends.base import Backend
+from evotrainer.lineage import LineageRow, lineage_rows
+from evotrainer.lock import workspace_lock
+from evotrainer.planners.base import PlannerResult, propose
+from evotrainer.reconcile import Reconciler, VersionPlan, job_recipe, load_context, steps_spent
+from evotrainer.versions import approve
+from evotrainer.workspace import Workspace
+
+APPROVER = "evotrainer evolve --approve"
+
+
+@dataclass
+class Round:
+    number: int
+    result: PlannerResult
+    approved: list[str] = field(default_factory=list)
+    outcomes: list[LineageRow] = field(default_factory=list)  # the proposals after reconcile
+    stop: str | None = None  # why the loop ends after this round
+
+    @property
+    def proposed(self) -> list[str]:
+        return [p.name for p in self.result.proposals if p.name]
+
+
+def within_budget(ws: Workspace, name: str) -> bool:
+    """Would training `name` stay within `autonomy.max_total_steps`?"""
+    ctx = load_context(ws)
+    budget = (ws.project.get("autonomy") or {}).get("max_total_steps")
+    state = ctx.states[name]
+    steps = 0 if state.spec.get("train") is False else job_recipe(ctx, state)["grpo"]["steps"]
+    return budget is None or steps_spent(ctx) + steps <= budget
+
+
+def evolve(
+    ws: Workspace,
+    rounds: int,
+    *,
+    planner: str | None = None,
+    approve_all: bool = False,
+    max_proposals: int = 1,
+    backends: dict[str, Backend] | None = None,
+    log: Callable[[str], None] = print,
+    on_round: Callable[[Round], None] | None = None,
+    on_wait: Callable[[list[VersionPlan]], None] | None = None,
+    poll_s: float = 2.0,
+) -> list[Round]:
+    mode = (ws.project.get("autonomy") or {}).get("mode", "human_gated")
+    done: list[Round] = []
+    command = " ".join(["evotrainer", *sys.argv[1:]]) if sys.argv[1:] else "evotrainer evolve"
+    with workspace_lock(ws.state_dir / "lock", command):
+        reconciler = Reconciler(ws, log=log, backends=backends)
+        reconciler.run(wait=True, poll_s=poll_s, on_wait=on_wait)
+        for number in range(1, rounds + 1):
+            current = Round(number, propose(ws, planner, max_proposals))
+            done.append(current)
+            current.stop = _approve(ws, current, mode, approve_all)
+            if current.approved:
+                reconciler.run(wait=True, poll_s=poll_s, on_wait=on_wait)
+                rows = {r.name: r for r in lineage_rows(ws)}
+                current.outcomes = [rows[n] for n in current.approved if n in rows]
+            if on_round:
+                on_round(current)
+            if current.stop:
+                break
+    return done
+
+
+def _approve(ws: Workspace, current: Round, mode: str, approve_all: bool) -> str | None:
+    """Approve what autonomy allows; return why the loop must stop, if it must."""
+    names = current.proposed
+    if not names:
+        return "the planner proposed nothing (see its notes)"
+    escalated = [p.name for p in current.result.proposals if p.proposal.get("escalation")]
+    if escalated:
+        return (f"escalation: review {', '.join(escalated)} by hand "
+                f"(evotrainer approve {escalated[0]})")
+    waiting = []
+    for name in names:
+        if not within_budget(ws, name):
+            waiting.append(name)
+        elif mode == "auto":
+            current.approved.append(name)  # reconcile approves it ("evotrainer autonomy")
+        elif approve_all:
+            approve(ws, name, by=APPROVER)
+            current.approved.append(name)
+        else:
+            waiting.append(name)
+    if not waiting:
+        return None
+    if mode == "auto" or approve_all:
+        return (f"autonomy.max_total_steps would be exceeded by {', '.join(waiting)}: "
+                f"approve by hand (evotrainer approve {waiting[0]}) or raise the budget")
+    return (f"autonomy is human_gated: review and approve {', '.join(waiting)} "
+            f"(evotrainer approve {waiting[0]}), or rerun with --approve")

@@ -1,0 +1,1 @@
+"""Planners: propose the next policy versions and harness revisions (see base.py)."""

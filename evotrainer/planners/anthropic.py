@@ -1,0 +1,452 @@
+"""The `anthropic` planner: Claude with tools over the same read-only views as `rules`.
+
+Read tools: lineage, diagnosis, harness, skill search and detail, bounded read-only SQL over
+a version's rollouts (the harness's locked-down DuckDB sandbox), filter and reward
+backtests. Write tools: `propose_version` and `propose_harness_revision`, whose inputs are
+checked against the schemas and a policy before anything is kept: allowed recipe keys
+only, one factor, known non-negative skills, a CEL criterion over known names, a parent
+that did not fail, harness SQL that is one SELECT. Nothing is written to git until the
+decision ends (then `write_proposals` does it, as for every planner).
+
+Rollout text is untrusted: every tool result goes back inside an <untrusted-data> block
+whose JSON cannot close the block early, and the system prompt says so. The API key comes
+only from ANTHROPIC_API_KEY; tokens are counted per decision and bounded by
+`planner.max_tokens_per_decision` and what is left of `autonomy.max_llm_tokens`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import yaml
+
+from evotrainer import API_VERSION, cel, specs
+from evotrainer.backtest import (
+    backtest_filter,
+    backtest_reward,
+    skill_filter,
+    skill_reward,
+    version_rollouts,
+)
+from evotrainer.errors import EvoError
+from evotrainer.evidence.io import read_rollouts
+from evotrainer.gate import metric_values
+from evotrainer.harness.revision import GATE_VARIABLES, parse_harness
+from evotrainer.harness.sql import Sandbox, check_select
+from evotrainer.harness_ops import backtest_harness
+from evotrainer.lineage import lineage_rows
+from evotrainer.planners.base import HarnessProposal, PlannerResult, Proposal, View, next_name
+from evotrainer.recipe import set_dotted
+from evotrainer.skills import get_skill, search
+
+DEFAULT_MODEL = "claude-sonnet-4-5"
+DEFAULT_TOKENS_PER_DECISION = 100_000
+MAX_OUTPUT_TOKENS = 4096
+MAX_TURNS = 16
+MAX_ROWS = 50
+MAX_CELL_CHARS = 400
+# Recipe settings a planner may change, each one factor. Nothing here names a path, a
+# command, a backend or a model: those stay with the humans who own the project spec.
+ALLOWED_KEYS = (
+    "grpo.steps", "grpo.lr", "grpo.clip_low", "grpo.clip_high", "grpo.kl_coef",
+    "grpo.kl_estimator", "grpo.loss_agg", "grpo.normalize_std", "grpo.ppo_epochs",
+    "grpo.grad_clip", "grpo.max_response_tokens", "grpo.temperature", "grpo.top_p",
+    "grpo.group_size", "grpo.prompts_per_step", "reward.components", "group_filter",
+    "environment.max_turns", "environment.tools", "seeds",
+)
+PROMPTS = Path(__file__).resolve().parent / "prompts"
+
+_STR = {"type": "string"}
+TOOLS: list[dict[str, Any]] = [
+    {"name": "get_lineage", "description": "Every version: parent, status, Avg@k, delta to "
+     "the parent with its 95% CI, alerts, verdict, the skills it applied and why.",
+     "input_schema": {"type": "object", "properties": {}}},
+    {"name": "get_diagnosis", "description": "A version's recorded diagnosis: metric values "
+     "and trends by layer, fired alerts with example rollout ids, open gaps.",
+     "input_schema": {"type": "object", "properties": {"version": _STR},
+                      "required": ["version"]}},
+    {"name": "get_harness", "description": "The harness revision in force (or a named one): "
+     "metrics with their SQL, alerts with thresholds, gate rules.",
+     "input_schema": {"type": "object", "properties": {"name": _STR}}},
+    {"name": "search_skills", "description": "Skills ranked by relevance to a text query.",
+     "input_schema": {"type": "object", "properties": {"query": _STR},
+                      "required": ["query"]}},
+    {"name": "get_skill", "description": "One skill: trigger, mechanism, criterion, evidence.",
+     "input_schema": {"type": "object", "properties": {"name": _STR}, "required": ["name"]}},
+    {"name": "query_rollouts", "description": "One read-only DuckDB SELECT over a version's "
+     "stored rollouts (views: rollouts = the split, all_rollouts, steps). At most 50 rows; "
+     "long text is cut. Columns: version, seed, step, split, task_id, group_id, sample_idx, "
+     "prompt, response, reward, reward_components, correct, response_tokens, truncated, "
+     "finish_reason, turns, tool_calls, mean_logprob.",
+     "input_schema": {"type": "object", "properties": {
+         "version": _STR, "sql": _STR, "split": {"enum": ["train", "val"]}},
+         "required": ["version", "sql"]}},
+    {"name": "backtest_filter", "description": "Replay a group filter (from a filter skill, "
+     "or by name and params) over a version's stored train groups.",
+     "input_schema": {"type": "object", "properties": {
+         "version": _STR, "skill": _STR, "filter": _STR, "params": {"type": "object"}},
+         "required": ["version"]}},
+    {"name": "backtest_reward", "description": "Re-score a version's stored train rollouts "
+     "with reward + weight × component (from a reward skill, or given).",
+     "input_schema": {"type": "object", "properties": {
+         "version": _STR, "skill": _STR, "component": _STR, "weight": {"type": "number"}},
+         "required": ["version"]}},
+    {"name": "propose_version", "description": "Propose one new policy version (an "
+     "unapproved branch): one factor — one skill, or settings of one allowed recipe key — "
+     "on a parent that did not fail, with a falsifiable CEL criterion.",
+     "input_schema": {"type": "object", "properties": {
+         "parent": _STR,
+         "skills": {"type": "array", "items": _STR},
+         "settings": {"type": "object", "description": "dotted recipe key → value"},
+         "rationale": _STR, "hypothesis": _STR, "criterion": _STR},
+         "required": ["parent", "rationale", "hypothesis", "criterion"]}},
+    {"name": "propose_harness_revision", "description": "Propose a harness revision: the "
+     "revision in force plus new metrics (SQL or registered analyzers) and alerts, with "
+     "backtest cases ({version, expect}). It is backtested on every recorded version; "
+     "failing cases reject it.",
+     "input_schema": {"type": "object", "properties": {
+         "metrics": {"type": "array", "items": {"type": "object"}},
+         "alerts": {"type": "array", "items": {"type": "object"}},
+         "backtest_cases": {"type": "array", "items": {"type": "object"}},
+         "rationale": _STR},
+         "required": ["metrics", "rationale"]}},
+]
+
+
+def untrusted(payload: Any) -> str:
+    """Tool output as a data block: JSON with `<` and `>` escaped, so nothing inside can
+    close the block or open another one."""
+    text = json.dumps(payload, ensure_ascii=False, default=str)
+    text = text.replace("<", "\\u003c").replace(">", "\\u003e")
+    return f"<untrusted-data>\n{text}\n</untrusted-data>"
+
+
+def render(template: str, **values: Any) -> str:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(PROMPTS),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    return env.get_template(template).render(**values)
+
+
+def tokens_spent(view: View) -> int:
+    """LLM tokens recorded in the proposals on every version branch, one count per decision."""
+    decisions: dict[str, int] = {}
+    for state in view.states.values():
+        proposal = (state.spec or {}).get("proposal") or {}
+        if proposal.get("decision"):
+            decisions[proposal["decision"]] = int(proposal.get("tokens") or 0)
+    return sum(decisions.values())
+
+
+class AnthropicPlanner:
+    name = "anthropic"
+
+    def __init__(self, client: Any = None) -> None:
+        self.client = client
+
+    def _client(self) -> Any:
+        if self.client is not None:
+            return self.client
+        try:
+            import anthropic
+        except ImportError:
+            raise EvoError("the anthropic planner needs the Anthropic SDK",
+                           hint="pip install 'evotrainer[anthropic]', or use --planner rules"
+                           ) from None
+        key = os.environ.get("ANTHROPIC_API_KEY")
+        if not key:
+            raise EvoError("ANTHROPIC_API_KEY is not set", field="planner.name",
+                           hint="export ANTHROPIC_API_KEY=... (the key is read from the "
+                           "environment only and never written), or use --planner rules")
+        # ANTHROPIC_BASE_URL, when set, points the SDK at another endpoint (tests: loopback).
+        return anthropic.Anthropic(api_key=key)
+
+    def budget(self, view: View) -> int:
+        per_decision = int(view.planner_config.get("max_tokens_per_decision")
+                           or DEFAULT_TOKENS_PER_DECISION)
+        total = view.autonomy.get("max_llm_tokens")
+        if total is None:
+            return per_decision
+        return max(0, min(per_decision, int(total) - tokens_spent(view)))
+
+    def propose(self, view: View, max_proposals: int) -> PlannerResult:
+        budget = self.budget(view)
+        result = PlannerResult()
+        if budget <= 0:
+            result.notes.append("LLM token budget (autonomy.max_llm_tokens) is spent")
+            return result
+        client = self._client()
+        frontier = view.frontier()
+        streak = view.failure_streak()
+        escalation = ""
+        if len(streak) >= view.escalate_after():
+            escalation = (f"{len(streak)} consecutive failed versions ({', '.join(streak)}); "
+                          f"the last good version is {frontier}.")
+        recipe = view.ws.resolved_recipe(frontier, view.states)
+        system = render("system.j2", project=view.ws.project.get("name", "?"),
+                        domain=recipe["domain"]["name"], escalation=escalation,
+                        allowed_keys=ALLOWED_KEYS, max_proposals=max_proposals)
+        children = [c for c in view.children(frontier) if view.verdict(c)]
+        prompt = render("decision.j2", frontier=frontier, harness=view.harness.name,
+                        streak=streak, budget=budget, children=children,
+                        refuted=sorted(view.refuted_skills(frontier)))
+        tools = _Tools(view, frontier, max_proposals)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
+        model = view.planner_config.get("model") or DEFAULT_MODEL
+        used = last_input = 0
+        for _ in range(MAX_TURNS):
+            # The next request re-sends everything so far: it costs at least the last input.
+            if used + last_input + 1 > budget:
+                result.notes.append(f"stopped at the token budget ({used} of {budget} used)")
+                break
+            response = self._call(client, model=model, system=system, tools=TOOLS,
+                                  messages=messages,
+                                  max_tokens=max(1, min(MAX_OUTPUT_TOKENS,
+                                                        budget - used - last_input)))
+            last_input = int(response.usage.input_tokens)
+            used += last_input + int(response.usage.output_tokens)
+            content = [block.model_dump(exclude_none=True) for block in response.content]
+            messages.append({"role": "assistant", "content": content})
+            calls = [b for b in response.content if b.type == "tool_use"]
+            if not calls:
+                result.notes += [b.text for b in response.content if b.type == "text"]
+                break
+            messages.append({"role": "user", "content": [tools.run(call) for call in calls]})
+        else:
+            result.notes.append(f"stopped after {MAX_TURNS} turns")
+        decision = uuid.uuid4().hex[:12]
+        for proposal in tools.proposals:
+            proposal.proposal.update(planner="anthropic", model=model, tokens=used,
+                                     decision=decision)
+        result.proposals, result.harness, result.tokens = tools.proposals, tools.harness, used
+        result.notes += tools.rejected
+        return result
+
+    @staticmethod
+    def _call(client: Any, **request: Any) -> Any:
+        try:
+            return client.messages.create(**request)
+        except Exception as err:  # the SDK's errors share no base class we may import eagerly
+            if type(err).__module__.startswith("anthropic"):
+                raise EvoError(f"the Anthropic API call failed: {type(err).__name__}: {err}",
+                               hint="check ANTHROPIC_API_KEY and the network, or use "
+                               "--planner rules") from None
+            raise
+
+
+class _Tools:
+    """Executes one decision's tool calls; keeps what the write tools accepted."""
+
+    def __init__(self, view: View, frontier: str, max_proposals: int) -> None:
+        self.view, self.frontier, self.max_proposals = view, frontier, max_proposals
+        self.proposals: list[Proposal] = []
+        self.harness: list[HarnessProposal] = []
+        self.rejected: list[str] = []
+        self.backtests: dict[str, dict] = {}  # skill → the last backtest of it
+
+    def run(self, call: Any) -> dict[str, Any]:
+        handler = getattr(self, f"tool_{call.name}", None)
+        try:
+            if handler is None:
+                raise EvoError(f"unknown tool {call.name!r}")
+            payload = handler(**dict(call.input or {}))
+            return {"type": "tool_result", "tool_use_id": call.id, "content": untrusted(payload)}
+        except (EvoError, TypeError, ValueError) as err:
+            if call.name.startswith("propose_"):
+                self.rejected.append(f"rejected {call.name}: {err}")
+            return {"type": "tool_result", "tool_use_id": call.id, "is_error": True,
+                    "content": untrusted({"error": str(err)})}
+
+    # ---- read ------------------------------------------------------------------------
+
+    def tool_get_lineage(self) -> list[dict]:
+        rows = []
+        for row in lineage_rows(self.view.ws, self.view.states):
+            spec = self.view.states[row.name].spec or {}
+            intervention = spec.get("intervention") or {}
+            rows.append({**row.as_dict(), "skills": intervention.get("skills") or [],
+                         "rationale": intervention.get("rationale"),
+                         "recipe_overrides": spec.get("recipe") or {}})
+        return rows
+
+    def tool_get_diagnosis(self, version: str) -> dict:
+        state = self.view.ws.version(version, self.view.states)
+        diagnosis = state.records.get("diagnosis")
+        if not diagnosis:
+            raise EvoError(f"{version} has no diagnosis yet")
+        return {"version": version, "harness": diagnosis.get("harness"),
+                "metrics": diagnosis.get("metrics"), "alerts": diagnosis.get("alerts"),
+                "gaps": diagnosis.get("gaps"),
+                "decision": {k: (state.records.get("decision") or {}).get(k)
+                             for k in ("verdict", "reason", "blocked_by", "criterion")}}
+
+    def tool_get_harness(self, name: str | None = None) -> dict:
+        from evotrainer.harness.revision import resolve_harness
+
+        harness = resolve_harness(name, self.view.ws.root) if name else self.view.harness
+        return {"name": harness.name, "description": harness.description,
+                "metrics": [{"name": m.name, "layer": m.layer, "split": m.split, "sql": m.sql,
+                             "analyzer": m.analyzer, "description": m.description}
+                            for m in harness.metrics],
+                "alerts": [{"name": a.name, "metric": a.metric,
+                            "levels": [vars(lv) for lv in a.levels]} for a in harness.alerts],
+                "gate": [vars(r) for r in harness.gate_rules]}
+
+    def tool_search_skills(self, query: str) -> list[dict]:
+        return [{"name": s.name, "title": s.title, "category": s.category,
+                 "trigger": s.trigger, "criterion": s.data.get("criterion"),
+                 "negative": s.negative, "support": len(s.evidence),
+                 "against": len(s.negative_evidence), "score": round(score, 3)}
+                for s, score in search(self.view.skills, query)[:8]]
+
+    def tool_get_skill(self, name: str) -> dict:
+        return get_skill(self.view.skills, name).data
+
+    def tool_query_rollouts(self, version: str, sql: str, split: str = "train") -> dict:
+        check_select(sql, field="sql")
+        run = (self.view.ws.version(version, self.view.states).records.get("run") or {})
+        if not run.get("artifact_dir"):
+            raise EvoError(f"{version} has no recorded run")
+        table = read_rollouts(self.view.ws.root / run["artifact_dir"] / "rollouts")
+        sandbox = Sandbox(table, None, split, timeout_s=10.0)
+        try:
+            columns, rows = sandbox.query(f"SELECT * FROM ({sql}) LIMIT {MAX_ROWS + 1}", {},
+                                          field="sql")
+        finally:
+            sandbox.close()
+        return {"columns": columns, "rows": [[_cell(v) for v in r] for r in rows[:MAX_ROWS]],
+                "truncated": len(rows) > MAX_ROWS}
+
+    def tool_backtest_filter(self, version: str, skill: str | None = None,
+                             filter: str | None = None, params: dict | None = None) -> dict:
+        if skill:
+            filter, params = skill_filter(get_skill(self.view.skills, skill))
+        if not filter:
+            raise EvoError("name a filter skill or a filter")
+        report = backtest_filter(version_rollouts(self.view.ws, version), filter, params or {})
+        return self._keep(skill, {"version": version, "kind": "filter", **report})
+
+    def tool_backtest_reward(self, version: str, skill: str | None = None,
+                             component: str | None = None, weight: float | None = None) -> dict:
+        if skill:
+            component, weight = skill_reward(get_skill(self.view.skills, skill))
+        if not component or weight is None:
+            raise EvoError("name a reward skill, or a component and a weight")
+        domain = self.view.ws.resolved_recipe(version, self.view.states)["domain"]
+        report = backtest_reward(version_rollouts(self.view.ws, version), component,
+                                 float(weight), domain)
+        return self._keep(skill, {"version": version, "kind": "reward", **report})
+
+    def _keep(self, skill: str | None, report: dict) -> dict:
+        if skill:
+            self.backtests[skill] = report
+        return report
+
+    # ---- write -----------------------------------------------------------------------
+
+    def tool_propose_version(self, parent: str, rationale: str, hypothesis: str,
+                             criterion: str, skills: list | None = None,
+                             settings: dict | None = None) -> dict:
+        view = self.view
+        if len(self.proposals) >= self.max_proposals:
+            raise EvoError(f"at most {self.max_proposals} proposal(s) per decision")
+        state = view.ws.version(parent, view.states)
+        if view.failed(parent) or parent in view.pruned:
+            raise EvoError(f"parent {parent} failed; branch from a good version such as "
+                           f"{self.frontier}")
+        skills = [str(s) for s in skills or []]
+        for name in skills:
+            skill = get_skill(view.skills, name)
+            if skill.negative:
+                raise EvoError(f"skill {name!r} is known to hurt (negative evidence)")
+        refuted = sorted(view.refuted_skills(self.frontier).keys() & set(skills))
+        if refuted:
+            raise EvoError(f"already refuted on this lineage: {', '.join(refuted)}")
+        settings = dict(settings or {})
+        factors = {_factor(key) for key in settings}
+        if len(skills) + len(factors) > 1:
+            raise EvoError("one factor per version: one skill, or settings of one allowed key "
+                           f"(got skills {skills} and keys {sorted(factors)})")
+        for text in (rationale, hypothesis, criterion):
+            if not isinstance(text, str) or not text.strip():
+                raise EvoError("rationale, hypothesis and criterion must be non-empty text")
+        cel.check(criterion)
+        known = {m.name for m in view.harness.metrics} | GATE_VARIABLES
+        unknown = sorted(cel.names(criterion) - known)
+        if unknown:
+            raise EvoError(f"criterion reads unknown name(s) {unknown}",
+                           hint="use metrics of the harness in force or gate variables")
+        overrides: dict = {}
+        lines = []
+        for key, value in settings.items():
+            set_dotted(overrides, key, value)
+            lines.append(f"{key}={json.dumps(value)}")
+        # The spec as it would be written, checked against the PolicyVersion schema.
+        probe = {"apiVersion": API_VERSION, "kind": "PolicyVersion", "name": "proposal",
+                 "parent": state.name, "recipe": overrides,
+                 "intervention": {"skills": skills, "factors": len(skills) + len(lines),
+                                  "rationale": rationale,
+                                  "hypothesis": {"statement": hypothesis,
+                                                 "criterion": criterion}}}
+        specs.load_text(specs.dump(probe), "propose_version input", "PolicyVersion")
+        parent_diagnosis = state.records.get("diagnosis") or {}
+        values = metric_values(parent_diagnosis)
+        meta: dict[str, Any] = {
+            "frontier": self.frontier,
+            "trigger": {"alerts": [a["name"] for a in parent_diagnosis.get("alerts") or []],
+                        "values": {n: values[n] for n in sorted(cel.names(criterion))
+                                   if n in values}},
+        }
+        backtests = [self.backtests[s] for s in skills if s in self.backtests]
+        if backtests:
+            meta["backtest"] = backtests[0]
+        self.proposals.append(Proposal(parent, rationale.strip(), skills=skills,
+                                       settings=lines, hypothesis=hypothesis.strip(),
+                                       criterion=criterion.strip(), proposal=meta))
+        return {"accepted": True, "parent": parent, "skills": skills, "settings": lines}
+
+    def tool_propose_harness_revision(self, metrics: list, rationale: str,
+                                      alerts: list | None = None,
+                                      backtest_cases: list | None = None) -> dict:
+        view = self.view
+        if self.harness:
+            raise EvoError("one harness revision per decision")
+        if not 1 <= len(metrics) <= 3:
+            raise EvoError("add one to three metrics per revision")
+        base = yaml.safe_load(Path(view.harness.source).read_text(encoding="utf-8"))
+        name = next_name(view.ws.harness_names(), "h")
+        document = {**base, "name": name, "parent": view.harness.name,
+                    "description": f"{view.harness.name} plus "
+                    f"{', '.join(str(m.get('name')) for m in metrics)}: {rationale}",
+                    "metrics": [*base.get("metrics", []), *metrics],
+                    "alerts": [*base.get("alerts", []), *(alerts or [])],
+                    "backtest_cases": list(backtest_cases or [])}
+        revision = parse_harness(document, source=f"proposed harness_versions/{name}.yaml")
+        report = backtest_harness(view.ws, revision, view.harness)
+        if not report["passed"]:
+            failed = [c for c in report["cases"] if not c["passed"]]
+            raise EvoError(f"backtest cases fail: {failed}")
+        self.harness.append(HarnessProposal(document, rationale.strip(), report))
+        return {"accepted": True, "name": name, "backtest": report}
+
+
+def _factor(key: str) -> str:
+    """The allowed key a dotted setting falls under (its factor), or a policy error."""
+    for allowed in ALLOWED_KEYS:
+        if key == allowed or key.startswith(allowed + "."):
+            return allowed
+    raise EvoError(f"recipe key {key!r} is not one a planner may change",
+                   hint=f"allowed: {', '.join(ALLOWED_KEYS)}")
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, (str, bytes)):
+        text = value.decode(errors="replace") if isinstance(value, bytes) else value
+        return text if len(text) <= MAX_CELL_CHARS else text[:MAX_CELL_CHARS] + "…"
+    if isinstance(value, (int, float, bool)) or value is None:
+        return value
+    return _cell(json.dumps(value, default=str))

@@ -1,0 +1,288 @@
+"""The HTML report of a real workspace (stand-in engine, real reconcile), opened in headless
+Chromium over the DevTools protocol: no console error on any page, every internal link and
+anchor resolves, one lineage node per version, a screenshot that is not blank, and rollout
+text holding `<script>` and HTML shown as text."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import typer
+from markupsafe import escape
+from typer.testing import CliRunner
+
+from evotrainer.commands.init import init_workspace
+from evotrainer.commands.report import register
+from evotrainer.errors import EvoError
+from evotrainer.evidence.schema import ROLLOUT_SCHEMA
+from evotrainer.report import build_report
+from evotrainer.versions import approve, new_version
+from evotrainer.workspace import Workspace
+
+TESTS = Path(__file__).resolve().parent
+CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser",
+                                                "google-chrome"))), None)
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="no chromium binary on PATH (apt-get install -y chromium)")
+
+SCRIPT_PROMPT = "<script>alert(1)</script><b>bold prompt</b>"
+HTML_RESPONSE = '</pre><img src=x onerror="alert(2)"><i>italic</i> &amp; done'
+SCRIPT_RATIONALE = "<em>leaky</em> on purpose <script>alert(3)</script>"
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Workspace:
+    """v0 baseline → v1 promoted, v2 leaking (pruned), v3 failing: every kind of node. The
+    reconcile runs for real with the stand-in engine (as in test_reconcile.py)."""
+    from test_reconcile import converge, propose
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(
+            [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        workspace = Workspace(init_workspace(tmp_path_factory.mktemp("report") / "ws", "arith"))
+        propose(workspace, "v1", standin_skill=0.65)
+        new_version(workspace, "v2", "v0", rationale=SCRIPT_RATIONALE,
+                    settings=['domain.params.standin_skill=0.65',
+                              'domain.params.standin_leak=true'])
+        approve(workspace, "v2", by="tester")
+        propose(workspace, "v3", standin_fail=True)
+        converge(workspace)
+    _plant_html_rollout(workspace)
+    return workspace
+
+
+def _plant_html_rollout(ws: Workspace) -> None:
+    """Put markup into the first rollout the leak alert of v2 cites as an example."""
+    example = ws.version("v2").records["diagnosis"]["alerts"][0]["examples"][0]
+    _, seed, split, step, group, sample = example.split("/")
+    run = ws.version("v2").records["run"]
+    path = ws.root / run["artifact_dir"] / "rollouts" / f"{split}.parquet"
+    rows = pq.read_table(path).to_pylist()
+    for row in rows:
+        if (row["seed"], row["step"], row["group_id"], row["sample_idx"]) == (
+                int(seed), int(step), group, int(sample)):
+            row.update(prompt=SCRIPT_PROMPT, response=HTML_RESPONSE,
+                       tool_calls=[{"name": "reveal", "args": "<script>alert(4)</script>"}])
+    pq.write_table(pa.Table.from_pylist(rows, ROLLOUT_SCHEMA), path)
+
+
+@pytest.fixture(scope="module")
+def report(ws, tmp_path_factory) -> Path:
+    return build_report(ws, tmp_path_factory.mktemp("site") / "report")
+
+
+def test_untrusted_text_is_escaped_and_no_script_exists(report):
+    page = (report.parent / "versions" / "v2.html").read_text()
+    for text in (SCRIPT_PROMPT, HTML_RESPONSE, SCRIPT_RATIONALE):
+        assert str(escape(text)) in page
+    for written in report.parent.rglob("*.html"):
+        text = written.read_text().lower()
+        assert "<script" not in text and "<img" not in text and "<b>" not in text
+        assert "default-src 'none'" in html.unescape(text)  # the CSP meta tag
+
+
+def test_version_pages_show_what_was_decided(report):
+    v1 = (report.parent / "versions" / "v1.html").read_text()
+    assert "standin_skill" in v1 and "0.65" in v1  # the recipe diff against v0
+    assert "significant_gain" in v1 and "Wilcoxon" in v1  # the gate and its statistics
+    v3 = (report.parent / "versions" / "v3.html").read_text()
+    assert "failing on purpose" in v3  # the failed run's log tail
+    index = report.read_text()
+    assert "v0 → v1" in index and "max_total_steps" in index
+
+
+def test_missing_artifacts_list_example_ids_only(ws, tmp_path):
+    folder = ws.root / ws.version("v2").records["run"]["artifact_dir"]
+    moved = tmp_path / "away"
+    shutil.move(folder, moved)
+    try:
+        index = build_report(ws, tmp_path / "report")
+    finally:
+        shutil.move(moved, folder)
+    page = (index.parent / "versions" / "v2.html").read_text()
+    assert "listed by id only" in page and "v2/0/train/" in page
+    assert "bold prompt" not in page
+
+
+def test_cli_writes_the_default_folder_and_refuses_a_foreign_one(ws, tmp_path, monkeypatch):
+    app = typer.Typer()
+    register(app)
+    app.command("noop")(lambda: None)  # a second command keeps `report` a subcommand
+    monkeypatch.chdir(ws.root)
+    result = CliRunner().invoke(app, ["report"])
+    assert result.exit_code == 0, result.output
+    assert (ws.state_dir / "report" / "index.html").is_file()
+    assert result.output.strip().endswith("index.html")
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "mine.txt").write_text("keep me")
+    result = CliRunner().invoke(app, ["report", "--out", str(foreign)])
+    assert isinstance(result.exception, EvoError) and "refusing" in str(result.exception)
+    assert (foreign / "mine.txt").read_text() == "keep me"
+
+
+# ------------------------------------------------------------------------- in a browser
+
+
+class Chromium:
+    """Headless Chromium driven over the DevTools protocol (one websocket, flat sessions)."""
+
+    FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--remote-debugging-port=0"]
+
+    def __init__(self, binary: str, profile: Path) -> None:
+        import websocket  # websocket-client, a dev dependency
+
+        self.process = subprocess.Popen(
+            [binary, *self.FLAGS, f"--user-data-dir={profile}", "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        port_file = profile / "DevToolsActivePort"
+        deadline = time.monotonic() + 60
+        while not (port_file.is_file() and len(port_file.read_text().split()) == 2):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("chromium did not open its DevTools port")
+            time.sleep(0.1)
+        port, path = port_file.read_text().split()
+        self.socket = websocket.create_connection(f"ws://127.0.0.1:{port}{path}", timeout=60,
+                                                  suppress_origin=True)
+        self.next_id = 0
+        self.events: list[dict] = []
+
+    def close(self) -> None:
+        self.socket.close()
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+    def send(self, method: str, session: str | None = None, **params) -> dict:
+        self.next_id += 1
+        message = {"id": self.next_id, "method": method, "params": params}
+        if session:
+            message["sessionId"] = session
+        self.socket.send(json.dumps(message))
+        while True:
+            reply = json.loads(self.socket.recv())
+            if reply.get("id") == self.next_id:
+                assert "error" not in reply, f"{method}: {reply['error']}"
+                return reply["result"]
+            self.events.append(reply)
+
+    def wait_for(self, method: str, session: str) -> None:
+        while not any(e.get("method") == method and e.get("sessionId") == session
+                      for e in self.events):
+            self.events.append(json.loads(self.socket.recv()))
+
+    def tab(self) -> str:
+        target = self.send("Target.createTarget", url="about:blank")["targetId"]
+        session = self.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        for domain in ("Page", "Runtime", "Log"):
+            self.send(f"{domain}.enable", session)
+        self.send("Emulation.setDeviceMetricsOverride", session, width=1280, height=900,
+                  deviceScaleFactor=1, mobile=False)
+        return session
+
+    def open(self, session: str, url: str) -> list[str]:
+        """Load `url`; return the console errors, exceptions and dialogs it caused."""
+        self.events.clear()
+        self.send("Page.navigate", session, url=url)
+        self.wait_for("Page.loadEventFired", session)
+        problems = []
+        for event in self.events:
+            method, params = event.get("method"), event.get("params", {})
+            if method == "Log.entryAdded" and params["entry"]["level"] == "error":
+                problems.append(params["entry"]["text"])
+            elif method == "Runtime.consoleAPICalled" and params["type"] in ("error", "assert"):
+                problems.append(str(params["args"]))
+            elif method in ("Runtime.exceptionThrown", "Page.javascriptDialogOpening"):
+                problems.append(f"{method}: {params}")
+        return problems
+
+    def js(self, session: str, expression: str):
+        """Evaluate in the page from DevTools (the page's own CSP forbids every script)."""
+        result = self.send("Runtime.evaluate", session, expression=expression,
+                           returnByValue=True, awaitPromise=True)
+        assert "exceptionDetails" not in result, result["exceptionDetails"]
+        return result["result"].get("value")
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    if CHROMIUM is None:
+        pytest.skip("no chromium binary on PATH (apt-get install -y chromium)")
+    chromium = Chromium(CHROMIUM, tmp_path_factory.mktemp("chromium-profile"))
+    yield chromium
+    chromium.close()
+
+
+LINKS = "[...document.querySelectorAll('a[href]')].map(a => a.getAttribute('href'))"
+IDS = "[...document.querySelectorAll('[id]')].map(e => e.id)"
+# Decode a PNG in a blank tab and count its colours and the pixels unlike the top-left one.
+PIXELS = """new Promise(done => { const img = new Image(); img.onload = () => {
+  const c = document.createElement('canvas'); c.width = img.width; c.height = img.height;
+  const g = c.getContext('2d'); g.drawImage(img, 0, 0);
+  const d = g.getImageData(0, 0, c.width, c.height).data, colours = new Set(); let odd = 0;
+  for (let i = 0; i < d.length; i += 4) {
+    colours.add((d[i] << 16) | (d[i + 1] << 8) | d[i + 2]);
+    if (d[i] !== d[0] || d[i + 1] !== d[1] || d[i + 2] !== d[2]) odd++; }
+  done({colours: colours.size, odd: odd / (d.length / 4)}); };
+  img.src = 'data:image/png;base64,%s'; })"""
+
+
+@needs_chromium
+def test_every_page_loads_clean_and_every_link_resolves(report, ws, browser, tmp_path):
+    session = browser.tab()
+    site = report.parent
+    queue, seen, anchors, wanted = [report.resolve()], set(), {}, []
+    while queue:
+        page = queue.pop()
+        if page in seen:
+            continue
+        seen.add(page)
+        assert browser.open(session, page.as_uri()) == [], f"console errors on {page.name}"
+        anchors[page] = set(browser.js(session, IDS))
+        for href in browser.js(session, LINKS):
+            url = urlparse(href)
+            assert not url.scheme and not url.netloc, f"{page.name} links outside: {href}"
+            target = (page.parent / unquote(url.path)).resolve() if url.path else page
+            assert target.is_file() and target.is_relative_to(site.resolve()), (
+                f"{page.name}: broken link {href}")
+            if url.fragment:
+                wanted.append((page.name, href, target, unquote(url.fragment)))
+            queue.append(target)
+    assert seen == {p.resolve() for p in site.rglob("*.html")}  # every page is reachable
+    for source, href, target, fragment in wanted:
+        assert fragment in anchors[target], f"{source}: {href} names no element"
+
+    browser.open(session, report.as_uri())
+    nodes = browser.js(session, "[...document.querySelectorAll('svg#lineage .node')]"
+                                ".map(n => n.dataset.version)")
+    assert sorted(nodes) == sorted(ws.versions()) == ["v0", "v1", "v2", "v3"]
+    shot = browser.send("Page.captureScreenshot", session, format="png")["data"]
+    (tmp_path / "index.png").write_bytes(base64.b64decode(shot))
+    pixels = browser.js(browser.tab(), PIXELS % shot)
+    assert pixels["colours"] > 20 and pixels["odd"] > 0.02, pixels
+
+
+@needs_chromium
+def test_rollout_markup_renders_as_text_in_the_browser(report, browser):
+    session = browser.tab()
+    assert browser.open(session, (report.parent / "versions" / "v2.html").as_uri()) == []
+    assert browser.js(session, "document.scripts.length") == 0
+    assert browser.js(session, "document.querySelectorAll('main img, main b, main i, "
+                               "main em').length") == 0
+    texts = browser.js(session, "[...document.querySelectorAll('pre.text, td, code')]"
+                                ".map(e => e.textContent)")
+    assert SCRIPT_PROMPT in texts and HTML_RESPONSE in texts
+    assert "<script>alert(4)</script>" in texts
+    assert any(SCRIPT_RATIONALE in t for t in texts)

@@ -27,6 +27,7 @@ from evotrainer.commands.report import register
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 from evotrainer.report import build_report
+from evotrainer.report.views import recipe_diff
 from evotrainer.versions import approve, new_version
 from evotrainer.workspace import Workspace
 
@@ -54,7 +55,8 @@ def ws(tmp_path_factory) -> Workspace:
         propose(workspace, "v1", standin_skill=0.65)
         new_version(workspace, "v2", "v0", rationale=SCRIPT_RATIONALE,
                     settings=['domain.params.standin_skill=0.65',
-                              'domain.params.standin_leak=true'])
+                              'domain.params.standin_leak=true'],
+                    proposal={"planner": "anthropic", "tokens": {"input": 1200, "output": 345}})
         approve(workspace, "v2", by="tester")
         propose(workspace, "v3", standin_fail=True)
         converge(workspace)
@@ -100,6 +102,18 @@ def test_version_pages_show_what_was_decided(report):
     assert "failing on purpose" in v3  # the failed run's log tail
     index = report.read_text()
     assert "v0 → v1" in index and "max_total_steps" in index
+    assert "anthropic" in index and "1545" in index  # the planner's tokens, totalled
+
+
+def test_recipe_diff_keys_named_lists_by_name():
+    old = {"grpo": {"lr": 1e-4, "group_size": 8}, "reward": {"components": [
+        {"name": "correctness", "weight": 1.0}]}, "filter": {"params": {}}}
+    new = {"grpo": {"lr": 3e-4, "group_size": 8}, "reward": {"components": [
+        {"name": "correctness", "weight": 1.0}, {"name": "partial", "weight": 0.1}]},
+        "filter": {"params": {"k": 2}}}
+    assert [(d.key, d.old, d.new) for d in recipe_diff(old, new)] == [
+        ("filter.params.k", None, "2"), ("grpo.lr", "0.0001", "0.0003"),
+        ("reward.components[partial].weight", None, "0.1")]
 
 
 def test_missing_artifacts_list_example_ids_only(ws, tmp_path):

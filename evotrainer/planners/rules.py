@@ -222,6 +222,12 @@ class RulesPlanner:
         backtest, works = self._backtest(view, frontier, source, skill)
         if backtest is not None:
             rationale += " " + _backtest_text(backtest)
+            if not works:
+                rationale += (" It would keep under 30% of the groups in some step "
+                              "(over-filtering), so it ranks after untested candidates."
+                              if backtest["kind"] == "filter" else
+                              " It rescues no dead group, so it ranks after untested "
+                              "candidates.")
         criterion = skill.data.get("criterion") or "delta >= 0.0"
         hypothesis = (
             f"If {frontier} applies {skill.name}, then {skill.data.get('expected_effect') or ''}"
@@ -373,6 +379,8 @@ class RulesPlanner:
                 defined |= {m.get("name") for m in doc.get("metrics") or []}
             except (OSError, yaml.YAMLError, AttributeError):
                 continue  # an unreadable revision defines nothing; `validate` reports it
+            if doc.get("parent") == view.harness.name:
+                return None  # one revision of the harness in force awaits review already
         base = yaml.safe_load(Path(view.harness.source).read_text(encoding="utf-8"))
         best: tuple[float, dict, dict] | None = None
         for entry in METRIC_CATALOGUE:

@@ -23,7 +23,7 @@ from evotrainer import API_VERSION, specs
 from evotrainer.backends import get_backend
 from evotrainer.backends.base import Backend, JobSpec, JobState, job_id
 from evotrainer.errors import EvoError
-from evotrainer.gate import decide
+from evotrainer.gate import decide, recorded_scores
 from evotrainer.gitstore import PRUNED_TAG_PREFIX, branch_name
 from evotrainer.harness.engine import diagnose, diagnosis_document
 from evotrainer.harness.revision import HarnessRevision, resolve_harness
@@ -200,8 +200,14 @@ def plan_version(ctx: Context, state: VersionState) -> VersionPlan:
             f"spec changed after the run: re-approve to retrain (evotrainer approve {state.name})",
         )
 
+    parent = ctx.states.get(state.parent) if state.parent else None
+    parent_ready = parent is None or (parent.records.get("run") or {}).get("state") == "Succeeded"
     diagnosis = state.records.get("diagnosis")
     if diagnosis is None:
+        if not parent_ready:  # the version layer compares with the parent's scores
+            return VersionPlan(
+                state.name, sync, health, None, f"waiting for parent {parent.name} to be evaluated"
+            )
         return VersionPlan(state.name, sync, health, Action("diagnose", "evidence collected"))
     if diagnosis["harness"]["digest"] != ctx.harness.digest:
         return VersionPlan(
@@ -216,11 +222,7 @@ def plan_version(ctx: Context, state: VersionState) -> VersionPlan:
         )
     decision = state.records.get("decision")
     if decision is None or (decision.get("harness") or {}).get("digest") != ctx.harness.digest:
-        parent = ctx.states.get(state.parent) if state.parent else None
-        if parent is not None and (
-            (parent.records.get("run") or {}).get("state") != "Succeeded"
-            or parent.records.get("diagnosis") is None
-        ):
+        if parent is not None and parent.records.get("diagnosis") is None:
             return VersionPlan(
                 state.name, sync, health, None, f"waiting for parent {parent.name} to be evaluated"
             )
@@ -484,7 +486,7 @@ class Reconciler:
             {"Action": "collect", "Version": state.name},
         )
 
-    def _diagnose(self, ctx: Context, state: VersionState, action: str = "diagnose") -> None:
+    def _diagnose(self, ctx: Context, state: VersionState, action: str = "diagnose") -> dict:
         run = state.records["run"]
         artifact_dir = self.ws.root / run["artifact_dir"]
         if not artifact_dir.is_dir():
@@ -499,7 +501,8 @@ class Reconciler:
         rollouts = read_rollouts(artifact_dir / "rollouts")
         steps_file = artifact_dir / "steps.parquet"
         steps = read_steps(steps_file) if steps_file.is_file() else None
-        result = diagnose(rollouts, steps, ctx.harness)
+        parent_scores = recorded_scores(self.ws, state.parent) if state.parent else None
+        result = diagnose(rollouts, steps, ctx.harness, parent_scores)
         document = diagnosis_document(result, state.name)
         document["created_at"] = now_iso()
         alerts = ", ".join(a["name"] for a in result["alerts"]) or "none"
@@ -509,6 +512,7 @@ class Reconciler:
             f"Diagnose {state.name} with {ctx.harness.name}: alerts {alerts}",
             {"Action": action, "Version": state.name, "Harness": ctx.harness.name},
         )
+        return result
 
     def _rediagnose(self, ctx: Context, state: VersionState) -> None:
         self._diagnose(ctx, state, action="rediagnose")
@@ -550,8 +554,8 @@ class Reconciler:
 
 
 def record_text(kind: str, document: dict) -> str:
-    """A record as committed: floats to 6 significant digits (readable diffs, and the same
-    bytes whatever order a parallel aggregate summed in), schema-checked, with a modeline."""
+    """A record as committed: floats to 6 significant digits and 12 decimals (readable diffs,
+    and the same bytes whatever order a parallel aggregate summed in), schema-checked."""
     text = f"# yaml-language-server: $schema=../../spec/schemas/{kind}.schema.json\n" + specs.dump(
         _rounded(document)
     )
@@ -561,9 +565,23 @@ def record_text(kind: str, document: dict) -> str:
 
 def _rounded(value):
     if isinstance(value, float):
-        return float(f"{value:.6g}")
+        # Absolute rounding first: a slope of 1e-17 is float noise, not a trend.
+        return float(f"{round(value, 12):.6g}")
     if isinstance(value, dict):
         return {k: _rounded(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_rounded(v) for v in value]
     return value
+
+
+def diagnose_version(ws: Workspace, name: str) -> tuple[dict, HarnessRevision]:
+    """Diagnose a recorded version with the harness in force and commit its diagnosis.yaml
+    (what reconcile does after collecting; here on demand)."""
+    ctx = load_context(ws)
+    state = ws.version(name, ctx.states)
+    if (state.records.get("run") or {}).get("state") != "Succeeded":
+        raise EvoError(
+            f"{name} has no collected run to diagnose",
+            hint="`evotrainer reconcile --wait` trains and collects it first",
+        )
+    return Reconciler(ws, log=lambda _: None)._diagnose(ctx, state), ctx.harness

@@ -10,14 +10,16 @@ from rich.console import Console
 from rich.table import Table
 
 from evotrainer.evidence.io import read_scores
+from evotrainer.gate import recorded_scores
 from evotrainer.stats import compare_tables
+from evotrainer.workspace import Workspace
 
 
 def register(app: typer.Typer) -> None:
     @app.command("compare")
     def compare(
-        a: Path = typer.Argument(..., help="Parent: scores csv/parquet or a run folder."),
-        b: Path = typer.Argument(..., help="Candidate: scores csv/parquet or a run folder."),
+        a: str = typer.Argument(..., help="Parent: a version, scores csv/parquet or run folder."),
+        b: str = typer.Argument(..., help="Candidate: likewise."),
         resamples: int = typer.Option(10_000, "--resamples", help="Bootstrap resamples."),
         seed: int = typer.Option(0, "--seed", help="Bootstrap RNG seed."),
         alpha: float = typer.Option(0.05, "--alpha", help="1 - confidence level."),
@@ -25,7 +27,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Delta = B - A over common tasks: paired bootstrap CI and p (stratified by
         data_source, seeds pooled hierarchically), Wilcoxon signed-rank, pass@k."""
-        result = compare_tables(read_scores(a), read_scores(b), B=resamples, seed=seed, alpha=alpha)
+        result = compare_tables(_scores(a), _scores(b), B=resamples, seed=seed, alpha=alpha)
         if as_json:
             typer.echo(json.dumps(result, indent=2))
             return
@@ -69,3 +71,10 @@ def register(app: typer.Typer) -> None:
                 f"[yellow]Left out {result['n_only_a']} task(s) only in A and "
                 f"{result['n_only_b']} only in B.[/]"
             )
+
+
+def _scores(ref: str):
+    """A path to a score table or run folder, else a workspace version's recorded scores."""
+    if Path(ref).exists():
+        return read_scores(Path(ref))
+    return recorded_scores(Workspace.find(), ref)

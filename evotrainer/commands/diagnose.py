@@ -11,10 +11,14 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from evotrainer.errors import EvoError
 from evotrainer.evidence.io import find_steps, read_steps
 from evotrainer.harness.engine import diagnose as run_diagnosis
 from evotrainer.harness.engine import diagnosis_document
 from evotrainer.harness.revision import LAYERS, resolve_harness
+from evotrainer.lock import workspace_lock
+from evotrainer.reconcile import diagnose_version
+from evotrainer.workspace import Workspace
 
 _JSON_KEYS = ("harness", "evidence_digest", "metrics", "series", "alerts", "gaps")
 
@@ -22,8 +26,13 @@ _JSON_KEYS = ("harness", "evidence_digest", "metrics", "series", "alerts", "gaps
 def register(app: typer.Typer) -> None:
     @app.command("diagnose")
     def diagnose(
+        name: str = typer.Argument(
+            None,
+            help="A workspace version: diagnose its recorded run and commit "
+            "runs/NAME/diagnosis.yaml.",
+        ),
         rollouts: Path = typer.Option(
-            ...,
+            None,
             "--rollouts",
             help="Canonical Parquet file or folder, run artifact folder, or verl dump folder.",
         ),
@@ -40,8 +49,20 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(None, "--out", help="Also write the Diagnosis YAML here."),
         as_json: bool = typer.Option(False, "--json", help="Print the diagnosis as JSON."),
     ) -> None:
-        """Diagnose rollouts standalone: metrics by layer, trends, alerts with example
-        rollout ids, and gaps (metrics the evidence cannot support)."""
+        """Diagnose a version of the workspace (NAME) or any rollouts standalone (--rollouts):
+        metrics by layer, trends, alerts with example rollout ids, and gaps."""
+        if name is not None:
+            ws = Workspace.find()
+            with workspace_lock(ws.state_dir / "lock", f"evotrainer diagnose {name}"):
+                diagnosis, revision = diagnose_version(ws, name)
+            _print(diagnosis, revision.metrics)
+            return
+        if rollouts is None:
+            raise EvoError(
+                "nothing to diagnose",
+                field="--rollouts",
+                hint="pass a version NAME, or --rollouts PATH",
+            )
         revision = resolve_harness(harness)
         steps_path = steps or find_steps(rollouts)
         steps_table = read_steps(steps_path) if steps_path else None

@@ -37,8 +37,15 @@ def get_domain(name: str) -> type[Domain]:
 
 
 def make_domain(domain_cfg: dict[str, Any]) -> Domain:
-    """Instantiate the recipe's `domain` section (its `name` and `params`)."""
-    return get_domain(domain_cfg.get("name", ""))(domain_cfg.get("params") or {})
+    """Instantiate the recipe's `domain` section: its `name`, `params` and, for dataset
+    domains, `data` (train/val paths, relative to the job's working directory)."""
+    domain = get_domain(domain_cfg.get("name", ""))
+    data = {k: v for k, v in (domain_cfg.get("data") or {}).items() if v}
+    return (
+        domain(domain_cfg.get("params") or {}, data=data)
+        if data
+        else domain(domain_cfg.get("params") or {})
+    )
 
 
 __all__ = [

@@ -61,7 +61,13 @@ class ArithDomain(Domain):
     def demonstration(self, task: Task, rng: random.Random) -> Demonstration:
         return [(task.answer, True)]
 
-    def score(self, task: Task, response: str, tool_calls: list[dict[str, str]]) -> Score:
+    def score(
+        self,
+        task: Task,
+        response: str,
+        tool_calls: list[dict[str, str]],
+        truncated: bool | None = None,
+    ) -> Score:
         text = response.strip()
         well_formed = _NUMBER.fullmatch(text) is not None
         correct = float(text == task.answer)

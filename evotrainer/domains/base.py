@@ -114,9 +114,16 @@ class Domain(ABC):
         """A supervised target for the warm start (the response after the prompt)."""
 
     @abstractmethod
-    def score(self, task: Task, response: str, tool_calls: list[dict[str, str]]) -> Score:
+    def score(
+        self,
+        task: Task,
+        response: str,
+        tool_calls: list[dict[str, str]],
+        truncated: bool | None = None,
+    ) -> Score:
         """Score a finished response (for multi-turn domains: the whole transcript after the
-        prompt, observations included)."""
+        prompt, observations included). `truncated`: generation hit the length limit, so a
+        missing answer is a cut-off, not a format failure."""
 
     def environment(self, task: Task, config: dict[str, Any]) -> Environment:
         raise NotImplementedError(f"domain {self.name!r} is single-turn")

@@ -123,7 +123,13 @@ class ToolEnvDomain(Domain):
         segments.append((f"={hidden};", True))
         return segments
 
-    def score(self, task: Task, response: str, tool_calls: list[dict[str, str]]) -> Score:
+    def score(
+        self,
+        task: Task,
+        response: str,
+        tool_calls: list[dict[str, str]],
+        truncated: bool | None = None,
+    ) -> Score:
         # Actions sit at the even positions of the `;`-separated transcript, replies between.
         actions = response.split(";")[::2]
         if actions and actions[-1] == "":

@@ -193,7 +193,10 @@ class Trainer:
         )
 
     def score(self, episodes: list[Episode]) -> tuple[np.ndarray, list[Any]]:
-        scores = [self.domain.score(e.task, e.response, e.tool_calls) for e in episodes]
+        scores = [
+            self.domain.score(e.task, e.response, e.tool_calls, e.finish_reason == "length")
+            for e in episodes
+        ]
         rewards = np.array(
             [sum(w * s.components[name] for name, w in self.weights.items()) for s in scores]
         )

@@ -61,7 +61,18 @@ def ws(tmp_path_factory) -> Workspace:
         propose(workspace, "v3", standin_fail=True)
         converge(workspace)
     _plant_html_rollout(workspace)
+    _add_harness_revision(workspace)
     return workspace
+
+
+def _add_harness_revision(ws: Workspace) -> None:
+    """h1: h0 with a stricter truncation alert and a backtest case (not in force)."""
+    text = ws.harness_path("h0").read_text()
+    text = text.replace("name: h0\n", "name: h1\nparent: h0\n", 1)
+    text = text.replace("truncation_rate > 0.15", "truncation_rate > 0.1")
+    text = text.replace("backtest_cases: []", "backtest_cases:\n  - {version: v2, expect: block, "
+                        "alert: leak, why: '<b>must</b> stay blocked'}")
+    ws.harness_path("h1").write_text(text)
 
 
 def _plant_html_rollout(ws: Workspace) -> None:
@@ -103,6 +114,14 @@ def test_version_pages_show_what_was_decided(report):
     index = report.read_text()
     assert "v0 → v1" in index and "max_total_steps" in index
     assert "anthropic" in index and "1545" in index  # the planner's tokens, totalled
+
+
+def test_harness_revisions_show_their_diff_and_backtest_cases(report):
+    page = (report.parent / "harness.html").read_text()
+    assert "+    when: truncation_rate &gt; 0.1" in page
+    assert "-    when: truncation_rate &gt; 0.15" in page
+    assert "its declared parent" in page
+    assert "<td>leak</td><td>&lt;b&gt;must&lt;/b&gt; stay blocked</td>" in page  # a case
 
 
 def test_recipe_diff_keys_named_lists_by_name():

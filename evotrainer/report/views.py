@@ -174,7 +174,7 @@ class _Evidence:
             path = self.folder / "rollouts" / f"{split}.parquet"
             try:
                 self.tables[split] = read_rollouts(path) if path.is_file() else None
-            except EvoError:
+            except (EvoError, OSError, pa.ArrowException):
                 self.tables[split] = None  # unreadable: the ids are still listed
         return self.tables[split]
 
@@ -194,7 +194,8 @@ def _alert_views(ws: Workspace, page: VersionPage) -> None:
         ids = [str(i) for i in alert.get("examples") or []]
         shown = []
         for rollout_id in ids[:EXAMPLES_PER_ALERT]:
-            row = found.get(rollout_id)
+            # A copy: two alerts may cite the same rollout, and clipping edits the row.
+            row = dict(found[rollout_id]) if rollout_id in found else None
             example = Rollout(rollout_id, row)
             if row is not None:
                 row["prompt"], example.prompt_more = _clip(row["prompt"])
@@ -230,6 +231,7 @@ class HarnessPage:
     error: str | None
     in_force: bool
     diagnosed: list[str]  # versions whose diagnosis was made with this revision
+    cases: list[dict]  # backtest cases as written (the parsed revision keeps version/expect)
     diff_base: str | None = None
     diff_why: str = ""
     diff: list[tuple[str, str]] = field(default_factory=list)  # (css, line)
@@ -256,12 +258,15 @@ def harness_pages(ws: Workspace, states: dict[str, VersionState]) -> list[Harnes
     pages: list[HarnessPage] = []
     for name in names:
         path = ws.harness_path(name)
+        text = path.read_text(encoding="utf-8")
         try:
             revision, error = load_harness(path), None
+            cases = [c for c in yaml.safe_load(text).get("backtest_cases") or []
+                     if isinstance(c, dict)]
         except EvoError as err:
-            revision, error = None, str(err)
-        pages.append(HarnessPage(name, path.read_text(encoding="utf-8"), revision, error,
-                                 name == in_force, used.get(name, [])))
+            revision, error, cases = None, str(err), []
+        pages.append(HarnessPage(name, text, revision, error, name == in_force,
+                                 used.get(name, []), cases))
     texts = {p.name: p.text for p in pages}
     for i, page in enumerate(pages):
         declared = page.revision.parent if page.revision else None

@@ -57,7 +57,7 @@ class FakeMessagesAPI:
                         "type": "not_found_error", "message": "no scripted turn left"}})
                     return
                 api.requests.append(body)
-                api.headers.append(dict(self.headers))
+                api.headers.append({k.lower(): v for k, v in self.headers.items()})
                 turn = api.script.pop(0)
                 self._send(200, turn(body) if callable(turn) else turn)
 

@@ -44,7 +44,7 @@ from evotrainer.planners.base import HarnessProposal, PlannerResult, Proposal, V
 from evotrainer.recipe import set_dotted
 from evotrainer.skills import get_skill, search
 
-DEFAULT_MODEL = "claude-sonnet-4-5"
+DEFAULT_MODEL = "claude-sonnet-5"
 DEFAULT_TOKENS_PER_DECISION = 100_000
 MAX_OUTPUT_TOKENS = 4096
 MAX_TURNS = 16

@@ -1,0 +1,112 @@
+"""Harness revisions on recorded history: backtest (re-diagnose, re-gate), adopt (only when
+the cases pass), diff; through the `harness` command."""
+
+from __future__ import annotations
+
+import json
+
+import git
+import pytest
+import typer
+import yaml
+from test_reconcile import converge, standin_on_path  # noqa: F401 (autouse fixture)
+from test_reconcile import propose as train
+from typer.testing import CliRunner
+
+from evotrainer.commands.harness import register
+from evotrainer.planners.base import propose
+from evotrainer.reconcile import load_context, plan
+from evotrainer.workspace import Workspace
+
+
+@pytest.fixture
+def harness_cli(monkeypatch):
+    app = typer.Typer()
+    register(app)
+    runner = CliRunner()
+
+    def run(ws: Workspace, *args: str):
+        monkeypatch.chdir(ws.root)
+        monkeypatch.setenv("COLUMNS", "200")
+        return runner.invoke(app, ["harness", *args])
+
+    return run
+
+
+@pytest.fixture
+def recorded(workspace) -> Workspace:
+    """v1 promoted, v2 pruned without any alert: a verdict h0 cannot explain."""
+    train(workspace, "v1", standin_skill=0.65)
+    train(workspace, "v2", parent="v1", standin_skill=0.4)
+    converge(workspace)
+    return workspace
+
+
+def write_revision(ws: Workspace, name: str, **changes) -> None:
+    doc = yaml.safe_load((ws.root / "harness_versions" / "h0.yaml").read_text())
+    doc.update(name=name, parent="h0", **changes)
+    (ws.root / "harness_versions" / f"{name}.yaml").write_text(yaml.safe_dump(doc))
+
+
+def commit(ws: Workspace, path: str) -> None:
+    repo = git.Repo(ws.root)
+    repo.git.add(path)
+    repo.git.commit("-m", f"add {path}", env={
+        "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"})
+
+
+def test_a_proposed_metric_is_backtested_then_adopted_and_plan_rediagnoses(recorded,
+                                                                          harness_cli):
+    [revision] = propose(recorded, "rules", 1).harness
+    name = revision.name
+    metric = next(m["name"] for m in revision.document["metrics"][::-1])
+
+    shown = harness_cli(recorded, "backtest", name, "--against", "h0")
+    assert shown.exit_code == 0, shown.output
+    assert metric in shown.output and "pass" in shown.output and "FAIL" not in shown.output
+    report = json.loads(harness_cli(recorded, "backtest", name, "--json").output)
+    assert [r["version"] for r in report["versions"]] == ["v0", "v1", "v2"]
+    assert all(r["metrics_added"] == [metric] for r in report["versions"])
+    assert all(r["verdict_before"] == r["verdict_after"] == r["recorded"]
+               for r in report["versions"])
+    assert [(c["version"], c["passed"]) for c in report["cases"]] == [("v1", True),
+                                                                       ("v2", True)]
+
+    diff = harness_cli(recorded, "diff", "h0", name)
+    assert diff.exit_code == 0 and metric in diff.output
+    assert "verdicts that change: none (over 3 recorded version(s))" in diff.output
+
+    adopted = harness_cli(recorded, "adopt", name)
+    assert adopted.exit_code == 0, adopted.output
+    repo = git.Repo(recorded.root)
+    assert "Evotrainer-Action: adopt-harness" in repo.commit("main").message
+    assert f"harness: {name}" in (recorded.root / "spec" / "project.yaml").read_text()
+    kinds = {p.version: p.action.kind for p in plan(load_context(Workspace(recorded.root)))
+             if p.action}
+    assert kinds == {"v0": "rediagnose", "v1": "rediagnose", "v2": "rediagnose"}
+
+
+def test_failing_cases_and_uncommitted_revisions_are_refused(recorded, harness_cli):
+    # A stricter gate: every gain needs p < 0.0001, so v1 would no longer be promoted.
+    doc = yaml.safe_load((recorded.root / "harness_versions" / "h0.yaml").read_text())
+    rules = [{"name": "significant_gain", "when": "ci_low > 0.5", "verdict": "promote"},
+             *[r for r in doc["gate"]["rules"] if r["name"] != "significant_gain"]]
+    write_revision(recorded, "h9", gate={**doc["gate"], "rules": rules},
+                   backtest_cases=[{"version": "v1", "expect": "promote"}])
+    refused = harness_cli(recorded, "adopt", "h9")
+    assert refused.exit_code == 1 and "not committed on main" in str(refused.exception)
+
+    backtest = harness_cli(recorded, "backtest", "h9")
+    assert backtest.exit_code == 1 and "FAIL" in backtest.output
+    diff = json.loads(harness_cli(recorded, "diff", "h0", "h9", "--json").output)
+    assert diff["gate_rules"]["changed"] == {"significant_gain": ["when"]}
+    assert diff["rule_order"] is not None
+    assert diff["changed_verdicts"] == [
+        {"version": "v1", "verdict_before": "promote", "verdict_after": "inconclusive"}]
+
+    commit(recorded, "harness_versions/h9.yaml")
+    refused = harness_cli(recorded, "adopt", "h9")
+    assert refused.exit_code == 1
+    assert "v1 expects promote, got inconclusive" in str(refused.exception)
+    assert "harness: h0" in (recorded.root / "spec" / "project.yaml").read_text()

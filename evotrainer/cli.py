@@ -30,6 +30,7 @@ COMMAND_MODULES = [
     "skills",
     "backtest",
     "render",
+    "report",
 ]
 
 app = typer.Typer(

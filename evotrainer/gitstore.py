@@ -111,6 +111,13 @@ class GitStore:
         except (git.BadName, ValueError):
             return None
 
+    def merged_versions(self, into: str) -> set[str]:
+        """Versions whose branch tip is contained in `into`, in one git call."""
+        out = self.repo.git.for_each_ref(
+            "--format=%(refname)", f"--merged={into}", "refs/heads/" + BRANCH_PREFIX
+        )
+        return {ref.removeprefix("refs/heads/" + BRANCH_PREFIX) for ref in out.splitlines()}
+
     def is_ancestor(self, ancestor: str, descendant: str) -> bool:
         return self.repo.is_ancestor(ancestor, descendant)
 

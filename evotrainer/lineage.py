@@ -38,7 +38,7 @@ def status_of(state: VersionState) -> str:
 def lineage_rows(ws: Workspace, states: dict[str, VersionState] | None = None) -> list[LineageRow]:
     states = states if states is not None else ws.versions()
     pruned = set(ws.git.tags(PRUNED_TAG_PREFIX))
-    main = ws.git.rev("refs/heads/main")
+    on_main = ws.git.merged_versions("main") if ws.git.rev("refs/heads/main") else set()
     rows = []
     for name in tree_order(states):
         state = states[name]
@@ -53,7 +53,7 @@ def lineage_rows(ws: Workspace, states: dict[str, VersionState] | None = None) -
             delta=comparison.get("delta"), verdict=decision.get("verdict"),
             alerts=[a.get("name", "?") for a in diagnosis.get("alerts") or []],
             pruned=name in pruned,
-            on_main=bool(main) and ws.git.is_ancestor(state.sha, main),
+            on_main=name in on_main,
         ))
     return rows
 

@@ -34,7 +34,7 @@ SCHEMA_FILES = {
 
 Path_ = tuple[Any, ...]
 # libyaml's safe loader when present: parsing hundreds of version specs stays fast.
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 @dataclass
@@ -76,8 +76,8 @@ def parse(text: bytes | str, source: str) -> Document:
                 hint="save the file as UTF-8",
             ) from None
     try:
-        node = yaml.compose(text, Loader=_LOADER)
-        data = yaml.load(text, Loader=_LOADER)  # the safe loader: no arbitrary objects
+        node = yaml.compose(text, Loader=SAFE_LOADER)
+        data = yaml.load(text, Loader=SAFE_LOADER)  # the safe loader: no arbitrary objects
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source

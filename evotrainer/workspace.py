@@ -134,11 +134,8 @@ class Workspace:
             source = f"{ref}:{version_spec_path(name)}"
             raw = blobs[(ref, version_spec_path(name))]
             state = VersionState(name, sha, None, source, raw)
-            if raw is not None:
-                try:
-                    state.spec = specs.parse(raw, source).data
-                except EvoError:
-                    state.spec = None  # `validate` reports it; listing goes on
+            spec = _safe_yaml(raw)  # `validate` reports a broken spec; listing goes on
+            state.spec = spec if isinstance(spec, dict) else None
             for f in RECORD_FILES:
                 blob = blobs[(ref, run_path(name, f))]
                 state.records[f.removesuffix(".yaml")] = _safe_yaml(blob)
@@ -182,6 +179,6 @@ def _safe_yaml(blob: bytes | None) -> Any:
     if blob is None:
         return None
     try:
-        return yaml.safe_load(blob)
-    except yaml.YAMLError:
+        return yaml.load(blob, Loader=specs.SAFE_LOADER)
+    except (yaml.YAMLError, UnicodeDecodeError):
         return None

@@ -16,18 +16,20 @@ PLANNER_HELP = f"Planner: {' or '.join(PLANNERS)} (default: the project's planne
 
 
 def proposals_table(result: PlannerResult) -> Table:
-    table = Table(title="proposals", show_lines=True)
-    for column in ("version", "parent", "change", "criterion", "rationale"):
+    table = Table(title="proposals")
+    for column in ("version", "parent", "change", "criterion"):
         table.add_column(column, overflow="fold")
     for p in result.proposals:
         change = ", ".join([*(f"skill {s}" for s in p.skills), *p.settings]) or "(train as is)"
-        table.add_row(p.name or "?", p.parent, change, p.criterion or "—", p.rationale)
+        table.add_row(p.name or "?", p.parent, change, p.criterion or "—")
     return table
 
 
 def print_result(console: Console, result: PlannerResult) -> None:
     if result.proposals:
         console.print(proposals_table(result))
+    for p in result.proposals:
+        console.print(f"[bold]{p.name}[/]: {p.rationale}", highlight=False)
     for harness in result.harness:
         backtest = harness.backtest or {}
         cases = backtest.get("cases") or []

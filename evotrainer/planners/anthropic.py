@@ -36,7 +36,7 @@ from evotrainer.backtest import (
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts
 from evotrainer.gate import metric_values
-from evotrainer.harness.revision import GATE_VARIABLES, parse_harness
+from evotrainer.harness.revision import GATE_VARIABLES, parse_harness, resolve_harness
 from evotrainer.harness.sql import Sandbox, check_select
 from evotrainer.harness_ops import backtest_harness
 from evotrainer.lineage import lineage_rows
@@ -285,8 +285,6 @@ class _Tools:
                              for k in ("verdict", "reason", "blocked_by", "criterion")}}
 
     def tool_get_harness(self, name: str | None = None) -> dict:
-        from evotrainer.harness.revision import resolve_harness
-
         harness = resolve_harness(name, self.view.ws.root) if name else self.view.harness
         return {"name": harness.name, "description": harness.description,
                 "metrics": [{"name": m.name, "layer": m.layer, "split": m.split, "sql": m.sql,

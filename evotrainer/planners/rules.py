@@ -8,7 +8,8 @@
    are listed as declined), one factor each, with the skill's falsifiable criterion. Skills
    this lineage already refuted (applied by a failed ancestor or sibling) or already tried
    from the frontier are skipped. Integrity and measurement fixes (audit, eval-protocol)
-   come first: a score that cannot be trusted says nothing about anything else.
+   come first: a score that cannot be trusted says nothing about anything else. An
+   untrained root is first trained as is: that run is the reference for everything after.
 4. A filter or reward skill is backtested on the stored rollouts that fired it; a backtest
    that shows no effect demotes the candidate.
 5. Escalation after `autonomy.escalate_after_failures` consecutive failed versions: re-branch
@@ -323,19 +324,21 @@ class RulesPlanner:
                "refuted or declined")
         meta = {"planner": "rules", "tokens": 0, "frontier": frontier, "default": True,
                 "triggers_fired": fired}
-        # (settings, rationale, hypothesis, rank): training an untrained root comes right after
-        # integrity and measurement fixes; the other defaults after every fired skill.
+        # (settings, rationale, hypothesis, rank): an untrained root without children is
+        # trained as is before anything else (its alerts describe the base model, not
+        # training: the trained run is the reference); other defaults come after every skill.
         options: list[tuple[list[str], str, str, tuple]] = []
         if state.spec.get("train") is False:
             steps = recipe["grpo"]["steps"]
             lead = f"{why}; " if not fired else ""
             options.append(([], f"{lead}{frontier} is untrained, so the most informative next "
                             f"step is to train its recipe as is ({steps} GRPO steps): the "
-                            "trained reference every later intervention is compared with.",
+                            "trained reference every later intervention is compared with "
+                            f"({frontier}'s own alerts describe the base model, not training).",
                             f"If the recipe is trained for {steps} steps, then Avg@k rises "
                             f"over the untrained {frontier}, because GRPO reinforces the "
                             "correct samples the base policy already produces.",
-                            (2, False, -1, 0)))
+                            (3, False, 0, -1) if view.children(frontier) else (-2, False, 0, 0)))
         else:
             steps = recipe["grpo"]["steps"]
             options.append(([f"grpo.steps={2 * steps}"],

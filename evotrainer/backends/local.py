@@ -21,6 +21,7 @@ import psutil
 
 from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus
 from evotrainer.errors import EvoError
+from evotrainer.files import atomic_write, read_json
 
 JOB_FILE = "job.json"
 RESULT_FILE = "result.json"
@@ -47,20 +48,35 @@ class LocalBackend:
         job.artifact_dir.mkdir(parents=True, exist_ok=True)
         recipe_file = job.artifact_dir / "recipe.json"
         recipe_file.write_text(json.dumps(job.recipe, indent=2, sort_keys=True))
-        command = [sys.executable, "-m", self.engine_module, str(recipe_file),
-                   str(job.artifact_dir), job.version]
+        command = [
+            sys.executable,
+            "-m",
+            self.engine_module,
+            str(recipe_file),
+            str(job.artifact_dir),
+            job.version,
+        ]
         env = {**os.environ, **job.env, "OMP_NUM_THREADS": str(job.recipe.get("threads", 1))}
         if self.cache_dir is not None:
             env["EVOTRAINER_CACHE_DIR"] = str(self.cache_dir)
         with (job.artifact_dir / STDIO_FILE).open("ab") as out:
             process = subprocess.Popen(
-                command, cwd=job.workdir, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=True,  # outlives reconcile
+                command,
+                cwd=job.workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # outlives reconcile
             )
-        record = {"job_id": job.job_id, "pid": process.pid, "host": socket.gethostname(),
-                  "create_time": psutil.Process(process.pid).create_time(),
-                  "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                  "command": command}
+        record = {
+            "job_id": job.job_id,
+            "pid": process.pid,
+            "host": socket.gethostname(),
+            "create_time": psutil.Process(process.pid).create_time(),
+            "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": command,
+        }
         atomic_write(job.artifact_dir / JOB_FILE, json.dumps(record, indent=2))
 
     def status(self, job: JobSpec) -> JobStatus:
@@ -75,8 +91,11 @@ class LocalBackend:
             return JobStatus(JobState.SUCCEEDED, "finished", 1.0, 0)
         if result is not None:
             return JobStatus(JobState.FAILED, str(result.get("error", "job failed")), None, 1)
-        return JobStatus(JobState.FAILED, f"process {record['pid']} disappeared without a "
-                         "result (killed, or the machine restarted)")
+        return JobStatus(
+            JobState.FAILED,
+            f"process {record['pid']} disappeared without a "
+            "result (killed, or the machine restarted)",
+        )
 
     def cancel(self, job: JobSpec) -> None:
         record = read_json(job.artifact_dir / JOB_FILE)
@@ -96,8 +115,11 @@ class LocalBackend:
         out = job.artifact_dir
         scores = out / "scores.csv"
         if not scores.is_file():
-            raise EvoError("the job finished but wrote no scores.csv", where=str(out),
-                           hint="see the job log: evotrainer logs " + job.version)
+            raise EvoError(
+                "the job finished but wrote no scores.csv",
+                where=str(out),
+                hint="see the job log: evotrainer logs " + job.version,
+            )
 
         def present(path: Path) -> Path | None:
             return path if path.is_file() else None
@@ -125,16 +147,3 @@ def live_process(record: dict) -> psutil.Process | None:
         return process
     except (psutil.NoSuchProcess, psutil.TimeoutExpired, KeyError):
         return None
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 
 import evotrainer
 from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus
-from evotrainer.backends.local import atomic_write, live_process, read_json
+from evotrainer.backends.local import live_process
 from evotrainer.backends.verl_render import (
     SAMPLER_CLASS,
     JobFiles,
@@ -52,6 +52,7 @@ from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA, SCORE_SCHEMA
 from evotrainer.evidence.steps import STEPS_SCHEMA
 from evotrainer.evidence.verl import ingest_dump, read_metrics_log
+from evotrainer.files import atomic_write, read_json
 from evotrainer.versions import now_iso
 
 JOB_FILE = "job.json"

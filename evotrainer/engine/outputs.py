@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -22,25 +21,19 @@ from rich.progress import Progress
 
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 from evotrainer.evidence.steps import STEPS_SCHEMA
+from evotrainer.files import atomic_write
 
 SCORE_COLUMNS = ["seed", "task_id", "data_source", "sample_idx", "correct"]
-
-
-def _replace(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def write_parquet(path: Path, rows: list[dict[str, Any]], schema: pa.Schema) -> None:
     sink = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), sink)
-    _replace(path, sink.getvalue())
+    atomic_write(path, sink.getvalue())
 
 
 def write_json(path: Path, value: Any) -> None:
-    _replace(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
+    atomic_write(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
 
 
 class RunOutputs:
@@ -72,7 +65,7 @@ class RunOutputs:
         writer = csv.DictWriter(text, fieldnames=SCORE_COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows(self.scores)
-        _replace(self.out_dir / "scores.csv", text.getvalue().encode())
+        atomic_write(self.out_dir / "scores.csv", text.getvalue().encode())
 
 
 class RunLog:

@@ -98,13 +98,6 @@ class GitStore:
             result[(ref, path)] = data if kind == b"blob" else None
         return result
 
-    def list_dir(self, ref: str, path: str) -> list[str]:
-        try:
-            tree = self.repo.commit(ref).tree / path
-        except (KeyError, git.BadName, ValueError):
-            return []
-        return sorted(item.name for item in tree)
-
     def rev(self, ref: str) -> str | None:
         try:
             return self.repo.rev_parse(ref).hexsha
@@ -231,9 +224,6 @@ class GitStore:
         self.repo.git.worktree("prune")  # forget worktrees whose folder was deleted
         self.repo.git.worktree("add", "--detach", str(path), commit)
         return path
-
-    def worktree_dirty(self, path: Path) -> bool:
-        return git.Repo(path).is_dirty(untracked_files=True)
 
     def worktree_remove(self, path: Path) -> None:
         if path.exists():

@@ -36,24 +36,12 @@ from evotrainer.workspace import VersionState, Workspace, run_path
 # Hard exit after the N-th action boundary: the crash-safety tests walk N over every one.
 FAULT_ENV = "EVOTRAINER_FAULT_AFTER"
 
-ACTIONS = (
-    "approve",
-    "launch",
-    "poll",
-    "collect",
-    "diagnose",
-    "rediagnose",
-    "gate",
-    "promote",
-    "prune",
-    "retry",
-    "fail",
-)
-
 
 @dataclass
 class Action:
-    kind: str  # one of ACTIONS
+    # approve | launch | poll | collect | diagnose | rediagnose | gate | promote | prune |
+    # evidence | retry | fail: each applied by the Reconciler method of the same name
+    kind: str
     reason: str
 
 

@@ -159,7 +159,8 @@ def test_git_store_worktree_tag_and_merge(workspace):
     store.commit_files("evo/v1", {"runs/v1/run.yaml": b"state: Running\n"}, "record",
                        {"Action": "launch", "Version": "v1"})
     assert store.read("evo/v1", "runs/v1/run.yaml") == b"state: Running\n"
-    assert not store.worktree_dirty(path)  # detached worktree is unaffected by record commits
+    # Detached: record commits on the branch leave the worktree untouched.
+    assert not git.Repo(path).is_dirty(untracked_files=True)
     message = git.Repo(workspace.root).commit("evo/v1").message
     assert "Evotrainer-Action: launch" in message and "Evotrainer-Version: v1" in message
     store.tag("pruned/v1", "evo/v1", "pruned")

@@ -11,6 +11,7 @@ from pathlib import Path
 from evotrainer import specs
 from evotrainer.errors import EvoError
 from evotrainer.gitstore import branch_name
+from evotrainer.versions import check_recipe
 from evotrainer.workspace import PROJECT_FILE, VersionState, Workspace
 
 # Recipe fields that name files: they must stay inside the workspace or a data root.
@@ -24,8 +25,12 @@ def validate_workspace(ws: Workspace) -> list[EvoError]:
         for path in sorted((ws.root / folder).glob("*.yaml")):
             doc = _check_file(path, f"{folder}/{path.name}", kind, problems)
             if doc is not None:
-                _check_name(doc, path.stem, f"rename the file to {doc.data.get('name')}.yaml "
-                            "or fix `name`", problems)
+                _check_name(
+                    doc,
+                    path.stem,
+                    f"rename the file to {doc.data.get('name')}.yaml or fix `name`",
+                    problems,
+                )
 
     states = ws.versions()
     docs: dict[str, specs.Document] = {}
@@ -43,12 +48,29 @@ def validate_workspace(ws: Workspace) -> list[EvoError]:
         _check_harness_ref(doc, ("harness",), harnesses, problems)
         for i, skill in enumerate((doc.data.get("intervention") or {}).get("skills") or []):
             if skill not in skills:
-                problems.append(EvoError(
-                    f"unknown skill {skill!r}", where=doc.where(("intervention", "skills", i)),
-                    field=f"intervention.skills[{i}]",
-                    hint=f"known skills: {', '.join(sorted(skills)) or 'none'}"))
+                problems.append(
+                    EvoError(
+                        f"unknown skill {skill!r}",
+                        where=doc.where(("intervention", "skills", i)),
+                        field=f"intervention.skills[{i}]",
+                        hint=f"known skills: {', '.join(sorted(skills)) or 'none'}",
+                    )
+                )
         _check_paths(ws, doc, ("recipe",), problems)
+    _check_recipes(ws, docs, states, problems)
     return problems
+
+
+def _check_recipes(ws: Workspace, docs: dict, states: dict, problems: list) -> None:
+    """Each version's resolved recipe through its backend's own checks (group size, clip
+    range, domain, checkpoint path, verl keys...), reported at the version that sets it."""
+    if any(p.field == "parent" for p in problems):
+        return  # a broken lineage has no resolved recipes
+    for name, doc in docs.items():
+        try:
+            check_recipe(ws.resolved_recipe(name, states), doc)
+        except EvoError as err:
+            problems.append(err)
 
 
 def _check_file(path: Path, source: str, kind: str, problems: list) -> specs.Document | None:
@@ -64,17 +86,26 @@ def _check_file(path: Path, source: str, kind: str, problems: list) -> specs.Doc
 
 def _check_name(doc: specs.Document, expected: str, hint: str, problems: list) -> None:
     if doc.data.get("name") != expected:
-        problems.append(EvoError(
-            f"name {doc.data.get('name')!r} does not match {expected!r}",
-            where=doc.where(("name",)), field="name", hint=hint))
+        problems.append(
+            EvoError(
+                f"name {doc.data.get('name')!r} does not match {expected!r}",
+                where=doc.where(("name",)),
+                field="name",
+                hint=hint,
+            )
+        )
 
 
 def _check_version(state: VersionState, problems: list) -> specs.Document | None:
     if state.spec_raw is None:
-        problems.append(EvoError(
-            f"branch {branch_name(state.name)} has no spec/versions/{state.name}.yaml",
-            where=branch_name(state.name),
-            hint="the spec file must be named after the branch; commit it, or rename the branch"))
+        problems.append(
+            EvoError(
+                f"branch {branch_name(state.name)} has no spec/versions/{state.name}.yaml",
+                where=branch_name(state.name),
+                hint="the spec file must be named after the branch; commit it, or rename "
+                "the branch",
+            )
+        )
         return None
     try:
         doc = specs.parse(state.spec_raw, state.spec_source)
@@ -85,8 +116,12 @@ def _check_version(state: VersionState, problems: list) -> specs.Document | None
     problems.extend(found)
     if found:
         return None
-    _check_name(doc, state.name, f"the branch is {branch_name(state.name)}: set "
-                f"`name: {state.name}`, or rename the branch", problems)
+    _check_name(
+        doc,
+        state.name,
+        f"the branch is {branch_name(state.name)}: set `name: {state.name}`, or rename the branch",
+        problems,
+    )
     return doc
 
 
@@ -95,18 +130,26 @@ def _check_parent(name: str, doc: specs.Document, docs: dict, states: dict, prob
     if parent is None:
         return
     if parent not in states:
-        problems.append(EvoError(
-            f"parent {parent!r} does not exist (no branch {branch_name(parent)})",
-            where=doc.where(("parent",)), field="parent",
-            hint=f"known versions: {', '.join(sorted(states))}"))
+        problems.append(
+            EvoError(
+                f"parent {parent!r} does not exist (no branch {branch_name(parent)})",
+                where=doc.where(("parent",)),
+                field="parent",
+                hint=f"known versions: {', '.join(sorted(states))}",
+            )
+        )
         return
     seen, current = {name}, parent
     while current is not None and current in docs:
         if current in seen:
-            problems.append(EvoError(
-                f"parent cycle: {name} → … → {current} → … → {name}",
-                where=doc.where(("parent",)), field="parent",
-                hint="point `parent` at an older version so lineage is a tree"))
+            problems.append(
+                EvoError(
+                    f"parent cycle: {name} → … → {current} → … → {name}",
+                    where=doc.where(("parent",)),
+                    field="parent",
+                    hint="point `parent` at an older version so lineage is a tree",
+                )
+            )
             return
         seen.add(current)
         current = docs[current].data.get("parent")
@@ -115,9 +158,15 @@ def _check_parent(name: str, doc: specs.Document, docs: dict, states: dict, prob
 def _check_harness_ref(doc: specs.Document, path: tuple, harnesses: set, problems: list) -> None:
     value = doc.data.get(path[0])
     if value is not None and value not in harnesses:
-        problems.append(EvoError(
-            f"unknown harness revision {value!r}", where=doc.where(path), field=".".join(path),
-            hint=f"known revisions in harness_versions/: {', '.join(sorted(harnesses)) or 'none'}"))
+        problems.append(
+            EvoError(
+                f"unknown harness revision {value!r}",
+                where=doc.where(path),
+                field=".".join(path),
+                hint="known revisions in harness_versions/: "
+                + (", ".join(sorted(harnesses)) or "none"),
+            )
+        )
 
 
 def _check_paths(ws: Workspace, doc: specs.Document, base: tuple, problems: list) -> None:
@@ -132,9 +181,15 @@ def _check_paths(ws: Workspace, doc: specs.Document, base: tuple, problems: list
             problem = check_path(ws, value)
             if problem:
                 full = base + fieldpath
-                problems.append(EvoError(problem, where=doc.where(full), field=".".join(full),
-                                         hint="use a path inside the workspace, or declare its "
-                                         "folder in the project's `data_roots`"))
+                problems.append(
+                    EvoError(
+                        problem,
+                        where=doc.where(full),
+                        field=".".join(full),
+                        hint="use a path inside the workspace, or declare its "
+                        "folder in the project's `data_roots`",
+                    )
+                )
 
 
 def allowed_roots(ws: Workspace) -> list[Path]:

@@ -23,8 +23,9 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     """`grpo.lr=3e-4` → ("grpo.lr", 0.0003); the value is read as a YAML scalar."""
     key, sep, raw = text.partition("=")
     if not sep or not key:
-        raise EvoError(f"--set {text!r} is not KEY=VALUE", field="--set",
-                       hint="e.g. --set grpo.lr=3e-4")
+        raise EvoError(
+            f"--set {text!r} is not KEY=VALUE", field="--set", hint="e.g. --set grpo.lr=3e-4"
+        )
     value = yaml.safe_load(raw)
     if isinstance(value, str):
         # YAML 1.1 reads `3e-4` as a string; every RL engineer means the number.
@@ -54,37 +55,74 @@ def new_version(
     """Write `spec/versions/<name>.yaml` on a new branch forked from the parent's tip."""
     states = ws.versions()
     if name in states:
-        raise EvoError(f"version {name!r} already exists", field="NAME",
-                       hint="pick a new name; versions are never overwritten")
+        raise EvoError(
+            f"version {name!r} already exists",
+            field="NAME",
+            hint="pick a new name; versions are never overwritten",
+        )
     ws.version(parent, states)  # the parent must exist and have a readable spec
     overrides: dict = {}
     for skill in skills:
         path = ws.skill_path(skill)
         if not path.is_file():
-            raise EvoError(f"unknown skill {skill!r}", field="--skill",
-                           hint=f"known skills: {', '.join(ws.skill_names()) or 'none'}")
+            raise EvoError(
+                f"unknown skill {skill!r}",
+                field="--skill",
+                hint=f"known skills: {', '.join(ws.skill_names()) or 'none'}",
+            )
         doc = specs.load(path, "Skill", source=f"skills/{skill}.yaml").data
         overrides = deep_merge(overrides, doc["mechanism"].get("recipe_patch") or {})
     for setting in settings:
         key, value = parse_assignment(setting)
         set_dotted(overrides, key, value)
-    intervention: dict = {"skills": list(skills), "factors": len(skills) + len(settings),
-                          "rationale": rationale}
+    intervention: dict = {
+        "skills": list(skills),
+        "factors": len(skills) + len(settings),
+        "rationale": rationale,
+    }
     if hypothesis or criterion:
-        intervention["hypothesis"] = {k: v for k, v in
-                                      (("statement", hypothesis), ("criterion", criterion)) if v}
-    spec = {"apiVersion": API_VERSION, "kind": "PolicyVersion", "name": name, "parent": parent,
-            "intervention": intervention, "recipe": overrides, "approval": {"approved": False}}
+        intervention["hypothesis"] = {
+            k: v for k, v in (("statement", hypothesis), ("criterion", criterion)) if v
+        }
+    spec = {
+        "apiVersion": API_VERSION,
+        "kind": "PolicyVersion",
+        "name": name,
+        "parent": parent,
+        "intervention": intervention,
+        "recipe": overrides,
+        "approval": {"approved": False},
+    }
     if proposal:
         spec["proposal"] = proposal
     text = spec_text(spec)
     source = f"{branch_name(name)}:{version_spec_path(name)}"
-    specs.load_text(text, source, "PolicyVersion")  # a bad --set fails here, before any write
-    ws.git.commit_files(branch_name(name), {version_spec_path(name): text.encode()},
-                        f"Propose {name} from {parent}: {rationale}",
-                        {"Action": "propose", "Version": name, "Parent": parent},
-                        start=branch_name(parent))
+    doc = specs.load_text(text, source, "PolicyVersion")  # a bad --set fails here, unwritten
+    check_recipe(deep_merge(ws.resolved_recipe(parent, states), overrides), doc)
+    ws.git.commit_files(
+        branch_name(name),
+        {version_spec_path(name): text.encode()},
+        f"Propose {name} from {parent}: {rationale}",
+        {"Action": "propose", "Version": name, "Parent": parent},
+        start=branch_name(parent),
+    )
     return spec
+
+
+def check_recipe(recipe: dict, doc: specs.Document) -> None:
+    """The backend's own checks of a resolved recipe, located in the version spec."""
+    from evotrainer.backends import get_backend
+
+    try:
+        get_backend(recipe.get("backend", "local")).check(recipe)
+    except EvoError as err:
+        field = tuple(err.field.split(".")) if err.field else ()
+        raise EvoError(
+            err.message,
+            where=doc.where(("recipe", *field)),
+            field=f"recipe.{err.field}" if err.field else None,
+            hint=err.hint,
+        ) from None
 
 
 def approve(ws: Workspace, name: str, by: str | None = None) -> dict:
@@ -94,6 +132,10 @@ def approve(ws: Workspace, name: str, by: str | None = None) -> dict:
         return state.spec  # nothing new to approve
     spec = dict(state.spec)
     spec["approval"] = {"approved": True, "by": by or ws.git.user(), "at": now_iso()}
-    ws.git.commit_files(branch_name(name), {version_spec_path(name): spec_text(spec).encode()},
-                        f"Approve {name}", {"Action": "approve", "Version": name})
+    ws.git.commit_files(
+        branch_name(name),
+        {version_spec_path(name): spec_text(spec).encode()},
+        f"Approve {name}",
+        {"Action": "approve", "Version": name},
+    )
     return spec

@@ -126,8 +126,14 @@ def test_validate_reports_bad_files_in_working_tree(workspace, cli):
 def test_data_root_allows_outside_path(workspace, cli, tmp_path):
     project = workspace.root / "spec" / "project.yaml"
     project.write_text(project.read_text() + f"data_roots: [{tmp_path / 'data'}]\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "t.jsonl").write_text(json.dumps(
+        {"id": "p1", "problem": "1+1?", "answer": "2", "data_source": "mine"}) + "\n")
     commit_spec(workspace, "v1", SPEC.format(name="v1", parent="v0")
-                + f"recipe:\n  domain:\n    data:\n      train: {tmp_path / 'data' / 't.jsonl'}\n")
+                + "recipe:\n  domain:\n    name: math\n    params: null\n    train_size: 1\n"
+                "    val_size: 1\n"
+                f"    data:\n      train: {tmp_path / 'data' / 't.jsonl'}\n"
+                f"      val: {tmp_path / 'data' / 't.jsonl'}\n  grpo:\n    prompts_per_step: 1\n")
     assert validate_errors(workspace, cli) == []
 
 
@@ -170,3 +176,15 @@ def test_git_store_worktree_tag_and_merge(workspace):
     assert not git.Repo(workspace.root).is_dirty(untracked_files=True)
     store.worktree_remove(path)
     assert not path.exists()
+
+
+def test_backend_checks_run_at_version_new_and_validate(workspace, cli):
+    result = cli("-C", str(workspace.root), "version", "new", "v1", "--parent", "v0",
+                 "--set", "grpo.clip_high=0.1", "--rationale", "x")
+    assert result.code == 1 and "recipe.grpo.clip_high" in result.err
+    assert "v1" not in workspace.git.version_branches()
+    commit_spec(workspace, "v1", SPEC.format(name="v1", parent="v0")
+                + "recipe:\n  domain:\n    name: chess\n")
+    problems = validate_errors(workspace, cli)
+    assert [p["field"] for p in problems] == ["recipe.domain.name"]
+    assert problems[0]["where"] == "evo/v1:spec/versions/v1.yaml:7:11"

@@ -4,6 +4,7 @@ never imports a domain that is not used (or not written yet)."""
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 from evotrainer.domains.base import Domain, Environment, EnvStep, Score, Task
@@ -39,13 +40,16 @@ def get_domain(name: str) -> type[Domain]:
 def make_domain(domain_cfg: dict[str, Any]) -> Domain:
     """Instantiate the recipe's `domain` section: its `name`, `params` and, for dataset
     domains, `data` (train/val paths, relative to the job's working directory)."""
-    domain = get_domain(domain_cfg.get("name", ""))
+    name = domain_cfg.get("name", "")
+    domain = get_domain(name)
     data = {k: v for k, v in (domain_cfg.get("data") or {}).items() if v}
-    return (
-        domain(domain_cfg.get("params") or {}, data=data)
-        if data
-        else domain(domain_cfg.get("params") or {})
-    )
+    if not data:
+        return domain(domain_cfg.get("params") or {})
+    if "data" not in inspect.signature(domain).parameters:
+        raise EvoError(f"domain {name!r} generates its own tasks and reads no data files",
+                       field="domain.data", hint="remove domain.data, or use a dataset "
+                       "domain (math, code)")
+    return domain(domain_cfg.get("params") or {}, data=data)
 
 
 __all__ = [

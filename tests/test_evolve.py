@@ -7,6 +7,7 @@ import json
 
 import pytest
 import typer
+from test_planner_rules import standin_checks  # noqa: F401 (autouse fixture)
 from test_reconcile import StandinBackend, standin_on_path  # noqa: F401 (autouse fixture)
 from typer.testing import CliRunner
 

@@ -9,6 +9,7 @@ import git
 import pytest
 import typer
 import yaml
+from test_planner_rules import standin_checks  # noqa: F401 (autouse fixture)
 from test_reconcile import converge, standin_on_path  # noqa: F401 (autouse fixture)
 from test_reconcile import propose as train
 from typer.testing import CliRunner

@@ -10,6 +10,7 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 from fake_anthropic import FakeMessagesAPI, message, text, tool_results, tool_use
+from test_planner_rules import standin_checks  # noqa: F401 (autouse fixture)
 from test_reconcile import converge, standin_on_path  # noqa: F401 (autouse fixture)
 from test_reconcile import propose as train
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_reconcile import converge, standin_on_path  # noqa: F401 (autouse fixture)
+from test_reconcile import StandinBackend, converge, standin_on_path  # noqa: F401
 from test_reconcile import propose as train
 
 from evotrainer.commands.init import init_workspace
@@ -14,6 +14,13 @@ from evotrainer.planners.base import View, propose
 from evotrainer.planners.rules import RulesPlanner
 from evotrainer.versions import approve, new_version
 from evotrainer.workspace import Workspace
+
+
+@pytest.fixture(autouse=True)
+def standin_checks(monkeypatch):
+    """`version new` runs the backend's recipe checks: the stand-in's, which accept its
+    `domain.params` (standin_skill, standin_leak) that the real engine would refuse."""
+    monkeypatch.setattr("evotrainer.backends.get_backend", lambda *_, **__: StandinBackend())
 
 
 @pytest.fixture

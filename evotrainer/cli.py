@@ -29,6 +29,9 @@ COMMAND_MODULES = [
     "compare",
     "skills",
     "backtest",
+    "propose",
+    "evolve",
+    "harness",
     "render",
     "report",
 ]

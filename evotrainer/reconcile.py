@@ -268,8 +268,8 @@ def steps_spent(ctx: Context) -> int:
 
 def _auto_approvable(ctx: Context, state: VersionState) -> bool:
     autonomy = ctx.ws.project.get("autonomy") or {}
-    if autonomy.get("mode") != "auto":
-        return False
+    if autonomy.get("mode") != "auto" or (state.spec.get("proposal") or {}).get("escalation"):
+        return False  # an escalation (rollback after repeated failures) waits for a human
     steps = 0 if state.spec.get("train") is False else job_recipe(ctx, state)["grpo"]["steps"]
     budget = autonomy.get("max_total_steps")
     return budget is None or steps_spent(ctx) + steps <= budget

@@ -24,6 +24,17 @@ class CliResult:
 
 
 @pytest.fixture
+def standin(monkeypatch):
+    """Jobs run tests/standin_engine.py (see tests/standin.py) instead of the engine."""
+    tests = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [tests, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    from standin import StandinBackend
+
+    monkeypatch.setattr("evotrainer.backends.get_backend", lambda *_, **__: StandinBackend())
+
+
+@pytest.fixture
 def workspace(tmp_path: Path) -> Workspace:
     return Workspace(init_workspace(tmp_path / "ws", "arith"))
 

@@ -74,7 +74,9 @@ def test_toolenv_environment_compare_reveal_and_answer():
     assert replies[0].tool_call == {"name": "compare", "args": "25"}
     assert replies[4].tool_call is None
     sealed = _play(domain, task, ["!"], [{"name": "reveal", "enabled": False}])
-    assert sealed[0].observation == "x;" and sealed[0].tool_call["name"] == "reveal"
+    # A disabled tool reveals nothing, so the leak audit must not count it as a reveal call.
+    assert sealed[0].observation == "x;"
+    assert sealed[0].tool_call == {"name": "unavailable", "args": "reveal"}
 
 
 def test_toolenv_demonstrations_solve_the_task_and_sometimes_reveal():

@@ -7,8 +7,7 @@ import json
 
 import pytest
 import typer
-from test_planner_rules import standin_checks  # noqa: F401 (autouse fixture)
-from test_reconcile import StandinBackend, standin_on_path  # noqa: F401 (autouse fixture)
+from standin import StandinBackend
 from typer.testing import CliRunner
 
 from evotrainer.backends.base import JobSpec
@@ -19,6 +18,8 @@ from evotrainer.evolve import evolve
 from evotrainer.lineage import lineage_rows
 from evotrainer.recipe import deep_merge
 from evotrainer.workspace import Workspace
+
+pytestmark = pytest.mark.usefixtures("standin")
 
 
 class LeakFollowsRecipe(StandinBackend):

@@ -9,15 +9,16 @@ import git
 import pytest
 import typer
 import yaml
-from test_planner_rules import standin_checks  # noqa: F401 (autouse fixture)
-from test_reconcile import converge, standin_on_path  # noqa: F401 (autouse fixture)
-from test_reconcile import propose as train
+from standin import converge
+from standin import propose as train
 from typer.testing import CliRunner
 
 from evotrainer.commands.harness import register
 from evotrainer.planners.base import propose
 from evotrainer.reconcile import load_context, plan
 from evotrainer.workspace import Workspace
+
+pytestmark = pytest.mark.usefixtures("standin")
 
 
 @pytest.fixture

@@ -3,11 +3,9 @@ proposes, with which evidence, and what it refuses to propose again."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from test_reconcile import StandinBackend, converge, standin_on_path  # noqa: F401
-from test_reconcile import propose as train
+from standin import converge, standin_settings
+from standin import propose as train
 
 from evotrainer.commands.init import init_workspace
 from evotrainer.planners.base import View, propose
@@ -15,21 +13,12 @@ from evotrainer.planners.rules import RulesPlanner
 from evotrainer.versions import approve, new_version
 from evotrainer.workspace import Workspace
 
-
-@pytest.fixture(autouse=True)
-def standin_checks(monkeypatch):
-    """`version new` runs the backend's recipe checks: the stand-in's, which accept its
-    `domain.params` (standin_skill, standin_leak) that the real engine would refuse."""
-    monkeypatch.setattr("evotrainer.backends.get_backend", lambda *_, **__: StandinBackend())
+pytestmark = pytest.mark.usefixtures("standin")
 
 
 @pytest.fixture
 def toolenv(tmp_path) -> Workspace:
     return Workspace(init_workspace(tmp_path / "toolenv", "toolenv"))
-
-
-def standin(**params) -> list[str]:
-    return [f"domain.params.{key}={json.dumps(value)}" for key, value in params.items()]
 
 
 def spec(ws: Workspace, name: str) -> dict:
@@ -86,10 +75,10 @@ def test_refuted_skills_are_skipped_and_escalation_subtracts(workspace):
                                                    "escalate_after_failures: 2"))
     workspace = Workspace(workspace.root)
     new_version(workspace, "v1", "v0", rationale="filter", skills=["zero-std-filter"],
-                settings=standin(standin_skill=0.95))
+                settings=standin_settings(standin_skill=0.95))
     approve(workspace, "v1", by="tester")
     new_version(workspace, "v2", "v1", rationale="filter", skills=["std-group-filter"],
-                settings=standin(standin_skill=0.5))
+                settings=standin_settings(standin_skill=0.5))
     approve(workspace, "v2", by="tester")
     train(workspace, "v3", parent="v1", standin_skill=0.5)
     converge(workspace)

@@ -13,49 +13,16 @@ from pathlib import Path
 import git
 import pytest
 import yaml
+from standin import converge, propose, record
 
-from evotrainer.backends.local import LocalBackend
 from evotrainer.errors import EvoError
 from evotrainer.lock import workspace_lock
-from evotrainer.reconcile import FAULT_ENV, Reconciler, load_context, plan
+from evotrainer.reconcile import FAULT_ENV, load_context, plan
 from evotrainer.versions import approve, new_version
 from evotrainer.workspace import Workspace
 
-TESTS = Path(__file__).resolve().parent
 TIMESTAMPS = {"created_at", "started_at", "finished_at", "decided_at", "at"}
-
-
-@pytest.fixture(autouse=True)
-def standin_on_path(monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]))
-
-
-class StandinBackend(LocalBackend):
-    """The local backend, launching tests/standin_engine.py instead of the engine."""
-
-    engine_module = "standin_engine"
-
-    def check(self, recipe: dict) -> None:
-        pass  # the stand-in reads its own `domain.params`, which the engine would reject
-
-
-def reconciler(ws: Workspace) -> Reconciler:
-    return Reconciler(ws, log=lambda _: None, backends={"local": StandinBackend()})
-
-
-def converge(ws: Workspace):
-    return reconciler(ws).run(wait=True, poll_s=0.05)
-
-
-def propose(ws: Workspace, name: str, parent: str = "v0", **params) -> None:
-    settings = [f"domain.params.{key}={json.dumps(value)}" for key, value in params.items()]
-    new_version(ws, name, parent, rationale="test", settings=settings)
-    approve(ws, name, by="tester")
-
-
-def record(ws: Workspace, name: str, kind: str) -> dict | None:
-    return ws.version(name).records[kind]
+pytestmark = pytest.mark.usefixtures("standin")
 
 
 def test_full_loop_launches_diagnoses_gates_and_promotes(workspace, cli):
@@ -220,7 +187,8 @@ CRASHING_RUN = """
 import sys
 from pathlib import Path
 from evotrainer.workspace import Workspace
-from test_reconcile import reconciler
+from standin import converge, propose, record
+from standin import reconciler
 reconciler(Workspace(Path(sys.argv[1]))).run(wait=True, poll_s=0.05)
 """
 

@@ -46,11 +46,12 @@ SCRIPT_RATIONALE = "<em>leaky</em> on purpose <script>alert(3)</script>"
 def ws(tmp_path_factory) -> Workspace:
     """v0 baseline → v1 promoted, v2 leaking (pruned), v3 failing: every kind of node. The
     reconcile runs for real with the stand-in engine (as in test_reconcile.py)."""
-    from test_reconcile import converge, propose
+    from standin import StandinBackend, converge, propose
 
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp:  # the `standin` fixture, at module scope
         mp.setenv("PYTHONPATH", os.pathsep.join(
             [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        mp.setattr("evotrainer.backends.get_backend", lambda *_, **__: StandinBackend())
         workspace = Workspace(init_workspace(tmp_path_factory.mktemp("report") / "ws", "arith"))
         propose(workspace, "v1", standin_skill=0.65)
         new_version(workspace, "v2", "v0", rationale=SCRIPT_RATIONALE,

@@ -33,18 +33,25 @@ class HiddenNumberEnv:
     def step(self, action: str) -> EnvStep:
         if action.startswith("=") and action[1:].isdigit():
             return EnvStep("", done=True)
-        if action.startswith("?") and action[1:].isdigit():
-            call = {"name": "compare", "args": action[1:]}
-            if "compare" not in self.enabled:
-                return EnvStep("x;", done=False, tool_call=call)
+        tool = (
+            "compare"
+            if action.startswith("?") and action[1:].isdigit()
+            else ("reveal" if action == "!" else None)
+        )
+        if tool is None:
+            return EnvStep("x;", done=False)
+        if tool not in self.enabled:
+            # The policy reached for a tool the environment does not offer: nothing was
+            # revealed, so the audit must not see a `reveal` call — but the attempt stays
+            # visible in the tool mix.
+            return EnvStep("x;", done=False, tool_call={"name": "unavailable", "args": tool})
+        if tool == "compare":
             guess = int(action[1:])
             reply = "<" if self.hidden < guess else ">" if self.hidden > guess else "="
-            return EnvStep(reply + ";", done=False, tool_call=call)
-        if action == "!":
-            call = {"name": "reveal", "args": ""}
-            reply = str(self.hidden) if "reveal" in self.enabled else "x"
-            return EnvStep(reply + ";", done=False, tool_call=call)
-        return EnvStep("x;", done=False)
+            return EnvStep(
+                reply + ";", done=False, tool_call={"name": "compare", "args": action[1:]}
+            )
+        return EnvStep(f"{self.hidden};", done=False, tool_call={"name": "reveal", "args": ""})
 
 
 class ToolEnvDomain(Domain):

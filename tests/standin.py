@@ -1,0 +1,44 @@
+"""Helpers for tests that run the whole loop fast: the local backend launching
+tests/standin_engine.py (real subprocess, real evidence, no training) instead of the engine.
+Use with the `standin` fixture (conftest.py), which puts this folder on the jobs' PYTHONPATH
+and makes `version new` apply the stand-in's recipe checks."""
+
+from __future__ import annotations
+
+import json
+
+from evotrainer.backends.local import LocalBackend
+from evotrainer.reconcile import Reconciler
+from evotrainer.versions import approve, new_version
+from evotrainer.workspace import Workspace
+
+
+class StandinBackend(LocalBackend):
+    """The local backend, launching tests/standin_engine.py instead of the engine."""
+
+    engine_module = "standin_engine"
+
+    def check(self, recipe: dict) -> None:
+        pass  # the stand-in reads its own `domain.params`, which the engine would reject
+
+
+def reconciler(ws: Workspace) -> Reconciler:
+    return Reconciler(ws, log=lambda _: None, backends={"local": StandinBackend()})
+
+
+def converge(ws: Workspace):
+    return reconciler(ws).run(wait=True, poll_s=0.05)
+
+
+def standin_settings(**params) -> list[str]:
+    return [f"domain.params.{key}={json.dumps(value)}" for key, value in params.items()]
+
+
+def propose(ws: Workspace, name: str, parent: str = "v0", **params) -> None:
+    """Create and approve a version whose stand-in job has the given `domain.params`."""
+    new_version(ws, name, parent, rationale="test", settings=standin_settings(**params))
+    approve(ws, name, by="tester")
+
+
+def record(ws: Workspace, name: str, kind: str) -> dict | None:
+    return ws.version(name).records[kind]

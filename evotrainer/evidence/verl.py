@@ -18,6 +18,7 @@ from typing import Any
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.json as pajson
 
 from evotrainer.errors import EvoError
@@ -25,6 +26,7 @@ from evotrainer.evidence.schema import FINISH_REASONS, ROLLOUT_SCHEMA, TOOL_CALL
 from evotrainer.evidence.steps import STEPS_SCHEMA
 
 _STEP_FILE = re.compile(r"^(\d+)\.jsonl$")
+_BATCH_ROWS = 500_000
 # Keys consumed by a canonical column; everything else is a reward component or `extra`.
 _KNOWN = {
     "input",
@@ -81,14 +83,30 @@ def ingest_dump(directory: str | Path, *, version: str, split: str, seed: int = 
         )
     result = IngestResult(rollouts=ROLLOUT_SCHEMA.empty_table())
     tables = []
+    batch: list[tuple[int, pa.Table]] = []
     con = duckdb.connect()
+
+    def flush() -> None:
+        if batch:
+            tables.append(_canonical(con, batch, version=version, split=split, seed=seed))
+            batch.clear()
+
     for step, path in files:
         raw, skipped = read_jsonl(path)
         result.files += 1
         result.bytes += path.stat().st_size
         result.skipped.extend(skipped)
-        if raw.num_rows:
-            tables.append(_canonical(con, raw, version=version, split=split, seed=seed, step=step))
+        if not raw.num_rows:
+            continue
+        # Files with one raw schema map in one query: a query per small file costs more in
+        # setup than in rows. A batch is bounded so the mapping's copies stay small.
+        if batch and (
+            raw.schema != batch[0][1].schema
+            or sum(t.num_rows for _, t in batch) + raw.num_rows > _BATCH_ROWS
+        ):
+            flush()
+        batch.append((step, raw))
+    flush()
     con.close()
     if tables:
         result.rollouts = pa.concat_tables(tables)
@@ -146,13 +164,15 @@ def _q(name: str) -> str:
 
 def _canonical(
     con: duckdb.DuckDBPyConnection,
-    raw: pa.Table,
+    files: list[tuple[int, pa.Table]],
     *,
     version: str,
     split: str,
     seed: int,
-    step: int,
 ) -> pa.Table:
+    """Map the raw rows of one or more dump files (`(step, raw)` with one raw schema) to
+    ROLLOUT_SCHEMA, file by file in the given order."""
+    raw = pa.concat_tables([t for _, t in files]) if len(files) > 1 else files[0][1]
     cols = set(raw.column_names)
     for required in ("input", "output"):
         if required not in cols:
@@ -161,7 +181,15 @@ def _canonical(
                 field=required,
                 hint="is this a verl rollout/validation dump?",
             )
+    sizes = [t.num_rows for _, t in files]
+    # __row orders rows file by file; __file keeps each file's groups and sample numbers to
+    # itself; __step is the file's step for rows without a `step` key.
     raw = raw.append_column("__row", pa.array(np.arange(raw.num_rows, dtype=np.int64)))
+    raw = raw.append_column("__file", pa.array(np.repeat(np.arange(len(files)), sizes)))
+    raw = raw.append_column(
+        "__step", pa.array(np.repeat(np.array([s for s, _ in files], dtype=np.int64), sizes))
+    )
+    internal = {"__row", "__file", "__step"}
 
     def col(name: str, cast: str, default: str = "NULL") -> str:
         return f"TRY_CAST({_q(name)} AS {cast})" if name in cols else default
@@ -169,13 +197,10 @@ def _canonical(
     prompt_key = "left(md5(CAST(input AS VARCHAR)), 16)"
     if "uid" in cols:
         group = f"COALESCE(regexp_extract(uid, '^(.*)_[^_]*_[^_]*$', 1), {prompt_key})"
-        sample = (
-            "COALESCE(TRY_CAST(regexp_extract(uid, '_([^_]*)_[^_]*$', 1) AS BIGINT), "
-            "row_number() OVER (PARTITION BY input ORDER BY __row) - 1)"
-        )
+        sample = "TRY_CAST(regexp_extract(uid, '_([^_]*)_[^_]*$', 1) AS BIGINT)"
     else:
         group = prompt_key
-        sample = "row_number() OVER (PARTITION BY input ORDER BY __row) - 1"
+        sample = "NULL::BIGINT"
     task = next((f"CAST({_q(k)} AS VARCHAR)" for k in ("task_id", "index") if k in cols), None)
     task = f"COALESCE({task}, 'p' || {prompt_key})" if task else f"'p' || {prompt_key}"
     finish = (
@@ -195,10 +220,12 @@ def _canonical(
         f.name
         for f in raw.schema
         if f.name not in _KNOWN
-        and f.name != "__row"
+        and f.name not in internal
         and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type))
     ]
-    rest = [n for n in raw.column_names if n not in _KNOWN and n not in numeric and n != "__row"]
+    rest = [
+        n for n in raw.column_names if n not in _KNOWN and n not in numeric and n not in internal
+    ]
     if numeric:
         entries = ", ".join(
             f"{{'key': '{n.replace(chr(39), chr(39) * 2)}', 'value': CAST({_q(n)} AS DOUBLE)}}"
@@ -213,9 +240,11 @@ def _canonical(
         if rest
         else "NULL"
     )
+    # No ORDER BY: a plain projection keeps the scan's order (DuckDB preserves insertion
+    # order), which is checked below instead of paying for a sort.
     sql = f"""
         SELECT $version AS version, $seed::BIGINT AS seed,
-               COALESCE({col("step", "BIGINT")}, $step::BIGINT) AS step, $split AS split,
+               COALESCE({col("step", "BIGINT")}, __step) AS step, $split AS split,
                {task} AS task_id, {col("data_source", "VARCHAR", "'unknown'")} AS data_source,
                {group} AS group_id, {sample} AS sample_idx,
                CAST(input AS VARCHAR) AS prompt, CAST(output AS VARCHAR) AS response,
@@ -224,13 +253,25 @@ def _canonical(
                {col("response_length", "BIGINT")} AS response_tokens,
                {truncated} AS truncated, {finish} AS finish_reason,
                {col("num_turns", "BIGINT")} AS turns,
-               {col("mean_logprob", "DOUBLE")} AS mean_logprob, {extra} AS extra
-        FROM raw ORDER BY __row
+               {col("mean_logprob", "DOUBLE")} AS mean_logprob, {extra} AS extra, __row
+        FROM raw
     """
     con.register("raw", raw)
     try:
-        params = {"version": version, "seed": seed, "step": step, "split": split}
+        params = {"version": version, "seed": seed, "split": split}
         out = con.sql(sql, params=params).to_arrow_table()
+        rows = out.column("__row").to_numpy()
+        if len(rows) > 1 and not (rows[1:] > rows[:-1]).all():
+            out = out.sort_by("__row")
+        if out.column("sample_idx").null_count:
+            # Without a parsable uid, a row's sample number is its rank among the rows of
+            # its file with the same input. Only computed when needed: the window sorts.
+            rank = con.sql(
+                "SELECT row_number() OVER (PARTITION BY __file, input ORDER BY __row) - 1 "
+                "AS rank FROM raw ORDER BY __row"
+            ).to_arrow_table()
+            sample_idx = pc.coalesce(out.column("sample_idx"), rank.column("rank"))
+            out = out.set_column(out.schema.get_field_index("sample_idx"), "sample_idx", sample_idx)
     finally:
         con.unregister("raw")
     calls = (

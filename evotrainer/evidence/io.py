@@ -144,11 +144,37 @@ def table_digest(*tables: pa.Table | None) -> str:
         if table is None:
             outer.update(b"none\n")
             continue
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, table.schema) as writer:
+        # The stream goes straight into the hash: collecting it in one growing buffer first
+        # (hundreds of MB for a large table) cost several times the hashing itself.
+        sink = _HashSink()
+        with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), table.schema) as writer:
             writer.write_table(table.combine_chunks())
-        outer.update(hashlib.sha256(sink.getvalue()).digest())
+        outer.update(sink.hash.digest())
     return "sha256:" + outer.hexdigest()
+
+
+class _HashSink:
+    """A write-only file object that hashes what is written to it."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.hash = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.hash.update(data)
+        self.size += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def val_scores(rollouts: pa.Table) -> pa.Table:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import typer
 from rich.console import Console
-from rich.tree import Tree
 
-from evotrainer.commands.lineage import describe
+from evotrainer.commands.lineage import describe, lineage_tree
 from evotrainer.commands.propose import PLANNER_HELP, print_result
 from evotrainer.evolve import Round, evolve
 from evotrainer.lineage import lineage_rows
@@ -25,6 +24,8 @@ def register(app: typer.Typer) -> None:
             "project is human_gated: the human says yes up front.",
         ),
         max_: int = typer.Option(1, "--max", min=1, help="Versions proposed per round."),
+        report: bool = typer.Option(True, "--report/--no-report",
+                                    help="Write the HTML report at the end."),
     ) -> None:
         """Run the trainer loop: train and gate what is approved, let the planner propose,
         approve as autonomy allows, train and gate again; print each round and the
@@ -49,8 +50,9 @@ def register(app: typer.Typer) -> None:
             evolve(ws, rounds, planner=planner, approve_all=approve, max_proposals=max_,
                    log=lambda line: console.print(f"[bold]→[/] {line}", highlight=False),
                    on_round=show_round, on_wait=waiting)
-        tree = Tree("[bold]lineage[/]")
-        nodes = {}
-        for row in lineage_rows(ws):
-            nodes[row.name] = nodes.get(row.parent, tree).add(describe(row))
-        console.print(tree)
+        console.print(lineage_tree(lineage_rows(ws)))
+        if report:
+            from evotrainer.report import build_report
+
+            index = build_report(ws, ws.state_dir / "report")
+            console.print(f"report: {index}")

@@ -37,6 +37,14 @@ def describe(row: LineageRow) -> str:
     return "  ".join(parts)
 
 
+def lineage_tree(rows: list[LineageRow]) -> Tree:
+    tree = Tree("[bold]lineage[/]")
+    nodes = {}
+    for row in rows:
+        nodes[row.name] = nodes.get(row.parent, tree).add(describe(row))
+    return tree
+
+
 def register(app: typer.Typer) -> None:
     @app.command("lineage")
     def lineage(as_json: bool = typer.Option(False, "--json", help="Machine-readable.")) -> None:
@@ -46,9 +54,4 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print(json.dumps([r.as_dict() for r in rows], indent=2))
             return
-        tree = Tree("[bold]lineage[/]")
-        nodes = {}
-        for row in rows:
-            parent_node = nodes.get(row.parent, tree)
-            nodes[row.name] = parent_node.add(describe(row))
-        Console().print(tree)
+        Console().print(lineage_tree(rows))

@@ -3,6 +3,7 @@
 import json
 
 import git
+import yaml
 
 from evotrainer.gitstore import branch_name
 from evotrainer.versions import approve, new_version
@@ -16,6 +17,10 @@ def test_init_makes_main_baseline_branch_and_library(workspace: Workspace):
     assert (workspace.root / "harness_versions" / "h0.yaml").is_file()
     assert (workspace.root / "spec" / "schemas" / "project.schema.json").is_file()
     assert ".evotrainer/" in (workspace.root / ".gitignore").read_text()
+    workflow = yaml.safe_load((workspace.root / ".github/workflows/evotrainer.yml").read_text())
+    assert set(workflow["jobs"]) == {"validate-and-plan", "reconcile"}
+    steps = " ".join(s.get("run", "") for s in workflow["jobs"]["validate-and-plan"]["steps"])
+    assert "evotrainer validate" in steps and "GITHUB_STEP_SUMMARY" in steps
     v0 = workspace.version("v0")
     assert v0.spec["train"] is False and v0.approved
     assert not repo.is_dirty(untracked_files=True)

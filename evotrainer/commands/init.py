@@ -78,6 +78,9 @@ def init_workspace(directory: Path, example: str) -> Path:
     (directory / "runs").mkdir()
     (directory / "runs" / ".gitkeep").write_text("")
     (directory / ".gitignore").write_text(f"{STATE_DIR}/\n")
+    workflows = directory / ".github" / "workflows"
+    workflows.mkdir(parents=True)
+    shutil.copy(EXAMPLES_DIR / "ci" / "github-workflow.yml", workflows / "evotrainer.yml")
 
     store = GitStore(directory)
     repo.git.add("-A")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from evotrainer.evidence.synthetic import rollout_table
-from evotrainer.harness.engine import diagnose, diagnosis_document, gate_verdict
+from evotrainer.harness.engine import _Run, diagnose, diagnosis_document, gate_verdict
 from evotrainer.harness.revision import resolve_harness
 
 H0 = resolve_harness("h0")
@@ -279,5 +279,213 @@ def test_gate_rules_in_order():
     assert result["variables"]["critical_behavior_alerts"] == 1
     # A critical *signal* alert (dead groups) names the next fix but does not veto a gain.
     dead = dict(d, alerts=[{"name": "dead_groups", "severity": "critical", "layer": "signal"}])
-    assert gate_verdict(H0, dead, {"ci_low": 0.1, "ci_high": 0.3, "delta": 0.2})[
-        "verdict"] == "promote"
+    assert (
+        gate_verdict(H0, dead, {"ci_low": 0.1, "ci_high": 0.3, "delta": 0.2})["verdict"]
+        == "promote"
+    )
+
+
+# ---- the vectorised analyzers, the example sampling and the digest against their definitions
+
+
+def _streak_by_hand(calls):
+    if not calls:
+        return math.nan
+    best = run = 1
+    for prev, cur in zip(calls, calls[1:], strict=False):
+        run = run + 1 if (cur["name"] or "") == (prev["name"] or "") else 1
+        best = max(best, run)
+    return float(best)
+
+
+def _leak_by_hand(calls, tools, patterns):
+    import re
+
+    if calls is None:
+        return math.nan
+    return float(
+        any(
+            (c["name"] or "") in tools
+            or any(re.search(p, f"{c['name'] or ''} {c['args'] or ''}") for p in patterns)
+            for c in calls
+        )
+    )
+
+
+def _edge_calls():
+    b, r, g = ({"name": n, "args": a} for n, a in (("bash", "ls"), ("read", "f"), ("git", "x")))
+    return [
+        None,  # no tool data: NaN for both
+        [],  # no calls: streak NaN, leak 0
+        [b],  # one call
+        [b, b, r, b, b, b],  # the longest run is not the first
+        [b, r, b, r],  # alternating tools never streak
+        [r, r],  # a run of the previous row must not continue into this one ...
+        [r, r, r],  # ... nor this
+        [{"name": None, "args": None}, {"name": "", "args": "git log"}],  # nulls are ""
+        [{"name": "bash", "args": "git  log"}, {"name": "bashgit", "args": "log"}],  # no \b
+        [{"name": "git", "args": "show HEAD"}],  # the match spans name and args
+        [{"name": "reveal", "args": None}],
+        [g, g, {"name": "bash", "args": "echo; git blame x"}],
+    ]
+
+
+def test_tool_call_analyzers_equal_the_per_row_definition():
+    import pyarrow as pa
+
+    from evotrainer.evidence.schema import TOOL_CALL
+    from evotrainer.harness.analyzers import leak, max_same_tool_streak
+
+    rows = _edge_calls()
+    params = {"leak_tools": ["reveal"], "leak_patterns": [r"\bgit (log|show|reflog|blame)\b"]}
+    want_streak = [_streak_by_hand(c) for c in rows]
+    want_leak = [_leak_by_hand(c, ["reveal"], params["leak_patterns"]) for c in rows]
+    # One chunk, several chunks (as read from Parquet row groups), and the rows reversed.
+    for cut in ([len(rows)], [3, 4, len(rows) - 7], [1] * len(rows)):
+        chunks, at = [], 0
+        for n in cut:
+            chunks.append(pa.array(rows[at : at + n], pa.list_(TOOL_CALL)))
+            at += n
+        table = pa.table({"tool_calls": pa.chunked_array(chunks, pa.list_(TOOL_CALL))})
+        np.testing.assert_array_equal(max_same_tool_streak(table, params), want_streak)
+        np.testing.assert_array_equal(leak(table, params), want_leak)
+    backwards = pa.table({"tool_calls": pa.array(rows[::-1], pa.list_(TOOL_CALL))})
+    np.testing.assert_array_equal(max_same_tool_streak(backwards, params), want_streak[::-1])
+    np.testing.assert_array_equal(leak(backwards, params), want_leak[::-1])
+
+
+def test_tool_call_analyzers_skip_the_calls_behind_a_null_list():
+    import pyarrow as pa
+
+    from evotrainer.evidence.schema import TOOL_CALL
+    from evotrainer.harness.analyzers import leak, max_same_tool_streak
+
+    # Arrow lets a null list own a non-empty slice of the values; those calls are not calls.
+    values = pa.array(
+        [{"name": n, "args": ""} for n in ("bash", "reveal", "reveal", "reveal", "bash")],
+        TOOL_CALL,
+    )
+    calls = pa.ListArray.from_arrays(
+        pa.array([0, 1, 4, 5], pa.int32()), values, mask=pa.array([False, True, False])
+    )
+    table = pa.table({"tool_calls": calls})
+    params = {"leak_tools": ["reveal"], "leak_patterns": []}
+    np.testing.assert_array_equal(max_same_tool_streak(table, params), [1.0, np.nan, 1.0])
+    np.testing.assert_array_equal(leak(table, params), [0.0, np.nan, 0.0])
+
+
+def test_split_views_and_series_of_the_analyzer_metrics():
+    # Train and val rows interleaved, steps out of order: each split sees only its rows.
+    calls = _edge_calls()
+    rows = [
+        dict(
+            split="val" if i % 3 == 0 else "train",
+            step=[5, 2, 9][i % 3],
+            group_id=f"g{i}",
+            tool_calls=[f"{c['name'] or ''} {c['args'] or ''}".strip() for c in c_]
+            if c_ is not None
+            else None,
+        )
+        for i, c_ in enumerate(calls)
+    ]
+    table = rollout_table(rows)
+    params = {"leak_tools": ["reveal"], "leak_patterns": [r"\bgit (log|show|reflog|blame)\b"]}
+    d = diagnose(table, None, H0)
+    for name, split, fn in (
+        ("max_same_tool_streak_mean", "train", lambda c: _streak_by_hand(c)),
+        ("leak_ratio", "train", lambda c: _leak_by_hand(c, ["reveal"], params["leak_patterns"])),
+        ("val_leak_ratio", "val", lambda c: _leak_by_hand(c, ["reveal"], params["leak_patterns"])),
+    ):
+        per_step: dict[int, list[float]] = {}
+        for r in table.to_pylist():
+            if r["split"] == split and not math.isnan(v := fn(r["tool_calls"])):
+                per_step.setdefault(r["step"], []).append(v)
+        values = [v for vs in per_step.values() for v in vs]
+        assert d["metrics"][name] == pytest.approx(np.mean(values)), name
+        if name in d["series"]:
+            assert d["series"][name] == [
+                [s, pytest.approx(np.mean(vs))] for s, vs in sorted(per_step.items())
+            ]
+
+
+def _examples_by_full_query(table, where, split, limit=5):
+    from evotrainer.harness.engine import ROLLOUT_ID_SQL
+    from evotrainer.harness.sql import Sandbox
+
+    sandbox = Sandbox(table, None, split)
+    try:
+        _, rows = sandbox.query(
+            f"SELECT {ROLLOUT_ID_SQL} FROM rollouts WHERE ({where}) "
+            f"ORDER BY step DESC, seed, group_id, sample_idx LIMIT {limit}",
+            H0.params,
+            field="test",
+        )
+    finally:
+        sandbox.close()
+    return [r[0] for r in rows]
+
+
+@pytest.mark.parametrize("leaky_steps", [range(1, 41), range(1, 4), range(38, 41), [20]])
+def test_alert_examples_equal_the_full_query(leaky_steps):
+    # Examples are looked up in the latest steps first; wherever the matches are, the answer
+    # must be the full query's.
+    rows = []
+    for step in range(1, 41):
+        for g in range(4):
+            for i in range(2):
+                leaky = step in leaky_steps and (g + i) % 3 == 0
+                rows.append(
+                    dict(
+                        step=step,
+                        group_id=f"g{g}",
+                        sample_idx=i,
+                        reward=float(i),
+                        tool_calls=["bash git log -2"] if leaky else ["bash ls"],
+                        turns=70 if leaky else 3,
+                        correct=0.0,
+                    )
+                )
+    table = rollout_table(rows)
+    run = _Run(table, None, H0, 60.0)
+    try:
+        for alert in H0.alerts:
+            if alert.sample_where is None:
+                continue
+            metric = H0.metric(alert.metric)
+            split = alert.sample_split or metric.split
+            want = _examples_by_full_query(
+                table, alert.sample_where, None if split == "all" else split
+            )
+            assert run._examples(alert, metric) == want, alert.name
+            if alert.name in ("leak", "echo_trap"):
+                assert want
+    finally:
+        run.close()
+
+
+def test_table_digest_is_the_hash_of_the_ipc_stream_and_ignores_chunking():
+    import hashlib
+
+    import pyarrow as pa
+
+    from evotrainer.evidence.io import table_digest
+
+    table = rollout_table(_tiny()[0])
+
+    def by_definition(*tables):
+        outer = hashlib.sha256()
+        for t in tables:
+            if t is None:
+                outer.update(b"none\n")
+                continue
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, t.schema) as writer:
+                writer.write_table(t.combine_chunks())
+            outer.update(hashlib.sha256(sink.getvalue()).digest())
+        return "sha256:" + outer.hexdigest()
+
+    rechunked = pa.concat_tables([table.slice(0, 5), table.slice(5)])
+    assert table_digest(table, None) == by_definition(table, None)
+    assert table_digest(rechunked, None) == table_digest(table, None)
+    assert table_digest(table.slice(0, 0)) == by_definition(table.slice(0, 0))
+    assert table_digest(table.slice(1)) != table_digest(table)

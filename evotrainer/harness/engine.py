@@ -188,10 +188,10 @@ class _Run:
     ) -> None:
         self.table, self.steps, self.harness, self.timeout_s = table, steps, harness, timeout_s
         self.sandboxes: dict[str | None, Sandbox] = {}
-        self.split_rows = {
-            split: pc.sum(pc.equal(table.column("split"), split)).as_py() or 0
-            for split in ("train", "val")
-        }
+        self.masks = {split: pc.equal(table.column("split"), split) for split in ("train", "val")}
+        self.split_rows = {split: pc.sum(mask).as_py() or 0 for split, mask in self.masks.items()}
+        self.views: dict[str, pa.Table] = {}
+        self.recorded: dict[tuple[str, str], int] = {}
 
     def sandbox(self, split: str | None) -> Sandbox:
         if split not in self.sandboxes:
@@ -229,9 +229,24 @@ class _Run:
         return value, points, None
 
     def _unrecorded(self, split: str, columns: tuple[str, ...]) -> list[str]:
-        sql = "SELECT " + ", ".join(f"count({c})" for c in columns) + " FROM rollouts"
-        _, rows = self.sandbox(split).query(sql, {}, field="requires")
-        return [c for c, n in zip(columns, rows[0], strict=True) if n == 0]
+        if any(c not in self.table.column_names for c in columns):
+            # Not a canonical table: let DuckDB name what is wrong.
+            sql = "SELECT " + ", ".join(f"count({c})" for c in columns) + " FROM rollouts"
+            _, rows = self.sandbox(split).query(sql, {}, field="requires")
+            return [c for c, n in zip(columns, rows[0], strict=True) if n == 0]
+        return [c for c in columns if self._recorded(split, c) == 0]
+
+    def _recorded(self, split: str, column: str) -> int:
+        """Non-null values of `column` in `split` (SQL count(column)), counted in Arrow: a
+        DuckDB count would first convert the column, which for tool_calls is every call."""
+        if (split, column) not in self.recorded:
+            values = self.table.column(column)
+            if self.split_rows[split] == self.table.num_rows:
+                count = len(values) - values.null_count
+            else:
+                count = pc.sum(pc.and_(self.masks[split], pc.is_valid(values))).as_py() or 0
+            self.recorded[split, column] = count
+        return self.recorded[split, column]
 
     def _sql(self, metric: Metric) -> tuple[float | None, list[list[float]]]:
         columns, rows = self.sandbox(metric.split).query(
@@ -259,10 +274,23 @@ class _Run:
         )
         return _clean(total[0][vi]), points
 
+    def _view(self, split: str) -> pa.Table:
+        """The split's rows for analyzers: one table object per split, so analyzers of a split
+        share work keyed on it (see analyzers._calls)."""
+        if split not in self.views:
+            columns = ["split", "step"]
+            for metric in self.harness.metrics:
+                if metric.analyzer:
+                    columns += [c for c in ANALYZERS[metric.analyzer].columns if c not in columns]
+            view = self.table.select(columns)
+            if self.split_rows[split] != view.num_rows:
+                view = view.filter(self.masks[split])
+            self.views[split] = view
+        return self.views[split]
+
     def _analyzer(self, metric: Metric) -> tuple[float | None, list[list[float]]]:
         spec = ANALYZERS[metric.analyzer]
-        view = self.table.select(["split", "step", *spec.columns])
-        view = view.filter(pc.equal(view.column("split"), metric.split))
+        view = self._view(metric.split)
         params = {**self.harness.params, **metric.analyzer_params}
         values = np.asarray(spec.fn(view, params), dtype=float)
         keep = ~np.isnan(values)
@@ -270,9 +298,19 @@ class _Run:
             return None, []
         steps = view.column("step").to_numpy()[keep]
         values = values[keep]
-        uniq, inverse = np.unique(steps, return_inverse=True)
-        sums = np.bincount(inverse, weights=values)
-        counts = np.bincount(inverse)
+        low, high = (int(steps.min()), int(steps.max())) if steps.dtype.kind == "i" else (0, -1)
+        if low <= high and high - low <= 4 * len(steps) + 1024:
+            # Step numbers are dense: bin them directly instead of sorting for np.unique.
+            # Both sum each step's values in row order, so the means are bit-identical.
+            counts = np.bincount(steps - low)
+            uniq = np.flatnonzero(counts)
+            sums = np.bincount(steps - low, weights=values)[uniq]
+            counts = counts[uniq]
+            uniq = uniq + low
+        else:
+            uniq, inverse = np.unique(steps, return_inverse=True)
+            sums = np.bincount(inverse, weights=values)
+            counts = np.bincount(inverse)
         points = [[int(s), float(v)] for s, v in zip(uniq, sums / counts, strict=True)]
         return float(values.mean()), points
 
@@ -298,11 +336,41 @@ class _Run:
         if alert.sample_where is None or alert.sample_limit <= 0:
             return []
         split = alert.sample_split or metric.split
-        sql = (
-            f"SELECT {ROLLOUT_ID_SQL} FROM rollouts WHERE ({alert.sample_where}) "
-            f"ORDER BY step DESC, seed, group_id, sample_idx LIMIT {alert.sample_limit}"
+        sandbox = self.sandbox(None if split == "all" else split)
+        field = f"alerts.{alert.name}.sample.where"
+
+        def sample(window: str) -> list[str]:
+            sql = (
+                f"SELECT {ROLLOUT_ID_SQL} FROM rollouts WHERE {window}({alert.sample_where}) "
+                f"ORDER BY step DESC, seed, group_id, sample_idx LIMIT {alert.sample_limit}"
+            )
+            _, rows = sandbox.query(sql, self.harness.params, field=field)
+            return [r[0] for r in rows]
+
+        # The examples are the latest matching rows, and `where` only decides row by row (SQL
+        # allows no aggregate or window there; a subquery sees the whole view either way), so
+        # when the latest steps alone hold `limit` matches they are the answer: try those
+        # first rather than evaluate an expensive `where` on every row.
+        floor = self._recent_floor(sandbox)
+        if floor is not None:
+            found = sample(f"step >= {floor} AND ")
+            if len(found) == alert.sample_limit:
+                return found
+        return sample("")
+
+    def _recent_floor(self, sandbox: Sandbox) -> int | None:
+        """The lowest step of the fewest latest steps holding 1/16 of the view's rows; None
+        when that is every step."""
+        _, rows = sandbox.query(
+            "SELECT step, count(*) FROM rollouts WHERE step IS NOT NULL "
+            "GROUP BY step ORDER BY step DESC",
+            {},
+            field="sample",
         )
-        _, rows = self.sandbox(None if split == "all" else split).query(
-            sql, self.harness.params, field=f"alerts.{alert.name}.sample.where"
-        )
-        return [r[0] for r in rows]
+        total = sum(n for _, n in rows)
+        seen = 0
+        for step, n in rows[:-1]:
+            seen += n
+            if seen * 16 >= total:
+                return int(step)
+        return None

@@ -171,3 +171,29 @@ def test_ingest_cli_writes_parquet_and_reports_skips(tmp_path, monkeypatch):
     assert summary["rows"] == 6 and len(summary["skipped"]) == 1
     assert pq.read_table(tmp_path / "rollouts" / "train.parquet").num_rows == 6
     assert pq.read_table(tmp_path / "steps.parquet").num_rows == 1
+
+
+def test_files_mapped_together_keep_their_own_steps_groups_and_sample_numbers(tmp_path):
+    # Files with one raw schema are mapped in one query; nothing may leak between them.
+    for step in (1, 2, 10):
+        rows = [
+            {"input": p, "output": f"{step}-{i}", "score": 1.0, "uid": uid}
+            for i, (p, uid) in enumerate(
+                [("a", "g1_0_0"), ("a", "nouid"), ("b", None), ("a", "nouid"), ("b", "x_y")]
+            )
+        ]
+        _write(tmp_path / f"{step}.jsonl", rows)
+    _write(tmp_path / "3.jsonl", [{"input": "a", "output": "3-0", "score": 0.5}])  # no uid
+    out = ingest_dump(tmp_path, version="v", split="train").rollouts.to_pylist()
+    assert [r["response"] for r in out] == [
+        f"{s}-{i}" for s in (1, 2, 3, 10) for i in range(5 if s != 3 else 1)
+    ]
+    assert [r["step"] for r in out] == [1] * 5 + [2] * 5 + [3] + [10] * 5
+    per_file = [r for r in out if r["step"] == 10]
+    # uid "g1_0_0" gives group g1, sample 0; an unparsable uid ranks the row among its file's
+    # rows with the same input (regexp_extract gives '' for it); a null uid groups by prompt.
+    assert [r["sample_idx"] for r in per_file] == [0, 1, 0, 2, 1]
+    assert [r["group_id"] for r in per_file][:2] == ["g1", ""]
+    assert per_file[2]["group_id"] == per_file[2]["task_id"][1:]
+    assert [r["sample_idx"] for r in out if r["step"] == 1] == [0, 1, 0, 2, 1]
+    assert out[10]["sample_idx"] == 0 and out[10]["task_id"] == out[0]["task_id"]

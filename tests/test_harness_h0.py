@@ -277,6 +277,14 @@ def test_gate_rules_in_order():
     result = gate_verdict(H0, leaking, {"ci_low": 0.1, "ci_high": 0.3, "delta": 0.2})
     assert (result["verdict"], result["rule"]) == ("block", "integrity_alert")
     assert result["variables"]["critical_behavior_alerts"] == 1
+    # A clean child of a leaky parent replaces it unless it is significantly worse.
+    clean = dict(d, metrics={**d["metrics"], "val_leak_ratio": 0.0})
+    closed = gate_verdict(H0, clean, {"ci_low": -0.1, "ci_high": 0.1, "delta": 0.0},
+                          {"val_leak_ratio": 0.2})
+    assert (closed["verdict"], closed["rule"]) == ("promote", "leak_closed")
+    worse = gate_verdict(H0, clean, {"ci_low": -0.3, "ci_high": -0.1, "delta": -0.2},
+                         {"val_leak_ratio": 0.2})
+    assert worse["verdict"] == "prune"
     # A critical *signal* alert (dead groups) names the next fix but does not veto a gain.
     dead = dict(d, alerts=[{"name": "dead_groups", "severity": "critical", "layer": "signal"}])
     assert (

@@ -117,8 +117,9 @@ def check_recipe(recipe: dict, doc: specs.Document) -> None:
         get_backend(recipe.get("backend", "local")).check(recipe)
     except EvoError as err:
         field = tuple(err.field.split(".")) if err.field else ()
+        inherited = bool(field) and ("recipe", *field) not in doc.marks
         raise EvoError(
-            err.message,
+            err.message + (" (inherited: set in the project or an ancestor)" if inherited else ""),
             where=doc.where(("recipe", *field)),
             field=f"recipe.{err.field}" if err.field else None,
             hint=err.hint,

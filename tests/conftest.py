@@ -22,6 +22,15 @@ class CliResult:
     out: str
     err: str
 
+    # The names click's CliRunner uses, so either style of test reads the same.
+    @property
+    def exit_code(self) -> int:
+        return self.code
+
+    @property
+    def output(self) -> str:
+        return self.out + self.err
+
 
 @pytest.fixture
 def standin(monkeypatch):

@@ -7,13 +7,10 @@ import json
 import re
 
 import pytest
-import typer
 import yaml
-from typer.testing import CliRunner
 
 from evotrainer import cel, specs
 from evotrainer.builtin import builtin_dir
-from evotrainer.commands.skills import register
 from evotrainer.domains import get_domain
 from evotrainer.engine.filters import check_filter_spec
 from evotrainer.errors import EvoError
@@ -244,51 +241,40 @@ def test_record_evidence_ignores_versions_without_skills(workspace) -> None:
 # ------------------------------------------------------------------------------------- CLI
 
 
-@pytest.fixture
-def run_cli(monkeypatch):
-    app = typer.Typer()
-    register(app)
-
-    def run(*args: str, cwd=None):
-        if cwd is not None:
-            monkeypatch.chdir(cwd)
-        return CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
-
-    return run
 
 
-def test_cli_list_show_search(run_cli, tmp_path) -> None:
-    listed = run_cli("skills", "list", "--json", cwd=tmp_path)  # not a workspace: built-in
+def test_cli_list_show_search(cli, tmp_path) -> None:
+    listed = cli("skills", "list", "--json", cwd=tmp_path)  # not a workspace: built-in
     assert listed.exit_code == 0, listed.output
     assert {row["name"] for row in json.loads(listed.output)} == set(LIBRARY)
-    table = run_cli("skills", "list", "--category", "filter")
+    table = cli("skills", "list", "--category", "filter")
     assert "std-group-filter" in table.output and "clip-higher" not in table.output
     assert "known to hurt" in table.output  # data-downsizing is a filter skill
-    shown = run_cli("skills", "show", "kl-cap")
+    shown = cli("skills", "show", "kl-cap")
     assert yaml.safe_load(shown.output)["mechanism"]["recipe_patch"]["grpo"]["kl_coef"] == 0.002
-    assert json.loads(run_cli("skills", "show", "kl-cap", "--json").output)["name"] == "kl-cap"
-    missing = run_cli("skills", "show", "nope")
-    assert isinstance(missing.exception, EvoError) and "unknown skill" in str(missing.exception)
-    found = json.loads(run_cli("skills", "search", "leak", "--json").output)
+    assert json.loads(cli("skills", "show", "kl-cap", "--json").output)["name"] == "kl-cap"
+    missing = cli("skills", "show", "nope")
+    assert missing.code == 1 and "unknown skill" in missing.err
+    found = json.loads(cli("skills", "search", "leak", "--json").output)
     assert found[0]["name"] == "close-leak" and found[0]["score"] > 0
-    assert "close-leak" in run_cli("skills", "search", "leak").output
-    assert "no skill mentions" in run_cli("skills", "search", "zzzz").output
+    assert "close-leak" in cli("skills", "search", "leak").output
+    assert "no skill mentions" in cli("skills", "search", "zzzz").output
 
 
-def test_cli_match_reads_the_version_diagnosis(workspace, run_cli) -> None:
+def test_cli_match_reads_the_version_diagnosis(workspace, cli) -> None:
     new_version(workspace, "v1", "v0", rationale="first try")
     diag = {"apiVersion": "evotrainer/v1", "kind": "Diagnosis", "version": "v1",
             "harness": {"name": "h0", "digest": "sha256:x"},
             **diagnosis(("dead_groups",), dead_group_ratio=0.6, echo_trap_ratio=0.3)}
     workspace.git.commit_files("evo/v1", {"runs/v1/diagnosis.yaml": specs.dump(diag).encode()},
                                "diagnose v1", {"Action": "diagnose", "Version": "v1"})
-    out = run_cli("skills", "match", "v1", "--json", cwd=workspace.root)
+    out = cli("skills", "match", "v1", "--json", cwd=workspace.root)
     assert out.exit_code == 0, out.output
     result = json.loads(out.output)
     names = [m["name"] for m in result["matches"]]
     assert names[0] == "std-group-filter" and "max-turns-cap" not in names  # arith: no turns
     assert "efficiency-multiplier" in [m["name"] for m in result["refused"]]
-    table = run_cli("skills", "match", "v1")
+    table = cli("skills", "match", "v1")
     assert "std-group-filter" in table.output and "refused" in table.output
-    undiagnosed = run_cli("skills", "match", "v0")
-    assert "no diagnosis" in str(undiagnosed.exception)
+    undiagnosed = cli("skills", "match", "v0")
+    assert undiagnosed.code == 1 and "no diagnosis" in undiagnosed.err

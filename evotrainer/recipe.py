@@ -67,15 +67,19 @@ BASE_RECIPE: dict[str, Any] = {
 }
 
 
-def deep_merge(base: Any, override: Any) -> Any:
-    """Return `base` with `override` merged in (neither argument is modified)."""
+def deep_merge(base: Any, override: Any, *, keep_nulls: bool = False) -> Any:
+    """Return `base` with `override` merged in (neither argument is modified).
+
+    `keep_nulls` composes two sets of overrides: a null stays, to remove the key when the
+    result is later merged onto a recipe.
+    """
     if isinstance(base, dict) and isinstance(override, dict):
         merged = copy.deepcopy(base)
         for key, value in override.items():
-            if value is None:
+            if value is None and not keep_nulls:
                 merged.pop(key, None)
-            elif key in merged:
-                merged[key] = deep_merge(merged[key], value)
+            elif key in merged and value is not None:
+                merged[key] = deep_merge(merged[key], value, keep_nulls=keep_nulls)
             else:
                 merged[key] = copy.deepcopy(value)
         return merged
@@ -85,7 +89,7 @@ def deep_merge(base: Any, override: Any) -> Any:
         for item in override:
             if item["name"] in index:
                 i = index[item["name"]]
-                merged_list[i] = deep_merge(merged_list[i], item)
+                merged_list[i] = deep_merge(merged_list[i], item, keep_nulls=keep_nulls)
             else:
                 merged_list.append(copy.deepcopy(item))
         return merged_list

@@ -71,7 +71,8 @@ def new_version(
                 hint=f"known skills: {', '.join(ws.skill_names()) or 'none'}",
             )
         doc = specs.load(path, "Skill", source=f"skills/{skill}.yaml").data
-        overrides = deep_merge(overrides, doc["mechanism"].get("recipe_patch") or {})
+        overrides = deep_merge(overrides, doc["mechanism"].get("recipe_patch") or {},
+                               keep_nulls=True)
     for setting in settings:
         key, value = parse_assignment(setting)
         set_dotted(overrides, key, value)

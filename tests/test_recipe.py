@@ -33,3 +33,11 @@ def test_set_dotted_creates_parents():
     target: dict = {}
     set_dotted(target, "group_filter.params.keep_ratio", 0.9)
     assert target == {"group_filter": {"params": {"keep_ratio": 0.9}}}
+
+
+def test_composed_overrides_keep_nulls_until_merged_onto_a_recipe():
+    patch = deep_merge({"group_filter": {"name": "std_group_filter", "params": {"mode": "top_p"}}},
+                       {"group_filter": {"name": "zero_std", "params": None}}, keep_nulls=True)
+    assert patch == {"group_filter": {"name": "zero_std", "params": None}}
+    recipe = resolve({"group_filter": {"name": "std_group_filter", "params": {"z": 1}}}, [patch])
+    assert recipe["group_filter"] == {"name": "zero_std"}

@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 import psutil
@@ -22,6 +21,7 @@ import psutil
 from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus
 from evotrainer.errors import EvoError
 from evotrainer.files import atomic_write, read_json
+from evotrainer.versions import now_iso
 
 JOB_FILE = "job.json"
 RESULT_FILE = "result.json"
@@ -59,24 +59,7 @@ class LocalBackend:
         env = {**os.environ, **job.env, "OMP_NUM_THREADS": str(job.recipe.get("threads", 1))}
         if self.cache_dir is not None:
             env["EVOTRAINER_CACHE_DIR"] = str(self.cache_dir)
-        with (job.artifact_dir / STDIO_FILE).open("ab") as out:
-            process = subprocess.Popen(
-                command,
-                cwd=job.workdir,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # outlives reconcile
-            )
-        record = {
-            "job_id": job.job_id,
-            "pid": process.pid,
-            "host": socket.gethostname(),
-            "create_time": psutil.Process(process.pid).create_time(),
-            "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": command,
-        }
+        record = spawn_detached(command, job, env, job.artifact_dir / STDIO_FILE)
         atomic_write(job.artifact_dir / JOB_FILE, json.dumps(record, indent=2))
 
     def status(self, job: JobSpec) -> JobStatus:
@@ -131,6 +114,29 @@ class LocalBackend:
             scores=scores,
             result=read_json(out / RESULT_FILE) or {},
         )
+
+
+def spawn_detached(command: list[str], job: JobSpec, env: dict, log: Path) -> dict:
+    """Start `command` in its own session (it outlives reconcile), output appended to `log`;
+    return the job record that lets any later process find it again (pid + start time)."""
+    with log.open("ab") as out:
+        process = subprocess.Popen(
+            command,
+            cwd=job.workdir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return {
+        "job_id": job.job_id,
+        "pid": process.pid,
+        "host": socket.gethostname(),
+        "create_time": psutil.Process(process.pid).create_time(),
+        "started_at": now_iso(),
+        "command": command,
+    }
 
 
 def live_process(record: dict) -> psutil.Process | None:

@@ -23,8 +23,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +35,7 @@ import pyarrow.parquet as pq
 
 import evotrainer
 from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus
-from evotrainer.backends.local import live_process
+from evotrainer.backends.local import live_process, spawn_detached
 from evotrainer.backends.verl_render import (
     SAMPLER_CLASS,
     JobFiles,
@@ -78,8 +76,7 @@ class VerlBackend:
 
     def check(self, recipe: dict) -> None:
         """Render every seed's overrides (pure: nothing written) so a bad recipe fails here."""
-        render_job(recipe, version="check", files=JobFiles(Path("/nonexistent")),
-                   workdir=Path("."))
+        render_job(recipe, version="check", files=JobFiles(Path("/nonexistent")), workdir=Path("."))
 
     # ---- submit ------------------------------------------------------------------------
 
@@ -110,23 +107,9 @@ class VerlBackend:
                 p for p in (_package_parent(), os.environ.get("PYTHONPATH", "")) if p
             ),
         }
-        with files.log_file.open("ab") as out:
-            process = subprocess.Popen(
-                ["sh", str(script_file)],
-                cwd=job.workdir,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # outlives us
-            )
         record = {
-            "job_id": job.job_id,
+            **spawn_detached(["sh", str(script_file)], job, env, files.log_file),
             "mode": "local",
-            "pid": process.pid,
-            "host": socket.gethostname(),
-            "create_time": psutil.Process(process.pid).create_time(),
-            "started_at": now_iso(),
             "command": command,
         }
         atomic_write(files.root / JOB_FILE, json.dumps(record, indent=2))

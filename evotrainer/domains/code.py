@@ -231,13 +231,3 @@ class CodeDomain(DatasetDomain):
         return score_code(
             response, task.answer, sandbox=sandbox, limits=self.limits, truncated=truncated
         )
-
-    def score(
-        self,
-        task: Task,
-        response: str,
-        tool_calls: list[dict[str, str]],
-        truncated: bool | None = None,
-    ) -> Score:
-        """`truncated` (optional): the caller knows generation hit the length limit."""
-        return self.judge(task, response, truncated)[0]

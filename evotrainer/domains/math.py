@@ -149,13 +149,3 @@ class MathDomain(DatasetDomain):
     ) -> tuple[Score, dict[str, Any]]:
         """The Score plus details for the rollout record's `extra` (`failure`, `answer`)."""
         return score_math(response, task.answer, truncated=truncated)
-
-    def score(
-        self,
-        task: Task,
-        response: str,
-        tool_calls: list[dict[str, str]],
-        truncated: bool | None = None,
-    ) -> Score:
-        """`truncated` (optional): the caller knows generation hit the length limit."""
-        return self.judge(task, response, truncated)[0]

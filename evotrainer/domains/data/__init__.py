@@ -11,7 +11,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from evotrainer.domains.base import Domain, Task
+from evotrainer.domains.base import Domain, Score, Task
 from evotrainer.errors import EvoError
 
 DATA_KEYS = ("train", "val")
@@ -80,6 +80,21 @@ class DatasetDomain(Domain):
     sample of the requested size), so a benchmark file can serve as the validation set."""
 
     sample_file = ""
+
+    @abstractmethod
+    def judge(
+        self, task: Task, response: str, truncated: bool | None = None
+    ) -> tuple[Score, dict[str, Any]]:
+        """The Score plus details for the rollout record's `extra` (e.g. the failure reason)."""
+
+    def score(
+        self,
+        task: Task,
+        response: str,
+        tool_calls: list[dict[str, str]],
+        truncated: bool | None = None,
+    ) -> Score:
+        return self.judge(task, response, truncated)[0]
 
     def __init__(
         self, params: dict[str, Any] | None = None, data: dict[str, Any] | None = None

@@ -22,10 +22,10 @@ from pathlib import Path
 import duckdb
 import pyarrow.parquet as pq
 
+from evotrainer.diagnosis.diagnose import diagnose
+from evotrainer.diagnosis.harness import resolve_harness
 from evotrainer.evidence.synthetic import random_rollouts
 from evotrainer.evidence.verl import ingest_dump
-from evotrainer.harness.engine import diagnose
-from evotrainer.harness.revision import resolve_harness
 
 COLUMNS = [
     "step",

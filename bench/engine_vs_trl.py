@@ -29,7 +29,7 @@ PROMPTS, GROUP, MAX_TOKENS, LR = 16, 8, 8, 1.0e-4
 
 
 def recipe(model_dir: Path) -> dict:
-    from evotrainer.recipe import resolve
+    from evotrainer.store.recipe import resolve
 
     return resolve(
         {
@@ -47,7 +47,7 @@ def recipe(model_dir: Path) -> dict:
 
 def prepare(model_dir: Path) -> None:
     from evotrainer.engine.model import build_tiny, char_tokenizer, save_checkpoint
-    from evotrainer.recipe import BASE_RECIPE
+    from evotrainer.store.recipe import BASE_RECIPE
 
     tokenizer = char_tokenizer()
     save_checkpoint(build_tiny(BASE_RECIPE["model"]["tiny"], tokenizer, 0), tokenizer, model_dir)

@@ -21,9 +21,9 @@ import git
 import yaml
 
 from evotrainer.commands.init import init_workspace
-from evotrainer.gitstore import branch_name
-from evotrainer.versions import spec_text
-from evotrainer.workspace import Workspace, run_path, version_spec_path
+from evotrainer.control.versions import spec_text
+from evotrainer.store.git import branch_name
+from evotrainer.store.workspace import Workspace, run_path, version_spec_path
 
 
 def build(root: Path, count: int) -> Workspace:

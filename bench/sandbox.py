@@ -21,7 +21,7 @@ import tempfile
 import time
 
 from evotrainer.domains.code import outputs_match, score_code
-from evotrainer.sandbox import LocalSandbox
+from evotrainer.domains.sandbox import LocalSandbox
 
 CASES = 5
 PYTHON = LocalSandbox().python  # the same interpreter the sandbox runs

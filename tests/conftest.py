@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from evotrainer.commands.init import init_workspace
-from evotrainer.workspace import Workspace
+from evotrainer.store.workspace import Workspace
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["HF_HUB_OFFLINE"] = "1"

@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 
 from evotrainer.backends.local import LocalBackend
-from evotrainer.reconcile import Reconciler
-from evotrainer.versions import approve, new_version
-from evotrainer.workspace import Workspace
+from evotrainer.control.reconcile import Reconciler
+from evotrainer.control.versions import approve, new_version
+from evotrainer.store.workspace import Workspace
 
 
 class StandinBackend(LocalBackend):

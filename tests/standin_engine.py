@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
-from evotrainer.recipe import digest
+from evotrainer.store.recipe import digest
 
 TASKS, GROUP = 24, 4
 

@@ -11,7 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from evotrainer.backtest import (
+from evotrainer.agent.skills import load_library
+from evotrainer.control.versions import new_version
+from evotrainer.diagnosis.replay import (
     backtest_filter,
     backtest_reward,
     component_values,
@@ -22,10 +24,8 @@ from evotrainer.domains import make_domain
 from evotrainer.engine.filters import StdGroupFilter
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
-from evotrainer.recipe import BASE_RECIPE
-from evotrainer.skills import load_library
-from evotrainer.specs import dump
-from evotrainer.versions import new_version
+from evotrainer.store.recipe import BASE_RECIPE
+from evotrainer.store.specs import dump
 
 LIBRARY = load_library()
 

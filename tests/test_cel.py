@@ -1,6 +1,6 @@
 import pytest
 
-from evotrainer import cel
+from evotrainer.diagnosis import cel
 from evotrainer.errors import EvoError
 
 

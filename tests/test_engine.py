@@ -26,7 +26,7 @@ from evotrainer.engine.grpo import group_advantages, policy_loss
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 from evotrainer.evidence.steps import STEPS_SCHEMA
-from evotrainer.recipe import resolve
+from evotrainer.store.recipe import resolve
 
 torch.set_num_threads(1)
 

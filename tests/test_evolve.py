@@ -13,11 +13,11 @@ from typer.testing import CliRunner
 from evotrainer.backends.base import JobSpec
 from evotrainer.commands.evolve import register
 from evotrainer.commands.init import init_workspace
+from evotrainer.control.evolve import evolve
+from evotrainer.control.lineage import lineage_rows
 from evotrainer.errors import EvoError
-from evotrainer.evolve import evolve
-from evotrainer.lineage import lineage_rows
-from evotrainer.recipe import deep_merge
-from evotrainer.workspace import Workspace
+from evotrainer.store.recipe import deep_merge
+from evotrainer.store.workspace import Workspace
 
 pytestmark = pytest.mark.usefixtures("standin")
 
@@ -82,7 +82,7 @@ def test_human_gated_stops_for_approval_and_budget_limits_approve(tmp_path):
 def test_evolve_command_approves_up_front_and_prints_rounds_and_lineage(tmp_path,
                                                                         monkeypatch):
     ws = toolenv(tmp_path)
-    monkeypatch.setattr("evotrainer.reconcile.get_backend",
+    monkeypatch.setattr("evotrainer.control.reconcile.get_backend",
                         lambda name, cache: LeakFollowsRecipe())
     app = typer.Typer()
     app.callback()(lambda: None)  # a group, as the real CLI is: `evolve` is a subcommand

@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
+from evotrainer.diagnosis.diagnose import _Run, diagnose, diagnosis_document, gate_verdict
+from evotrainer.diagnosis.harness import resolve_harness
 from evotrainer.evidence.synthetic import rollout_table
-from evotrainer.harness.engine import _Run, diagnose, diagnosis_document, gate_verdict
-from evotrainer.harness.revision import resolve_harness
 
 H0 = resolve_harness("h0")
 
@@ -341,8 +341,8 @@ def _edge_calls():
 def test_tool_call_analyzers_equal_the_per_row_definition():
     import pyarrow as pa
 
+    from evotrainer.diagnosis.analyzers import leak, max_same_tool_streak
     from evotrainer.evidence.schema import TOOL_CALL
-    from evotrainer.harness.analyzers import leak, max_same_tool_streak
 
     rows = _edge_calls()
     params = {"leak_tools": ["reveal"], "leak_patterns": [r"\bgit (log|show|reflog|blame)\b"]}
@@ -365,8 +365,8 @@ def test_tool_call_analyzers_equal_the_per_row_definition():
 def test_tool_call_analyzers_skip_the_calls_behind_a_null_list():
     import pyarrow as pa
 
+    from evotrainer.diagnosis.analyzers import leak, max_same_tool_streak
     from evotrainer.evidence.schema import TOOL_CALL
-    from evotrainer.harness.analyzers import leak, max_same_tool_streak
 
     # Arrow lets a null list own a non-empty slice of the values; those calls are not calls.
     values = pa.array(
@@ -417,8 +417,8 @@ def test_split_views_and_series_of_the_analyzer_metrics():
 
 
 def _examples_by_full_query(table, where, split, limit=5):
-    from evotrainer.harness.engine import ROLLOUT_ID_SQL
-    from evotrainer.harness.sql import Sandbox
+    from evotrainer.diagnosis.diagnose import ROLLOUT_ID_SQL
+    from evotrainer.diagnosis.sql import Sandbox
 
     sandbox = Sandbox(table, None, split)
     try:

@@ -13,10 +13,10 @@ from standin import converge
 from standin import propose as train
 from typer.testing import CliRunner
 
+from evotrainer.agent.propose import propose
 from evotrainer.commands.harness import register
-from evotrainer.planners.base import propose
-from evotrainer.reconcile import load_context, plan
-from evotrainer.workspace import Workspace
+from evotrainer.control.reconcile import load_context, plan
+from evotrainer.store.workspace import Workspace
 
 pytestmark = pytest.mark.usefixtures("standin")
 

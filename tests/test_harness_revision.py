@@ -10,12 +10,12 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from evotrainer.builtin import builtin_dir
 from evotrainer.commands import diagnose as diagnose_cmd
+from evotrainer.diagnosis.diagnose import diagnose
+from evotrainer.diagnosis.harness import load_harness, parse_harness, resolve_harness
 from evotrainer.errors import EvoError
 from evotrainer.evidence.synthetic import rollout_table
-from evotrainer.harness.engine import diagnose
-from evotrainer.harness.revision import load_harness, parse_harness, resolve_harness
+from evotrainer.store.builtin import builtin_dir
 
 H0_DOC = yaml.safe_load((builtin_dir("harness_versions") / "h0.yaml").read_text())
 ROWS = rollout_table(

@@ -13,11 +13,12 @@ from fake_anthropic import FakeMessagesAPI, message, text, tool_results, tool_us
 from standin import converge
 from standin import propose as train
 
+from evotrainer.agent.planners.anthropic import AnthropicPlanner, untrusted
+from evotrainer.agent.planners.base import View
+from evotrainer.agent.propose import propose
 from evotrainer.commands.init import init_workspace
 from evotrainer.errors import EvoError
-from evotrainer.planners.anthropic import AnthropicPlanner, untrusted
-from evotrainer.planners.base import View, propose
-from evotrainer.workspace import Workspace
+from evotrainer.store.workspace import Workspace
 
 pytestmark = pytest.mark.usefixtures("standin")
 

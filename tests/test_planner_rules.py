@@ -7,11 +7,12 @@ import pytest
 from standin import converge, standin_settings
 from standin import propose as train
 
+from evotrainer.agent.planners.base import View
+from evotrainer.agent.planners.rules import RulesPlanner
+from evotrainer.agent.propose import propose
 from evotrainer.commands.init import init_workspace
-from evotrainer.planners.base import View, propose
-from evotrainer.planners.rules import RulesPlanner
-from evotrainer.versions import approve, new_version
-from evotrainer.workspace import Workspace
+from evotrainer.control.versions import approve, new_version
+from evotrainer.store.workspace import Workspace
 
 pytestmark = pytest.mark.usefixtures("standin")
 

@@ -1,4 +1,4 @@
-from evotrainer.recipe import BASE_RECIPE, deep_merge, digest, resolve, set_dotted
+from evotrainer.store.recipe import BASE_RECIPE, deep_merge, digest, resolve, set_dotted
 
 
 def test_mappings_merge_recursively_and_null_removes():

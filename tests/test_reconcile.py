@@ -15,11 +15,11 @@ import pytest
 import yaml
 from standin import converge, propose, record
 
+from evotrainer.control.reconcile import FAULT_ENV, load_context, plan
+from evotrainer.control.versions import approve, new_version
 from evotrainer.errors import EvoError
-from evotrainer.lock import workspace_lock
-from evotrainer.reconcile import FAULT_ENV, load_context, plan
-from evotrainer.versions import approve, new_version
-from evotrainer.workspace import Workspace
+from evotrainer.store.lock import workspace_lock
+from evotrainer.store.workspace import Workspace
 
 TIMESTAMPS = {"created_at", "started_at", "finished_at", "decided_at", "at"}
 pytestmark = pytest.mark.usefixtures("standin")
@@ -85,7 +85,7 @@ def test_drift_and_harness_change(workspace):
     # Edit the spec after the run: Drifted, and nothing happens until re-approval.
     state = workspace.version("v1")
     spec = dict(state.spec, description="edited after the run")
-    from evotrainer.versions import spec_text
+    from evotrainer.control.versions import spec_text
 
     workspace.git.commit_files("evo/v1", {"spec/versions/v1.yaml": spec_text(spec).encode()},
                                "edit")
@@ -121,7 +121,7 @@ def test_missing_artifacts_and_dirty_worktree_give_clear_errors(workspace):
     worktree = workspace.worktree_path("v1")
     (worktree / "notes.txt").write_text("my analysis")
     state = workspace.version("v1")
-    from evotrainer.versions import spec_text
+    from evotrainer.control.versions import spec_text
 
     spec = dict(state.spec, recipe={"domain": {"params": {"standin_skill": 0.55}}})
     workspace.git.commit_files("evo/v1", {"spec/versions/v1.yaml": spec_text(spec).encode()},
@@ -186,7 +186,7 @@ def _strip(value):
 CRASHING_RUN = """
 import sys
 from pathlib import Path
-from evotrainer.workspace import Workspace
+from evotrainer.store.workspace import Workspace
 from standin import converge, propose, record
 from standin import reconciler
 reconciler(Workspace(Path(sys.argv[1]))).run(wait=True, poll_s=0.05)

@@ -24,12 +24,12 @@ from typer.testing import CliRunner
 
 from evotrainer.commands.init import init_workspace
 from evotrainer.commands.report import register
+from evotrainer.control.versions import approve, new_version
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 from evotrainer.report import build_report
 from evotrainer.report.views import recipe_diff
-from evotrainer.versions import approve, new_version
-from evotrainer.workspace import Workspace
+from evotrainer.store.workspace import Workspace
 
 TESTS = Path(__file__).resolve().parent
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser",

@@ -9,13 +9,7 @@ import re
 import pytest
 import yaml
 
-from evotrainer import cel, specs
-from evotrainer.builtin import builtin_dir
-from evotrainer.domains import get_domain
-from evotrainer.engine.filters import check_filter_spec
-from evotrainer.errors import EvoError
-from evotrainer.recipe import BASE_RECIPE, deep_merge
-from evotrainer.skills import (
+from evotrainer.agent.skills import (
     fires,
     load_library,
     match,
@@ -24,7 +18,14 @@ from evotrainer.skills import (
     search,
     trigger_variables,
 )
-from evotrainer.versions import new_version
+from evotrainer.control.versions import new_version
+from evotrainer.diagnosis import cel
+from evotrainer.domains import get_domain
+from evotrainer.engine.filters import check_filter_spec
+from evotrainer.errors import EvoError
+from evotrainer.store import specs
+from evotrainer.store.builtin import builtin_dir
+from evotrainer.store.recipe import BASE_RECIPE, deep_merge
 
 # The built-in harness h0's contract: what triggers may read.
 METRICS = {"avg_at_k", "reward_mean", "dead_group_ratio", "all_correct_group_ratio",

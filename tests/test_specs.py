@@ -1,7 +1,7 @@
 import pytest
 
 from evotrainer.errors import EvoError
-from evotrainer.specs import load_text
+from evotrainer.store.specs import load_text
 
 GOOD = """\
 apiVersion: evotrainer/v1

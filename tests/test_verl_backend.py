@@ -25,7 +25,7 @@ from evotrainer.backends.base import JobSpec, JobState, job_id
 from evotrainer.backends.verl import VerlBackend
 from evotrainer.backends.verl_render import JobFiles
 from evotrainer.errors import EvoError
-from evotrainer.recipe import BASE_RECIPE, deep_merge, digest
+from evotrainer.store.recipe import BASE_RECIPE, deep_merge, digest
 
 STANDIN = Path(__file__).parent / "verl_standin" / "verl"
 SEEDS = [0, 1]

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from evotrainer.backends.verl_render import JobFiles, hydra_value, render_job, render_run
 from evotrainer.commands.render import register
 from evotrainer.errors import EvoError
-from evotrainer.recipe import BASE_RECIPE, deep_merge
+from evotrainer.store.recipe import BASE_RECIPE, deep_merge
 
 hydra = pytest.importorskip("hydra", reason="needs hydra-core and omegaconf (the verl extra)")
 from hydra import compose, initialize_config_dir  # noqa: E402

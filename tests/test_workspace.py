@@ -5,9 +5,9 @@ import json
 import git
 import yaml
 
-from evotrainer.gitstore import branch_name
-from evotrainer.versions import approve, new_version
-from evotrainer.workspace import Workspace, version_spec_path
+from evotrainer.control.versions import approve, new_version
+from evotrainer.store.git import branch_name
+from evotrainer.store.workspace import Workspace, version_spec_path
 
 
 def test_init_makes_main_baseline_branch_and_library(workspace: Workspace):

@@ -20,8 +20,8 @@ import psutil
 
 from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus
 from evotrainer.errors import EvoError
-from evotrainer.files import atomic_write, read_json
-from evotrainer.versions import now_iso
+from evotrainer.store.clock import now_iso
+from evotrainer.store.files import atomic_write, read_json
 
 JOB_FILE = "job.json"
 RESULT_FILE = "result.json"

@@ -50,8 +50,8 @@ from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA, SCORE_SCHEMA
 from evotrainer.evidence.steps import STEPS_SCHEMA
 from evotrainer.evidence.verl import ingest_dump, read_metrics_log
-from evotrainer.files import atomic_write, read_json
-from evotrainer.versions import now_iso
+from evotrainer.store.clock import now_iso
+from evotrainer.store.files import atomic_write, read_json
 
 JOB_FILE = "job.json"
 EXIT_FILE = "exit_code"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import typer
 from rich.console import Console
 
-from evotrainer.versions import approve as approve_version
-from evotrainer.workspace import Workspace
+from evotrainer.control.versions import approve as approve_version
+from evotrainer.store.workspace import Workspace
 
 
 def register(app: typer.Typer) -> None:

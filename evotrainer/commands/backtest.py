@@ -10,7 +10,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from evotrainer.backtest import (
+from evotrainer.agent.skills import get_skill, workspace_library
+from evotrainer.control.versions import parse_assignment
+from evotrainer.diagnosis.replay import (
     backtest_filter,
     backtest_reward,
     skill_filter,
@@ -18,9 +20,7 @@ from evotrainer.backtest import (
     version_rollouts,
 )
 from evotrainer.errors import EvoError
-from evotrainer.skills import get_skill, workspace_library
-from evotrainer.versions import parse_assignment
-from evotrainer.workspace import Workspace
+from evotrainer.store.workspace import Workspace
 
 TARGET_HELP = "A version name, or a rollout file/folder (a .parquet, a run artifact folder)."
 # Metrics shown as before → after rows; the rest of a report prints as single values.

@@ -9,10 +9,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from evotrainer.control.gate import recorded_scores
+from evotrainer.diagnosis.stats import compare_tables
 from evotrainer.evidence.io import read_scores
-from evotrainer.gate import recorded_scores
-from evotrainer.stats import compare_tables
-from evotrainer.workspace import Workspace
+from evotrainer.store.workspace import Workspace
 
 
 def register(app: typer.Typer) -> None:

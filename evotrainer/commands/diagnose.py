@@ -11,14 +11,14 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from evotrainer.control.reconcile import diagnose_version
+from evotrainer.diagnosis.diagnose import diagnose as run_diagnosis
+from evotrainer.diagnosis.diagnose import diagnosis_document
+from evotrainer.diagnosis.harness import LAYERS, resolve_harness
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import find_steps, read_steps
-from evotrainer.harness.engine import diagnose as run_diagnosis
-from evotrainer.harness.engine import diagnosis_document
-from evotrainer.harness.revision import LAYERS, resolve_harness
-from evotrainer.lock import workspace_lock
-from evotrainer.reconcile import diagnose_version
-from evotrainer.workspace import Workspace
+from evotrainer.store.lock import workspace_lock
+from evotrainer.store.workspace import Workspace
 
 _JSON_KEYS = ("harness", "evidence_digest", "metrics", "series", "alerts", "gaps")
 

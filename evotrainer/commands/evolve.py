@@ -7,10 +7,10 @@ from rich.console import Console
 
 from evotrainer.commands.lineage import describe, lineage_tree
 from evotrainer.commands.propose import PLANNER_HELP, print_result
-from evotrainer.evolve import Round, evolve
-from evotrainer.lineage import lineage_rows
-from evotrainer.reconcile import VersionPlan
-from evotrainer.workspace import Workspace
+from evotrainer.control.evolve import Round, evolve
+from evotrainer.control.lineage import lineage_rows
+from evotrainer.control.reconcile import VersionPlan
+from evotrainer.store.workspace import Workspace
 
 
 def register(app: typer.Typer) -> None:

@@ -9,9 +9,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from evotrainer.harness.revision import resolve_harness
-from evotrainer.harness_ops import adopt_harness, backtest_harness, diff_harness
-from evotrainer.workspace import Workspace
+from evotrainer.diagnosis.harness import resolve_harness
+from evotrainer.diagnosis.harness_backtest import adopt_harness, backtest_harness, diff_harness
+from evotrainer.store.workspace import Workspace
 
 
 def backtest_tables(report: dict[str, Any], changed_only: bool = True) -> list[Table]:

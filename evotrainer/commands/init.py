@@ -11,11 +11,11 @@ import typer
 from rich.console import Console
 
 from evotrainer import API_VERSION
-from evotrainer.builtin import builtin_dir
 from evotrainer.errors import EvoError
-from evotrainer.gitstore import GitStore, branch_name, with_trailers
-from evotrainer.specs import dump
-from evotrainer.workspace import PROJECT_FILE, STATE_DIR, version_spec_path
+from evotrainer.store.builtin import builtin_dir
+from evotrainer.store.git import GitStore, branch_name, with_trailers
+from evotrainer.store.specs import dump
+from evotrainer.store.workspace import PROJECT_FILE, STATE_DIR, version_spec_path
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 BASELINE = "v0"

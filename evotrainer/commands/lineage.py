@@ -8,8 +8,8 @@ import typer
 from rich.console import Console
 from rich.tree import Tree
 
-from evotrainer.lineage import LineageRow, lineage_rows
-from evotrainer.workspace import Workspace
+from evotrainer.control.lineage import LineageRow, lineage_rows
+from evotrainer.store.workspace import Workspace
 
 STATUS_STYLE = {
     "promote": "green",

@@ -8,8 +8,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from evotrainer.reconcile import VersionPlan, load_context, plan
-from evotrainer.workspace import Workspace
+from evotrainer.control.reconcile import VersionPlan, load_context, plan
+from evotrainer.store.workspace import Workspace
 
 SYNC_STYLE = {"Synced": "green", "OutOfSync": "yellow", "Drifted": "magenta"}
 HEALTH_STYLE = {

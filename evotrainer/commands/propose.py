@@ -8,9 +8,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from evotrainer.lock import workspace_lock
-from evotrainer.planners.base import PLANNERS, PlannerResult, propose
-from evotrainer.workspace import Workspace
+from evotrainer.agent.planners.base import PLANNERS, PlannerResult
+from evotrainer.agent.propose import propose
+from evotrainer.store.lock import workspace_lock
+from evotrainer.store.workspace import Workspace
 
 PLANNER_HELP = f"Planner: {' or '.join(PLANNERS)} (default: the project's planner.name)."
 

@@ -8,9 +8,9 @@ import typer
 from rich.console import Console
 
 from evotrainer.commands.plan import plan_table
-from evotrainer.lock import workspace_lock
-from evotrainer.reconcile import Reconciler, VersionPlan
-from evotrainer.workspace import Workspace
+from evotrainer.control.reconcile import Reconciler, VersionPlan
+from evotrainer.store.lock import workspace_lock
+from evotrainer.store.workspace import Workspace
 
 
 def reconcile_workspace(ws: Workspace, wait: bool, console: Console) -> list[VersionPlan]:

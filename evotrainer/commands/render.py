@@ -10,7 +10,6 @@ from pathlib import Path
 import typer
 import yaml
 
-from evotrainer import recipe as recipes
 from evotrainer.backends.base import job_id
 from evotrainer.backends.verl_render import (
     JobFiles,
@@ -21,6 +20,7 @@ from evotrainer.backends.verl_render import (
     verl_settings,
 )
 from evotrainer.errors import EvoError
+from evotrainer.store import recipe as recipes
 
 FORMATS = ("overrides", "yaml", "shell")
 BACKENDS = ("verl",)
@@ -104,7 +104,7 @@ def _resolve(
         return name, recipe, Path.cwd(), jid, Path(".evotrainer") / "artifacts" / name / jid
     if version is None:
         raise EvoError("name a version, or pass --recipe FILE", hint="evotrainer render v1")
-    from evotrainer.workspace import Workspace
+    from evotrainer.store.workspace import Workspace
 
     ws = Workspace.find()
     recipe = ws.resolved_recipe(version)

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from evotrainer.report import build_report
-from evotrainer.workspace import STATE_DIR, Workspace
+from evotrainer.store.workspace import STATE_DIR, Workspace
 
 
 def register(app: typer.Typer) -> None:

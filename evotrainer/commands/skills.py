@@ -8,10 +8,17 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from evotrainer.agent.skills import (
+    Match,
+    Skill,
+    get_skill,
+    match_version,
+    search,
+    workspace_library,
+)
 from evotrainer.errors import EvoError
-from evotrainer.skills import Match, Skill, get_skill, match_version, search, workspace_library
-from evotrainer.specs import dump
-from evotrainer.workspace import Workspace
+from evotrainer.store.specs import dump
+from evotrainer.store.workspace import Workspace
 
 
 def _library() -> dict[str, Skill]:

@@ -8,8 +8,8 @@ import typer
 import yaml
 from rich.console import Console
 
-from evotrainer import recipe as recipes
 from evotrainer.errors import EvoError
+from evotrainer.store import recipe as recipes
 
 
 def load_recipe(path: Path) -> dict:

@@ -6,8 +6,8 @@ import typer
 from rich.console import Console
 
 from evotrainer.errors import EvoError
-from evotrainer.lock import holder, is_stale
-from evotrainer.workspace import Workspace
+from evotrainer.store.lock import holder, is_stale
+from evotrainer.store.workspace import Workspace
 
 
 def register(app: typer.Typer) -> None:

@@ -8,8 +8,8 @@ import typer
 from rich.console import Console
 
 from evotrainer.errors import EvoError
-from evotrainer.validation import validate_workspace
-from evotrainer.workspace import Workspace
+from evotrainer.store.validation import validate_workspace
+from evotrainer.store.workspace import Workspace
 
 
 def register(app: typer.Typer) -> None:

@@ -6,11 +6,11 @@ import typer
 from rich.console import Console
 from rich.syntax import Syntax
 
-from evotrainer import specs
-from evotrainer.gitstore import branch_name
-from evotrainer.recipe import digest
-from evotrainer.versions import new_version
-from evotrainer.workspace import Workspace
+from evotrainer.control.versions import new_version
+from evotrainer.store import specs
+from evotrainer.store.git import branch_name
+from evotrainer.store.recipe import digest
+from evotrainer.store.workspace import Workspace
 
 
 def register(app: typer.Typer) -> None:

@@ -6,7 +6,7 @@ A task's `answer` is the JSON text of its tests, so scoring is a function of the
 the answer alone (the verl reward module rebuilds the task from `ground_truth`).
 
 The program is the last fenced block tagged python/py/python3 or untagged. It runs against
-every case in the sandbox (see `evotrainer.sandbox`); output matches when the lines agree
+every case in the sandbox (see `evotrainer.domains.sandbox`); output matches when the lines agree
 after trimming each line and dropping trailing blank lines.
 
 Components: `correctness` (all cases pass), `pass_fraction` (passed / total, the shaped
@@ -24,8 +24,8 @@ from typing import Any
 
 from evotrainer.domains.base import Demonstration, Score, Task
 from evotrainer.domains.data import DatasetDomain, require_text, stable_id
+from evotrainer.domains.sandbox import DockerSandbox, Limits, LocalSandbox, Sandbox
 from evotrainer.errors import EvoError
-from evotrainer.sandbox import DockerSandbox, Limits, LocalSandbox, Sandbox
 
 DEFAULT_TEMPLATE = (
     "Write a Python 3 program that reads from standard input and writes to standard "

@@ -36,7 +36,7 @@ from evotrainer.engine.model import initial_model, save_checkpoint
 from evotrainer.engine.outputs import RunLog, RunOutputs, write_json
 from evotrainer.engine.rollout import Episode, batch_tensors, sample_episodes, token_logprobs
 from evotrainer.engine.warm_start import warm_start
-from evotrainer.recipe import digest
+from evotrainer.store.recipe import digest
 
 ADV_EPS = 1e-6
 

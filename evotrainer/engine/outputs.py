@@ -21,7 +21,7 @@ from rich.progress import Progress
 
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 from evotrainer.evidence.steps import STEPS_SCHEMA
-from evotrainer.files import atomic_write
+from evotrainer.store.files import atomic_write
 
 SCORE_COLUMNS = ["seed", "task_id", "data_source", "sample_idx", "correct"]
 

@@ -26,7 +26,7 @@ from evotrainer.engine.rollout import (
     sample_episodes,
     token_logprobs,
 )
-from evotrainer.recipe import digest
+from evotrainer.store.recipe import digest
 
 DEFAULT_STOP_AT_ACCURACY = 0.35
 CHECK_EVERY = 25  # SFT steps between accuracy checks

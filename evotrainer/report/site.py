@@ -22,7 +22,7 @@ import yaml
 from evotrainer.errors import EvoError
 from evotrainer.report import svg
 from evotrainer.report.views import Site, collect, page_file
-from evotrainer.workspace import Workspace
+from evotrainer.store.workspace import Workspace
 
 MARKER = ".evotrainer-report"  # marks a folder this builder may replace
 

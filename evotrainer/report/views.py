@@ -17,15 +17,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import yaml
 
+from evotrainer.agent.skills import Skill, workspace_library
+from evotrainer.control.lineage import LineageRow, _natural, lineage_rows
+from evotrainer.control.reconcile import Context, steps_spent
+from evotrainer.diagnosis.harness import LAYERS, HarnessRevision, load_harness, resolve_harness
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts
-from evotrainer.harness.revision import LAYERS, HarnessRevision, load_harness, resolve_harness
-from evotrainer.lineage import LineageRow, _natural, lineage_rows
-from evotrainer.recipe import BASE_RECIPE
-from evotrainer.reconcile import Context, steps_spent
 from evotrainer.report import svg
-from evotrainer.skills import Skill, workspace_library
-from evotrainer.workspace import VersionState, Workspace
+from evotrainer.store.recipe import BASE_RECIPE
+from evotrainer.store.workspace import VersionState, Workspace
 
 EXAMPLES_PER_ALERT = 3  # rollouts shown in full; the alert's other example ids are listed
 TEXT_LIMIT = 4000  # characters of a prompt or response shown; the rest is counted

@@ -13,13 +13,13 @@ import dataclasses
 import re
 from typing import Any
 
+from evotrainer.control.gate import decide
+from evotrainer.control.lineage import tree_order
+from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
+from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts, read_steps
-from evotrainer.gate import decide
-from evotrainer.harness.engine import diagnose, diagnosis_document
-from evotrainer.harness.revision import HarnessRevision, resolve_harness
-from evotrainer.lineage import tree_order
-from evotrainer.workspace import PROJECT_FILE, VersionState, Workspace
+from evotrainer.store.workspace import PROJECT_FILE, VersionState, Workspace
 
 
 def recorded_versions(ws: Workspace, states: dict[str, VersionState]) -> list[str]:

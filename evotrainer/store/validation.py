@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from evotrainer import specs
 from evotrainer.errors import EvoError
-from evotrainer.gitstore import branch_name
-from evotrainer.versions import check_recipe
-from evotrainer.workspace import PROJECT_FILE, VersionState, Workspace
+from evotrainer.store import specs
+from evotrainer.store.git import branch_name
+from evotrainer.store.workspace import PROJECT_FILE, VersionState, Workspace
 
 # Recipe fields that name files: they must stay inside the workspace or a data root.
 PATH_FIELDS = (("model", "path"), ("domain", "data", "train"), ("domain", "data", "val"))
@@ -68,7 +67,7 @@ def _check_recipes(ws: Workspace, docs: dict, states: dict, problems: list) -> N
         return  # a broken lineage has no resolved recipes
     for name, doc in docs.items():
         try:
-            check_recipe(ws.resolved_recipe(name, states), doc)
+            check_spec_recipe(ws.resolved_recipe(name, states), doc)
         except EvoError as err:
             problems.append(err)
 
@@ -205,3 +204,20 @@ def check_path(ws: Workspace, value: str) -> str | None:
     if any(resolved.is_relative_to(root) for root in allowed_roots(ws)):
         return None
     return f"path {value!r} leaves the workspace and every declared data root"
+
+
+def check_spec_recipe(recipe: dict, doc: specs.Document) -> None:
+    """The backend's own checks of a resolved recipe, located in the version spec."""
+    from evotrainer.backends import get_backend
+
+    try:
+        get_backend(recipe.get("backend", "local")).check(recipe)
+    except EvoError as err:
+        field = tuple(err.field.split(".")) if err.field else ()
+        inherited = bool(field) and ("recipe", *field) not in doc.marks
+        raise EvoError(
+            err.message + (" (inherited: set in the project or an ancestor)" if inherited else ""),
+            where=doc.where(("recipe", *field)),
+            field=f"recipe.{err.field}" if err.field else None,
+            hint=err.hint,
+        ) from None

@@ -19,19 +19,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from evotrainer import API_VERSION, specs
+from evotrainer import API_VERSION
+from evotrainer.agent.skills import pending_evidence, record_evidence
 from evotrainer.backends import get_backend
 from evotrainer.backends.base import Backend, JobSpec, JobState, job_id
+from evotrainer.control.gate import decide, recorded_scores
+from evotrainer.control.lineage import tree_order
+from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
+from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
 from evotrainer.errors import EvoError
-from evotrainer.gate import decide, recorded_scores
-from evotrainer.gitstore import PRUNED_TAG_PREFIX, branch_name
-from evotrainer.harness.engine import diagnose, diagnosis_document
-from evotrainer.harness.revision import HarnessRevision, resolve_harness
-from evotrainer.lineage import tree_order
-from evotrainer.recipe import deep_merge, digest
-from evotrainer.skills import pending_evidence, record_evidence
-from evotrainer.versions import now_iso
-from evotrainer.workspace import VersionState, Workspace, run_path
+from evotrainer.store import specs
+from evotrainer.store.clock import now_iso
+from evotrainer.store.git import PRUNED_TAG_PREFIX, branch_name
+from evotrainer.store.recipe import deep_merge, digest
+from evotrainer.store.workspace import VersionState, Workspace, run_path
 
 # Hard exit after the N-th action boundary: the crash-safety tests walk N over every one.
 FAULT_ENV = "EVOTRAINER_FAULT_AFTER"
@@ -348,7 +349,7 @@ class Reconciler:
         )
 
     def _approve(self, ctx: Context, state: VersionState) -> None:
-        from evotrainer.versions import approve
+        from evotrainer.control.versions import approve
 
         approve(self.ws, state.name, by="evotrainer autonomy")
 

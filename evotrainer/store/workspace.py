@@ -19,10 +19,10 @@ from typing import Any
 
 import yaml
 
-from evotrainer import recipe as recipes
-from evotrainer import specs
 from evotrainer.errors import EvoError
-from evotrainer.gitstore import GitStore, branch_name
+from evotrainer.store import recipe as recipes
+from evotrainer.store import specs
+from evotrainer.store.git import GitStore, branch_name
 
 PROJECT_FILE = "spec/project.yaml"
 STATE_DIR = ".evotrainer"

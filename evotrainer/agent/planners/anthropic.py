@@ -25,24 +25,26 @@ from typing import Any
 import jinja2
 import yaml
 
-from evotrainer import API_VERSION, cel, specs
-from evotrainer.backtest import (
+from evotrainer import API_VERSION
+from evotrainer.agent.planners.base import HarnessProposal, PlannerResult, Proposal, View, next_name
+from evotrainer.agent.skills import get_skill, search
+from evotrainer.control.gate import metric_values
+from evotrainer.control.lineage import lineage_rows
+from evotrainer.diagnosis import cel
+from evotrainer.diagnosis.harness import GATE_VARIABLES, parse_harness, resolve_harness
+from evotrainer.diagnosis.harness_backtest import backtest_harness
+from evotrainer.diagnosis.replay import (
     backtest_filter,
     backtest_reward,
     skill_filter,
     skill_reward,
     version_rollouts,
 )
+from evotrainer.diagnosis.sql import ReadOnlyQuery, check_select
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts
-from evotrainer.gate import metric_values
-from evotrainer.harness.revision import GATE_VARIABLES, parse_harness, resolve_harness
-from evotrainer.harness.sql import Sandbox, check_select
-from evotrainer.harness_ops import backtest_harness
-from evotrainer.lineage import lineage_rows
-from evotrainer.planners.base import HarnessProposal, PlannerResult, Proposal, View, next_name
-from evotrainer.recipe import set_dotted
-from evotrainer.skills import get_skill, search
+from evotrainer.store import specs
+from evotrainer.store.recipe import set_dotted
 
 DEFAULT_MODEL = "claude-sonnet-5"
 DEFAULT_TOKENS_PER_DECISION = 100_000
@@ -310,7 +312,7 @@ class _Tools:
         if not run.get("artifact_dir"):
             raise EvoError(f"{version} has no recorded run")
         table = read_rollouts(self.view.ws.root / run["artifact_dir"] / "rollouts")
-        sandbox = Sandbox(table, None, split, timeout_s=10.0)
+        sandbox = ReadOnlyQuery(table, None, split, timeout_s=10.0)
         try:
             columns, rows = sandbox.query(f"SELECT * FROM ({sql}) LIMIT {MAX_ROWS + 1}", {},
                                           field="sql")

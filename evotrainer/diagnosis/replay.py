@@ -21,12 +21,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from evotrainer.agent.skills import Skill
 from evotrainer.domains import make_domain
 from evotrainer.engine.filters import make_filter
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts
-from evotrainer.recipe import BASE_RECIPE
-from evotrainer.skills import Skill
+from evotrainer.store.recipe import BASE_RECIPE
 
 DEAD_STD = 1e-3  # h0's `dead_std`: the method's "std(group CR) < 0.001"
 

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import contextlib
-from datetime import datetime, timezone
 from typing import Any
 
 import yaml
 
-from evotrainer import API_VERSION, specs
+from evotrainer import API_VERSION
 from evotrainer.errors import EvoError
-from evotrainer.gitstore import branch_name
-from evotrainer.recipe import deep_merge, set_dotted
-from evotrainer.workspace import Workspace, version_spec_path
-
-
-def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+from evotrainer.store import specs
+from evotrainer.store.clock import now_iso
+from evotrainer.store.git import branch_name
+from evotrainer.store.recipe import deep_merge, set_dotted
+from evotrainer.store.validation import check_spec_recipe
+from evotrainer.store.workspace import Workspace, version_spec_path
 
 
 def parse_assignment(text: str) -> tuple[str, Any]:
@@ -99,7 +97,7 @@ def new_version(
     text = spec_text(spec)
     source = f"{branch_name(name)}:{version_spec_path(name)}"
     doc = specs.load_text(text, source, "PolicyVersion")  # a bad --set fails here, unwritten
-    check_recipe(deep_merge(ws.resolved_recipe(parent, states), overrides), doc)
+    check_spec_recipe(deep_merge(ws.resolved_recipe(parent, states), overrides), doc)
     ws.git.commit_files(
         branch_name(name),
         {version_spec_path(name): text.encode()},
@@ -108,23 +106,6 @@ def new_version(
         start=branch_name(parent),
     )
     return spec
-
-
-def check_recipe(recipe: dict, doc: specs.Document) -> None:
-    """The backend's own checks of a resolved recipe, located in the version spec."""
-    from evotrainer.backends import get_backend
-
-    try:
-        get_backend(recipe.get("backend", "local")).check(recipe)
-    except EvoError as err:
-        field = tuple(err.field.split(".")) if err.field else ()
-        inherited = bool(field) and ("recipe", *field) not in doc.marks
-        raise EvoError(
-            err.message + (" (inherited: set in the project or an ancestor)" if inherited else ""),
-            where=doc.where(("recipe", *field)),
-            field=f"recipe.{err.field}" if err.field else None,
-            hint=err.hint,
-        ) from None
 
 
 def approve(ws: Workspace, name: str, by: str | None = None) -> dict:

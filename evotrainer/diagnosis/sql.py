@@ -44,7 +44,7 @@ def sql_params(sql: str) -> list[str]:
     return sorted(set(_PARAM.findall(sql)))
 
 
-class Sandbox:
+class ReadOnlyQuery:
     """A locked-down DuckDB connection whose `rollouts` view holds one split."""
 
     def __init__(

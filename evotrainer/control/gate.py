@@ -9,15 +9,16 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from evotrainer import API_VERSION, cel
+from evotrainer import API_VERSION
+from evotrainer.diagnosis import cel
+from evotrainer.diagnosis.diagnose import gate_verdict
+from evotrainer.diagnosis.harness import HarnessRevision
+from evotrainer.diagnosis.stats import compare_tables
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_scores
-from evotrainer.gitstore import branch_name
-from evotrainer.harness.engine import gate_verdict
-from evotrainer.harness.revision import HarnessRevision
-from evotrainer.stats import compare_tables
-from evotrainer.versions import now_iso
-from evotrainer.workspace import VersionState, Workspace, run_path
+from evotrainer.store.clock import now_iso
+from evotrainer.store.git import branch_name
+from evotrainer.store.workspace import VersionState, Workspace, run_path
 
 
 def recorded_scores(ws: Workspace, version: str) -> pa.Table:

@@ -20,13 +20,13 @@ from typing import Any
 
 import yaml
 
-from evotrainer import cel
-from evotrainer.builtin import builtin_dir
+from evotrainer.diagnosis import cel
+from evotrainer.diagnosis.analyzers import ANALYZERS
+from evotrainer.diagnosis.sql import check_select, sql_params
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
-from evotrainer.harness.analyzers import ANALYZERS
-from evotrainer.harness.sql import check_select, sql_params
-from evotrainer.recipe import digest
+from evotrainer.store.builtin import builtin_dir
+from evotrainer.store.recipe import digest
 
 LAYERS = ("score", "signal", "behavior", "version")
 SPLITS = ("train", "val")

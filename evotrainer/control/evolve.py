@@ -14,13 +14,20 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from evotrainer.agent.planners.base import PlannerResult
+from evotrainer.agent.propose import propose
 from evotrainer.backends.base import Backend
-from evotrainer.lineage import LineageRow, lineage_rows
-from evotrainer.lock import workspace_lock
-from evotrainer.planners.base import PlannerResult, propose
-from evotrainer.reconcile import Reconciler, VersionPlan, job_recipe, load_context, steps_spent
-from evotrainer.versions import approve
-from evotrainer.workspace import Workspace
+from evotrainer.control.lineage import LineageRow, lineage_rows
+from evotrainer.control.reconcile import (
+    Reconciler,
+    VersionPlan,
+    job_recipe,
+    load_context,
+    steps_spent,
+)
+from evotrainer.control.versions import approve
+from evotrainer.store.lock import workspace_lock
+from evotrainer.store.workspace import Workspace
 
 APPROVER = "evotrainer evolve --approve"
 

@@ -32,7 +32,18 @@ from typing import Any
 
 import yaml
 
-from evotrainer.backtest import (
+from evotrainer.agent.planners.base import (
+    HarnessProposal,
+    PlannerResult,
+    Proposal,
+    View,
+    next_name,
+)
+from evotrainer.agent.skills import Match, match, refusals
+from evotrainer.control.versions import parse_assignment
+from evotrainer.diagnosis.harness import parse_harness
+from evotrainer.diagnosis.harness_backtest import backtest_harness, recorded_versions
+from evotrainer.diagnosis.replay import (
     backtest_filter,
     backtest_reward,
     skill_filter,
@@ -40,18 +51,7 @@ from evotrainer.backtest import (
     version_rollouts,
 )
 from evotrainer.errors import EvoError
-from evotrainer.harness.revision import parse_harness
-from evotrainer.harness_ops import backtest_harness, recorded_versions
-from evotrainer.planners.base import (
-    HarnessProposal,
-    PlannerResult,
-    Proposal,
-    View,
-    next_name,
-)
-from evotrainer.recipe import canonical_json, set_dotted
-from evotrainer.skills import Match, match, refusals
-from evotrainer.versions import parse_assignment
+from evotrainer.store.recipe import canonical_json, set_dotted
 
 # Fix what makes the score untrustworthy first, then measurement artifacts, then the rest
 # in the library's evidence order.

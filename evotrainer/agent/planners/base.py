@@ -16,14 +16,14 @@ from typing import Any, Protocol
 
 import yaml
 
+from evotrainer.agent.skills import Skill, workspace_library
+from evotrainer.control.lineage import tree_order
+from evotrainer.control.versions import new_version
+from evotrainer.diagnosis.harness import HarnessRevision, parse_harness, resolve_harness
 from evotrainer.errors import EvoError
-from evotrainer.gitstore import PRUNED_TAG_PREFIX
-from evotrainer.harness.revision import HarnessRevision, parse_harness, resolve_harness
-from evotrainer.lineage import tree_order
-from evotrainer.recipe import canonical_json
-from evotrainer.skills import Skill, workspace_library
-from evotrainer.versions import new_version
-from evotrainer.workspace import VersionState, Workspace
+from evotrainer.store.git import PRUNED_TAG_PREFIX
+from evotrainer.store.recipe import canonical_json
+from evotrainer.store.workspace import VersionState, Workspace
 
 PLANNERS = ("rules", "anthropic")
 # A version that did not beat its parent: what the escalation protocol counts.
@@ -251,24 +251,3 @@ def write_harness_revision(ws: Workspace, harness: HarnessProposal) -> str:
         {"Action": "propose-harness", "Harness": harness.name},
     )
     return harness.name
-
-
-def get_planner(name: str) -> Planner:
-    if name == "rules":
-        from evotrainer.planners.rules import RulesPlanner
-
-        return RulesPlanner()
-    if name == "anthropic":
-        from evotrainer.planners.anthropic import AnthropicPlanner
-
-        return AnthropicPlanner()
-    raise EvoError(f"unknown planner {name!r}", field="--planner",
-                   hint=f"one of {', '.join(PLANNERS)}")
-
-
-def propose(ws: Workspace, planner: str | None = None, max_proposals: int = 1) -> PlannerResult:
-    """Run a planner over fresh views of the workspace and write what it proposes."""
-    name = planner or (ws.project.get("planner") or {}).get("name", "rules")
-    result = get_planner(name).propose(View.load(ws), max_proposals)
-    write_proposals(ws, result)
-    return result

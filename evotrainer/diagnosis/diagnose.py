@@ -14,7 +14,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from evotrainer import cel
+from evotrainer.diagnosis import cel
+from evotrainer.diagnosis.analyzers import ANALYZERS
+from evotrainer.diagnosis.harness import Alert, HarnessRevision, Metric
+from evotrainer.diagnosis.sql import ReadOnlyQuery
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import (
     file_digest,
@@ -24,9 +27,6 @@ from evotrainer.evidence.io import (
     table_digest,
     val_scores,
 )
-from evotrainer.harness.analyzers import ANALYZERS
-from evotrainer.harness.revision import Alert, HarnessRevision, Metric
-from evotrainer.harness.sql import Sandbox
 
 ROLLOUT_ID_SQL = "concat_ws('/', version, seed, split, step, group_id, sample_idx) AS id"
 
@@ -57,7 +57,7 @@ def diagnose(
     try:
         comparison = None
         if parent_scores is not None:
-            from evotrainer.stats import compare_tables
+            from evotrainer.diagnosis.stats import compare_tables
 
             candidate = val_scores(table)
             if candidate.num_rows:
@@ -187,15 +187,17 @@ class _Run:
         self, table: pa.Table, steps: pa.Table | None, harness: HarnessRevision, timeout_s: float
     ) -> None:
         self.table, self.steps, self.harness, self.timeout_s = table, steps, harness, timeout_s
-        self.sandboxes: dict[str | None, Sandbox] = {}
+        self.sandboxes: dict[str | None, ReadOnlyQuery] = {}
         self.masks = {split: pc.equal(table.column("split"), split) for split in ("train", "val")}
         self.split_rows = {split: pc.sum(mask).as_py() or 0 for split, mask in self.masks.items()}
         self.views: dict[str, pa.Table] = {}
         self.recorded: dict[tuple[str, str], int] = {}
 
-    def sandbox(self, split: str | None) -> Sandbox:
+    def sandbox(self, split: str | None) -> ReadOnlyQuery:
         if split not in self.sandboxes:
-            self.sandboxes[split] = Sandbox(self.table, self.steps, split, timeout_s=self.timeout_s)
+            self.sandboxes[split] = ReadOnlyQuery(
+                self.table, self.steps, split, timeout_s=self.timeout_s
+            )
         return self.sandboxes[split]
 
     def close(self) -> None:
@@ -358,7 +360,7 @@ class _Run:
                 return found
         return sample("")
 
-    def _recent_floor(self, sandbox: Sandbox) -> int | None:
+    def _recent_floor(self, sandbox: ReadOnlyQuery) -> int | None:
         """The lowest step of the fewest latest steps holding 1/16 of the view's rows; None
         when that is every step."""
         _, rows = sandbox.query(

@@ -18,8 +18,8 @@ import jsonschema
 import yaml
 
 from evotrainer import API_VERSION
-from evotrainer.builtin import builtin_dir
 from evotrainer.errors import EvoError
+from evotrainer.store.builtin import builtin_dir
 
 KINDS = ("Project", "PolicyVersion", "HarnessRevision", "Skill", "Run", "Diagnosis", "Decision")
 SCHEMA_FILES = {

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from evotrainer.gitstore import PRUNED_TAG_PREFIX
-from evotrainer.workspace import VersionState, Workspace
+from evotrainer.store.git import PRUNED_TAG_PREFIX
+from evotrainer.store.workspace import VersionState, Workspace
 
 
 @dataclass

@@ -27,10 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from evotrainer import cel, specs
-from evotrainer.builtin import builtin_dir
+from evotrainer.diagnosis import cel
 from evotrainer.errors import EvoError
-from evotrainer.recipe import deep_merge
+from evotrainer.store import specs
+from evotrainer.store.builtin import builtin_dir
+from evotrainer.store.recipe import deep_merge
 
 # Verdicts of the gate that count as evidence, and the list each one goes to.
 EVIDENCE_LISTS = {

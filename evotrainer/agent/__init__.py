@@ -1,0 +1,1 @@
+"""The trainer agent: planners and the skill library."""

@@ -1,0 +1,1 @@
+"""Control: plan and reconcile, the gate, versions, lineage and the evolve loop."""

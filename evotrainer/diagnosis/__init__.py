@@ -1,0 +1,1 @@
+"""Diagnosis: harness revisions, CEL, statistics and backtests over stored rollouts."""

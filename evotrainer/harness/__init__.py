@@ -1,1 +1,0 @@
-"""The harness engine: revisions as data, sandboxed SQL metrics, analyzers, alerts, gate."""

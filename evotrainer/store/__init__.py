@@ -1,0 +1,1 @@
+"""The store: specs, recipes, git, the workspace, its lock and validation."""

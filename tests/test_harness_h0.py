@@ -418,9 +418,9 @@ def test_split_views_and_series_of_the_analyzer_metrics():
 
 def _examples_by_full_query(table, where, split, limit=5):
     from evotrainer.diagnosis.diagnose import ROLLOUT_ID_SQL
-    from evotrainer.diagnosis.sql import Sandbox
+    from evotrainer.diagnosis.sql import ReadOnlyQuery
 
-    sandbox = Sandbox(table, None, split)
+    sandbox = ReadOnlyQuery(table, None, split)
     try:
         _, rows = sandbox.query(
             f"SELECT {ROLLOUT_ID_SQL} FROM rollouts WHERE ({where}) "

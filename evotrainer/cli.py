@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import importlib
 import os
+import pkgutil
 import sys
 from pathlib import Path
 
 import typer
 from rich.console import Console
 
+from evotrainer import commands
 from evotrainer.errors import EvoError
 
-# Order here is the order of `evotrainer --help`.
-COMMAND_MODULES = [
+# Order here is the order of `evotrainer --help`; command modules not listed follow, by name.
+COMMAND_ORDER = [
     "init",
     "validate",
     "version",
@@ -58,7 +60,12 @@ def _root(
         os.chdir(directory)
 
 
-for _name in COMMAND_MODULES:
+def _command_modules() -> list[str]:
+    found = {m.name for m in pkgutil.iter_modules(commands.__path__) if not m.name.startswith("_")}
+    return [n for n in COMMAND_ORDER if n in found] + sorted(found - set(COMMAND_ORDER))
+
+
+for _name in _command_modules():
     importlib.import_module(f"evotrainer.commands.{_name}").register(app)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import referencing
 import yaml
 
 from evotrainer import API_VERSION
@@ -35,6 +36,11 @@ SCHEMA_FILES = {
 Path_ = tuple[Any, ...]
 # libyaml's safe loader when present: parsing hundreds of version specs stays fast.
 SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+# Bounds on every YAML document read (specs, harness revisions, skills, run records): real
+# ones are a few KiB, tens of levels deep, with at most a few hundred values.
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_NODES = 100_000
+MAX_YAML_DEPTH = 64
 
 
 @dataclass
@@ -56,17 +62,65 @@ class Document:
 
 @cache
 def schema(kind: str) -> dict:
-    path = builtin_dir("spec/schemas") / f"{SCHEMA_FILES[kind]}.schema.json"
-    return json.loads(path.read_text())
+    return _schema_file(f"{SCHEMA_FILES[kind]}.schema.json")
+
+
+def _schema_file(name: str) -> dict:
+    return json.loads((builtin_dir("spec/schemas") / name).read_text())
+
+
+@cache
+def _registry() -> referencing.Registry:
+    """Every schema under spec/schemas by its `$id`, so `"$ref": "recipe.schema.json"` (the
+    one recipe contract) and `common.schema.json#/$defs/name` resolve offline."""
+    resources = [
+        referencing.Resource.from_contents(_schema_file(path.name))
+        for path in sorted(builtin_dir("spec/schemas").glob("*.schema.json"))
+    ]
+    return referencing.Registry().with_resources((r.id(), r) for r in resources)
 
 
 @cache
 def _validator(kind: str) -> jsonschema.Draft202012Validator:
-    return jsonschema.Draft202012Validator(schema(kind))
+    return jsonschema.Draft202012Validator(schema(kind), registry=_registry())
+
+
+def _resolved(kind: str, subschema: dict) -> dict:
+    """`subschema` with a `$ref` followed (relative to `kind`'s schema), its own keys kept."""
+    if "$ref" not in subschema:
+        return subschema
+    target = _registry().resolver(base_uri=schema(kind)["$id"]).lookup(subschema["$ref"])
+    return {**target.contents, **{k: v for k, v in subschema.items() if k != "$ref"}}
 
 
 def parse(text: bytes | str, source: str) -> Document:
     """Parse one YAML document safely, keeping positions; reject duplicate keys."""
+    node, data = _load_bounded(text, source)
+    marks: dict[Path_, tuple[int, int]] = {}
+    if node is not None:
+        _collect_marks(node, (), marks, source)
+    return Document(data, source, marks)
+
+
+def load_yaml(text: bytes | str, source: str) -> Any:
+    """The data of one YAML document, read safely and within the size and alias bounds.
+
+    For readers that need no positions (run records, listing specs); raises `EvoError`."""
+    return _load_bounded(text, source)[1]
+
+
+def _load_bounded(text: bytes | str, source: str) -> tuple[yaml.Node | None, Any]:
+    """Compose once, check the bounds on the node graph, then construct the data from it.
+
+    Aliases share nodes, so a 600-byte "billion laughs" document composes instantly but
+    expands to billions of values in everything that walks the data afterwards: the
+    expanded size is counted on the graph before anything is constructed."""
+    size = len(text.encode("utf-8") if isinstance(text, str) else text)
+    if size > MAX_YAML_BYTES:
+        raise EvoError(
+            f"document is {size} bytes, more than the {MAX_YAML_BYTES} allowed", where=source,
+            hint="specs and records are small; move data into files the spec names",
+        )
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
@@ -75,9 +129,13 @@ def parse(text: bytes | str, source: str) -> Document:
                 f"not valid UTF-8 (byte {exc.start})", where=source,
                 hint="save the file as UTF-8",
             ) from None
+    loader = SAFE_LOADER(text)  # the safe loader: no arbitrary objects
     try:
-        node = yaml.compose(text, Loader=SAFE_LOADER)
-        data = yaml.load(text, Loader=SAFE_LOADER)  # the safe loader: no arbitrary objects
+        node = loader.get_single_node()
+        if node is None:
+            return None, None
+        _check_expansion(node, source)
+        return node, loader.construct_document(node)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
@@ -87,10 +145,51 @@ def parse(text: bytes | str, source: str) -> Document:
         ) from None
     except yaml.YAMLError as exc:
         raise EvoError(f"malformed YAML: {exc}", where=source) from None
-    marks: dict[Path_, tuple[int, int]] = {}
-    if node is not None:
-        _collect_marks(node, (), marks, source)
-    return Document(data, source, marks)
+    except RecursionError:  # the pure-Python composer on very deep nesting
+        raise EvoError(f"YAML nested deeper than {MAX_YAML_DEPTH} levels", where=source) from None
+    finally:
+        loader.dispose()
+
+
+def _check_expansion(root: yaml.Node, source: str) -> None:
+    """Reject recursive aliases, nesting deeper than MAX_YAML_DEPTH, and documents whose
+    aliases expand to more than MAX_YAML_NODES nodes. Shared nodes are counted once per
+    reference (as every consumer of the data will see them) but measured only once."""
+    expanded: dict[int, int] = {}  # id(node) → size of its expanded subtree
+    on_path: set[int] = set()
+
+    def where(node: yaml.Node) -> str:
+        return f"{source}:{node.start_mark.line + 1}:{node.start_mark.column + 1}"
+
+    def measure(node: yaml.Node, depth: int) -> int:
+        if id(node) in expanded:
+            return expanded[id(node)]
+        if id(node) in on_path:
+            raise EvoError("recursive YAML alias (an anchor used inside itself)",
+                           where=where(node), hint="write the value out instead")
+        if depth > MAX_YAML_DEPTH:
+            raise EvoError(f"YAML nested deeper than {MAX_YAML_DEPTH} levels", where=where(node))
+        children: list[yaml.Node] = []
+        if isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            children = node.value
+        on_path.add(id(node))
+        total = 1
+        for child in children:
+            total += measure(child, depth + 1)
+            if total > MAX_YAML_NODES:
+                raise EvoError(
+                    f"YAML expands to more than {MAX_YAML_NODES} values through its aliases",
+                    where=where(node),
+                    hint="anchors and aliases (&x, *x) may not multiply the document; "
+                    "write the values out",
+                )
+        on_path.discard(id(node))
+        expanded[id(node)] = total
+        return total
+
+    measure(root, 0)
 
 
 def _collect_marks(node: yaml.Node, path: Path_, marks: dict, source: str) -> None:
@@ -138,7 +237,7 @@ def check(doc: Document, kind: str | None = None) -> list[EvoError]:
         return [EvoError(f"expected kind {kind!r}, found {found!r}", where=doc.where(("kind",)),
                          field="kind", hint=f"set `kind: {kind}`")]
     errors = sorted(_validator(kind).iter_errors(data), key=lambda e: _order(doc, e))
-    return [_explain(doc, e) for e in _most_specific(errors)]
+    return [_explain(doc, kind, e) for e in _most_specific(errors)]
 
 
 def load(path: Path, kind: str | None = None, *, source: str | None = None) -> Document:
@@ -177,7 +276,7 @@ def _most_specific(errors: list[jsonschema.ValidationError]) -> list[jsonschema.
     return out
 
 
-def _explain(doc: Document, error: jsonschema.ValidationError) -> EvoError:
+def _explain(doc: Document, kind: str, error: jsonschema.ValidationError) -> EvoError:
     path = tuple(error.absolute_path)
     field = _dotted(path)
     value = error.instance
@@ -194,7 +293,7 @@ def _explain(doc: Document, error: jsonschema.ValidationError) -> EvoError:
         missing = error.message.split("'")[1]
         return EvoError(f"missing required field {missing!r}", where=doc.where(path),
                         field=_dotted(path + (missing,)), hint=_describe(
-                            schema_.get("properties", {}).get(missing, {})))
+                            _resolved(kind, schema_.get("properties", {}).get(missing, {}))))
     if error.validator in ("enum", "const"):
         options = schema_.get("enum", [schema_.get("const")])
         close = difflib.get_close_matches(str(value), [str(o) for o in options], n=1)
@@ -205,6 +304,10 @@ def _explain(doc: Document, error: jsonschema.ValidationError) -> EvoError:
     if error.validator == "type":
         return EvoError(f"expected {_describe(schema_)}, got {_json_type(value)} {value!r}",
                         where=doc.where(path), field=field)
+    if error.validator == "pattern" and schema_.get("description"):
+        # The regular expression itself helps nobody; its description says what is allowed.
+        return EvoError(f"invalid value {value!r}", where=doc.where(path), field=field,
+                        hint=schema_["description"])
     return EvoError(error.message, where=doc.where(path), field=field,
                     hint=schema_.get("description"))
 

@@ -10,10 +10,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from evotrainer import API_VERSION
-from evotrainer.diagnosis import cel
-from evotrainer.diagnosis.diagnose import gate_verdict
+from evotrainer.diagnosis.diagnose import evaluate_unless_null, gate_verdict, parent_comparison
 from evotrainer.diagnosis.harness import HarnessRevision
-from evotrainer.diagnosis.stats import compare_tables
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_scores
 from evotrainer.store.clock import now_iso
@@ -58,13 +56,18 @@ def decide(
         return {
             **decision,
             "verdict": "baseline",
-            "comparison": None,
-            "blocked_by": [],
             "reason": "root of the lineage: the reference its children are compared with",
+            "blocked_by": [],
+            "comparison": None,
             "decided_at": now_iso(),
         }
     parent = states[state.parent]
-    comparison = compare_tables(recorded_scores(ws, parent.name), recorded_scores(ws, state.name))
+    comparison = diagnosis.get("comparison")
+    if not comparison or (diagnosis.get("harness") or {}).get("digest") != harness.digest:
+        # Diagnosed without the parent's scores, or by another revision (another alpha).
+        comparison = parent_comparison(
+            recorded_scores(ws, parent.name), recorded_scores(ws, state.name), harness
+        )
     gate = gate_verdict(
         harness,
         {"metrics": metrics, "alerts": diagnosis["alerts"]},
@@ -86,10 +89,10 @@ def decide(
         reason = f"{numbers} (gate rule {gate['rule'] or 'none'})"
     decision.update(
         verdict=verdict,
-        comparison=comparison,
-        blocked_by=critical,
-        rule=gate["rule"],
         reason=reason,
+        rule=gate["rule"],
+        blocked_by=critical,
+        comparison=comparison,
     )
     criterion = ((state.spec.get("intervention") or {}).get("hypothesis") or {}).get("criterion")
     if criterion:
@@ -102,8 +105,10 @@ def decide(
 
 
 def _criterion_holds(expression: str, variables: dict) -> bool | None:
-    """The version's falsifiable criterion; None when it reads a metric that is null."""
+    """The version's falsifiable criterion; None when it reads a metric that is null (or an
+    expression that no longer evaluates: the criterion was checked when it was proposed)."""
     try:
-        return cel.evaluate(expression, variables) is True
+        held = evaluate_unless_null(expression, variables)
     except EvoError:
         return None
+    return None if held is None else held is True

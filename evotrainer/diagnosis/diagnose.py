@@ -18,6 +18,7 @@ from evotrainer.diagnosis import cel
 from evotrainer.diagnosis.analyzers import ANALYZERS
 from evotrainer.diagnosis.harness import Alert, HarnessRevision, Metric
 from evotrainer.diagnosis.sql import ReadOnlyQuery
+from evotrainer.diagnosis.stats import compare_tables
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import (
     file_digest,
@@ -31,20 +32,29 @@ from evotrainer.evidence.io import (
 ROLLOUT_ID_SQL = "concat_ws('/', version, seed, split, step, group_id, sample_idx) AS id"
 
 
+def parent_comparison(
+    parent_scores: pa.Table, candidate_scores: pa.Table, harness: HarnessRevision
+) -> dict:
+    """The one comparison of a version with its parent: the diagnosis records it (the
+    version-layer metrics read it) and the gate decides on it, at the harness's `gate.alpha`."""
+    return compare_tables(parent_scores, candidate_scores, alpha=harness.alpha)
+
+
 def diagnose(
     rollouts: pa.Table | str | Path,
     steps: pa.Table | None,
     harness: HarnessRevision,
     parent_scores: pa.Table | None = None,
     *,
+    scores: pa.Table | None = None,
     split: str = "train",
     timeout_s: float = 60.0,
 ) -> dict:
     """Compute every metric, series, trend and alert of `harness` over the evidence.
 
-    `parent_scores` (a per-task score table) feeds the version-layer comparison metrics;
-    the candidate's own scores come from its latest validation rollouts. `split` labels the
-    rows of a verl dump folder."""
+    `parent_scores` (a per-task score table) feeds the version-layer comparison metrics,
+    against `scores`, the candidate's recorded score table (default: its latest validation
+    rollouts). `split` labels the rows of a verl dump folder."""
     if isinstance(rollouts, (str, Path)):
         path = Path(rollouts)
         files = sorted(path.glob("*.jsonl")) if is_verl_dump(path) else rollout_files(path)
@@ -57,11 +67,9 @@ def diagnose(
     try:
         comparison = None
         if parent_scores is not None:
-            from evotrainer.diagnosis.stats import compare_tables
-
-            candidate = val_scores(table)
+            candidate = scores if scores is not None else val_scores(table)
             if candidate.num_rows:
-                comparison = compare_tables(parent_scores, candidate, alpha=harness.alpha)
+                comparison = parent_comparison(parent_scores, candidate, harness)
         metrics: dict[str, float | None] = {}
         series: dict[str, list[list[float]]] = {}
         gaps: list[dict[str, str]] = []
@@ -93,13 +101,17 @@ def diagnose(
 
 def diagnosis_document(diagnosis: dict, version: str | None = None) -> dict:
     """The `runs/<version>/diagnosis.yaml` document (kind: Diagnosis); `version` defaults to
-    the rollouts' version label(s)."""
+    the rollouts' version label(s). Ordered for a reviewer: alerts and gaps first, then the
+    comparison and the metric values; the per-step series, by far the longest part, last."""
     return {
         "apiVersion": "evotrainer/v1",
         "kind": "Diagnosis",
         "version": version or ",".join(diagnosis["versions"]),
         "harness": dict(diagnosis["harness"]),
         "evidence_digest": diagnosis["evidence_digest"],
+        "alerts": diagnosis["alerts"],
+        "gaps": diagnosis["gaps"],
+        **({"comparison": diagnosis["comparison"]} if diagnosis.get("comparison") else {}),
         "metrics": {
             name: {
                 "value": value,
@@ -109,9 +121,6 @@ def diagnosis_document(diagnosis: dict, version: str | None = None) -> dict:
             for name, value in diagnosis["metrics"].items()
         },
         "series": diagnosis["series"],
-        "alerts": diagnosis["alerts"],
-        "gaps": diagnosis["gaps"],
-        **({"comparison": diagnosis["comparison"]} if diagnosis.get("comparison") else {}),
     }
 
 
@@ -151,14 +160,29 @@ def gate_verdict(
     return {"verdict": "inconclusive", "rule": None, "variables": _plain(variables)}
 
 
+def evaluate_unless_null(expr: str, variables: dict[str, Any]) -> Any:
+    """`expr` over `variables`, or None when it cannot be decided because a name it reads is
+    null or absent, or is a map of metrics (`parent`, `trend`) that may lack the entry read:
+    a null metric never fires an alert or a trigger, decides a gate rule or holds a
+    criterion. `||` with one true side still holds. Any other failure (a typo in `params`
+    included: the harness defines every param) raises."""
+    referenced = cel.names(expr)
+    bound = {**dict.fromkeys(referenced), **variables}
+    try:
+        return cel.evaluate(expr, bound)
+    except EvoError:
+        if any(
+            bound[name] is None or (isinstance(bound[name], dict) and name != "params")
+            for name in referenced
+        ):
+            return None
+        raise
+
+
 def _holds(expr: str, variables: dict[str, Any], *, where: str, field: str) -> bool:
     try:
-        return cel.evaluate(expr, variables) is True
+        return evaluate_unless_null(expr, variables) is True
     except EvoError as err:
-        if any(variables.get(name) is None for name in cel.names(expr)):
-            return False  # null metrics never fire and never decide
-        if "parent" in cel.names(expr):
-            return False  # a parent metric that is absent from the map
         raise EvoError(err.message, where=where, field=field) from None
 
 
@@ -322,17 +346,31 @@ class _Run:
             field = f"alerts.{alert.name}.levels[{i}].when"
             if _holds(level.when, variables, where=self.harness.source, field=field):
                 metric = self.harness.metric(alert.metric)
+                fired_on = self._fired_on(alert, level.when, metrics)
                 return {
                     "name": alert.name,
-                    "metric": alert.metric,
+                    "metric": fired_on,
                     "layer": metric.layer,
                     "severity": level.severity,
-                    "value": metrics[alert.metric],
+                    "value": metrics[fired_on],
                     "threshold": level.threshold,
                     "message": alert.message,
                     "examples": self._examples(alert, metric),
                 }
         return None
+
+    def _fired_on(self, alert: Alert, when: str, metrics: dict[str, float | None]) -> str:
+        """The metric whose value alone makes `when` hold (the alert's own metric first), so
+        `leak_ratio > 0.0 || val_leak_ratio > 0.0` firing on validation rollouts records
+        val_leak_ratio and its value; the alert's metric when no single one suffices."""
+        read = cel.names(when) & metrics.keys()
+        for name in sorted(read, key=lambda n: (n != alert.metric, when.find(n))):
+            if metrics[name] is None:
+                continue
+            alone = {**metrics, **{other: None for other in read - {name}}}
+            if evaluate_unless_null(when, {**alone, "params": self.harness.params}) is True:
+                return name
+        return alert.metric
 
     def _examples(self, alert: Alert, metric: Metric) -> list[str]:
         if alert.sample_where is None or alert.sample_limit <= 0:

@@ -13,7 +13,7 @@ import dataclasses
 import re
 from typing import Any
 
-from evotrainer.control.gate import decide
+from evotrainer.control.gate import decide, recorded_scores
 from evotrainer.control.lineage import tree_order
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
 from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
@@ -32,18 +32,30 @@ def recorded_versions(ws: Workspace, states: dict[str, VersionState]) -> list[st
     return out
 
 
-def _diagnosis(ws: Workspace, state: VersionState, harness: HarnessRevision) -> dict:
+def _diagnosis(
+    ws: Workspace, states: dict[str, VersionState], state: VersionState, harness: HarnessRevision
+) -> dict:
     recorded = state.records.get("diagnosis")
     if recorded and (recorded.get("harness") or {}).get("digest") == harness.digest:
         return recorded  # reconcile already diagnosed it with exactly this revision
     artifact_dir = ws.root / state.records["run"]["artifact_dir"]
     steps_file = artifact_dir / "steps.parquet"
+    # The parent's and the version's recorded scores, as reconcile diagnoses: the
+    # version-layer metrics and the gate then read the same comparison here as there.
     result = diagnose(
         read_rollouts(artifact_dir / "rollouts"),
         read_steps(steps_file) if steps_file.is_file() else None,
         harness,
+        recorded_scores(ws, state.parent) if _collected(states, state.parent) else None,
+        scores=recorded_scores(ws, state.name),
     )
     return diagnosis_document(result, state.name)
+
+
+def _collected(states: dict[str, VersionState], name: str | None) -> bool:
+    """Whether `name` has a collected run, hence recorded scores."""
+    run = states[name].records.get("run") if name in states else None
+    return (run or {}).get("state") == "Succeeded"
 
 
 def _regate(
@@ -90,8 +102,8 @@ def backtest_harness(
         against or ws.harness_in_force(), ws.root)
     states = ws.versions()
     names = recorded_versions(ws, states)
-    old_diag = {n: _diagnosis(ws, states[n], old) for n in names}
-    new_diag = {n: _diagnosis(ws, states[n], new) for n in names}
+    old_diag = {n: _diagnosis(ws, states, states[n], old) for n in names}
+    new_diag = {n: _diagnosis(ws, states, states[n], new) for n in names}
     old_dec = _regate(ws, states, old_diag, old)
     new_dec = _regate(ws, states, new_diag, new)
     rows = []

@@ -1,0 +1,115 @@
+"""One comparison with the parent (at the harness's gate.alpha) for diagnosis, gate and
+harness backtest; one null-safe CEL evaluation; reviewable diagnosis records."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from standin import converge
+from standin import propose as train
+
+from evotrainer.control.gate import decide
+from evotrainer.control.reconcile import load_context
+from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document, evaluate_unless_null
+from evotrainer.diagnosis.harness import parse_harness, resolve_harness
+from evotrainer.diagnosis.harness_backtest import backtest_harness
+from evotrainer.errors import EvoError
+from evotrainer.evidence.synthetic import rollout_table
+from evotrainer.store.workspace import Workspace
+
+
+@pytest.fixture
+def recorded(workspace, standin) -> Workspace:
+    train(workspace, "v1", standin_skill=0.65)
+    converge(workspace)
+    return workspace
+
+
+def _revision(ws: Workspace, name: str, **changes):
+    doc = yaml.safe_load((ws.root / "harness_versions" / "h0.yaml").read_text())
+    for key, value in changes.items():
+        doc[key] = value(doc) if callable(value) else value
+    doc["name"] = name
+    path = ws.root / "harness_versions" / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return parse_harness(doc, source=str(path))
+
+
+def test_the_gate_decides_at_the_harness_alpha(recorded) -> None:
+    ctx = load_context(recorded)
+    state = ctx.states["v1"]
+    at_95 = decide(recorded, ctx.states, state, ctx.harness)["comparison"]
+    loose = _revision(recorded, "h50", gate=lambda d: {**d["gate"], "alpha": 0.5})
+    at_50 = decide(recorded, ctx.states, state, loose)["comparison"]
+    assert at_95["confidence"] == pytest.approx(0.95) and at_50["confidence"] == 0.5
+    # Same delta, a narrower interval: the revision's alpha reached the bootstrap.
+    assert at_50["delta"] == pytest.approx(at_95["delta"], abs=1e-6)
+    assert at_95["ci_low"] < at_50["ci_low"] <= at_50["ci_high"] < at_95["ci_high"]
+
+
+def test_the_gate_reads_the_comparison_the_diagnosis_recorded(recorded) -> None:
+    ctx = load_context(recorded)
+    state = ctx.states["v1"]
+    recorded_comparison = state.records["diagnosis"]["comparison"]
+    assert recorded_comparison["confidence"] == pytest.approx(0.95)
+    decision = decide(recorded, ctx.states, state, ctx.harness)
+    assert decision["comparison"] == recorded_comparison
+    metrics = state.records["diagnosis"]["metrics"]
+    assert metrics["delta_ci_low"]["value"] == recorded_comparison["ci_low"]
+
+
+def test_backtest_diagnoses_compare_with_the_parent_like_reconcile(recorded) -> None:
+    # A revision with one more comparison metric: the backtest re-diagnoses every version,
+    # and the new metric of v1 (a child) must be computed, not null.
+    h1 = _revision(
+        recorded,
+        "h1",
+        metrics=lambda d: [
+            *d["metrics"],
+            {"name": "parent_avg", "layer": "version", "split": "val", "comparison": "mean_a"},
+        ],
+    )
+    report = backtest_harness(recorded, h1, "h0")
+    values = {r["version"]: r["new_metric_values"]["parent_avg"] for r in report["versions"]}
+    parent_avg = load_context(recorded).states["v1"].records["diagnosis"]["comparison"]["mean_a"]
+    assert values["v0"] is None  # the root has no parent
+    assert values["v1"] == pytest.approx(parent_avg, abs=1e-6)
+
+
+def _leaky_val_only() -> dict:
+    rows = [
+        {"split": "val", "task_id": f"t{i}", "correct": 1.0, "reward": 1.0,
+         "tool_calls": ["reveal 3"] if i < 2 else ["check 5"]}
+        for i in range(8)
+    ]
+    return diagnose(rollout_table(rows), None, resolve_harness("h0"))
+
+
+def test_an_alert_records_the_value_of_the_metric_that_fired_it() -> None:
+    diagnosis = _leaky_val_only()
+    assert diagnosis["metrics"]["leak_ratio"] is None  # no train rollouts (a warm start)
+    [leak] = [a for a in diagnosis["alerts"] if a["name"] == "leak"]
+    assert leak["metric"] == "val_leak_ratio"
+    assert leak["value"] == pytest.approx(0.25)
+    assert leak["layer"] == "behavior" and leak["severity"] == "critical"
+
+
+def test_a_diagnosis_record_puts_alerts_first_and_series_last() -> None:
+    document = diagnosis_document(_leaky_val_only(), "v0")
+    keys = list(document)
+    assert keys.index("alerts") < keys.index("metrics") and keys[-1] == "series"
+    text = yaml.safe_dump(document, sort_keys=False)
+    assert text.index("alerts:") < text.index("metrics:") < text.index("series:")
+
+
+def test_null_metrics_never_decide() -> None:
+    assert evaluate_unless_null("x > 1.0", {"x": None}) is None
+    assert evaluate_unless_null("x > 1.0", {}) is None
+    assert evaluate_unless_null("x > 1.0 || y > 1.0", {"x": None, "y": 2.0}) is True
+    assert evaluate_unless_null("parent.x > 1.0", {"parent": {}}) is None
+    assert evaluate_unless_null("x > 1.0 && y > 1.0", {"x": None, "y": 2.0}) is None
+    # A broken expression over known values still fails loudly, params included.
+    with pytest.raises(EvoError):
+        evaluate_unless_null("x > 'a'", {"x": 2.0})
+    with pytest.raises(EvoError):
+        evaluate_unless_null("x > params.typo", {"x": 2.0, "params": {"limit": 1.0}})

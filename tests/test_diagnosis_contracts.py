@@ -3,6 +3,8 @@ harness backtest; one null-safe CEL evaluation; reviewable diagnosis records."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 from standin import converge
@@ -13,6 +15,7 @@ from evotrainer.control.reconcile import load_context
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document, evaluate_unless_null
 from evotrainer.diagnosis.harness import parse_harness, resolve_harness
 from evotrainer.diagnosis.harness_backtest import backtest_harness
+from evotrainer.diagnosis.sql import ReadOnlyQuery
 from evotrainer.errors import EvoError
 from evotrainer.evidence.synthetic import rollout_table
 from evotrainer.store.workspace import Workspace
@@ -113,3 +116,33 @@ def test_null_metrics_never_decide() -> None:
         evaluate_unless_null("x > 'a'", {"x": 2.0})
     with pytest.raises(EvoError):
         evaluate_unless_null("x > params.typo", {"x": 2.0, "params": {"limit": 1.0}})
+
+
+def test_harness_queries_are_bounded_in_memory_and_threads() -> None:
+    # An alert's sample.where is harness text run as SQL: one that collects every rollout's
+    # text into a single value (40 MB here) fails at the limit, naming the alert, instead of
+    # taking the machine's memory (a real string_agg reached 8.5 GB).
+    doc = yaml.safe_load(Path(resolve_harness("h0").source).read_text())
+    doc["name"] = "greedy"
+    doc["alerts"] = [{
+        "name": "always", "metric": "reward_mean", "severity": "warning", "when": "true",
+        "sample": {"where": "(SELECT length(string_agg(repeat(a.prompt, 4), ',')) "
+                            "FROM all_rollouts a, range(100000)) > 0", "limit": 1},
+    }]
+    harness = parse_harness(doc, source="greedy.yaml")
+    table = rollout_table([{"prompt": "p" * 100, "reward": 1.0}])
+    with pytest.raises(EvoError) as caught:
+        diagnose(table, None, harness, memory_limit="16MB")
+    assert "more than the 16MB" in caught.value.message
+    assert caught.value.field == "alerts.always.sample.where"
+    assert caught.value.where == "greedy.yaml"
+    # The same query within a larger limit succeeds: the limit, not the query, refused it.
+    [alert] = diagnose(table, None, harness, memory_limit="256MB")["alerts"]
+    assert alert["examples"] == ["v0/0/train/1/t0/0"]
+
+    sandbox = ReadOnlyQuery(table, None, "train", memory_limit="16MB", threads=1)
+    _, [row] = sandbox.query(
+        "SELECT current_setting('threads'), current_setting('temp_directory')", {}, field="x"
+    )
+    assert row == (1, "")  # one thread; nothing spills to disk
+    sandbox.close()

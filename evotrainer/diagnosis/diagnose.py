@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 from evotrainer.diagnosis import cel
 from evotrainer.diagnosis.analyzers import ANALYZERS
 from evotrainer.diagnosis.harness import Alert, HarnessRevision, Metric
-from evotrainer.diagnosis.sql import ReadOnlyQuery
+from evotrainer.diagnosis.sql import MEMORY_LIMIT, ReadOnlyQuery
 from evotrainer.diagnosis.stats import compare_tables
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import (
@@ -49,12 +49,14 @@ def diagnose(
     scores: pa.Table | None = None,
     split: str = "train",
     timeout_s: float = 60.0,
+    memory_limit: str = MEMORY_LIMIT,
 ) -> dict:
     """Compute every metric, series, trend and alert of `harness` over the evidence.
 
     `parent_scores` (a per-task score table) feeds the version-layer comparison metrics,
     against `scores`, the candidate's recorded score table (default: its latest validation
-    rollouts). `split` labels the rows of a verl dump folder."""
+    rollouts). `split` labels the rows of a verl dump folder. Each harness query runs within
+    `timeout_s` and `memory_limit`."""
     if isinstance(rollouts, (str, Path)):
         path = Path(rollouts)
         files = sorted(path.glob("*.jsonl")) if is_verl_dump(path) else rollout_files(path)
@@ -63,7 +65,7 @@ def diagnose(
     else:
         table = rollouts
         evidence_digest = table_digest(table, steps)
-    run = _Run(table, steps, harness, timeout_s)
+    run = _Run(table, steps, harness, timeout_s, memory_limit)
     try:
         comparison = None
         if parent_scores is not None:
@@ -208,9 +210,15 @@ class _Run:
     """One diagnosis: sandboxed connections and split tables, made on first use."""
 
     def __init__(
-        self, table: pa.Table, steps: pa.Table | None, harness: HarnessRevision, timeout_s: float
+        self,
+        table: pa.Table,
+        steps: pa.Table | None,
+        harness: HarnessRevision,
+        timeout_s: float,
+        memory_limit: str = MEMORY_LIMIT,
     ) -> None:
-        self.table, self.steps, self.harness, self.timeout_s = table, steps, harness, timeout_s
+        self.table, self.steps, self.harness = table, steps, harness
+        self.timeout_s, self.memory_limit = timeout_s, memory_limit
         self.sandboxes: dict[str | None, ReadOnlyQuery] = {}
         self.masks = {split: pc.equal(table.column("split"), split) for split in ("train", "val")}
         self.split_rows = {split: pc.sum(mask).as_py() or 0 for split, mask in self.masks.items()}
@@ -220,7 +228,11 @@ class _Run:
     def sandbox(self, split: str | None) -> ReadOnlyQuery:
         if split not in self.sandboxes:
             self.sandboxes[split] = ReadOnlyQuery(
-                self.table, self.steps, split, timeout_s=self.timeout_s
+                self.table,
+                self.steps,
+                split,
+                timeout_s=self.timeout_s,
+                memory_limit=self.memory_limit,
             )
         return self.sandboxes[split]
 
@@ -384,7 +396,12 @@ class _Run:
                 f"SELECT {ROLLOUT_ID_SQL} FROM rollouts WHERE {window}({alert.sample_where}) "
                 f"ORDER BY step DESC, seed, group_id, sample_idx LIMIT {alert.sample_limit}"
             )
-            _, rows = sandbox.query(sql, self.harness.params, field=field)
+            try:
+                _, rows = sandbox.query(sql, self.harness.params, field=field)
+            except EvoError as err:
+                raise EvoError(
+                    err.message, where=self.harness.source, field=field, hint=err.hint
+                ) from None
             return [r[0] for r in rows]
 
         # The examples are the latest matching rows, and `where` only decides row by row (SQL

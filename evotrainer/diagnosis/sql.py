@@ -1,8 +1,11 @@
 """Run harness SQL read-only: one SELECT per metric, no file, network or extension access,
-bounded time. Views: `rollouts` (the metric's split), `all_rollouts` and `steps`."""
+bounded time, memory and threads (an alert's `sample.where` is harness text too: a
+`string_agg` over every rollout must fail with a clear error, not take the machine's memory).
+Views: `rollouts` (the metric's split), `all_rollouts` and `steps`."""
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from typing import Any
@@ -14,7 +17,14 @@ from evotrainer.errors import EvoError
 from evotrainer.evidence.steps import empty_steps
 
 _PARAM = re.compile(r"\$([A-Za-z_]\w*)")
+# DuckDB's own default is 80% of the machine's memory; a diagnosis needs far less.
+MEMORY_LIMIT = "2GB"
+THREADS = min(4, os.cpu_count() or 1)
 _LOCKDOWN = (
+    # Nothing spills to disk (the default temp directory is `.tmp` under the current one):
+    # memory_limit is the bound.
+    "SET temp_directory = ''",
+    "SET enable_progress_bar = false",  # a long query would draw on the user's terminal
     "SET enable_external_access = false",
     "SET autoinstall_known_extensions = false",
     "SET autoload_known_extensions = false",
@@ -54,9 +64,11 @@ class ReadOnlyQuery:
         split: str | None,
         *,
         timeout_s: float = 60.0,
+        memory_limit: str = MEMORY_LIMIT,
+        threads: int = THREADS,
     ) -> None:
-        self.timeout_s = timeout_s
-        self.con = duckdb.connect()
+        self.timeout_s, self.memory_limit = timeout_s, memory_limit
+        self.con = duckdb.connect(config={"memory_limit": memory_limit, "threads": threads})
         self.con.register("all_rollouts", rollouts)
         self.con.register("steps", steps if steps is not None else empty_steps())
         where = "" if split is None else f" WHERE split = '{split}'"
@@ -76,6 +88,13 @@ class ReadOnlyQuery:
             rows = result.fetchall()
         except duckdb.InterruptException:
             raise EvoError(f"query ran longer than {self.timeout_s:g} s", field=field) from None
+        except duckdb.OutOfMemoryException:
+            raise EvoError(
+                f"query needs more than the {self.memory_limit} harness queries may use",
+                field=field,
+                hint="aggregate to numbers per group or step; do not collect every rollout's "
+                "text (string_agg, list) in one value",
+            ) from None
         except duckdb.Error as err:
             raise EvoError(f"query failed: {err}", field=field) from None
         finally:

@@ -10,10 +10,18 @@ import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
-from evotrainer import commands
+try:  # typer >= 0.26 carries its own copy of click; older releases use click itself
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - depends on the installed typer
+    from click import exceptions as click_errors
+from evotrainer import __version__, commands
 from evotrainer.errors import EvoError
+from evotrainer.terminal import console, safe
+
+# Raised (with the help as its message) for a group called without a command; click < 8.2
+# printed the help itself.
+_NO_ARGS_IS_HELP = getattr(click_errors, "NoArgsIsHelpError", ())
 
 # Order here is the order of `evotrainer --help`; command modules not listed follow, by name.
 COMMAND_ORDER = [
@@ -48,10 +56,20 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"evotrainer {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
     directory: Path = typer.Option(
         None, "-C", help="Run as if started in DIR (like git -C).", metavar="DIR"
+    ),
+    version: bool = typer.Option(
+        False, "--version", help="Print the version and exit.", is_eager=True,
+        callback=_print_version,
     ),
 ) -> None:
     if directory is not None:
@@ -69,10 +87,47 @@ for _name in _command_modules():
     importlib.import_module(f"evotrainer.commands.{_name}").register(app)
 
 
+def _tidy_help(command: typer.core.TyperGroup | typer.core.TyperCommand) -> None:
+    """Typer labels a flag `<bool>` and a repeatable option `<list[str]>`, but a flag takes
+    no value and a repeatable option one value each time it is given: say so in `--help`."""
+    help_option = command.get_help_option(typer.Context(command))  # made once, then cached
+    for param in [*command.params, *filter(None, [help_option])]:
+        if param.param_type_name != "option" or param.metavar is not None:
+            continue
+        if param.is_flag:
+            param.metavar = ""
+        elif param.multiple and hasattr(param, "bare_type"):  # typer's own labels: list[X]
+            param.metavar = f"<{param.bare_type().removeprefix('list[').removesuffix(']')}>"
+    for sub in getattr(command, "commands", {}).values():
+        _tidy_help(sub)
+
+
+def _fail(err: EvoError) -> None:
+    # The message can carry user text (a spec key, a --set value): shown, never interpreted.
+    console(stderr=True).print(f"[bold red]error:[/] {safe(err)}")
+    sys.exit(1)
+
+
 def main() -> None:
-    """Run the CLI; an EvoError becomes one paragraph on stderr and exit code 1."""
+    """Run the CLI. An EvoError or a usage error becomes one line on stderr and exit code 1;
+    a command's `typer.Exit(code)` becomes the exit code."""
+    command = typer.main.get_command(app)
+    _tidy_help(command)
     try:
-        app()
+        result = command.main(prog_name="evotrainer", standalone_mode=False)
+    except _NO_ARGS_IS_HELP as err:  # `evotrainer` or `evotrainer version` alone: the help
+        if err.format_message():  # typer's rich help is printed as it is made; plain is not
+            typer.echo(err.format_message())
+        sys.exit(0)
     except EvoError as err:
-        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
-        sys.exit(1)
+        _fail(err)
+    except click_errors.UsageError as err:
+        where = err.ctx.command_path if err.ctx else "evotrainer"
+        _fail(EvoError(err.format_message(), hint=f"see `{where} --help`"))
+    except click_errors.ClickException as err:
+        _fail(EvoError(err.format_message()))
+    except typer.Abort:
+        _fail(EvoError("aborted"))
+    # Without standalone mode click returns an exit code from `typer.Exit`, else the
+    # command's own return value (None).
+    sys.exit(result if isinstance(result, int) else 0)

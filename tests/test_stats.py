@@ -164,3 +164,40 @@ def test_compare_cli_reads_csv_and_run_folders(tmp_path):
     assert json.loads(result.output)["delta"] > 0
     table = runner.invoke(app, ["compare", str(tmp_path / "a.csv"), str(tmp_path / "run")])
     assert table.exit_code == 0 and "pass@4" in table.output
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1.5", "-0.1"])
+def test_a_correctness_outside_0_1_is_refused_with_its_line(tmp_path, cli, value):
+    rng = np.random.default_rng(3)
+    good = tmp_path / "a.csv"
+    pacsv.write_csv(_scores([0.5, 0.7], rng=rng), good)
+    lines = good.read_text().splitlines()
+    lines[3] = lines[3].rsplit(",", 1)[0] + f",{value}"  # the third record, line 4
+    bad = tmp_path / "b.csv"
+    bad.write_text("\n".join(lines) + "\n")
+    with pytest.raises(EvoError) as caught:
+        read_scores(bad)
+    assert caught.value.where == f"{bad}:4" and caught.value.field == "correct"
+    shown = cli("compare", str(good), str(bad), "--json", "--resamples", "100")
+    assert shown.code == 1 and "Traceback" not in shown.output
+    assert f"{bad}:4" in shown.output and "not a score in [0, 1]" in shown.output
+    assert "Infinity" not in shown.out and "NaN" not in shown.out
+
+
+def test_tables_from_memory_are_checked_too():
+    rng = np.random.default_rng(4)
+    a = _scores([0.5], rng=rng)
+    b = a.set_column(4, "correct", pa.array([1.0, float("inf"), 0.0, 1.0]))
+    with pytest.raises(EvoError, match=r"score table B: correct = inf \(row 2\)"):
+        compare_tables(a, b)
+
+
+def test_compare_json_is_strict_json(tmp_path, cli):
+    # Identical tables: every difference is zero, the edge where statistics go NaN.
+    rng = np.random.default_rng(5)
+    path = tmp_path / "a.csv"
+    pacsv.write_csv(_scores([0.0, 1.0, 0.5], rng=rng), path)
+    shown = cli("compare", str(path), str(path), "--json", "--resamples", "100")
+    assert shown.code == 0, shown.output
+    result = json.loads(shown.out, parse_constant=lambda name: pytest.fail(name))
+    assert result["delta"] == 0.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import typer
@@ -29,7 +30,8 @@ def register(app: typer.Typer) -> None:
         data_source, seeds pooled hierarchically), Wilcoxon signed-rank, pass@k."""
         result = compare_tables(_scores(a), _scores(b), B=resamples, seed=seed, alpha=alpha)
         if as_json:
-            typer.echo(json.dumps(result, indent=2))
+            # Strict JSON: a float that is not finite (a NaN p-value) is null, never `NaN`.
+            typer.echo(json.dumps(_finite(result), indent=2, allow_nan=False))
             return
         level = f"{result['confidence']:.0%}"
         table = Table(
@@ -78,3 +80,13 @@ def _scores(ref: str):
     if Path(ref).exists():
         return read_scores(Path(ref))
     return recorded_scores(Workspace.find(), ref)
+
+
+def _finite(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from evotrainer.errors import EvoError
+from evotrainer.evidence.io import first_bad_correct
 
 _CHUNK = 1000  # bootstrap replicates per vectorized batch (bounds memory)
 
@@ -41,6 +42,13 @@ def _version(table: pa.Table, label: str) -> _Version:
     ]
     if missing:
         raise EvoError(f"score table {label} lacks column(s) {', '.join(missing)}")
+    bad = first_bad_correct(table)
+    if bad is not None:
+        raise EvoError(
+            f"score table {label}: correct = {bad[1]} (row {bad[0] + 1}) is not a score in "
+            "[0, 1]",
+            hint="each sample's correctness is a number from 0 to 1, or null when unscored",
+        )
     table = table.filter(pc.is_valid(table.column("correct")))
     if table.num_rows == 0:
         raise EvoError(f"score table {label} has no scored rows")

@@ -11,7 +11,9 @@ import re
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
@@ -97,12 +99,41 @@ def read_scores(path: str | Path) -> pa.Table:
     else:
         types = {f.name: f.type for f in SCORE_SCHEMA}
         try:
-            table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(column_types=types))
+            # Only an empty field is null (unscored): Arrow's default null tokens include
+            # "nan", which would let a NaN correctness pass as "not scored".
+            options = pacsv.ConvertOptions(column_types=types, null_values=[""])
+            table = pacsv.read_csv(path, convert_options=options)
         except pa.ArrowInvalid as err:
             raise EvoError(f"unreadable score table: {err}", where=str(path)) from None
     keep_version = "version" in table.column_names
     schema = pa.schema([f for f in SCORE_SCHEMA if f.name != "version" or keep_version])
-    return _conform(table, schema, path)
+    table = _conform(table, schema, path)
+    bad = first_bad_correct(table)
+    if bad is not None:
+        row, value = bad
+        # A CSV row's line: the header is line 1 and our writers put one record per line.
+        where = f"{path}:{row + 2}" if path.suffix != ".parquet" else f"{path} (row {row + 1})"
+        raise EvoError(
+            f"correct = {value} is not a score in [0, 1]",
+            where=where,
+            field="correct",
+            hint="write each sample's correctness as a number from 0 to 1 (1 = correct), "
+            "or leave it empty when the sample was not scored",
+        )
+    return table
+
+
+def first_bad_correct(table: pa.Table) -> tuple[int, float] | None:
+    """(row, value) of the first `correct` that is not null and not a finite number in
+    [0, 1] (inf, nan, 1.5, -0.1), else None."""
+    values = table.column("correct").to_numpy(zero_copy_only=False)
+    valid = ~pc.is_null(table.column("correct")).to_numpy(zero_copy_only=False)
+    with np.errstate(invalid="ignore"):
+        bad = valid & ~((values >= 0) & (values <= 1))  # NaN compares false: bad
+    if not bad.any():
+        return None
+    row = int(np.flatnonzero(bad)[0])
+    return row, float(values[row])
 
 
 def _conform(table: pa.Table, schema: pa.Schema, where: Path) -> pa.Table:

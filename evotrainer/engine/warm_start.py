@@ -38,7 +38,9 @@ def warm_start_key(recipe: dict[str, Any], seed: int) -> str:
     model = recipe["model"]
     return digest(
         {
-            "model": model.get("path") or model.get("tiny"),
+            "model": model.get("package") or model.get("path") or model.get("tiny"),
+            "dtype": model.get("dtype") or "float32",
+            "chat_template": model.get("chat_template") or "auto",
             "warm_start": model.get("warm_start"),
             "domain": {
                 k: recipe["domain"].get(k) for k in ("name", "params", "train_size", "val_size")
@@ -51,7 +53,11 @@ def warm_start_key(recipe: dict[str, Any], seed: int) -> str:
 
 
 def demonstration_batch(
-    tokenizer: PreTrainedTokenizerBase, domain: Domain, tasks: list[Task], rng: random.Random
+    tokenizer: PreTrainedTokenizerBase,
+    domain: Domain,
+    tasks: list[Task],
+    rng: random.Random,
+    chat: bool = False,
 ) -> tuple[list[list[int]], list[list[int]]]:
     rows, masks = [], []
     for task in tasks:
@@ -63,7 +69,7 @@ def demonstration_batch(
         if domain.turn_end is None:  # single-turn answers end with eos, as sampled ones do
             ids.append(tokenizer.eos_token_id)
             mask.append(1)
-        rows.append(prompt_ids(tokenizer, task.prompt) + ids)
+        rows.append(prompt_ids(tokenizer, task.prompt, chat) + ids)
         masks.append(mask)
     return rows, masks
 
@@ -75,9 +81,10 @@ def sampled_accuracy(
     tasks: list[Task],
     env_config: dict[str, Any] | None,
     max_turn_tokens: int,
+    chat: bool = False,
 ) -> float:
     episodes = sample_episodes(
-        model, tokenizer, domain, tasks, env_config, max_turn_tokens, temperature=1.0, top_p=1.0
+        model, tokenizer, domain, tasks, env_config, max_turn_tokens, 1.0, 1.0, chat
     )
     return sum(domain.score(e.task, e.response, e.tool_calls).correct for e in episodes) / len(
         episodes
@@ -94,6 +101,7 @@ def warm_start(
     seed: int,
     cache_root: Path,
     log: Callable[[str], None],
+    chat: bool = False,
 ) -> tuple[PreTrainedModel, dict[str, Any]]:
     """Return the warm-started model (from the cache when present) and what the stage did."""
     cfg = recipe["model"].get("warm_start") or {}
@@ -108,7 +116,8 @@ def warm_start(
             f"warm start: cached {entry} ({info['steps']} steps, "
             f"sampled accuracy {info['accuracy']:.2f})"
         )
-        return load_checkpoint(entry)[0], {**info, "cached": True}
+        dtype = recipe["model"].get("dtype") or "float32"
+        return load_checkpoint(entry, dtype)[0], {**info, "cached": True}
 
     target = cfg.get("stop_at_accuracy", DEFAULT_STOP_AT_ACCURACY)
     max_tokens = recipe["grpo"]["max_response_tokens"]
@@ -118,9 +127,11 @@ def warm_start(
     for step in range(1, steps + 1):
         model.train()
         batch = [rng.choice(train_tasks) for _ in range(cfg.get("batch_size", 32))]
-        rows, masks = demonstration_batch(tokenizer, domain, batch, rng)
+        rows, masks = demonstration_batch(tokenizer, domain, batch, rng, chat)
         ids, attn, positions, loss_mask = batch_tensors(rows, masks, tokenizer.pad_token_id)
-        logp, _ = token_logprobs(model, ids, attn, positions)
+        tail = max(len(m) for m in masks)
+        loss_mask = loss_mask[:, -tail:]
+        logp, _ = token_logprobs(model, ids, attn, positions, tail)
         loss = -(logp * loss_mask).sum() / loss_mask.sum()
         optimizer.zero_grad()
         loss.backward()
@@ -128,7 +139,9 @@ def warm_start(
         done = step
         if step % CHECK_EVERY == 0 or step == steps:
             probe = rng.sample(train_tasks, min(CHECK_TASKS, len(train_tasks)))
-            accuracy = sampled_accuracy(model, tokenizer, domain, probe, env_config, max_tokens)
+            accuracy = sampled_accuracy(
+                model, tokenizer, domain, probe, env_config, max_tokens, chat
+            )
             log(f"warm start step {step}: loss {loss.item():.3f}, sampled accuracy {accuracy:.2f}")
             if target is not None and accuracy >= target:
                 break

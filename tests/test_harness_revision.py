@@ -74,7 +74,7 @@ def test_sample_where_injection_is_refused():
     ("mutate", "field", "message"),
     [
         (lambda d: d.update(kind="Harness"), "kind", "HarnessRevision"),
-        (lambda d: d["metrics"][0].update(layer="vibes"), "metrics[0].layer", "not one of"),
+        (lambda d: d["metrics"][0].update(layer="vibes"), "metrics[0].layer", "expected one of"),
         (lambda d: d["metrics"][1].update(name="Bad-Name"), "metrics[1].name", "lower_snake_case"),
         (lambda d: d["metrics"][1].update(analyzer={"name": "leak"}), "metrics[1]", "exactly one"),
         (
@@ -96,7 +96,7 @@ def test_sample_where_injection_is_refused():
         (
             lambda d: d["gate"]["rules"][0].update(verdict="ship"),
             "gate.rules[0].verdict",
-            "not one of",
+            "expected one of",
         ),
         (lambda d: d["metrics"].append(dict(d["metrics"][0])), "metrics[24].name", "duplicate"),
     ],
@@ -112,7 +112,7 @@ def test_structural_errors_name_the_field(mutate, field, message):
 def test_yaml_syntax_error_has_a_location(tmp_path):
     bad = tmp_path / "h1.yaml"
     bad.write_text("name: [unclosed\n")
-    with pytest.raises(EvoError, match="invalid YAML") as err:
+    with pytest.raises(EvoError, match="malformed YAML") as err:
         load_harness(bad)
     assert err.value.where.startswith(str(bad) + ":")
 
@@ -144,3 +144,66 @@ def test_diagnose_cli_json(tmp_path, monkeypatch):
     assert out["harness"]["name"] == "h0" and out["evidence_digest"].startswith("sha256:")
     assert out["metrics"]["dead_group_ratio"] == 0.0
     assert yaml.safe_load((tmp_path / "d.yaml").read_text())["kind"] == "Diagnosis"
+
+
+# ---- one loader: the spec loader's bounds, schema and positions --------------------------
+
+H0_TEXT = (builtin_dir("harness_versions") / "h0.yaml").read_text()
+
+
+def _line_of(text: str, needle: str) -> int:
+    return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
+
+
+def test_semantic_errors_from_a_file_carry_line_and_column(tmp_path):
+    # A CEL error is found after the schema passes; it still names file:line:column.
+    path = tmp_path / "h1.yaml"
+    when = next(a["when"] for a in H0_DOC["alerts"] if "when" in a)
+    path.write_text(H0_TEXT.replace(f"when: {when}", "when: no_such_metric > 1", 1))
+    with pytest.raises(EvoError, match="unknown name") as err:
+        load_harness(path)
+    line = _line_of(path.read_text(), "no_such_metric")
+    assert err.value.where.startswith(f"{path}:{line}:")
+    assert err.value.field.startswith("alerts[") and err.value.field.endswith(".when")
+
+
+def test_schema_errors_from_a_file_carry_line_column_and_suggestion(tmp_path):
+    path = tmp_path / "h1.yaml"
+    path.write_text(H0_TEXT.replace("\ngate:", "\ngates:", 1))
+    with pytest.raises(EvoError) as err:
+        load_harness(path)
+    line = _line_of(path.read_text(), "gates:")
+    assert err.value.where == f"{path}:{line}:1" and "did you mean 'gate'" in err.value.hint
+
+
+def test_schema_and_loader_agree_on_severities():
+    # The schema used to allow `info`, which the loader refused at run time.
+    doc = copy.deepcopy(H0_DOC)
+    alert = next(a for a in doc["alerts"] if "severity" in a)
+    alert["severity"] = "info"
+    with pytest.raises(EvoError, match="expected one of 'critical', 'warning'"):
+        parse_harness(doc, source="h.yaml")
+
+
+def test_alias_bomb_in_a_harness_file_is_refused_quickly(tmp_path):
+    import time
+
+    lines = ["a: &a [x, x, x, x, x, x, x, x, x]"] + [
+        f"{k}: &{k} [{', '.join([f'*{p}'] * 9)}]" for p, k in zip("abcdefgh", "bcdefghi",
+                                                                    strict=True)]
+    path = tmp_path / "h1.yaml"
+    path.write_text(H0_TEXT + "\n".join(lines) + "\n")
+    started = time.monotonic()
+    with pytest.raises(EvoError, match="expands to more than"):
+        load_harness(path)
+    assert time.monotonic() - started < 2
+
+
+def test_proposed_text_is_checked_with_positions():
+    from evotrainer.diagnosis.harness import parse_harness_text
+
+    bad = H0_TEXT.replace("kind: HarnessRevision", "kind: HarnessRevision\nlayers: 2", 1)
+    with pytest.raises(EvoError, match="unknown key 'layers'") as err:
+        parse_harness_text(bad, "proposed h1.yaml")
+    assert err.value.where == f"proposed h1.yaml:{_line_of(bad, 'layers: 2')}:1"
+    assert parse_harness_text(H0_TEXT, "h0.yaml").digest == resolve_harness("h0").digest

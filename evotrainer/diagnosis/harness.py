@@ -13,27 +13,20 @@ Document shape (see harness_versions/h0.yaml):
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from evotrainer.diagnosis import cel
 from evotrainer.diagnosis.analyzers import ANALYZERS
 from evotrainer.diagnosis.sql import check_select, sql_params
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
+from evotrainer.store import specs
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.recipe import digest
 
 LAYERS = ("score", "signal", "behavior", "version")
-SPLITS = ("train", "val")
-SEVERITIES = ("critical", "warning")
-VERDICTS = ("promote", "prune", "revert", "inconclusive", "block")
-# Fields of stats.compare_tables() that a version-layer metric may take.
-COMPARISON_FIELDS = ("delta", "ci_low", "ci_high", "p_bootstrap", "p_wilcoxon", "mean_a", "mean_b")
 # Variables a gate rule may read besides the metric names (documented in the README).
 GATE_VARIABLES = frozenset(
     {
@@ -52,7 +45,6 @@ GATE_VARIABLES = frozenset(
         "params",
     }
 )
-_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 
 @dataclass(frozen=True)
@@ -114,16 +106,25 @@ class HarnessRevision:
 
 
 def load_harness(path: str | Path) -> HarnessRevision:
+    """Read a HarnessRevision file through the spec loader: bounded YAML, the JSON Schema, then
+    the checks a schema cannot express, every error with file:line:column."""
     path = Path(path)
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
     except OSError as err:
         raise EvoError(f"cannot read harness revision: {err.strerror}", where=str(path)) from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise EvoError(f"invalid YAML: {getattr(err, 'problem', err)}", where=where) from None
-    return parse_harness(doc, source=str(path))
+    return build_harness(specs.parse(raw, str(path)))
+
+
+def parse_harness_text(text: str | bytes, source: str) -> HarnessRevision:
+    """A HarnessRevision from YAML text (a proposal not yet on disk), errors with positions."""
+    return build_harness(specs.parse(text, source))
+
+
+def parse_harness(doc: Any, *, source: str = "<harness>") -> HarnessRevision:
+    """A HarnessRevision from already-loaded data. Without the text there are no positions:
+    errors name `source` and the field."""
+    return build_harness(specs.Document(doc, source, {}))
 
 
 def resolve_harness(name_or_file: str, workspace: str | Path = ".") -> HarnessRevision:
@@ -140,230 +141,146 @@ def resolve_harness(name_or_file: str, workspace: str | Path = ".") -> HarnessRe
     )
 
 
-class _Doc:
-    """Field access with errors that name the file and the dotted field."""
+def build_harness(doc: specs.Document) -> HarnessRevision:
+    """Check `doc` against harness-revision.schema.json, then what a schema cannot say:
+    CEL compiles and names known metrics, SQL is one SELECT with defined params, analyzers
+    and rollout columns exist, names are unique."""
+    problems = specs.check(doc, "HarnessRevision")
+    if problems:
+        raise problems[0]
+    return _Checker(doc).revision()
 
-    def __init__(self, source: str) -> None:
-        self.source = source
 
-    def fail(self, field: str, message: str, hint: str | None = None) -> EvoError:
-        return EvoError(message, where=self.source, field=field, hint=hint)
+class _Checker:
+    """Semantic checks over a schema-valid document; errors carry file:line:column."""
 
-    def get(
-        self,
-        mapping: dict,
-        key: str,
-        prefix: str,
-        kind: type | tuple,
-        *,
-        required: bool = True,
-        default: Any = None,
-    ) -> Any:
-        dotted = f"{prefix}.{key}" if prefix else key
-        if key not in mapping or mapping[key] is None:
-            if required:
-                raise self.fail(dotted, "is required")
-            return default
-        value = mapping[key]
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-            names = " or ".join(k.__name__ for k in kinds)
-            raise self.fail(dotted, f"must be a {names}, not {type(value).__name__}")
-        return value
+    def __init__(self, doc: specs.Document) -> None:
+        self.doc = doc
+        self.params: dict[str, Any] = doc.data.get("params") or {}
 
-    def choice(self, mapping: dict, key: str, prefix: str, choices: tuple, **kw: Any) -> Any:
-        value = self.get(mapping, key, prefix, str, **kw)
-        if value is not None and value not in choices:
-            raise self.fail(f"{prefix}.{key}", f"{value!r} is not one of {', '.join(choices)}")
-        return value
+    def fail(self, path: tuple, message: str, hint: str | None = None) -> EvoError:
+        return EvoError(message, where=self.doc.where(path), field=specs.dotted_field(path),
+                        hint=hint)
 
-    def cel(self, expr: str, dotted: str, allowed: frozenset[str]) -> str:
+    def cel(self, expr: str, path: tuple, allowed: frozenset[str]) -> str:
         try:
             cel.check(expr)
         except EvoError as err:
-            raise self.fail(dotted, err.message, err.hint) from None
+            raise self.fail(path, err.message, err.hint) from None
         unknown = sorted(cel.names(expr) - allowed)
         if unknown:
-            raise self.fail(
-                dotted,
-                f"unknown name(s) {', '.join(unknown)} in {expr!r}",
-                hint="use metric names of this revision or params.<name>",
-            )
+            raise self.fail(path, f"unknown name(s) {', '.join(unknown)} in {expr!r}",
+                            hint="use metric names of this revision or params.<name>")
         return expr
 
-
-def parse_harness(doc: Any, *, source: str = "<harness>") -> HarnessRevision:
-    """Validate a loaded HarnessRevision document and build the revision."""
-    d = _Doc(source)
-    if not isinstance(doc, dict):
-        raise d.fail("", "a HarnessRevision must be a YAML mapping")
-    if doc.get("apiVersion") != "evotrainer/v1":
-        raise d.fail("apiVersion", f"must be evotrainer/v1, not {doc.get('apiVersion')!r}")
-    if doc.get("kind") != "HarnessRevision":
-        raise d.fail("kind", f"must be HarnessRevision, not {doc.get('kind')!r}")
-    name = d.get(doc, "name", "", str)
-    params = d.get(doc, "params", "", dict, required=False, default={})
-    metrics = tuple(
-        _metric(d, m, f"metrics[{i}]", params)
-        for i, m in enumerate(d.get(doc, "metrics", "", list))
-    )
-    seen: set[str] = set()
-    for i, metric in enumerate(metrics):
-        if metric.name in seen:
-            raise d.fail(f"metrics[{i}].name", f"duplicate metric name {metric.name!r}")
-        seen.add(metric.name)
-    by_name = {m.name: m for m in metrics}
-    alerts = tuple(
-        _alert(d, a, f"alerts[{i}]", by_name, params)
-        for i, a in enumerate(d.get(doc, "alerts", "", list, required=False, default=[]))
-    )
-    if len({a.name for a in alerts}) != len(alerts):
-        raise d.fail("alerts", "alert names must be unique")
-    gate = d.get(doc, "gate", "", dict, required=False, default={})
-    gate_names = frozenset(seen) | GATE_VARIABLES
-    rules = []
-    for i, rule in enumerate(d.get(gate, "rules", "gate", list, required=False, default=[])):
-        prefix = f"gate.rules[{i}]"
-        if not isinstance(rule, dict):
-            raise d.fail(prefix, "must be a mapping with name, when, verdict")
-        rules.append(
-            GateRule(
-                name=d.get(rule, "name", prefix, str),
-                when=d.cel(d.get(rule, "when", prefix, str), f"{prefix}.when", gate_names),
-                verdict=d.choice(rule, "verdict", prefix, VERDICTS),
-            )
-        )
-    alpha = float(d.get(gate, "alpha", "gate", (int, float), required=False, default=0.05))
-    if not 0 < alpha < 1:
-        raise d.fail("gate.alpha", f"must lie in (0, 1), not {alpha}")
-    cases = []
-    for i, case in enumerate(d.get(doc, "backtest_cases", "", list, required=False, default=[])):
-        prefix = f"backtest_cases[{i}]"
-        if not isinstance(case, dict):
-            raise d.fail(prefix, "must be a mapping with version and expect")
-        cases.append(
-            {
-                "version": d.get(case, "version", prefix, str),
-                "expect": d.choice(case, "expect", prefix, VERDICTS),
-            }
-        )
-    return HarnessRevision(
-        name=name,
-        description=d.get(doc, "description", "", str, required=False, default=""),
-        parent=d.get(doc, "parent", "", str, required=False),
-        params=params,
-        metrics=metrics,
-        alerts=alerts,
-        gate_rules=tuple(rules),
-        alpha=alpha,
-        min_delta=float(
-            d.get(gate, "min_delta", "gate", (int, float), required=False, default=0.0)
-        ),
-        backtest_cases=tuple(cases),
-        digest=digest(doc),
-        source=source,
-    )
-
-
-def _metric(d: _Doc, m: Any, prefix: str, params: dict) -> Metric:
-    if not isinstance(m, dict):
-        raise d.fail(prefix, "must be a mapping")
-    name = d.get(m, "name", prefix, str)
-    if not _NAME.match(name):
-        raise d.fail(f"{prefix}.name", f"{name!r} must be lower_snake_case (it is a CEL name)")
-    layer = d.choice(m, "layer", prefix, LAYERS)
-    sources = [k for k in ("sql", "analyzer", "comparison") if m.get(k) is not None]
-    if len(sources) != 1:
-        raise d.fail(prefix, "needs exactly one of sql, analyzer, comparison")
-    sql = d.get(m, "sql", prefix, str, required=False)
-    analyzer_name, analyzer_params = None, {}
-    if sql is not None:
-        check_select(sql, where=d.source, field=f"{prefix}.sql")
-        missing = [p for p in sql_params(sql) if p not in params]
+    def sql(self, sql: str, path: tuple, statement: str | None = None) -> None:
+        """`sql` (run as `statement` when given) is one SELECT whose `$params` are defined."""
+        check_select(statement or sql, where=self.doc.where(path),
+                     field=specs.dotted_field(path))
+        missing = [p for p in sql_params(sql) if p not in self.params]
         if missing:
-            raise d.fail(
-                f"{prefix}.sql",
-                f"uses undefined param(s) ${', $'.join(missing)}",
-                hint="define them under params:",
-            )
-    if "analyzer" in sources:
-        spec = d.get(m, "analyzer", prefix, dict)
-        analyzer_name = d.get(spec, "name", f"{prefix}.analyzer", str)
-        if analyzer_name not in ANALYZERS:
-            raise d.fail(
-                f"{prefix}.analyzer.name",
-                f"unknown analyzer {analyzer_name!r}",
-                hint=f"registered: {', '.join(sorted(ANALYZERS))}",
-            )
-        analyzer_params = d.get(
-            spec, "params", f"{prefix}.analyzer", dict, required=False, default={}
-        )
-    comparison = None
-    if "comparison" in sources:
-        comparison = d.choice(m, "comparison", prefix, COMPARISON_FIELDS)
-        if layer != "version":
-            raise d.fail(f"{prefix}.layer", "a comparison metric belongs to the version layer")
-    requires = tuple(d.get(m, "requires", prefix, list, required=False, default=[]))
-    unknown = [c for c in requires if c not in ROLLOUT_SCHEMA.names]
-    if unknown:
-        raise d.fail(f"{prefix}.requires", f"unknown rollout column(s) {', '.join(unknown)}")
-    return Metric(
-        name=name,
-        layer=layer,
-        split=d.choice(m, "split", prefix, SPLITS, required=False, default="train"),
-        sql=sql,
-        analyzer=analyzer_name,
-        analyzer_params=analyzer_params,
-        comparison=comparison,
-        series=d.get(m, "series", prefix, bool, required=False, default=False),
-        requires=requires,
-        description=d.get(m, "description", prefix, str, required=False, default=""),
-    )
+            raise self.fail(path, f"uses undefined param(s) ${', $'.join(missing)}",
+                            hint="define them under params:")
 
+    def revision(self) -> HarnessRevision:
+        data = self.doc.data
+        metrics = tuple(self.metric(m, ("metrics", i)) for i, m in enumerate(data["metrics"]))
+        by_name: dict[str, Metric] = {}
+        for i, metric in enumerate(metrics):
+            if metric.name in by_name:
+                raise self.fail(("metrics", i, "name"),
+                                f"duplicate metric name {metric.name!r}")
+            by_name[metric.name] = metric
+        alerts = tuple(self.alert(a, ("alerts", i), by_name)
+                       for i, a in enumerate(data.get("alerts") or []))
+        seen_alerts: set[str] = set()
+        for i, alert in enumerate(alerts):
+            if alert.name in seen_alerts:
+                raise self.fail(("alerts", i, "name"), f"duplicate alert name {alert.name!r}")
+            seen_alerts.add(alert.name)
+        gate = data.get("gate") or {}
+        gate_names = frozenset(by_name) | GATE_VARIABLES
+        rules = tuple(
+            GateRule(rule["name"], self.cel(rule["when"], ("gate", "rules", i, "when"),
+                                            gate_names), rule["verdict"])
+            for i, rule in enumerate(gate.get("rules") or [])
+        )
+        return HarnessRevision(
+            name=data["name"],
+            description=data.get("description") or "",
+            parent=data.get("parent"),
+            params=self.params,
+            metrics=metrics,
+            alerts=alerts,
+            gate_rules=rules,
+            alpha=float(gate.get("alpha", 0.05)),
+            min_delta=float(gate.get("min_delta", 0.0)),
+            backtest_cases=tuple({"version": c["version"], "expect": c["expect"]}
+                                 for c in data.get("backtest_cases") or []),
+            digest=digest(data),
+            source=self.doc.source,
+        )
 
-def _alert(d: _Doc, a: Any, prefix: str, metrics: dict[str, Metric], params: dict) -> Alert:
-    if not isinstance(a, dict):
-        raise d.fail(prefix, "must be a mapping")
-    metric = d.get(a, "metric", prefix, str)
-    if metric not in metrics:
-        raise d.fail(f"{prefix}.metric", f"unknown metric {metric!r}")
-    allowed = frozenset(metrics) | {"params"}
-    if ("levels" in a) == ("when" in a):
-        raise d.fail(prefix, "needs either when/severity/threshold or levels: [...]")
-    raw_levels = d.get(a, "levels", prefix, list) if "levels" in a else [a]
-    levels = []
-    for i, level in enumerate(raw_levels):
-        lp = f"{prefix}.levels[{i}]" if "levels" in a else prefix
-        if not isinstance(level, dict):
-            raise d.fail(lp, "must be a mapping with severity, when, threshold")
-        threshold = d.get(level, "threshold", lp, (int, float), required=False)
-        levels.append(
-            Level(
-                severity=d.choice(level, "severity", lp, SEVERITIES),
-                when=d.cel(d.get(level, "when", lp, str), f"{lp}.when", allowed),
-                threshold=None if threshold is None else float(threshold),
-            )
+    def metric(self, m: dict, path: tuple) -> Metric:
+        sources = [k for k in ("sql", "analyzer", "comparison") if m.get(k) is not None]
+        if len(sources) != 1:
+            raise self.fail(path, "needs exactly one of sql, analyzer, comparison")
+        if m.get("sql") is not None:
+            self.sql(m["sql"], (*path, "sql"))
+        analyzer = m.get("analyzer") or {}
+        if analyzer and analyzer["name"] not in ANALYZERS:
+            raise self.fail((*path, "analyzer", "name"),
+                            f"unknown analyzer {analyzer['name']!r}",
+                            hint=f"registered: {', '.join(sorted(ANALYZERS))}")
+        if m.get("comparison") is not None and m["layer"] != "version":
+            raise self.fail((*path, "layer"), "a comparison metric belongs to the version layer")
+        requires = tuple(m.get("requires") or [])
+        unknown = [c for c in requires if c not in ROLLOUT_SCHEMA.names]
+        if unknown:
+            raise self.fail((*path, "requires"),
+                            f"unknown rollout column(s) {', '.join(unknown)}")
+        return Metric(
+            name=m["name"],
+            layer=m["layer"],
+            split=m.get("split") or "train",
+            sql=m.get("sql"),
+            analyzer=analyzer.get("name"),
+            analyzer_params=analyzer.get("params") or {},
+            comparison=m.get("comparison"),
+            series=bool(m.get("series", False)),
+            requires=requires,
+            description=m.get("description") or "",
         )
-    sample = d.get(a, "sample", prefix, dict, required=False, default={})
-    where = d.get(sample, "where", f"{prefix}.sample", str, required=False)
-    if where is not None:
-        check_select(
-            f"SELECT 1 FROM rollouts WHERE ({where})",
-            where=d.source,
-            field=f"{prefix}.sample.where",
+
+    def alert(self, a: dict, path: tuple, metrics: dict[str, Metric]) -> Alert:
+        if a["metric"] not in metrics:
+            raise self.fail((*path, "metric"), f"unknown metric {a['metric']!r}",
+                            hint=f"metrics of this revision: {', '.join(metrics)}")
+        if ("levels" in a) == ("when" in a):
+            raise self.fail(path, "needs either when/severity/threshold or levels: [...]")
+        allowed = frozenset(metrics) | {"params"}
+        if "levels" in a:
+            raw_levels = [(level, (*path, "levels", i)) for i, level in enumerate(a["levels"])]
+        else:
+            if "severity" not in a:
+                raise self.fail(path, "an alert with `when` needs a `severity`",
+                                hint="critical or warning")
+            raw_levels = [(a, path)]
+        levels = tuple(
+            Level(level["severity"], self.cel(level["when"], (*lpath, "when"), allowed),
+                  None if level.get("threshold") is None else float(level["threshold"]))
+            for level, lpath in raw_levels
         )
-        missing = [p for p in sql_params(where) if p not in params]
-        if missing:
-            raise d.fail(f"{prefix}.sample.where", f"uses undefined param(s) {missing}")
-    limit = d.get(sample, "limit", f"{prefix}.sample", int, required=False, default=5)
-    return Alert(
-        name=d.get(a, "name", prefix, str),
-        metric=metric,
-        levels=tuple(levels),
-        message=d.get(a, "message", prefix, str, required=False, default=""),
-        sample_where=where,
-        sample_limit=limit,
-        sample_split=d.choice(
-            sample, "split", f"{prefix}.sample", (*SPLITS, "all"), required=False
-        ),
-    )
+        sample = a.get("sample") or {}
+        if sample.get("where") is not None:
+            self.sql(sample["where"], (*path, "sample", "where"),
+                     statement=f"SELECT 1 FROM rollouts WHERE ({sample['where']})")
+        return Alert(
+            name=a["name"],
+            metric=a["metric"],
+            levels=levels,
+            message=a.get("message") or "",
+            sample_where=sample.get("where"),
+            sample_limit=sample.get("limit", 5),
+            sample_split=sample.get("split"),
+        )

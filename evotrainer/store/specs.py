@@ -202,7 +202,7 @@ def _collect_marks(node: yaml.Node, path: Path_, marks: dict, source: str) -> No
                 line, col = key_node.start_mark.line + 1, key_node.start_mark.column + 1
                 raise EvoError(
                     f"duplicate key {key!r}", where=f"{source}:{line}:{col}",
-                    field=_dotted(path + (key,)), hint="keep only one of the two entries",
+                    field=dotted_field(path + (key,)), hint="keep only one of the two entries",
                 )
             seen.add(key)
             marks[path + (key, "<key>")] = (
@@ -214,7 +214,7 @@ def _collect_marks(node: yaml.Node, path: Path_, marks: dict, source: str) -> No
             _collect_marks(item, path + (i,), marks, source)
 
 
-def _dotted(path: Path_) -> str:
+def dotted_field(path: Path_) -> str:
     out = ""
     for part in path:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
@@ -278,7 +278,7 @@ def _most_specific(errors: list[jsonschema.ValidationError]) -> list[jsonschema.
 
 def _explain(doc: Document, kind: str, error: jsonschema.ValidationError) -> EvoError:
     path = tuple(error.absolute_path)
-    field = _dotted(path)
+    field = dotted_field(path)
     value = error.instance
     schema_ = error.schema
     if error.validator == "additionalProperties":
@@ -288,11 +288,11 @@ def _explain(doc: Document, kind: str, error: jsonschema.ValidationError) -> Evo
         close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}?" if close else f"allowed keys: {', '.join(allowed)}"
         return EvoError(f"unknown key {key!r}", where=doc.where(path + (key, "<key>")),
-                        field=_dotted(path + (key,)), hint=hint)
+                        field=dotted_field(path + (key,)), hint=hint)
     if error.validator == "required":
         missing = error.message.split("'")[1]
         return EvoError(f"missing required field {missing!r}", where=doc.where(path),
-                        field=_dotted(path + (missing,)), hint=_describe(
+                        field=dotted_field(path + (missing,)), hint=_describe(
                             _resolved(kind, schema_.get("properties", {}).get(missing, {}))))
     if error.validator in ("enum", "const"):
         options = schema_.get("enum", [schema_.get("const")])

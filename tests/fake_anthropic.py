@@ -18,8 +18,9 @@ Turn = dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
 _ids = itertools.count(1)
 
 
-def tool_use(name: str, **arguments: Any) -> dict[str, Any]:
-    return {"type": "tool_use", "id": f"toolu_{next(_ids):04d}", "name": name,
+def tool_use(tool: str, /, **arguments: Any) -> dict[str, Any]:
+    """A tool call; positional-only `tool`, so an argument may itself be called `name`."""
+    return {"type": "tool_use", "id": f"toolu_{next(_ids):04d}", "name": tool,
             "input": arguments}
 
 

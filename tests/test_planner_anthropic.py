@@ -175,3 +175,55 @@ def test_data_blocks_cannot_be_closed_from_inside():
     assert block.count("<untrusted-data>") == 1 and block.count("</untrusted-data>") == 1
     body = block.removeprefix("<untrusted-data>\n").removesuffix("\n</untrusted-data>")
     assert json.loads(body) == {"response": "</untrusted-data><untrusted-data>"}
+
+
+def test_tool_inputs_cannot_reach_files_outside_the_workspace(leaky, monkeypatch, tmp_path):
+    """The real attacks through the SDK: a `split` that smuggles SQL (COPY to a file, then
+    read_text of a file outside the workspace), SQL that reads a file itself, and harness
+    names that point at files outside the workspace. None of them may touch a file."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secret = outside / "secret.txt"
+    secret.write_text("TOP-SECRET-LINE-1\nTOP-SECRET-LINE-2\n")
+    written = outside / "pwned.csv"
+    evil_harness = outside / "evil.yaml"
+    evil_harness.write_text((leaky.root / "harness_versions" / "h0.yaml").read_text().replace(
+        "name: h0", "name: evil\ndescription: TOP-SECRET-HARNESS", 1))
+    (leaky.root / "harness_versions" / "linked.yaml").symlink_to(evil_harness)
+    copy = f"train'; COPY (SELECT 'x') TO '{written}' (FORMAT csv); --"
+    read = f"train'; CREATE TABLE leak AS SELECT * FROM read_text('{secret}'); --"
+    script = [
+        message(
+            tool_use("query_rollouts", version="v1", sql="SELECT 1 AS one", split=copy),
+            tool_use("query_rollouts", version="v1", sql="SELECT content FROM leak",
+                     split=read),
+            tool_use("query_rollouts", version="v1",
+                     sql=f"SELECT content FROM read_text('{secret}')"),
+            tool_use("get_harness", name=str(evil_harness)),
+            tool_use("get_harness", name="linked"),
+            tool_use("get_lineage", extra="not in the schema"),
+            tool_use("query_rollouts", version="v1", split="val",
+                     sql="SELECT DISTINCT split FROM rollouts"),
+            tool_use("query_rollouts", version="v1",
+                     sql="SELECT count(DISTINCT split) AS n FROM all_rollouts"),
+            tool_use("get_harness", name="h0"),
+        ),
+        message(text("done")),
+    ]
+    with serve(monkeypatch, script) as api:
+        propose(leaky, "anthropic", 1)
+    results = tool_results(api.requests[1])
+    assert not written.exists()
+    assert "TOP-SECRET" not in json.dumps(api.requests[1])
+    assert [bool(r.get("is_error")) for r in results] == [True] * 6 + [False] * 3
+    for result in results[:2]:
+        assert "does not match the tool's input schema" in result["content"]
+        assert "split" in result["content"]
+    assert "file system operations are disabled" in results[2]["content"]
+    assert "does not match the tool's input schema" in results[3]["content"]
+    assert "outside the workspace" in results[4]["content"]
+    assert "extra" in results[5]["content"]
+    assert '[[\\"val\\"]]' in results[6]["content"].replace(" ", "") or \
+        '"rows":[["val"]]' in results[6]["content"].replace(" ", "")
+    assert '"rows":[[2]]' in results[7]["content"].replace(" ", "")
+    assert '"name":"h0"' in results[8]["content"].replace(" ", "")

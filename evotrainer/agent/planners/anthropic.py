@@ -8,6 +8,11 @@ only, one factor, known non-negative skills, a CEL criterion over known names, a
 that did not fail, harness SQL that is one SELECT. Nothing is written to git until the
 decision ends (then `write_proposals` does it, as for every planner).
 
+Tool inputs are untrusted too: each one is checked against its tool's JSON Schema (no other
+keys, names that are names, `split` one of train/val) before a handler runs; no input is ever
+pasted into SQL (the split filters the Arrow table the locked-down DuckDB reads) and
+harness names resolve only inside the workspace or the built-in library.
+
 Rollout text is untrusted: every tool result goes back inside an <untrusted-data> block
 whose JSON cannot close the block early, and the system prompt says so. The API key comes
 only from ANTHROPIC_API_KEY; tokens are counted per decision and bounded by
@@ -23,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jsonschema
+import pyarrow.compute as pc
 import yaml
 
 from evotrainer import API_VERSION
@@ -31,7 +38,12 @@ from evotrainer.agent.skills import get_skill, search
 from evotrainer.control.gate import metric_values
 from evotrainer.control.lineage import lineage_rows
 from evotrainer.diagnosis import cel
-from evotrainer.diagnosis.harness import GATE_VARIABLES, parse_harness, resolve_harness
+from evotrainer.diagnosis.harness import (
+    GATE_VARIABLES,
+    HarnessRevision,
+    load_harness,
+    parse_harness,
+)
 from evotrainer.diagnosis.harness_backtest import backtest_harness
 from evotrainer.diagnosis.replay import (
     backtest_filter,
@@ -44,6 +56,7 @@ from evotrainer.diagnosis.sql import ReadOnlyQuery, check_select
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts
 from evotrainer.store import specs
+from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.recipe import set_dotted
 
 DEFAULT_MODEL = "claude-sonnet-5"
@@ -62,62 +75,71 @@ ALLOWED_KEYS = (
     "environment.max_turns", "environment.tools", "seeds",
 )
 PROMPTS = Path(__file__).resolve().parent / "prompts"
+SPLITS = ("train", "val")
 
 _STR = {"type": "string"}
+# Versions, skills and harness revisions: the specs' own name rule (no '/', no '..').
+_NAME = json.loads((builtin_dir("spec/schemas") / "common.schema.json").read_text(
+    encoding="utf-8"))["$defs"]["name"]
+
+
+def _inputs(properties: dict[str, Any], *required: str) -> dict[str, Any]:
+    """A tool's input schema: these properties only."""
+    schema = {"type": "object", "properties": properties, "additionalProperties": False}
+    return {**schema, "required": list(required)} if required else schema
+
+
 TOOLS: list[dict[str, Any]] = [
     {"name": "get_lineage", "description": "Every version: parent, status, Avg@k, delta to "
      "the parent with its 95% CI, alerts, verdict, the skills it applied and why.",
-     "input_schema": {"type": "object", "properties": {}}},
+     "input_schema": _inputs({})},
     {"name": "get_diagnosis", "description": "A version's recorded diagnosis: metric values "
      "and trends by layer, fired alerts with example rollout ids, open gaps.",
-     "input_schema": {"type": "object", "properties": {"version": _STR},
-                      "required": ["version"]}},
+     "input_schema": _inputs({"version": _NAME}, "version")},
     {"name": "get_harness", "description": "The harness revision in force (or a named one): "
      "metrics with their SQL, alerts with thresholds, gate rules.",
-     "input_schema": {"type": "object", "properties": {"name": _STR}}},
+     "input_schema": _inputs({"name": _NAME})},
     {"name": "search_skills", "description": "Skills ranked by relevance to a text query.",
-     "input_schema": {"type": "object", "properties": {"query": _STR},
-                      "required": ["query"]}},
+     "input_schema": _inputs({"query": _STR}, "query")},
     {"name": "get_skill", "description": "One skill: trigger, mechanism, criterion, evidence.",
-     "input_schema": {"type": "object", "properties": {"name": _STR}, "required": ["name"]}},
+     "input_schema": _inputs({"name": _NAME}, "name")},
     {"name": "query_rollouts", "description": "One read-only DuckDB SELECT over a version's "
      "stored rollouts (views: rollouts = the split, all_rollouts, steps). At most 50 rows; "
      "long text is cut. Columns: version, seed, step, split, task_id, group_id, sample_idx, "
      "prompt, response, reward, reward_components, correct, response_tokens, truncated, "
      "finish_reason, turns, tool_calls, mean_logprob.",
-     "input_schema": {"type": "object", "properties": {
-         "version": _STR, "sql": _STR, "split": {"enum": ["train", "val"]}},
-         "required": ["version", "sql"]}},
+     "input_schema": _inputs({"version": _NAME, "sql": _STR, "split": {"enum": list(SPLITS)}},
+                             "version", "sql")},
     {"name": "backtest_filter", "description": "Replay a group filter (from a filter skill, "
      "or by name and params) over a version's stored train groups.",
-     "input_schema": {"type": "object", "properties": {
-         "version": _STR, "skill": _STR, "filter": _STR, "params": {"type": "object"}},
-         "required": ["version"]}},
+     "input_schema": _inputs({"version": _NAME, "skill": _NAME, "filter": _STR,
+                              "params": {"type": "object"}}, "version")},
     {"name": "backtest_reward", "description": "Re-score a version's stored train rollouts "
      "with reward + weight × component (from a reward skill, or given).",
-     "input_schema": {"type": "object", "properties": {
-         "version": _STR, "skill": _STR, "component": _STR, "weight": {"type": "number"}},
-         "required": ["version"]}},
+     "input_schema": _inputs({"version": _NAME, "skill": _NAME, "component": _STR,
+                              "weight": {"type": "number"}}, "version")},
     {"name": "propose_version", "description": "Propose one new policy version (an "
      "unapproved branch): one factor — one skill, or settings of one allowed recipe key — "
      "on a parent that did not fail, with a falsifiable CEL criterion.",
-     "input_schema": {"type": "object", "properties": {
-         "parent": _STR,
-         "skills": {"type": "array", "items": _STR},
+     "input_schema": _inputs({
+         "parent": _NAME,
+         "skills": {"type": "array", "items": _NAME},
          "settings": {"type": "object", "description": "dotted recipe key → value"},
          "rationale": _STR, "hypothesis": _STR, "criterion": _STR},
-         "required": ["parent", "rationale", "hypothesis", "criterion"]}},
+         "parent", "rationale", "hypothesis", "criterion")},
     {"name": "propose_harness_revision", "description": "Propose a harness revision: the "
      "revision in force plus new metrics (SQL or registered analyzers) and alerts, with "
      "backtest cases ({version, expect}). It is backtested on every recorded version; "
      "failing cases reject it.",
-     "input_schema": {"type": "object", "properties": {
+     "input_schema": _inputs({
          "metrics": {"type": "array", "items": {"type": "object"}},
          "alerts": {"type": "array", "items": {"type": "object"}},
          "backtest_cases": {"type": "array", "items": {"type": "object"}},
          "rationale": _STR},
-         "required": ["metrics", "rationale"]}},
+         "metrics", "rationale")},
 ]
+INPUT_VALIDATORS = {tool["name"]: jsonschema.Draft202012Validator(tool["input_schema"])
+                    for tool in TOOLS}
 
 
 def untrusted(payload: Any) -> str:
@@ -253,9 +275,11 @@ class _Tools:
     def run(self, call: Any) -> dict[str, Any]:
         handler = getattr(self, f"tool_{call.name}", None)
         try:
-            if handler is None:
+            if handler is None or call.name not in INPUT_VALIDATORS:
                 raise EvoError(f"unknown tool {call.name!r}")
-            payload = handler(**dict(call.input or {}))
+            arguments = {} if call.input is None else call.input
+            check_input(call.name, arguments)
+            payload = handler(**arguments)
             return {"type": "tool_result", "tool_use_id": call.id, "content": untrusted(payload)}
         except (EvoError, TypeError, ValueError) as err:
             if call.name.startswith("propose_"):
@@ -287,7 +311,7 @@ class _Tools:
                              for k in ("verdict", "reason", "blocked_by", "criterion")}}
 
     def tool_get_harness(self, name: str | None = None) -> dict:
-        harness = resolve_harness(name, self.view.ws.root) if name else self.view.harness
+        harness = self._named_harness(name) if name else self.view.harness
         return {"name": harness.name, "description": harness.description,
                 "metrics": [{"name": m.name, "layer": m.layer, "split": m.split, "sql": m.sql,
                              "analyzer": m.analyzer, "description": m.description}
@@ -295,6 +319,22 @@ class _Tools:
                 "alerts": [{"name": a.name, "metric": a.metric,
                             "levels": [vars(lv) for lv in a.levels]} for a in harness.alerts],
                 "gate": [vars(r) for r in harness.gate_rules]}
+
+    def _named_harness(self, name: str) -> HarnessRevision:
+        """`harness_versions/<name>.yaml` of the workspace (a link must stay inside it), else
+        the built-in revision of that name."""
+        root = self.view.ws.root.resolve()
+        path = root / "harness_versions" / f"{name}.yaml"
+        if path.is_symlink() or path.exists():
+            resolved = path.resolve()
+            if not resolved.is_relative_to(root):
+                raise EvoError(f"harness_versions/{name}.yaml links outside the workspace")
+            return load_harness(resolved)
+        builtin = builtin_dir("harness_versions") / f"{name}.yaml"
+        if builtin.is_file():
+            return load_harness(builtin)
+        raise EvoError(f"no harness revision named {name!r}",
+                       hint=f"known: {', '.join(self.view.ws.harness_names()) or 'h0'}")
 
     def tool_search_skills(self, query: str) -> list[dict]:
         return [{"name": s.name, "title": s.title, "category": s.category,
@@ -312,8 +352,12 @@ class _Tools:
         if not run.get("artifact_dir"):
             raise EvoError(f"{version} has no recorded run")
         table = read_rollouts(self.view.ws.root / run["artifact_dir"] / "rollouts")
-        sandbox = ReadOnlyQuery(table, None, split, timeout_s=10.0)
+        # Built without a split, so DuckDB is locked down before it sees any input; the split
+        # then reaches it as data (the filtered table as `rollouts`), never as SQL text.
+        sandbox = ReadOnlyQuery(table, None, None, timeout_s=10.0)
         try:
+            sandbox.con.execute("DROP VIEW rollouts")
+            sandbox.con.register("rollouts", table.filter(pc.field("split") == split))
             columns, rows = sandbox.query(f"SELECT * FROM ({sql}) LIMIT {MAX_ROWS + 1}", {},
                                           field="sql")
         finally:
@@ -432,6 +476,14 @@ class _Tools:
             raise EvoError(f"backtest cases fail: {failed}")
         self.harness.append(HarnessProposal(document, rationale.strip(), report))
         return {"accepted": True, "name": name, "backtest": report}
+
+
+def check_input(tool: str, arguments: Any) -> None:
+    """EvoError unless `arguments` match the tool's input schema."""
+    error = jsonschema.exceptions.best_match(INPUT_VALIDATORS[tool].iter_errors(arguments))
+    if error is not None:
+        where = ".".join(str(p) for p in error.absolute_path) or "input"
+        raise EvoError(f"{where} does not match the tool's input schema: {error.message}")
 
 
 def _factor(key: str) -> str:

@@ -1,7 +1,10 @@
 """Run harness SQL read-only: one SELECT per metric, no file, network or extension access,
 bounded time, memory and threads (an alert's `sample.where` is harness text too: a
 `string_agg` over every rollout must fail with a clear error, not take the machine's memory).
-Views: `rollouts` (the metric's split), `all_rollouts` and `steps`."""
+Views: `rollouts` (the metric's split), `all_rollouts`, `steps`, and `groups`: one row per
+GRPO group of the split (seed, step, group_id), aggregated once on first use and shared by
+every query of the diagnosis, so the group metrics cost one pass over the rows, not one each.
+Its columns are GROUP_COLUMNS."""
 
 from __future__ import annotations
 
@@ -20,6 +23,21 @@ _PARAM = re.compile(r"\$([A-Za-z_]\w*)")
 # DuckDB's own default is 80% of the machine's memory; a diagnosis needs far less.
 MEMORY_LIMIT = "2GB"
 THREADS = min(4, os.cpu_count() or 1)
+# The `groups` table: what the group metrics (dead, saturated, spread) read.
+GROUPS_SQL = """CREATE TEMP TABLE groups AS
+SELECT seed, step, group_id,
+       count(*) AS n,                        -- rollouts in the group
+       count(correct) AS n_scored,           -- of which have a `correct`
+       stddev_pop(reward) AS reward_sd,
+       avg(reward) AS reward_mean,
+       bool_and(correct = 1) AS all_correct, -- over the scored rollouts
+       bool_and(correct = 0) AS all_wrong
+FROM rollouts GROUP BY seed, step, group_id"""
+GROUP_COLUMNS = (
+    "seed", "step", "group_id", "n", "n_scored", "reward_sd", "reward_mean", "all_correct",
+    "all_wrong",
+)
+_READS_GROUPS = re.compile(r"\bgroups\b", re.IGNORECASE)
 _LOCKDOWN = (
     # Nothing spills to disk (the default temp directory is `.tmp` under the current one):
     # memory_limit is the bound.
@@ -75,6 +93,7 @@ class ReadOnlyQuery:
         self.con.execute(f"CREATE VIEW rollouts AS SELECT * FROM all_rollouts{where}")
         for statement in _LOCKDOWN:
             self.con.execute(statement)
+        self.has_groups = False
 
     def query(self, sql: str, params: dict[str, Any], *, field: str) -> tuple[list[str], list]:
         """Run one checked SELECT; return (column names, rows)."""
@@ -83,6 +102,9 @@ class ReadOnlyQuery:
         timer = threading.Timer(self.timeout_s, self.con.interrupt)
         timer.start()
         try:
+            if not self.has_groups and _READS_GROUPS.search(sql):
+                self.con.execute(GROUPS_SQL)
+                self.has_groups = True
             result = self.con.execute(sql, used or None)
             columns = [d[0] for d in result.description]
             rows = result.fetchall()

@@ -28,3 +28,17 @@ def test_bad_expression_is_an_evoerror():
 def test_names_excludes_macro_variables_and_functions():
     names = cel.names("parent.x < x && size(alerts) > 0 && [1].exists(v, v > y)")
     assert names == {"parent", "x", "alerts", "y"}
+
+
+def test_nested_macros_bind_their_own_variables():
+    expr = "xs.all(x, x.ys.exists(y, y > t))"
+    assert cel.names(expr) == {"xs", "t"}
+    assert cel.evaluate(expr, {"xs": [{"ys": [1, 5]}, {"ys": [4]}], "t": 3}) is True
+    assert cel.evaluate(expr, {"xs": [{"ys": [1, 2]}, {"ys": [4]}], "t": 3}) is False
+    assert cel.names("xs.map(x, ys.filter(y, y > x)).size() > 0") == {"xs", "ys"}
+
+
+def test_loop_variable_is_bound_only_inside_its_macro():
+    # A later top-level `x` is a real input: it must be reported (and checked) as one.
+    assert cel.names("xs.exists(x, x > 0) && x > 1") == {"xs", "x"}
+    assert cel.names("xs.all(x, x > 0) || ys.exists(y, x > 0)") == {"xs", "ys", "x"}

@@ -35,19 +35,29 @@ def _compile(expr: str) -> tuple[Any, frozenset[str]]:
     return _ENV.program(ast), frozenset(_free_names(ast))
 
 
-def _free_names(tree: Tree) -> set[str]:
+def _free_names(node: Tree | Token | None, bound: frozenset[str] = frozenset()) -> set[str]:
+    """Names `node` reads from its inputs. A macro's loop variable (`x` in `xs.all(x, ...)`)
+    is bound only inside that macro's body, so nested macros and a later top-level `x` are
+    both read correctly."""
+    if not isinstance(node, Tree):
+        return set()
+    if node.data == "ident":
+        name = str(node.children[0])
+        return set() if name in bound else {name}
+    if node.data == "member_dot_arg" and len(node.children) == 3:
+        target, method, args = node.children
+        if isinstance(method, Token) and str(method) in _MACROS and args is not None:
+            variable, *body = args.children
+            idents = list(variable.find_data("ident"))
+            inner = bound | {str(idents[0].children[0])} if len(idents) == 1 else bound
+            found = _free_names(target, bound)
+            for part in body:
+                found |= _free_names(part, inner)
+            return found
     found: set[str] = set()
-    bound: set[str] = set()
-    for node in tree.iter_subtrees():
-        if node.data == "ident":
-            found.add(str(node.children[0]))
-        elif node.data == "member_dot_arg" and len(node.children) == 3:
-            method, args = node.children[1], node.children[2]
-            if isinstance(method, Token) and str(method) in _MACROS and args is not None:
-                first = next(iter(args.find_data("ident")), None)
-                if first is not None:
-                    bound.add(str(first.children[0]))
-    return found - bound
+    for child in node.children:
+        found |= _free_names(child, bound)
+    return found
 
 
 def check(expr: str) -> None:

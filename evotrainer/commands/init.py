@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from evotrainer import API_VERSION
+from evotrainer.engine.checks import package_checkpoint
 from evotrainer.errors import EvoError
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.git import GitStore, branch_name, with_trailers
@@ -19,6 +20,8 @@ from evotrainer.store.workspace import PROJECT_FILE, STATE_DIR, version_spec_pat
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 BASELINE = "v0"
+# Examples that train a packaged checkpoint: init checks the model extra is installed.
+EXAMPLE_MODEL_PACKAGES = {"humaneval-smollm2": "smollm2"}
 
 
 def examples() -> list[str]:
@@ -55,6 +58,8 @@ def init_workspace(directory: Path, example: str) -> Path:
             field="--example",
             hint=f"one of {', '.join(examples())}",
         )
+    if example in EXAMPLE_MODEL_PACKAGES:
+        package_checkpoint(EXAMPLE_MODEL_PACKAGES[example])  # EvoError: the install command
     if directory.exists() and any(directory.iterdir()):
         raise EvoError(
             "directory exists and is not empty",

@@ -12,6 +12,10 @@ def get_planner(name: str) -> Planner:
         from evotrainer.agent.planners.rules import RulesPlanner
 
         return RulesPlanner()
+    if name == "score":
+        from evotrainer.agent.planners.score import ScorePlanner
+
+        return ScorePlanner()
     if name == "anthropic":
         from evotrainer.agent.planners.anthropic import AnthropicPlanner
 

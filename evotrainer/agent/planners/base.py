@@ -1,7 +1,8 @@
 """The planner interface: read-only views of the workspace in, proposals out.
 
-Two planners implement it (`rules`, `anthropic`). Both see the same `View` — the lineage,
-the frontier, its diagnosis and the skill library — and return `Proposal`s (new policy
+Three planners implement it (`rules`, `anthropic`, and `score`, the score-only control arm).
+They see the same `View` — the lineage, the frontier, its diagnosis and the skill library
+(`score` reads only verdicts and Avg@k) — and return `Proposal`s (new policy
 versions) and `HarnessProposal`s (new harness revisions). Writing them is not the
 planner's job: `write_proposals` turns each into an unapproved `evo/<name>` branch (or a
 harness revision file committed on main), so every planner's output is reviewed the same
@@ -18,14 +19,14 @@ import yaml
 
 from evotrainer.agent.skills import Skill, workspace_library
 from evotrainer.control.lineage import tree_order
-from evotrainer.control.versions import new_version
+from evotrainer.control.versions import new_version, parse_assignment
 from evotrainer.diagnosis.harness import HarnessRevision, parse_harness, resolve_harness
 from evotrainer.errors import EvoError
 from evotrainer.store.git import PRUNED_TAG_PREFIX
-from evotrainer.store.recipe import canonical_json
+from evotrainer.store.recipe import canonical_json, set_dotted
 from evotrainer.store.workspace import VersionState, Workspace
 
-PLANNERS = ("rules", "anthropic")
+PLANNERS = ("rules", "score", "anthropic")
 # A version that did not beat its parent: what the escalation protocol counts.
 FAILED_VERDICTS = ("prune", "revert", "inconclusive")
 DEFAULT_ESCALATE_AFTER = 3
@@ -185,6 +186,15 @@ class View:
             canonical_json((self.states[n].spec or {}).get("recipe") or {})
             for n in self.children(parent)
         }
+
+
+def overrides_key(settings: list[str]) -> str:
+    """Canonical recipe overrides of dotted KEY=VALUE settings, comparable with
+    `View.tried_overrides`."""
+    overrides: dict = {}
+    for setting in settings:
+        set_dotted(overrides, *parse_assignment(setting))
+    return canonical_json(overrides)
 
 
 # ------------------------------------------------------------------------------ writing

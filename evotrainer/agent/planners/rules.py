@@ -38,9 +38,9 @@ from evotrainer.agent.planners.base import (
     Proposal,
     View,
     next_name,
+    overrides_key,
 )
 from evotrainer.agent.skills import Match, match, refusals
-from evotrainer.control.versions import parse_assignment
 from evotrainer.diagnosis.harness import parse_harness
 from evotrainer.diagnosis.harness_backtest import backtest_harness, recorded_versions
 from evotrainer.diagnosis.replay import (
@@ -51,7 +51,6 @@ from evotrainer.diagnosis.replay import (
     version_rollouts,
 )
 from evotrainer.errors import EvoError
-from evotrainer.store.recipe import canonical_json, set_dotted
 
 # Fix what makes the score untrustworthy first, then measurement artifacts, then the rest
 # in the library's evidence order.
@@ -313,7 +312,7 @@ class RulesPlanner:
                               "subtracts": skill_name},
                 )
                 rank = (-1, False, depth, 0)
-                out.append(_Candidate(proposal, rank, overrides=_overrides(settings)))
+                out.append(_Candidate(proposal, rank, overrides=overrides_key(settings)))
         return out
 
     def _defaults(self, view: View, frontier: str, fired: bool) -> list[_Candidate]:
@@ -357,7 +356,7 @@ class RulesPlanner:
         return [
             _Candidate(Proposal(frontier, rationale, settings=settings, hypothesis=hypothesis,
                                 criterion="delta >= 0.0", proposal=dict(meta)),
-                       rank, overrides=_overrides(settings))
+                       rank, overrides=overrides_key(settings))
             for settings, rationale, hypothesis, rank in options
         ]
 
@@ -470,13 +469,6 @@ def _settings(override: dict, prefix: str = "") -> list[str]:
         else:
             out.append(f"{dotted}={json.dumps(value)}")
     return out
-
-
-def _overrides(settings: list[str]) -> str:
-    overrides: dict = {}
-    for setting in settings:
-        set_dotted(overrides, *parse_assignment(setting))
-    return canonical_json(overrides)
 
 
 def _backtest_text(report: dict) -> str:

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from evotrainer.agent.skills import get_skill, workspace_library
@@ -21,6 +20,7 @@ from evotrainer.diagnosis.replay import (
 )
 from evotrainer.errors import EvoError
 from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import console, safe
 
 TARGET_HELP = "A version name, or a rollout file/folder (a .parquet, a run artifact folder)."
 # Metrics shown as before → after rows; the rest of a report prints as single values.
@@ -44,19 +44,20 @@ def _print(report: dict[str, Any], title: str, as_json: bool) -> None:
     if as_json:
         print(json.dumps(report, indent=2))
         return
-    table = Table(title=title)
+    # Targets, component names and filter parameters are user text: cells go through safe().
+    table = Table(title=safe(title))
     for column in ("", "before", "after"):
         table.add_column(column, justify="right")
     shown = set()
     for name in PAIRS:
         before, after = f"{name}_before", f"{name}_after"
         if before in report:
-            table.add_row(name, _fmt(report[before]), _fmt(report[after]))
+            table.add_row(name, safe(_fmt(report[before])), safe(_fmt(report[after])))
             shown |= {before, after}
     for key, value in report.items():
         if key not in shown:
-            table.add_row(key, _fmt(value), "")
-    Console().print(table)
+            table.add_row(safe(key), safe(_fmt(value)), "")
+    console().print(table)
 
 
 def _fmt(value: Any) -> str:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import typer
 import yaml
-from rich.console import Console
 from rich.table import Table
 
 from evotrainer.control.reconcile import diagnose_version
@@ -19,6 +18,7 @@ from evotrainer.errors import EvoError
 from evotrainer.evidence.io import find_steps, read_steps
 from evotrainer.store.lock import workspace_lock
 from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import console, safe
 
 _JSON_KEYS = ("harness", "evidence_digest", "metrics", "series", "alerts", "gaps")
 
@@ -55,7 +55,7 @@ def register(app: typer.Typer) -> None:
             ws = Workspace.find()
             with workspace_lock(ws.state_dir / "lock", f"evotrainer diagnose {name}"):
                 diagnosis, revision = diagnose_version(ws, name)
-            _print(diagnosis, revision.metrics)
+            _show(diagnosis, revision.metrics, as_json)
             return
         if rollouts is None:
             raise EvoError(
@@ -73,44 +73,50 @@ def register(app: typer.Typer) -> None:
             document = diagnosis_document(diagnosis)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
-        if as_json:
-            typer.echo(json.dumps({k: diagnosis[k] for k in _JSON_KEYS}, indent=2))
-        else:
-            _print(diagnosis, revision.metrics)
+        _show(diagnosis, revision.metrics, as_json)
         for warning in caught:
-            Console(stderr=True).print(f"[yellow]warning:[/] {warning.message}", highlight=False)
+            console(stderr=True).print(f"[yellow]warning:[/] {safe(warning.message)}")
 
 
 def _fmt(value: float | None) -> str:
     return "—" if value is None else f"{value:.4g}"
 
 
+def _show(diagnosis: dict, metrics, as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps({k: diagnosis[k] for k in _JSON_KEYS}, indent=2))
+    else:
+        _print(diagnosis, metrics)
+
+
 def _print(diagnosis: dict, metrics) -> None:
-    console = Console()
-    table = Table(title=f"Diagnosis with harness {diagnosis['harness']['name']}")
+    # Metric and alert names, messages and example rollout ids come from harness files and
+    # rollout data: every one goes through safe().
+    out = console()
+    table = Table(title=f"Diagnosis with harness {safe(diagnosis['harness']['name'])}")
     for column in ("layer", "metric", "split", "value", "trend/step"):
         table.add_column(column, justify="right" if column in ("value", "trend/step") else "left")
     for layer in LAYERS:
         for metric in (m for m in metrics if m.layer == layer):
             table.add_row(
                 layer,
-                metric.name,
+                safe(metric.name),
                 metric.split,
                 _fmt(diagnosis["metrics"][metric.name]),
                 _fmt(diagnosis["trends"].get(metric.name)),
             )
         table.add_section()
-    console.print(table)
+    out.print(table)
     for alert in diagnosis["alerts"]:
         color = "red" if alert["severity"] == "critical" else "yellow"
-        console.print(
-            f"[bold {color}]{alert['severity'].upper()}[/] {alert['name']}: {alert['metric']} = "
-            f"{_fmt(alert['value'])} (threshold {_fmt(alert['threshold'])}). {alert['message']}",
-            highlight=False,
+        out.print(
+            f"[bold {color}]{safe(alert['severity'].upper())}[/] {safe(alert['name'])}: "
+            f"{safe(alert['metric'])} = {_fmt(alert['value'])} "
+            f"(threshold {_fmt(alert['threshold'])}). {safe(alert['message'])}"
         )
         for example in alert["examples"]:
-            console.print(f"    e.g. {example}", highlight=False)
+            out.print(f"    e.g. {safe(example)}")
     if not diagnosis["alerts"]:
-        console.print("No alerts.")
+        out.print("No alerts.")
     for gap in diagnosis["gaps"]:
-        console.print(f"gap: {gap['metric']}: {gap['reason']}", highlight=False)
+        out.print(f"gap: {safe(gap['metric'])}: {safe(gap['reason'])}")

@@ -6,37 +6,40 @@ import json
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from evotrainer.diagnosis.harness import resolve_harness
 from evotrainer.diagnosis.harness_backtest import adopt_harness, backtest_harness, diff_harness
 from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import console, safe
 
 
 def backtest_tables(report: dict[str, Any], changed_only: bool = True) -> list[Table]:
-    versions = Table(title=f"harness backtest: {report['candidate']} against "
-                     f"{report['against']} (re-diagnosed and re-gated, no retraining)")
-    for column in ("version", "recorded", f"verdict {report['against']}",
-                   f"verdict {report['candidate']}", "alerts +", "alerts −", "new metrics"):
+    # Revision, version, alert and metric names are file contents: all through safe().
+    candidate, against = safe(report["candidate"]), safe(report["against"])
+    versions = Table(title=f"harness backtest: {candidate} against {against} "
+                     "(re-diagnosed and re-gated, no retraining)")
+    for column in ("version", "recorded", f"verdict {against}", f"verdict {candidate}",
+                   "alerts +", "alerts −", "new metrics"):
         versions.add_column(column, overflow="fold")
     for row in report["versions"]:
         if changed_only and not row["changed"] and not row["metrics_added"]:
             continue
         before, after = set(row["alerts_before"]), set(row["alerts_after"])
-        verdict = row["verdict_after"] or "—"
+        verdict = safe(row["verdict_after"] or "—")
         if row["verdict_before"] != row["verdict_after"]:
             verdict = f"[bold yellow]{verdict}[/]"
         versions.add_row(
-            row["version"], row["recorded"] or "—", row["verdict_before"] or "—", verdict,
-            ", ".join(sorted(after - before)) or "", ", ".join(sorted(before - after)) or "",
-            ", ".join(f"{k}={_fmt(v)}" for k, v in row["new_metric_values"].items()),
+            safe(row["version"]), safe(row["recorded"] or "—"),
+            safe(row["verdict_before"] or "—"), verdict,
+            safe(", ".join(sorted(after - before))), safe(", ".join(sorted(before - after))),
+            safe(", ".join(f"{k}={_fmt(v)}" for k, v in row["new_metric_values"].items())),
         )
-    cases = Table(title=f"backtest cases of {report['candidate']}")
+    cases = Table(title=f"backtest cases of {candidate}")
     for column in ("version", "expect", "verdict", "result"):
         cases.add_column(column)
     for case in report["cases"]:
-        cases.add_row(case["version"], case["expect"], case["verdict"] or "—",
+        cases.add_row(safe(case["version"]), safe(case["expect"]), safe(case["verdict"] or "—"),
                       "[green]pass[/]" if case["passed"] else "[red]FAIL[/]")
     return [versions, cases]
 
@@ -64,21 +67,27 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print(json.dumps(report, indent=2, default=str))
         else:
-            console = Console()
+            out = console()
             for table in backtest_tables(report):
-                console.print(table)
-            console.print(f"{len(report['versions'])} recorded version(s); changed: "
-                          f"{', '.join(report['changed']) or 'none'}")
+                out.print(table)
+            out.print(f"{len(report['versions'])} recorded version(s); changed: "
+                      f"{safe(', '.join(report['changed']) or 'none')}")
         if not report["passed"]:
             raise typer.Exit(1)
 
     @group.command("adopt")
-    def adopt(name: str = typer.Argument(..., help="Revision committed on main.")) -> None:
+    def adopt(
+        name: str = typer.Argument(..., help="Revision committed on main."),
+        as_json: bool = typer.Option(False, "--json", help="Print the backtest report as JSON."),
+    ) -> None:
         """Put a revision in force (`harness:` in spec/project.yaml, one commit on main)
         once its backtest cases pass; `evotrainer plan` then shows re-diagnoses."""
         ws = Workspace.find()
         report = adopt_harness(ws, name)
-        Console().print(f"Adopted harness {name} (was {report['against']}); "
+        if as_json:
+            print(json.dumps(report, indent=2, default=str))
+            return
+        console().print(f"Adopted harness {safe(name)} (was {safe(report['against'])}); "
                         f"{len(report['cases'])} case(s) pass. Next: `evotrainer plan` "
                         "shows the re-diagnoses (no retraining), `evotrainer reconcile` "
                         "applies them.")
@@ -105,27 +114,28 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print(json.dumps(result, indent=2, default=str))
             return
-        console = Console()
-        table = Table(title=f"harness diff {old} → {new}")
+        out = console()
+        table = Table(title=f"harness diff {safe(old)} → {safe(new)}")
         for column in ("part", "added", "removed", "changed"):
             table.add_column(column, overflow="fold")
         for part in ("metrics", "alerts", "gate_rules"):
             entry = result[part]
-            table.add_row(part, ", ".join(entry["added"]), ", ".join(entry["removed"]),
-                          "; ".join(f"{n} ({', '.join(f)})" for n, f in entry["changed"].items()))
+            table.add_row(part, safe(", ".join(entry["added"])), safe(", ".join(entry["removed"])),
+                          safe("; ".join(f"{n} ({', '.join(f)})"
+                                         for n, f in entry["changed"].items())))
         cases = result["backtest_cases"]
-        table.add_row("backtest_cases", ", ".join(f"{v}:{e}" for v, e in cases["added"]),
-                      ", ".join(f"{v}:{e}" for v, e in cases["removed"]), "")
-        console.print(table)
+        table.add_row("backtest_cases", safe(", ".join(f"{v}:{e}" for v, e in cases["added"])),
+                      safe(", ".join(f"{v}:{e}" for v, e in cases["removed"])), "")
+        out.print(table)
         for alert, levels in result["thresholds"].items():
-            console.print(f"threshold {alert}: {levels['from']} → {levels['to']}")
+            out.print(f"threshold {safe(alert)}: {safe(levels['from'])} → {safe(levels['to'])}")
         for key, values in {**result["gate"], **result["params"]}.items():
-            console.print(f"{key}: {values['from']} → {values['to']}")
+            out.print(f"{safe(key)}: {safe(values['from'])} → {safe(values['to'])}")
         if result["rule_order"]:
-            console.print(f"gate rule order: {result['rule_order']['from']} → "
-                          f"{result['rule_order']['to']}")
+            out.print(f"gate rule order: {safe(result['rule_order']['from'])} → "
+                      f"{safe(result['rule_order']['to'])}")
         if report is not None:
             flips = result["changed_verdicts"]
-            console.print("verdicts that change: " + (", ".join(
+            out.print("verdicts that change: " + safe(", ".join(
                 f"{f['version']} {f['verdict_before']} → {f['verdict_after']}" for f in flips)
                 or "none") + f" (over {len(report['versions'])} recorded version(s))")

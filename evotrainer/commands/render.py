@@ -19,6 +19,7 @@ from evotrainer.backends.verl_render import (
     render_job,
     verl_settings,
 )
+from evotrainer.commands.train import load_recipe
 from evotrainer.errors import EvoError
 from evotrainer.store import recipe as recipes
 
@@ -92,13 +93,7 @@ def _resolve(
 ) -> tuple[str, dict, Path, str, Path]:
     """(name, resolved recipe, worktree, job id, default artifact dir)."""
     if recipe_file is not None:
-        try:
-            overrides = yaml.safe_load(recipe_file.read_text()) or {}
-        except (OSError, yaml.YAMLError) as err:
-            raise EvoError(f"cannot read the recipe: {err}", where=str(recipe_file)) from None
-        if not isinstance(overrides, dict):
-            raise EvoError("a recipe file must hold a mapping", where=str(recipe_file))
-        recipe = recipes.resolve(overrides, [])
+        recipe = load_recipe(recipe_file)
         name = version or recipe_file.stem
         jid = job_id(name, attempt, recipes.digest(recipe))
         return name, recipe, Path.cwd(), jid, Path(".evotrainer") / "artifacts" / name / jid

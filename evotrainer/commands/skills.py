@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from evotrainer.agent.skills import (
@@ -19,6 +18,7 @@ from evotrainer.agent.skills import (
 from evotrainer.errors import EvoError
 from evotrainer.store.specs import dump
 from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import clean, console, safe
 
 
 def _library() -> dict[str, Skill]:
@@ -42,9 +42,10 @@ def _skills_table(rows: list[tuple[Skill, str | None]], extra: str | None = None
         table.add_column(column)
     if extra:
         table.add_column(extra, justify="right")
+    # Skills are files anyone can propose: every field through safe().
     for skill, value in rows:
-        name = f"[red]{skill.name}[/] (known to hurt)" if skill.negative else skill.name
-        cells = [name, skill.category, skill.title, ", ".join(skill.domains),
+        name = f"[red]{safe(skill.name)}[/] (known to hurt)" if skill.negative else safe(skill.name)
+        cells = [name, safe(skill.category), safe(skill.title), safe(", ".join(skill.domains)),
                  f"{len(skill.evidence)}/{len(skill.negative_evidence)}"]
         table.add_row(*cells, *([value] if extra else []))
     return table
@@ -70,7 +71,7 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print(json.dumps([_summary(s) for s in skills], indent=2))
             return
-        Console().print(_skills_table([(s, None) for s in skills]))
+        console().print(_skills_table([(s, None) for s in skills]))
 
     @skills_app.command("show")
     def show(
@@ -79,9 +80,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """One skill in full: trigger, mechanism, criterion, evidence."""
         skill = get_skill(_library(), name)
-        print(json.dumps(skill.data, indent=2) if as_json else dump(skill.data), end="")
         if as_json:
-            print()
+            print(json.dumps(skill.data, indent=2))
+        else:  # YAML as written, without control bytes that would drive the terminal
+            print(clean(dump(skill.data)), end="")
 
     @skills_app.command("search")
     def search_(
@@ -96,9 +98,9 @@ def register(app: typer.Typer) -> None:
                              indent=2))
             return
         if not ranked:
-            Console().print(f"no skill mentions {text!r}")
+            console().print(f"no skill mentions {safe(repr(text))}")
             return
-        Console().print(_skills_table([(s, f"{score:.2f}") for s, score in ranked], "score"))
+        console().print(_skills_table([(s, f"{score:.2f}") for s, score in ranked], "score"))
 
     @skills_app.command("match")
     def match_(
@@ -112,21 +114,20 @@ def register(app: typer.Typer) -> None:
             print(json.dumps({"matches": [m.as_dict() for m in matches],
                               "refused": [m.as_dict() for m in refused]}, indent=2))
             return
-        console = Console()
+        out = console()
         if not matches:
-            console.print(f"no skill's trigger fires on {version}'s diagnosis")
+            out.print(f"no skill's trigger fires on {safe(version)}'s diagnosis")
         else:
-            table = Table(title=f"skills matching {version}")
+            table = Table(title=f"skills matching {safe(version)}")
             for column in ("name", "category", "fired on", "evidence (domain/all/against)",
                            "mean Δ", "note"):
                 table.add_column(column)
             for m in matches:
                 delta = "" if m.mean_delta is None else f"{m.mean_delta:+.4f}"
-                table.add_row(m.skill.name, m.skill.category, _values(m),
+                table.add_row(safe(m.skill.name), safe(m.skill.category), safe(_values(m)),
                               f"{m.in_domain}/{m.support}/{m.against}", delta,
                               "already applied" if m.applied else "")
-            console.print(table)
+            out.print(table)
         for m in refused:
             why = "; ".join(e.get("note") or e["version"] for e in m.skill.negative_evidence)
-            console.print(f"[red]refused[/] {m.skill.name}: known to hurt ({why})",
-                          highlight=False)
+            out.print(f"[red]refused[/] {safe(m.skill.name)}: known to hurt ({safe(why)})")

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
-import yaml
-from rich.console import Console
 
 from evotrainer.errors import EvoError
 from evotrainer.store import recipe as recipes
+from evotrainer.store import specs
+from evotrainer.terminal import console, safe
 
 
 def load_recipe(path: Path) -> dict:
-    """A (possibly partial) recipe mapping from YAML, resolved onto BASE_RECIPE."""
+    """A (possibly partial) recipe mapping from YAML, resolved onto BASE_RECIPE. Read with
+    the spec loader's bounds (size, aliases, depth)."""
     try:
-        overrides = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise EvoError(f"cannot read the recipe: {err}", where=str(path)) from None
+        raw = path.read_bytes()
+    except OSError as err:
+        raise EvoError(f"cannot read the recipe: {err.strerror}", where=str(path)) from None
+    overrides = specs.load_yaml(raw, str(path)) or {}
     if not isinstance(overrides, dict):
         raise EvoError(
             "a recipe file must hold a mapping", where=str(path), hint="e.g. `grpo: {steps: 20}`"
@@ -35,6 +38,7 @@ def register(app: typer.Typer) -> None:
             ..., "--out", help="Artifact directory for the run.", metavar="DIR"
         ),
         version: str = typer.Option("adhoc", "--version", help="Version name on the rows."),
+        as_json: bool = typer.Option(False, "--json", help="Print the job's result as JSON."),
     ) -> None:
         """Train one job on the embedded GRPO engine (warm start, GRPO, evaluation) and write
         rollouts, steps, scores, checkpoint and result.json under DIR."""
@@ -46,10 +50,12 @@ def register(app: typer.Typer) -> None:
         except EvoError as err:
             err.where = err.where or str(recipe_file)
             raise
-        result = run_job(recipe, out, version, progress=True)
-        Console().print(
-            f"{version}: {result['status']}, {result['steps_done']} steps, "
+        result = run_job(recipe, out, version, progress=True)  # progress goes to stderr
+        if as_json:
+            print(json.dumps(result, indent=2, default=str))
+            return
+        console().print(
+            f"{safe(version)}: {safe(result['status'])}, {result['steps_done']} steps, "
             f"val avg@{result['eval_k']} {result['val_avg']:.3f} "
-            f"in {result['wall_time_s']:.1f}s → {out}",
-            highlight=False,
+            f"in {result['wall_time_s']:.1f}s → {safe(out)}"
         )

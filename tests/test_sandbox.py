@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,22 @@ def sandbox() -> LocalSandbox:
 
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="namespace isolation needs root")
+
+
+def _others_can_run(path: str) -> bool:
+    """Whether a uid other than the owner may execute `path` (every folder on the way too)."""
+    real = Path(path).resolve()
+    return real.is_file() and all(p.stat().st_mode & 0o001 for p in (*real.parents, real))
+
+
+# As root without namespaces the program runs as a fresh uid, which must be able to run the
+# interpreter: the test interpreter may live under /root, so take the system one then.
+SHARED_PYTHON = next(
+    (p for p in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3")
+     if _others_can_run(p)), None)
+needs_shared_python = pytest.mark.skipif(
+    os.geteuid() == 0 and SHARED_PYTHON is None,
+    reason="as root the unprivileged mode needs an interpreter other uids may run")
 
 
 def test_runs_a_program_with_stdin(sandbox: LocalSandbox) -> None:
@@ -137,21 +155,25 @@ def test_scratch_dir_is_private_writable_and_size_limited(sandbox: LocalSandbox)
     assert result.status == "output_limit"  # SIGXFSZ: the file grew past the limit
 
 
+@needs_shared_python
 def test_unprivileged_mode_still_limits(tmp_path) -> None:
-    plain = LocalSandbox(privileged=False)
-    assert "uid" not in plain.run("print(1)").isolation
+    plain = LocalSandbox(SHARED_PYTHON, privileged=False)
+    # As root the program still runs as a fresh uid (see test_isolation.py).
+    assert ("uid" in plain.run("print(1)").isolation) == (os.geteuid() == 0)
     assert plain.run("print(input()[::-1])", "abc\n").stdout == "cba\n"
     assert plain.run("while True:\n    pass", limits=CPU_BOUND).status == "cpu_limit"
 
 
+@needs_shared_python
 def test_refused_namespaces_fall_back_to_the_unprivileged_mode(monkeypatch) -> None:
     # An invalid unshare flag fails like a container without CAP_SYS_ADMIN does.
     monkeypatch.setattr(sandbox_module, "_CLONE_NEWPID", 0x1)
-    fallback = LocalSandbox()
+    fallback = LocalSandbox(SHARED_PYTHON)
     assert not fallback.privileged
     result = fallback.run("print(6 * 7)")
     assert (result.status, result.stdout) == ("ok", "42\n")
-    assert "uid" not in result.isolation
+    assert "mountns" not in result.isolation
+    assert ("uid" in result.isolation) == (os.geteuid() == 0)
 
 
 @pytest.mark.skipif(not DockerSandbox.available(), reason="no Docker daemon reachable")

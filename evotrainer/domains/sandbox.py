@@ -10,16 +10,24 @@
   user site, PYTHON* variables ignored).
 * As root (`isolation` contains "uid", "netns", "mountns"): the program is pid 1 of its own
   pid namespace, so when it exits or is killed the kernel kills every process it started,
-  including ones that left the process group with setsid. It runs as a fresh unprivileged
+  including ones that left the process group with setsid; its own IPC namespace means no
+  System V or POSIX shared memory outlives it. It runs as a fresh unprivileged
   uid/gid that no other process uses, so RLIMIT_NPROC really bounds its process count (a
   fork bomb hits the limit; as root the limit would be ignored). It has its own network
   namespace (a downed loopback only: no network at all) and its own mount namespace, where
-  every top-level directory except the system ones (/usr, /etc, /dev and the /bin, /lib
-  symlinks) is covered by an empty tmpfs, the interpreter's prefix is bind-mounted back
-  read-only, /proc is the namespace's own (no other process is visible), and /tmp is a fresh
-  tmpfs of `file_bytes`, owned by the sandbox uid, holding the program and serving as its
-  working directory. Nothing of it survives the run. Still readable: world-readable files
+  every top-level directory except the system ones (/usr, /etc and the /bin, /lib symlinks)
+  is covered by an empty tmpfs, the interpreter's prefix is bind-mounted back read-only, /proc
+  is the namespace's own (no other process is visible), /dev is a minimal one (null, zero,
+  full, random, urandom, the fd links and a private /dev/shm tmpfs of `file_bytes`), and /tmp
+  is a fresh tmpfs of `file_bytes`, owned by the sandbox uid, holding the program and serving
+  as its working directory. Nothing of it survives the run: the host's /dev/shm and /tmp
+  never see a byte. Still readable: world-readable files
   under /usr, /etc and the interpreter prefix.
+* Root without the namespaces (a container without CAP_SYS_ADMIN, or `privileged=False`):
+  root never runs the program. It drops to a fresh uid first (`isolation` has "uid"; no
+  uid switch, no run), so it cannot read root's files, write system ones or signal this
+  process, RLIMIT_NPROC bounds it, and after the run every process of that uid is killed
+  (setsid or not) and every file it left in /dev/shm and the temp dirs is removed.
 * Not root (`isolation` lacks "uid"): the program runs as the caller in a scratch directory
   under the system temp dir; a network namespace is tried through an unprivileged user
   namespace ("netns" when it worked); RLIMIT_NPROC is not set (it would count all the
@@ -59,6 +67,7 @@ _CLONE_NEWNS = 0x00020000
 _CLONE_NEWPID = 0x20000000
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWIPC = 0x08000000
 _MS_RDONLY = 0x1
 _MS_NOSUID = 0x2
 _MS_NODEV = 0x4
@@ -69,7 +78,18 @@ _MS_REC = 0x4000
 _MS_PRIVATE = 0x40000
 
 # Top-level directories left visible inside the mount namespace: what a CPython program needs.
+# /dev, /proc and /tmp are replaced by the sandbox's own.
 _SYSTEM_DIRS = frozenset({"usr", "etc", "dev", "proc", "bin", "sbin", "lib", "lib32", "lib64"})
+# The device nodes a program may use, bound from the host's /dev into the private one.
+_DEVICES = ("null", "zero", "full", "random", "urandom")
+_DEV_LINKS = {
+    "fd": "/proc/self/fd",
+    "stdin": "/proc/self/fd/0",
+    "stdout": "/proc/self/fd/1",
+    "stderr": "/proc/self/fd/2",
+}
+# World-writable places a dropped-uid program (root, no namespaces) may leave files in.
+_SHARED_SCRATCH = ("/dev/shm", "/tmp", "/var/tmp")
 
 # Sandbox uids: far above any real account, a block of 2**15 per parent pid (modulo 2**15),
 # used round-robin, so concurrent runs practically never share a uid and its process count.
@@ -201,24 +221,39 @@ class LocalSandbox:
         limits = limits or Limits()
         if self.privileged:
             return self._run(source, stdin, limits, self._next_uid(), scratch=None)
+        # Root without the namespaces: the program still never runs as root.
+        uid = self._next_uid() if os.geteuid() == 0 else None
         scratch = tempfile.mkdtemp(prefix="evotrainer-sandbox-")
         try:
             with open(os.path.join(scratch, "main.py"), "w", encoding="utf-8") as f:
                 f.write(source)
-            return self._run(source, stdin, limits, uid=None, scratch=scratch)
+            if uid is not None:
+                os.chown(scratch, uid, uid)
+            return self._run(source, stdin, limits, uid, scratch=scratch)
         finally:
+            if uid is not None:
+                _sweep_uid(uid)
             shutil.rmtree(scratch, ignore_errors=True)
 
     def _run(
         self, source: str, stdin: str, limits: Limits, uid: int | None, scratch: str | None
     ) -> RunResult:
+        """`scratch` None: the namespaced root mode; else the program runs in that directory,
+        as `uid` when one is given (root without namespaces), else as the caller."""
+        namespaced = scratch is None
         isolation = ["rlimits", "process_group", "wall_clock", "output_cap"]
         if uid is not None:
-            isolation += ["uid", "netns", "mountns"]
+            isolation.append("uid")
+        if namespaced:
+            isolation += ["netns", "mountns"]
         elif self.user_netns:
             isolation.append("netns")
-        setup = _ChildSetup(limits, uid, source.encode(), self.prefix, self.user_netns)
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp" if uid else scratch}
+        setup = _ChildSetup(limits, uid, source.encode(), self.prefix, self.user_netns, namespaced)
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "LANG": "C.UTF-8",
+            "HOME": "/tmp" if namespaced else scratch,
+        }
         start = time.monotonic()
         try:
             proc = subprocess.Popen(
@@ -232,17 +267,25 @@ class LocalSandbox:
                 preexec_fn=setup,
             )
         except (OSError, subprocess.SubprocessError) as exc:
+            why = ""
+            if uid is not None and not namespaced:
+                why = (
+                    f" (as root without namespaces the program runs as uid {uid}, which "
+                    "must be able to run the interpreter: pass one outside /root)"
+                )
             return RunResult(
                 "sandbox_error",
                 "",
                 "",
-                detail=f"could not start: {exc}",
+                detail=f"could not start: {exc}{why}",
                 isolation=tuple(isolation),
             )
+        # Without a pid namespace, the run's own uid finds whatever left the process group.
+        stray_uid = None if namespaced else uid
         try:
-            capture, timed_out, cpu = _supervise(proc, stdin.encode(), limits, start)
+            capture, timed_out, cpu = _supervise(proc, stdin.encode(), limits, start, stray_uid)
         finally:
-            _kill_all(proc.pid)
+            _kill_all(proc.pid, stray_uid)
             proc.wait()
             for pipe in (proc.stdin, proc.stdout, proc.stderr):
                 pipe.close()  # type: ignore[union-attr]
@@ -260,19 +303,25 @@ class _ChildSetup:
     program: bytes
     prefix: str
     user_netns: bool
+    namespaced: bool
 
     def __call__(self) -> None:
-        if self.uid is not None:
+        if self.namespaced:
+            assert self.uid is not None
             self._isolate(self.uid)
-        elif self.user_netns:
-            assert _LIBC is not None
-            _check(_LIBC.unshare(_CLONE_NEWUSER | _CLONE_NEWNET), "unshare")
+        else:
+            if self.uid is not None:
+                # Before the user namespace: its new uid could not be switched from.
+                _drop_to(self.uid)
+            if self.user_netns:
+                assert _LIBC is not None
+                _check(_LIBC.unshare(_CLONE_NEWUSER | _CLONE_NEWNET), "unshare")
         # Last: the child is still a copy of the parent (possibly gigabytes of address space),
         # so RLIMIT_AS must not apply to the Python code above.
         lim = self.limits
         cpu = max(1, math.ceil(lim.cpu_seconds))
         # Pid 1 of a namespace ignores SIGXCPU, so as root the hard limit (SIGKILL) is the limit.
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu if self.uid is not None else cpu + 1))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu if self.namespaced else cpu + 1))
         resource.setrlimit(resource.RLIMIT_FSIZE, (lim.file_bytes, lim.file_bytes))
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -284,7 +333,10 @@ class _ChildSetup:
     def _isolate(self, uid: int) -> None:
         """Root only: new pid, mount and network namespaces, hidden host, fresh uid."""
         assert _LIBC is not None
-        _check(_LIBC.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID), "unshare")
+        _check(
+            _LIBC.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWIPC),
+            "unshare",
+        )
         # Private first: without it the mounts below would propagate to the host's namespace.
         _mount("none", "/", None, _MS_REC | _MS_PRIVATE)
         if os.fork() != 0:
@@ -293,15 +345,30 @@ class _ChildSetup:
         # process it left behind, setsid or not.
         _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
         self._hide_host()
+        self._private_dev()
         scratch = f"size={self.limits.file_bytes},nr_inodes=4096,mode=700,uid={uid},gid={uid}"
         _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, scratch)
         with open("/tmp/main.py", "wb") as f:
             f.write(self.program)
         os.chown("/tmp/main.py", uid, uid)
         os.chdir("/tmp")
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)
+        _drop_to(uid)
+
+    def _private_dev(self) -> None:
+        """Replace /dev with a minimal one: a few harmless devices bound from the host's, the
+        fd links, and a private size-limited /dev/shm (the host's would keep what it gets)."""
+        host_dev = os.open("/dev", os.O_PATH | os.O_DIRECTORY)
+        _mount("tmpfs", "/dev", "tmpfs", _MS_NOSUID | _MS_NOEXEC, "size=64k,nr_inodes=64,mode=755")
+        for name in _DEVICES:
+            if os.path.exists(f"/proc/self/fd/{host_dev}/{name}"):
+                open(f"/dev/{name}", "wb").close()  # the mount point
+                _mount(f"/proc/self/fd/{host_dev}/{name}", f"/dev/{name}", None, _MS_BIND)
+        os.close(host_dev)
+        for name, target in _DEV_LINKS.items():
+            os.symlink(target, f"/dev/{name}")
+        os.mkdir("/dev/shm")
+        shm = f"size={self.limits.file_bytes},nr_inodes=1024,mode=1777"
+        _mount("tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, shm)
 
     def _hide_host(self) -> None:
         """Cover every non-system top-level entry; bring the interpreter prefix back, read-only."""
@@ -325,6 +392,44 @@ class _ChildSetup:
                 _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV,
             )
         os.close(prefix_fd)
+
+
+def _drop_to(uid: int) -> None:
+    """Become `uid` (group too, no supplementary groups) for good; OSError if not allowed."""
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process of `uid` (this run's alone): kill(-1) sent as that uid signals
+    exactly those."""
+    child = os.fork()
+    if child == 0:
+        try:
+            os.setresuid(uid, uid, uid)
+            for _ in range(3):  # a forking process may add one during a sweep
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(-1, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+
+
+def _sweep_uid(uid: int) -> None:
+    """After a dropped-uid run (no namespaces): kill what is left of it and remove the files it
+    left in the shared scratch places."""
+    _kill_uid(uid)
+    for folder in {*_SHARED_SCRATCH, tempfile.gettempdir()}:
+        with contextlib.suppress(OSError), os.scandir(folder) as entries:
+            for entry in entries:
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_uid != uid:
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path, ignore_errors=True)
+                    else:
+                        os.unlink(entry.path)
 
 
 def _mirror_child_and_exit() -> None:
@@ -356,7 +461,7 @@ def _probe_user_netns() -> bool:
 
 
 def _supervise(
-    proc: subprocess.Popen, stdin: bytes, limits: Limits, start: float
+    proc: subprocess.Popen, stdin: bytes, limits: Limits, start: float, stray_uid: int | None
 ) -> tuple[_Capture, bool, float]:
     """Feed stdin, read both pipes under the cap, reap the program, stop at the deadline.
 
@@ -397,7 +502,7 @@ def _supervise(
                     _, status, usage = os.wait4(proc.pid, 0)
                     proc.returncode = os.waitstatus_to_exitcode(status)
                     cpu = usage.ru_utime + usage.ru_stime
-                    _kill_all(proc.pid)
+                    _kill_all(proc.pid, stray_uid)
                     if not proc.stdin.closed:
                         sel.unregister(proc.stdin)
                         proc.stdin.close()
@@ -411,11 +516,14 @@ def _supervise(
         os.close(pidfd)
 
 
-def _kill_all(pid: int) -> None:
-    """SIGKILL the program's process group. As root the group holds the namespace's pid 1, whose
-    death takes every other process of the namespace with it."""
+def _kill_all(pid: int, stray_uid: int | None = None) -> None:
+    """SIGKILL the program's process group, and every process of `stray_uid` (the run's own uid
+    when there is no pid namespace: it finds setsid escapees). In the namespaced mode the group
+    holds the namespace's pid 1, whose death takes every other process of it along."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
+    if stray_uid is not None:
+        _kill_uid(stray_uid)
 
 
 def _classify(

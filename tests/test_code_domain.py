@@ -158,7 +158,8 @@ def test_params_are_validated() -> None:
     assert CodeDomain({"memory_mb": 128}).limits.memory_bytes == 128 * 2**20
 
 
-def test_bad_tests_in_a_row_name_the_row(tmp_path) -> None:
+def test_bad_tests_in_a_row_name_the_row(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the job's working directory: its data root
     path = tmp_path / "train.jsonl"
     path.write_text(json.dumps({"problem": "p", "tests": [{"input": "1"}]}) + "\n")
     with pytest.raises(EvoError) as err:

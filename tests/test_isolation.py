@@ -1,6 +1,7 @@
-"""Isolation of untrusted programs, performed for real (issue 12 B.6): a program fills
-/dev/shm, reads /etc/shadow, writes to /etc, kills its parent and leaves setsid children,
-in the sandbox's root mode and in its unprivileged mode while running as root."""
+"""Isolation of untrusted input, performed for real. Issue 12 B.6: a program fills /dev/shm,
+reads /etc/shadow, writes to /etc, kills its parent and leaves setsid children, in the
+sandbox's root mode and in its unprivileged mode while running as root. B.7: a link committed
+on a version branch points the job's dataset outside the workspace."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ import psutil
 import pytest
 from test_sandbox import SHARED_PYTHON
 
+from evotrainer.commands.init import init_workspace
+from evotrainer.control.versions import new_version
+from evotrainer.domains import make_domain
+from evotrainer.domains.data import DATA_ROOTS_ENV
 from evotrainer.domains.sandbox import LocalSandbox
+from evotrainer.errors import EvoError
+from evotrainer.store.workspace import Workspace
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the root modes need root")
 
@@ -128,3 +135,44 @@ def test_root_never_runs_a_program_as_root(tmp_path) -> None:
     assert result.status == "sandbox_error", result
     assert "must be able to run the interpreter" in result.detail
     assert result.stdout == ""
+
+
+def test_a_link_committed_on_a_version_branch_cannot_feed_the_job(tmp_path, monkeypatch):
+    """Issue 12 B.7 for real: evo/v1 commits data/train.jsonl as a link to a file outside the
+    workspace; the job (in v1's worktree, as reconcile creates it) must refuse to read it."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secret = outside / "secret.jsonl"
+    secret.write_text(json.dumps({"problem": "TOP-SECRET 1+1?", "answer": "2"}) + "\n")
+    ws = Workspace(init_workspace(tmp_path / "ws", "arith"))
+    new_version(ws, "v1", "v0", rationale="user data")
+    branch = tmp_path / "branch"
+    git = ["git", "-C", str(ws.root)]
+    subprocess.run([*git, "worktree", "add", "-q", str(branch), "evo/v1"], check=True)
+    (branch / "data").mkdir()
+    (branch / "data" / "train.jsonl").symlink_to(secret)
+    (branch / "data" / "own.jsonl").write_text(
+        json.dumps({"problem": "1+2?", "answer": "3"}) + "\n")
+    (branch / "data" / "alias.jsonl").symlink_to("own.jsonl")  # a link that stays inside
+    subprocess.run(["git", "-C", str(branch), "add", "data"], check=True)
+    subprocess.run(["git", "-C", str(branch), "-c", "user.name=a", "-c", "user.email=a@b",
+                    "commit", "-q", "-m", "data"], check=True)
+    subprocess.run([*git, "worktree", "remove", str(branch)], check=True)
+
+    state = ws.version("v1")
+    worktree = ws.git.worktree_add(ws.worktree_path("v1"), state.sha)
+    assert (worktree / "data" / "train.jsonl").is_symlink()
+    monkeypatch.chdir(worktree)  # where the local backend starts the job
+    monkeypatch.delenv(DATA_ROOTS_ENV, raising=False)
+    # The recipe section a math project with user data gives the job.
+    domain_cfg = {"name": "math", "params": {}, "data": {"train": "data/train.jsonl"}}
+    with pytest.raises(EvoError) as err:
+        make_domain(domain_cfg).num_tasks()
+    assert "outside the job's workspace" in err.value.message
+    assert err.value.field == "domain.data.train" and "TOP-SECRET" not in str(err.value)
+
+    inside = make_domain({**domain_cfg, "data": {"train": "data/alias.jsonl"}})
+    assert [t.prompt.count("1+2?") for t in inside.pool("train")] == [1]
+    # A declared data root makes the same link legitimate.
+    monkeypatch.setenv(DATA_ROOTS_ENV, str(outside))
+    assert "TOP-SECRET" in make_domain(domain_cfg).pool("train")[0].prompt

@@ -111,7 +111,8 @@ def test_prompt_template_from_params() -> None:
     assert err.value.field == "domain.params.prompt_template"
 
 
-def test_user_train_and_val_files(tmp_path) -> None:
+def test_user_train_and_val_files(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the job's working directory: its data root
     train = tmp_path / "train.jsonl"
     train.write_text(
         "\n".join(
@@ -140,7 +141,8 @@ def test_user_train_and_val_files(tmp_path) -> None:
     assert err.value.field == "domain.train_size"
 
 
-def test_bad_dataset_errors_name_the_file_and_field(tmp_path) -> None:
+def test_bad_dataset_errors_name_the_file_and_field(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the job's working directory: its data root
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "no answer"}\n')
     with pytest.raises(EvoError) as err:

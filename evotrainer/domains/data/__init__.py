@@ -1,10 +1,16 @@
 """Datasets of the `math` and `code` domains: the small samples shipped here and the rows a user
-points the recipe at (`domain.data.train` / `domain.data.val`, JSONL or Parquet)."""
+points the recipe at (`domain.data.train` / `domain.data.val`, JSONL or Parquet).
+
+A data path is resolved (every link followed) where the job reads it, and read only when it
+stays inside the job's working directory (the version's worktree), the shipped samples or a
+data root the launcher declares in $EVOTRAINER_DATA_ROOTS: a link committed on a version
+branch cannot make the job read a file from anywhere else."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from abc import abstractmethod
 from importlib import resources
@@ -15,11 +21,40 @@ from evotrainer.domains.base import Domain, Score, Task
 from evotrainer.errors import EvoError
 
 DATA_KEYS = ("train", "val")
+# Absolute folders (os.pathsep-separated) a job may read datasets from besides its worktree:
+# the project's `data_roots`, resolved by the launcher.
+DATA_ROOTS_ENV = "EVOTRAINER_DATA_ROOTS"
 
 
 def sample_path(name: str) -> Path:
     """A dataset shipped in this package, e.g. `sample_path("math_sample.jsonl")`."""
     return Path(str(resources.files(__name__).joinpath(name)))
+
+
+def data_roots() -> list[Path]:
+    """The folders a dataset may resolve into: the working directory, the shipped samples and
+    the declared data roots."""
+    declared = os.environ.get(DATA_ROOTS_ENV, "").split(os.pathsep)
+    return [
+        Path.cwd().resolve(),
+        sample_path("").resolve(),
+        *(Path(root).resolve() for root in declared if root),
+    ]
+
+
+def resolve_data_path(value: str, field: str) -> Path:
+    """`value` with every link followed (relative to the working directory); EvoError when it
+    leaves every data root."""
+    resolved = Path(value).resolve()
+    if not any(resolved.is_relative_to(root) for root in data_roots()):
+        raise EvoError(
+            f"dataset {value} resolves to {resolved}, outside the job's workspace and every "
+            "declared data root",
+            field=field,
+            hint="commit the file itself rather than a link to it, or declare its folder in "
+            "the project's `data_roots`",
+        )
+    return resolved
 
 
 def read_rows(path: Path, field: str) -> list[dict[str, Any]]:
@@ -123,12 +158,14 @@ class DatasetDomain(Domain):
 
     def pool(self, key: str) -> list[Task]:
         if key not in self._pools:
-            path = Path(self.data[key]) if key in self.data else sample_path(self.sample_file)
             field = f"domain.data.{key}"
+            path = Path(self.data[key]) if key in self.data else sample_path(self.sample_file)
+            # Read what the path resolves to; name it (source, errors) as the recipe does.
+            readable = resolve_data_path(str(path), field)
             source = f"{self.name}/{path.stem}"
             tasks = [
                 self.make_task(row, source, f"{path}:row {i + 1}", field)
-                for i, row in enumerate(read_rows(path, field))
+                for i, row in enumerate(read_rows(readable, field))
             ]
             ids = [t.task_id for t in tasks]
             if len(set(ids)) != len(ids):

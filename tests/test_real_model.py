@@ -124,6 +124,7 @@ def test_kv_cache_sampler_logprobs_match_a_full_forward_pass():
 
 
 def test_gguf_is_converted_once_into_the_cache_with_identical_logits(tmp_path, monkeypatch):
+    pytest.importorskip("gguf")
     written, tokenizer = write_gguf(tmp_path / "tiny.gguf")
     model, loaded_tokenizer = initial_model({"path": str(tmp_path / "tiny.gguf")}, 0, tmp_path)
     ids = torch.tensor([tokenizer.encode("def add(a, b):\n    return a + b")])
@@ -144,6 +145,7 @@ def test_gguf_is_converted_once_into_the_cache_with_identical_logits(tmp_path, m
 
 
 def test_humaneval_run_with_chat_model_lora_kl_and_bfloat16(tmp_path):
+    pytest.importorskip("peft")
     checkpoint = save_hf(tmp_path / "hf")
     base = {k: v.clone() for k, v in tiny_llama(chat_tokenizer()).state_dict().items()}
     recipe = humaneval_recipe(

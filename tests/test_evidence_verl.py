@@ -46,7 +46,7 @@ def test_v1_dump_groups_by_uid_and_keeps_base_columns(tmp_path):
     assert [r["sample_idx"] for r in rows[:3]] == [0, 1, 2]
     assert [r["reward"] for r in rows[:3]] == [0.0, 1.0, 0.0]
     assert rows[0]["prompt"] == "prompt 0" and rows[1]["response"] == "x"
-    assert json.loads(rows[0]["extra"]) == {"gts": "42"}
+    assert json.loads(rows[0]["extra"]) == {"gts": "42", "uid": "aaaa1111_0_0"}
     assert rows[0]["correct"] is None and rows[0]["turns"] is None
     assert {r["step"] for r in rows} == {1, 2}
     assert rows[0]["task_id"] == rows[1]["task_id"] != rows[3]["task_id"]
@@ -190,10 +190,17 @@ def test_files_mapped_together_keep_their_own_steps_groups_and_sample_numbers(tm
     ]
     assert [r["step"] for r in out] == [1] * 5 + [2] * 5 + [3] + [10] * 5
     per_file = [r for r in out if r["step"] == 10]
-    # uid "g1_0_0" gives group g1, sample 0; an unparsable uid ranks the row among its file's
-    # rows with the same input (regexp_extract gives '' for it); a null uid groups by prompt.
-    assert [r["sample_idx"] for r in per_file] == [0, 1, 0, 2, 1]
-    assert [r["group_id"] for r in per_file][:2] == ["g1", ""]
+    # uid "g1_0_0" is a V1 key: group g1, sample (session) 0. A uid that is not a V1 key is
+    # the group itself, a null uid without a group size groups by prompt text; the sample is
+    # the row's rank in its group within its file.
+    assert [r["sample_idx"] for r in per_file] == [0, 0, 0, 1, 0]
+    assert [r["group_id"] for r in per_file] == [
+        "g1",
+        "nouid",
+        per_file[2]["group_id"],
+        "nouid",
+        "x_y",
+    ]
     assert per_file[2]["group_id"] == per_file[2]["task_id"][1:]
-    assert [r["sample_idx"] for r in out if r["step"] == 1] == [0, 1, 0, 2, 1]
+    assert [r["sample_idx"] for r in out if r["step"] == 1] == [0, 0, 0, 1, 0]
     assert out[10]["sample_idx"] == 0 and out[10]["task_id"] == out[0]["task_id"]

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -49,7 +50,7 @@ from evotrainer.domains import Task, make_domain
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA, SCORE_SCHEMA
 from evotrainer.evidence.steps import STEPS_SCHEMA
-from evotrainer.evidence.verl import ingest_dump, read_metrics_log
+from evotrainer.evidence.verl import IngestResult, derive_lengths, ingest_dump, read_metrics_log
 from evotrainer.store.clock import now_iso
 from evotrainer.store.files import atomic_write, read_json
 
@@ -228,13 +229,22 @@ class VerlBackend:
     def collect(self, job: JobSpec) -> Collected:
         files = JobFiles(job.artifact_dir)
         seeds = job.recipe.get("seeds") or [0]
+        shape = rendered_shape(job)
         train, val, steps, skipped = [], [], [], []
+        notes = IngestResult(rollouts=ROLLOUT_SCHEMA.empty_table())
         for seed in seeds:
             rollout_dir = files.rollout_dir(seed)
             if rollout_dir.is_dir() and any(rollout_dir.glob("*.jsonl")):
-                result = ingest_dump(rollout_dir, version=job.version, split="train", seed=seed)
-                train.append(result.rollouts)
-                skipped += result.skipped
+                result = ingest_dump(
+                    rollout_dir,
+                    version=job.version,
+                    split="train",
+                    seed=seed,
+                    group_size=shape["train_n"],
+                )
+                table = join_tasks(result.rollouts, files.train_file)
+                train.append(complete_lengths(table, shape, result))
+                merge_notes(notes, result)
             val_dir = files.validation_dir(seed)
             if not val_dir.is_dir() or not any(val_dir.glob("*.jsonl")):
                 raise EvoError(
@@ -242,15 +252,18 @@ class VerlBackend:
                     where=str(val_dir),
                     hint=f"see the job log ({files.log_file}): did verl reach its last step?",
                 )
-            result = ingest_dump(val_dir, version=job.version, split="val", seed=seed)
-            val.append(result.rollouts)
-            skipped += result.skipped
+            result = ingest_dump(
+                val_dir, version=job.version, split="val", seed=seed, group_size=shape["val_n"]
+            )
+            val.append(complete_lengths(result.rollouts, shape, result))
+            merge_notes(notes, result)
             if files.metrics_file(seed).is_file():
                 table, bad = read_metrics_log(
                     files.metrics_file(seed), version=job.version, seed=seed
                 )
                 steps.append(table)
                 skipped += bad
+        skipped = notes.skipped + skipped
 
         out = job.artifact_dir
         (out / "rollouts").mkdir(parents=True, exist_ok=True)
@@ -267,6 +280,9 @@ class VerlBackend:
             "tasks": len(set(scores.column("task_id").to_pylist())),
             "avg_correct": pc.mean(correct).as_py(),
             "skipped_lines": len(skipped),
+            "dump_flavours": notes.flavours,
+            "derived": notes.derived,
+            "missing": notes.missing,
         }
         if skipped:
             result["skipped"] = [f"{s.file}:{s.line} ({s.reason})" for s in skipped[:10]]
@@ -341,6 +357,90 @@ def final_scores(val: pa.Table, files: JobFiles) -> pa.Table:
     return pa.concat_tables(tables).sort_by(
         [("seed", "ascending"), ("task_id", "ascending"), ("sample_idx", "ascending")]
     )
+
+
+def rendered_shape(job: JobSpec) -> dict[str, Any]:
+    """What ingest needs from the rendered config of the job's first seed: verl's group
+    sizes (rollout.n, val_kwargs.n), the response budget and the checkpoint path."""
+    run = render_job(
+        job.recipe, version=job.version, files=JobFiles(job.artifact_dir), workdir=job.workdir
+    )[0]
+    values = {o.key.lstrip("+"): o.value for o in run.overrides}
+    rollout = "actor_rollout_ref.rollout"
+    return {
+        "train_n": int(values[f"{rollout}.n"]),
+        "val_n": int(values[f"{rollout}.val_kwargs.n"]),
+        "response_length": int(values["data.max_response_length"]),
+        "model_path": Path(str(values["actor_rollout_ref.model.path"])),
+    }
+
+
+def complete_lengths(table: pa.Table, shape: dict[str, Any], result: IngestResult) -> pa.Table:
+    """`response_tokens` and `truncated` from the checkpoint's tokenizer when model.path is a
+    local directory (no verl dump has them); otherwise they stay null, and say so."""
+    if not table.num_rows or not (
+        table.column("response_tokens").null_count or table.column("truncated").null_count
+    ):
+        return table
+    if not shape["model_path"].is_dir():
+        result.note(
+            [],
+            [
+                "response_tokens, truncated: model.path is not a local directory, "
+                "so there is no tokenizer to count with"
+            ],
+        )
+        return table
+    table = derive_lengths(table, shape["model_path"], shape["response_length"])
+    result.lengths_derived(shape["model_path"], shape["response_length"])
+    return table
+
+
+def join_tasks(table: pa.Table, train_file: Path) -> pa.Table:
+    """Task id and data source for V1 train rows, which carry neither (verl dumps no reward
+    extras there): the prepared task whose question the prompt contains and whose answer is
+    the row's ground truth (`gts`). Rows already carrying a data source are left alone."""
+    if not train_file.is_file() or not table.num_rows:
+        return table
+    unknown = pc.equal(table.column("data_source"), "unknown").to_numpy(zero_copy_only=False)
+    if not unknown.any():
+        return table
+    tasks = [
+        (
+            str(row["extra_info"]["question"]),
+            str(row["reward_model"]["ground_truth"]),
+            str(row["extra_info"]["task_id"]),
+            str(row["data_source"]),
+        )
+        for row in pq.read_table(train_file).to_pylist()
+    ]
+    prompts = table.column("prompt").to_pylist()
+    extras = table.column("extra").to_pylist()
+    task_ids = table.column("task_id").to_pylist()
+    sources = table.column("data_source").to_pylist()
+    found: dict[tuple[str, str], tuple[str, str] | None] = {}
+    for i in np.flatnonzero(unknown):
+        truth = str(json.loads(extras[i] or "{}").get("gts"))
+        key = (prompts[i] or "", truth)
+        if key not in found:
+            # The longest question the prompt contains: "2+2" is also inside "12+2".
+            hits = [(len(q), t, d) for q, a, t, d in tasks if a == truth and q and q in key[0]]
+            best = [(t, d) for n, t, d in hits if n == max(h[0] for h in hits)]
+            found[key] = best[0] if len(set(best)) == 1 else None
+        if found[key] is not None:
+            task_ids[i], sources[i] = found[key]
+    table = table.set_column(
+        table.schema.get_field_index("task_id"), "task_id", pa.array(task_ids, pa.string())
+    )
+    return table.set_column(
+        table.schema.get_field_index("data_source"), "data_source", pa.array(sources, pa.string())
+    )
+
+
+def merge_notes(into: IngestResult, result: IngestResult) -> None:
+    into.skipped += result.skipped
+    into.flavours += [f for f in result.flavours if f not in into.flavours]
+    into.note(result.derived, result.missing)
 
 
 def _write(tables: list[pa.Table], schema: pa.Schema, path: Path) -> Path | None:

@@ -4,8 +4,10 @@ verl 0.9.1 calls `compute_score(data_source=, solution_str=, ground_truth=, extr
 **reward_kwargs)` in its reward workers; our render passes `config_path`, a JSON file holding
 the recipe's `domain` and `reward.components`. Every key of the returned dict lands in
 verl's `reward_extra_info`: the validation dumps then carry `acc`, each raw component and the
-`task_id`, which is how the score table pairs samples with tasks (V1 dumps have no task id of
-their own). Strings there are fine: verl's validation metrics skip string values.
+`task_id` and `data_source`, which is how the score table pairs samples with tasks and
+sources (no verl dump has a task id of its own; V1 train dumps carry no extras at all, so
+collect joins those back to the prepared data). Strings there are fine: verl's validation
+metrics skip string values.
 
 It needs `evotrainer` importable in the workers (Ray Jobs ship it as a `py_modules` entry;
 a local job puts it on PYTHONPATH).
@@ -54,4 +56,5 @@ def compute_score(
         "acc": float(scored.correct),
         **scored.components,
         "task_id": task.task_id,
+        "data_source": data_source,
     }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -40,8 +41,9 @@ class EvoGroupFilterReplayBuffer(ReplayBuffer):
         self.group_filter = make_filter(spec["filter"])
 
     def _group_metrics(self, partition_id: str, uids: set[str]) -> dict[str, list[float]]:
-        """The filter metric of every trajectory of the given finished groups."""
-        keys = [k for k in self.partitions[partition_id] if k.split("_")[0] in uids]
+        """The filter metric of every session of the given finished groups: of its final
+        output, the one verl trains on (a multi-output agent loop writes several)."""
+        keys = final_outputs(k for k in self.partitions[partition_id] if k.split("_")[0] in uids)
         if not keys:
             return {}
         use_reward = self.filter_groups_metric == FILTER_GROUPS_REWARD_METRIC
@@ -74,3 +76,16 @@ class EvoGroupFilterReplayBuffer(ReplayBuffer):
                 cache[uid] = None if kept else float(values.mean()) if values.size else 0.0
         dropped = {uid: value for uid, value in cache.items() if value is not None}
         return set(dropped), Counter(dropped.values())
+
+
+def final_outputs(keys: Iterable[str]) -> list[str]:
+    """The keys `{uid}_{session}_{index}` with the highest index of their session, in the
+    given order (verl's rule in `compute_advantage_for_multi_trajectories`)."""
+    keys = list(keys)
+    final: dict[str, tuple[int, str]] = {}
+    for key in keys:
+        session, _, index = key.rpartition("_")
+        if session not in final or final[session][0] < int(index):
+            final[session] = (int(index), key)
+    kept = {key for _, key in final.values()}
+    return [key for key in keys if key in kept]

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import typer
-from rich.console import Console
 
 from evotrainer.errors import EvoError
-from evotrainer.evidence.verl import ingest_dump, read_metrics_log
+from evotrainer.evidence.verl import derive_lengths, ingest_dump, read_metrics_log
+from evotrainer.terminal import console as make_console
+from evotrainer.terminal import safe
 
 
 def register(app: typer.Typer) -> None:
@@ -33,22 +34,53 @@ def register(app: typer.Typer) -> None:
             help="verl file-logger JSONL ({step, data} lines) to write as steps.parquet.",
         ),
         seed: int = typer.Option(0, "--seed", help="Seed label for the rows."),
+        group_size: int = typer.Option(
+            None,
+            "--group-size",
+            help="verl's n for this split (rollout.n for train, val_kwargs.n for val): groups "
+            "legacy dumps, which have no uid, by position.",
+        ),
+        tokenizer: Path = typer.Option(
+            None,
+            "--tokenizer",
+            help="The checkpoint's local directory: derive response_tokens and truncated.",
+        ),
+        response_length: int = typer.Option(
+            None, "--response-length", help="rollout.response_length (with --tokenizer)."
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     ) -> None:
-        """Read `<step>.jsonl` dumps into the canonical rollout table. Corrupt or cut-off
-        lines are skipped and listed with file:line; the rest is kept."""
+        """Read `<step>.jsonl` dumps into the canonical rollout table, counted as verl counts
+        them. Reports the dump's flavour (legacy / v1), what was derived and what is missing.
+        Corrupt or cut-off lines are skipped and listed with file:line; the rest is kept."""
         if not directory.is_dir():
             raise EvoError("no such directory", where=str(directory))
+        if (tokenizer is None) != (response_length is None):
+            raise EvoError(
+                "--tokenizer and --response-length go together",
+                field="--response-length" if tokenizer else "--tokenizer",
+                hint="truncation is response_tokens >= verl's rollout.response_length",
+            )
         out = out or Path("rollouts") / f"{split}.parquet"
-        result = ingest_dump(directory, version=version, split=split, seed=seed)
+        result = ingest_dump(
+            directory, version=version, split=split, seed=seed, group_size=group_size
+        )
+        rollouts = result.rollouts
+        if tokenizer is not None and rollouts.num_rows:
+            rollouts = derive_lengths(rollouts, tokenizer, response_length)
+            result.lengths_derived(tokenizer, response_length)
         out.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(result.rollouts, out)
+        pq.write_table(rollouts, out)
         skipped = list(result.skipped)
         summary = {
             "rollouts": str(out),
             "files": result.files,
-            "rows": result.rollouts.num_rows,
+            "rows": rollouts.num_rows,
             "megabytes": round(result.bytes / 1e6, 3),
+            "flavour": "+".join(result.flavours),
+            "earlier_outputs_folded": result.earlier_outputs,
+            "derived": result.derived,
+            "missing": result.missing,
         }
         if metrics is not None:
             steps, bad = read_metrics_log(metrics, version=version, seed=seed)
@@ -61,14 +93,20 @@ def register(app: typer.Typer) -> None:
         if as_json:
             typer.echo(json.dumps(summary, indent=2))
             return
-        console = Console()
+        console = make_console()
         console.print(
             f"Wrote {summary['rows']} rollouts from {summary['files']} file(s) "
-            f"({summary['megabytes']} MB) to {out}"
+            f"({summary['megabytes']} MB, {safe(summary['flavour'])} dump) to {safe(out)}"
         )
+        for line in result.derived:
+            console.print(f"  derived: {safe(line)}")
+        for line in result.missing:
+            console.print(f"  [yellow]missing:[/] {safe(line)}")
         if metrics is not None:
-            console.print(f"Wrote {summary['step_metric_rows']} step metrics to {summary['steps']}")
+            console.print(
+                f"Wrote {summary['step_metric_rows']} step metrics to {safe(summary['steps'])}"
+            )
         if skipped:
             console.print(f"[yellow]Skipped {len(skipped)} unreadable line(s):[/]")
             for line in summary["skipped"]:
-                console.print(f"  {line}", highlight=False)
+                console.print(f"  {safe(line)}")

@@ -1,9 +1,25 @@
-"""Ingest verl 0.9.1 rollout / validation dumps (`<step>.jsonl`) and file-logger metrics.
+"""Ingest verl 0.9.1 rollout / validation dumps (`<step>.jsonl`) and file-logger metrics,
+counting samples and groups exactly as verl does.
 
-Each dump line is one trajectory: `input`, `output`, `gts`, `score`, `step`, and in V1 a
-`uid` = "{prompt_uid}_{session_id}_{index}" (prompt_uid is the GRPO group); older dumps have
-no uid, so a group is the set of identical `input` strings within a step. Known extra keys
-map to canonical columns; other numeric keys become reward components, the rest `extra`.
+Each dump line is one trajectory: `input`, `output`, `gts`, `score`, `step`, plus the reward
+function's extra keys (legacy train and all validation dumps) and, in V1 dumps, a `uid`.
+Two flavours (see tests/golden/verl, written by verl's own code):
+
+- **V1** (`trainer.use_v1`, the default): `uid` = "{prompt_uid}_{session}_{index}". The prompt
+  uid is the GRPO group and the session the sample. One session may produce several outputs;
+  verl trains and validates on the final one (highest index) only, copying its score onto the
+  earlier ones in validation dumps. So one row per session: the final output, with the
+  earlier outputs in `extra.earlier_outputs` and the raw key in `extra.uid`.
+- **legacy** (`RayPPOTrainer`): no uid. verl's group is the dataset row (a uuid per row,
+  `repeat(n, interleave=True)`), so identical prompts are still separate groups. A row's group
+  is its `task_id` when the reward function returned one (ours does); else, with the group size
+  n known, its position (n consecutive rows per prompt: true of validation dumps, and of train
+  dumps when `trainer.balance_batch` is off, since balancing reorders the batch by length);
+  else, as a last resort, the prompt text.
+
+Known extra keys map to canonical columns; `reward` (verl's copy of the score in validation
+dumps) is dropped; other numeric keys become reward components, the rest `extra`. No verl dump
+has a length or truncation field: `derive_lengths` fills them from the checkpoint's tokenizer.
 A corrupt or cut-off line is skipped and reported with its file and line number.
 """
 
@@ -27,11 +43,14 @@ from evotrainer.evidence.steps import STEPS_SCHEMA
 
 _STEP_FILE = re.compile(r"^(\d+)\.jsonl$")
 _BATCH_ROWS = 500_000
+# A V1 key: {prompt_uid}_{session_id}_{output_index} (trainer_base splits it with rsplit("_", 2)).
+_V1_KEY = r"^(.+)_([0-9]+)_([0-9]+)$"
 # Keys consumed by a canonical column; everything else is a reward component or `extra`.
 _KNOWN = {
     "input",
     "output",
     "score",
+    "reward",  # verl's validation copy of `score`, not a component
     "step",
     "uid",
     "acc",
@@ -45,6 +64,7 @@ _KNOWN = {
     "index",
     "mean_logprob",
 }
+LEGACY, V1 = "legacy", "v1"
 
 
 @dataclass
@@ -60,17 +80,49 @@ class IngestResult:
     files: int = 0
     bytes: int = 0
     skipped: list[Skipped] = field(default_factory=list)
+    # The dump flavours seen (legacy / v1), what was derived and how, and what is missing.
+    flavours: list[str] = field(default_factory=list)
+    derived: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    earlier_outputs: int = 0  # V1 non-final outputs folded into their session's row
 
     def skipped_summary(self, limit: int = 10) -> str:
         where = ", ".join(f"{s.file}:{s.line} ({s.reason})" for s in self.skipped[:limit])
         more = f" and {len(self.skipped) - limit} more" if len(self.skipped) > limit else ""
         return f"skipped {len(self.skipped)} unreadable line(s): {where}{more}"
 
+    def note(self, derived: list[str], missing: list[str]) -> None:
+        self.derived += [d for d in derived if d not in self.derived]
+        self.missing += [m for m in missing if m not in self.missing]
 
-def ingest_dump(directory: str | Path, *, version: str, split: str, seed: int = 0) -> IngestResult:
-    """Read every `<step>.jsonl` in `directory` into one ROLLOUT_SCHEMA table."""
+    def lengths_derived(self, tokenizer_dir: str | Path, response_length: int) -> None:
+        """Record that `derive_lengths` filled the lengths the dump lacked."""
+        self.missing = [m for m in self.missing if m not in ("response_tokens", "truncated")]
+        self.note(
+            [
+                f"response_tokens, truncated: re-tokenized with {tokenizer_dir}, "
+                f"truncated = tokens >= {response_length}"
+            ],
+            [],
+        )
+
+
+def ingest_dump(
+    directory: str | Path,
+    *,
+    version: str,
+    split: str,
+    seed: int = 0,
+    group_size: int | None = None,
+) -> IngestResult:
+    """Read every `<step>.jsonl` in `directory` into one ROLLOUT_SCHEMA table.
+
+    `group_size` is verl's n for this split (`rollout.n` for train, `val_kwargs.n` for
+    validation): it groups legacy rows that carry no task id by position."""
     if split not in ("train", "val"):
         raise EvoError(f"split must be train or val, not {split!r}", field="split")
+    if group_size is not None and group_size < 1:
+        raise EvoError(f"group size must be at least 1, not {group_size}", field="group_size")
     directory = Path(directory)
     files = sorted(
         (int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_FILE.match(p.name))
@@ -83,12 +135,22 @@ def ingest_dump(directory: str | Path, *, version: str, split: str, seed: int = 
         )
     result = IngestResult(rollouts=ROLLOUT_SCHEMA.empty_table())
     tables = []
-    batch: list[tuple[int, pa.Table]] = []
+    batch: list[tuple[int, Path, pa.Table]] = []
     con = duckdb.connect()
 
     def flush() -> None:
         if batch:
-            tables.append(_canonical(con, batch, version=version, split=split, seed=seed))
+            tables.append(
+                _canonical(
+                    con,
+                    batch,
+                    version=version,
+                    split=split,
+                    seed=seed,
+                    group_size=group_size,
+                    result=result,
+                )
+            )
             batch.clear()
 
     for step, path in files:
@@ -101,11 +163,11 @@ def ingest_dump(directory: str | Path, *, version: str, split: str, seed: int = 
         # Files with one raw schema map in one query: a query per small file costs more in
         # setup than in rows. A batch is bounded so the mapping's copies stay small.
         if batch and (
-            raw.schema != batch[0][1].schema
-            or sum(t.num_rows for _, t in batch) + raw.num_rows > _BATCH_ROWS
+            raw.schema != batch[0][2].schema
+            or sum(t.num_rows for _, _, t in batch) + raw.num_rows > _BATCH_ROWS
         ):
             flush()
-        batch.append((step, raw))
+        batch.append((step, path, raw))
     flush()
     con.close()
     if tables:
@@ -164,15 +226,17 @@ def _q(name: str) -> str:
 
 def _canonical(
     con: duckdb.DuckDBPyConnection,
-    files: list[tuple[int, pa.Table]],
+    files: list[tuple[int, Path, pa.Table]],
     *,
     version: str,
     split: str,
     seed: int,
+    group_size: int | None,
+    result: IngestResult,
 ) -> pa.Table:
-    """Map the raw rows of one or more dump files (`(step, raw)` with one raw schema) to
-    ROLLOUT_SCHEMA, file by file in the given order."""
-    raw = pa.concat_tables([t for _, t in files]) if len(files) > 1 else files[0][1]
+    """Map the raw rows of one or more dump files (`(step, path, raw)` with one raw schema)
+    to ROLLOUT_SCHEMA, file by file in the given order; notes go to `result`."""
+    raw = pa.concat_tables([t for _, _, t in files]) if len(files) > 1 else files[0][2]
     cols = set(raw.column_names)
     for required in ("input", "output"):
         if required not in cols:
@@ -181,28 +245,30 @@ def _canonical(
                 field=required,
                 hint="is this a verl rollout/validation dump?",
             )
-    sizes = [t.num_rows for _, t in files]
+    sizes = [t.num_rows for _, _, t in files]
     # __row orders rows file by file; __file keeps each file's groups and sample numbers to
     # itself; __step is the file's step for rows without a `step` key.
     raw = raw.append_column("__row", pa.array(np.arange(raw.num_rows, dtype=np.int64)))
     raw = raw.append_column("__file", pa.array(np.repeat(np.arange(len(files)), sizes)))
     raw = raw.append_column(
-        "__step", pa.array(np.repeat(np.array([s for s, _ in files], dtype=np.int64), sizes))
+        "__step", pa.array(np.repeat(np.array([s for s, _, _ in files], dtype=np.int64), sizes))
     )
     internal = {"__row", "__file", "__step"}
 
     def col(name: str, cast: str, default: str = "NULL") -> str:
         return f"TRY_CAST({_q(name)} AS {cast})" if name in cols else default
 
+    uid = col("uid", "VARCHAR")
+    task = next((col(k, "VARCHAR") for k in ("task_id", "index") if k in cols), "NULL")
     prompt_key = "left(md5(CAST(input AS VARCHAR)), 16)"
-    if "uid" in cols:
-        group = f"COALESCE(regexp_extract(uid, '^(.*)_[^_]*_[^_]*$', 1), {prompt_key})"
-        sample = "TRY_CAST(regexp_extract(uid, '_([^_]*)_[^_]*$', 1) AS BIGINT)"
-    else:
-        group = prompt_key
-        sample = "NULL::BIGINT"
-    task = next((f"CAST({_q(k)} AS VARCHAR)" for k in ("task_id", "index") if k in cols), None)
-    task = f"COALESCE({task}, 'p' || {prompt_key})" if task else f"'p' || {prompt_key}"
+    # A legacy row (no V1 key): its task id, else a raw uid, else n consecutive rows by
+    # position, else (n unknown) identical prompt text.
+    position = (
+        f"{prompt_key} || '-' || ((row_number() OVER (PARTITION BY __file, __v1 ORDER BY __row)"
+        f" - 1) // {int(group_size)})"
+        if group_size
+        else prompt_key
+    )
     finish = (
         f"CASE WHEN CAST(finish_reason AS VARCHAR) IN {tuple(FINISH_REASONS)} "
         "THEN CAST(finish_reason AS VARCHAR) END"
@@ -240,49 +306,183 @@ def _canonical(
         if rest
         else "NULL"
     )
-    # No ORDER BY: a plain projection keeps the scan's order (DuckDB preserves insertion
-    # order), which is checked below instead of paying for a sort.
+    # The raw V1 key and a session's earlier outputs join `extra`; the merge patch leaves
+    # out the ones that are null.
+    extra = (
+        f"CASE WHEN __uid IS NULL AND __earlier IS NULL THEN {extra} ELSE "
+        f"CAST(json_merge_patch(COALESCE({extra}, '{{}}'), to_json(struct_pack("
+        "uid := __uid, earlier_outputs := __earlier))) AS VARCHAR) END"
+    )
     sql = f"""
+        WITH keyed AS (
+            SELECT *, {uid} AS __uid,
+                   COALESCE(regexp_matches({uid}, '{_V1_KEY}'), false) AS __v1,
+                   {task} AS __task
+            FROM raw
+        ), parsed AS (
+            SELECT *,
+                   CASE WHEN __v1 THEN regexp_extract(__uid, '{_V1_KEY}', 1) END AS __v1_group,
+                   CASE WHEN __v1 THEN CAST(regexp_extract(__uid, '{_V1_KEY}', 2) AS BIGINT)
+                   END AS __session,
+                   CASE WHEN __v1 THEN CAST(regexp_extract(__uid, '{_V1_KEY}', 3) AS BIGINT)
+                   END AS __index
+            FROM keyed
+        ), grouped AS (
+            SELECT *,
+                   CASE WHEN __v1 THEN __v1_group
+                        WHEN __task IS NOT NULL THEN __task
+                        WHEN __uid IS NOT NULL THEN __uid
+                        ELSE {position} END AS __group,
+                   __index IS NULL OR __index = max(__index) OVER
+                       (PARTITION BY __file, __v1_group, __session) AS __final
+            FROM parsed
+        ), sampled AS (
+            SELECT *,
+                   COALESCE(__session, row_number() OVER
+                       (PARTITION BY __file, __v1, __group ORDER BY __row) - 1) AS __sample,
+                   min(__row) OVER (PARTITION BY __file, __group) AS __group_row
+            FROM grouped
+        ), numbered AS (
+            -- Groups with the same prompt text and no task id: numbered in file order so
+            -- duplicate prompts stay separate tasks.
+            SELECT *, dense_rank() OVER (PARTITION BY __file, input ORDER BY __group_row) - 1
+                      AS __occurrence
+            FROM sampled
+        ), earlier AS (
+            SELECT __file, __v1_group, __session,
+                   list(CAST(output AS VARCHAR) ORDER BY __index) AS __earlier
+            FROM grouped WHERE NOT __final GROUP BY ALL
+        )
         SELECT $version AS version, $seed::BIGINT AS seed,
                COALESCE({col("step", "BIGINT")}, __step) AS step, $split AS split,
-               {task} AS task_id, {col("data_source", "VARCHAR", "'unknown'")} AS data_source,
-               {group} AS group_id, {sample} AS sample_idx,
+               COALESCE(__task, 'p' || {prompt_key} ||
+                        CASE WHEN __occurrence > 0 THEN '.' || __occurrence ELSE '' END)
+                   AS task_id,
+               {col("data_source", "VARCHAR", "'unknown'")} AS data_source,
+               __group AS group_id, __sample AS sample_idx,
                CAST(input AS VARCHAR) AS prompt, CAST(output AS VARCHAR) AS response,
                {col("score", "DOUBLE")} AS reward, {components} AS reward_components,
                {col("acc", "DOUBLE")} AS correct,
                {col("response_length", "BIGINT")} AS response_tokens,
                {truncated} AS truncated, {finish} AS finish_reason,
                {col("num_turns", "BIGINT")} AS turns,
-               {col("mean_logprob", "DOUBLE")} AS mean_logprob, {extra} AS extra, __row
-        FROM raw
+               {col("mean_logprob", "DOUBLE")} AS mean_logprob, {extra} AS extra, __row,
+               __v1, __task IS NOT NULL AS __has_task, __earlier IS NOT NULL AS __folded,
+               len(__earlier) AS __n_earlier
+        FROM numbered LEFT JOIN earlier USING (__file, __v1_group, __session)
+        WHERE __final
+        ORDER BY __row
     """
     con.register("raw", raw)
     try:
         params = {"version": version, "seed": seed, "split": split}
         out = con.sql(sql, params=params).to_arrow_table()
-        rows = out.column("__row").to_numpy()
-        if len(rows) > 1 and not (rows[1:] > rows[:-1]).all():
-            out = out.sort_by("__row")
-        if out.column("sample_idx").null_count:
-            # Without a parsable uid, a row's sample number is its rank among the rows of
-            # its file with the same input. Only computed when needed: the window sorts.
-            rank = con.sql(
-                "SELECT row_number() OVER (PARTITION BY __file, input ORDER BY __row) - 1 "
-                "AS rank FROM raw ORDER BY __row"
-            ).to_arrow_table()
-            sample_idx = pc.coalesce(out.column("sample_idx"), rank.column("rank"))
-            out = out.set_column(out.schema.get_field_index("sample_idx"), "sample_idx", sample_idx)
     finally:
         con.unregister("raw")
+    _note(out, files, cols, group_size=group_size, result=result)
+    rows = out.column("__row")
     calls = (
         pa.array(
-            [_tool_calls(v) for v in raw.column("tool_calls").to_pylist()], pa.list_(TOOL_CALL)
+            [_tool_calls(v) for v in raw.column("tool_calls").take(rows).to_pylist()],
+            pa.list_(TOOL_CALL),
         )
         if "tool_calls" in cols
-        else pa.nulls(raw.num_rows, pa.list_(TOOL_CALL))
+        else pa.nulls(out.num_rows, pa.list_(TOOL_CALL))
     )
     out = out.append_column("tool_calls", calls)
     return out.select(ROLLOUT_SCHEMA.names).cast(ROLLOUT_SCHEMA)
+
+
+def _note(
+    out: pa.Table,
+    files: list[tuple[int, Path, pa.Table]],
+    cols: set[str],
+    *,
+    group_size: int | None,
+    result: IngestResult,
+) -> None:
+    """Record the flavour, what was derived and what is missing; a legacy file grouped by
+    position must hold whole groups."""
+    v1 = out.column("__v1").to_numpy(zero_copy_only=False)
+    has_task = out.column("__has_task").to_numpy(zero_copy_only=False)
+    derived, missing = [], []
+    if v1.any():
+        result.flavours += [V1] if V1 not in result.flavours else []
+        derived.append("v1: group = prompt uid, sample = session from uid {uid}_{session}_{index}")
+        folded = int(pc.sum(out.column("__n_earlier")).as_py() or 0)
+        if folded:
+            result.earlier_outputs += folded
+            derived.append(
+                "v1 multi-output sessions: final output kept (as verl counts), earlier ones "
+                "in extra.earlier_outputs"
+            )
+    legacy = ~v1
+    if legacy.any():
+        result.flavours += [LEGACY] if LEGACY not in result.flavours else []
+        if has_task[legacy].all():
+            derived.append("legacy: group = task_id returned by the reward function")
+        elif group_size and "uid" not in cols:
+            derived.append(f"legacy: group = {group_size} consecutive rows (verl's n)")
+            for _, path, table in files:
+                if table.num_rows % group_size:
+                    raise EvoError(
+                        f"{table.num_rows} rows do not make groups of {group_size}",
+                        where=str(path),
+                        hint="is the group size verl's rollout.n (train) / "
+                        "val_kwargs.n (validation) for this dump?",
+                    )
+        elif "uid" not in cols:
+            missing.append(
+                "legacy group size: rows grouped by prompt text, which merges dataset rows "
+                "with the same prompt (pass the group size: rollout.n / val_kwargs.n)"
+            )
+    if "task_id" not in cols and "index" not in cols:
+        missing.append("task_id (task = prompt text, numbered when repeated)")
+    if "data_source" not in cols:
+        missing.append("data_source")
+    if "acc" not in cols:
+        missing.append("correct (no acc key)")
+    if "response_length" not in cols:
+        missing.append("response_tokens")
+    if "truncated" not in cols and "finish_reason" not in cols:
+        missing.append("truncated")
+    result.note(derived, missing)
+
+
+def derive_lengths(table: pa.Table, tokenizer_dir: str | Path, response_length: int) -> pa.Table:
+    """Fill null `response_tokens` by re-tokenizing each response with the checkpoint's
+    tokenizer, and null `truncated` as `response_tokens >= response_length`.
+
+    verl decodes responses with skip_special_tokens, so a response that ended with EOS inside
+    the budget re-encodes to fewer tokens than the limit, and one cut at the limit to exactly
+    the limit (up to the tokenizer's round trip of the decoded text)."""
+    path = Path(tokenizer_dir)
+    if not path.is_dir():
+        raise EvoError(
+            "no tokenizer here: derived lengths need the checkpoint's local directory",
+            where=str(path),
+            field="model.path",
+        )
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (ImportError, OSError, ValueError) as err:
+        raise EvoError(
+            f"cannot load the tokenizer: {err}", where=str(path), field="model.path"
+        ) from None
+    responses = table.column("response").to_pylist()
+    counts = [
+        len(ids)
+        for ids in tokenizer([r or "" for r in responses], add_special_tokens=False)["input_ids"]
+    ]
+    tokens = pc.coalesce(table.column("response_tokens"), pa.array(counts, pa.int64()))
+    cut = pc.greater_equal(tokens, pa.scalar(int(response_length), pa.int64()))
+    truncated = pc.coalesce(table.column("truncated"), cut)
+    table = table.set_column(
+        table.schema.get_field_index("response_tokens"), "response_tokens", tokens
+    )
+    return table.set_column(table.schema.get_field_index("truncated"), "truncated", truncated)
 
 
 def _tool_calls(value: Any) -> list[dict] | None:

@@ -1,0 +1,64 @@
+"""`evotrainer export [V...] --to TARGET`: recorded versions into an experiment tracker.
+
+TARGET is a tracker name (tensorboard, mlflow, wandb), else a directory: writing a trained
+policy as an HF directory is the second kind of export (issue 20), not available yet. A
+directory that happens to be called like a tracker is written `./tensorboard`."""
+
+from __future__ import annotations
+
+import os
+
+import typer
+
+from evotrainer.errors import EvoError
+from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import console, safe
+from evotrainer.trackers.mlflow_tracker import STORE_FILE
+from evotrainer.trackers.records import export_version
+
+TRACKER_TARGETS = ("tensorboard", "mlflow", "wandb")
+
+
+def where_to_look(tracker: str, ws: Workspace) -> str:
+    """How the user opens what was written."""
+    root = ws.artifact_root
+    if tracker == "tensorboard":
+        return f"tensorboard --logdir {root}"
+    if tracker == "mlflow":
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root.resolve() / STORE_FILE}"
+        return f"mlflow ui --backend-store-uri {uri}"
+    if os.environ.get("WANDB_MODE", "offline") == "offline":
+        return f"wandb sync {root}/*/*/wandb/offline-run-*  (offline runs; upload when you choose)"
+    return "the W&B project page"
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("export")
+    def export(
+        versions: list[str] = typer.Argument(
+            None, help="Versions to export [default: every version with a finished run]."),
+        to: str = typer.Option(..., "--to", help="tensorboard | mlflow | wandb."),
+    ) -> None:
+        """Write recorded versions into TensorBoard, MLflow or W&B after the fact: one run per
+        version and seed with its lineage tags, every step's metrics from steps.parquet, and
+        the gate's verdict, Δ, CI and alerts as the run's summary. Local by default (W&B
+        offline, MLflow's SQLite store in the artifact root); exporting again replaces."""
+        if to not in TRACKER_TARGETS:
+            raise EvoError(
+                f"--to {to}: exporting a trained policy to a directory is not available yet",
+                hint=f"export step metrics with --to {'|'.join(TRACKER_TARGETS)}",
+            )
+        ws = Workspace.find()
+        states = ws.versions()
+        names = versions or [
+            name for name, state in states.items()
+            if (state.records.get("run") or {}).get("state") == "Succeeded"
+        ]
+        if not names:
+            raise EvoError("no version has a finished run yet",
+                       hint="run `evotrainer reconcile` first")
+        out = console()
+        for name in names:
+            done = export_version(ws, name, [to], states)
+            out.print(f"{safe(name)}: {len(done.seeds)} seed(s), {done.steps} step(s) → {to}")
+        out.print(f"open it with: {safe(where_to_look(to, ws))}")

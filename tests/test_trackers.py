@@ -1,0 +1,286 @@
+"""Trackers: what is written is read back with each library's own reader (TensorBoard's
+EventAccumulator, the MLflow client on the local store, `wandb leet inspect` on W&B's
+offline transaction log, our verl file-logger reader) and checked for values, steps and
+tags. Nothing reaches the network: W&B runs offline, MLflow on a SQLite file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from standin import StandinBackend, standin_settings
+
+from evotrainer.commands.init import init_workspace
+from evotrainer.control.reconcile import Reconciler
+from evotrainer.control.versions import approve, new_version
+from evotrainer.errors import EvoError
+from evotrainer.evidence.verl import read_metrics_log
+from evotrainer.store.workspace import Workspace
+from evotrainer.trackers import RunIdentity, logger_names, open_trackers
+from evotrainer.trackers.records import export_version, gate_summary, run_identity
+
+TESTS = Path(__file__).resolve().parent
+STEPS = {1: {"loss": 0.5, "kl": 0.01}, 2: {"loss": 0.25, "kl": 0.02}, 3: {"loss": 0.125}}
+GATE = {"gate/delta": 0.2, "gate/ci_low": 0.05, "gate/ci_high": 0.35}
+VERDICT = {"gate/verdict": "promote", "alerts": "dead_groups"}
+
+
+@pytest.fixture(autouse=True)
+def offline_trackers(monkeypatch, tmp_path):
+    """No tracker server or user config: the defaults (local stores, W&B offline) only."""
+    for name in list(os.environ):
+        if name.startswith(("WANDB_", "MLFLOW_")):
+            monkeypatch.delenv(name)
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home" / name.lower()))
+
+
+@pytest.fixture(scope="session")
+def mlflow_template(tmp_path_factory) -> Path:
+    """An empty MLflow SQLite store, made once: creating its tables takes seconds, and each
+    test copies it to where the tracker opens its default store."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
+
+def identity(store: Path) -> RunIdentity:
+    return RunIdentity(project="demo", version="v1", job_id="v1-a1-abc", store_root=str(store),
+                       tags={"version": "v1", "parent": "v0", "skills": "close-leak",
+                             "harness": "h0", "spec_commit": "c0ffee"})
+
+
+def log_run(loggers: list[str], run_dir: Path, seed: int = 0, **kwargs) -> None:
+    with open_trackers(loggers, run_dir, identity(run_dir.parent), seed=seed,
+                       **kwargs) as trackers:
+        for step, metrics in STEPS.items():
+            trackers.log(step, metrics)
+        trackers.summary(GATE, VERDICT)
+
+
+def tensorboard_events(log_dir: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    return events
+
+
+def tensorboard_text(events, tag: str) -> list[tuple[int, str]]:
+    return [(e.step, e.tensor_proto.string_val[0].decode())
+            for e in events.Tensors(f"{tag}/text_summary")]
+
+
+def wandb_records(run_dir: Path) -> list[dict]:
+    """Every record of every offline run under `run_dir`, through W&B's own reader."""
+    records = []
+    for log in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        out = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect",
+                              "--json", str(log)], capture_output=True, text=True, check=True)
+        records += [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    return records
+
+
+# ---- each tracker, written and read back ----------------------------------------------------
+
+
+def test_tensorboard_event_files_hold_steps_values_tags_and_summary(tmp_path):
+    pytest.importorskip("tensorboard")
+    log_run(["tensorboard"], tmp_path / "run", seed=1)
+    events = tensorboard_events(tmp_path / "run" / "tensorboard" / "seed1")
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 0.5), (2, 0.25),
+                                                                   (3, 0.125)]
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("kl")] == [(1, 0.01), (2, 0.02)]
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("gate/ci_low")] == [(3, 0.05)]
+    assert tensorboard_text(events, "tags/parent") == [(0, "v0")]
+    assert tensorboard_text(events, "tags/seed") == [(0, "1")]
+    assert tensorboard_text(events, "gate/verdict") == [(3, "promote")]
+
+
+def test_mlflow_local_store_run_and_the_gate_reopening_it(tmp_path, mlflow_template):
+    from mlflow.tracking import MlflowClient
+
+    shutil.copy(mlflow_template, tmp_path / "mlflow.db")
+    run_dir = tmp_path / "run"
+    with open_trackers(["mlflow"], run_dir, identity(tmp_path), seed=0) as trackers:
+        for step, metrics in STEPS.items():
+            trackers.log(step, metrics)
+    # The gate, later and in another process, adds its summary to the same run.
+    with open_trackers(["mlflow"], run_dir, identity(tmp_path), seed=0) as trackers:
+        trackers.summary(GATE, VERDICT, step=3)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.run_name == "v1/seed0" and run.info.status == "FINISHED"
+    assert {k: run.data.tags[k] for k in ("version", "parent", "skills", "spec_commit",
+                                          "gate/verdict", "alerts")} == {
+        "version": "v1", "parent": "v0", "skills": "close-leak", "spec_commit": "c0ffee",
+        "gate/verdict": "promote", "alerts": "dead_groups"}
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert sorted((m.step, m.value) for m in history) == [(1, 0.5), (2, 0.25), (3, 0.125)]
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id,
+                                                                 "gate/delta")] == [(3, 0.2)]
+
+
+def test_wandb_offline_run_files_read_back_with_wandbs_reader(tmp_path):
+    pytest.importorskip("wandb")
+    run_dir = tmp_path / "run"
+    log_run(["wandb"], run_dir)
+    records = wandb_records(run_dir)
+    run = next(r["run"] for r in records if r["type"] == "run")
+    assert run["display_name"] == "v1/seed0" and run["run_group"] == "v1"
+    assert run["project"] == "demo" and run["run_id"] == identity(tmp_path).run_key(0)
+    assert {"version:v1", "parent:v0", "harness:h0", "skill:close-leak"} <= set(run["tags"])
+    assert run["config"]["update"]["spec_commit"] == "c0ffee"
+    history = [r["history"] for r in records if r["type"] == "history"]
+    assert [(h["step"]["num"], h["item"]["loss"]) for h in history] == [
+        (1, 0.5), (2, 0.25), (3, 0.125)]
+    summary: dict = {}
+    for record in records:
+        if record["type"] == "summary":
+            summary |= record["summary"].get("update", {})
+    assert summary["gate/delta"] == 0.2 and summary["gate/verdict"] == "promote"
+
+
+def test_file_logger_is_verls_jsonl_which_ingest_reads_back(tmp_path):
+    run_dir = tmp_path / "run"
+    log_run(["file"], run_dir)
+    steps, skipped = read_metrics_log(run_dir / "metrics" / "seed0.jsonl", version="v1")
+    assert skipped == []
+    assert sorted(zip(steps.column("step").to_pylist(), steps.column("metric").to_pylist(),
+                      steps.column("value").to_pylist(), strict=True)) == sorted(
+        (step, name, value) for step, metrics in STEPS.items() for name, value in metrics.items())
+    summary = json.loads((run_dir / "metrics" / "seed0.summary.json").read_text())
+    assert summary["parent"] == "v0" and summary["gate/ci_high"] == 0.35
+    assert summary["summary_step"] == 3
+
+
+def test_console_logger_prints_one_line_per_step_without_control_bytes(tmp_path):
+    lines: list[str] = []
+    with open_trackers(["console"], tmp_path, identity(tmp_path), seed=0,
+                       emit=lines.append) as trackers:
+        trackers.log(2, {"loss": 0.25, "kl": float("nan")})  # not finite: left out
+        trackers.summary({}, {"gate/reason": "leak \x1b]52;c;evil\x07found"})
+    assert lines == ["v1/seed0 step:2 - loss:0.25",
+                     "v1/seed0 summary at step:2 - gate/reason:leak found"]
+
+
+# ---- the recipe field and errors ------------------------------------------------------------
+
+
+def test_loggers_field_defaults_and_rejects_unknown_names():
+    assert logger_names({}) == ["console", "file"]
+    assert logger_names({"loggers": ["file", "wandb", "file"]}) == ["file", "wandb"]
+    with pytest.raises(EvoError) as err:
+        logger_names({"loggers": ["console", "swanlab"]}, where="spec/versions/v1.yaml")
+    assert err.value.field == "loggers" and "tensorboard" in err.value.hint
+
+
+def test_missing_library_is_one_line_naming_the_extra_before_anything_is_written(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    with pytest.raises(EvoError) as err:
+        open_trackers(["file", "wandb"], tmp_path / "run", identity(tmp_path), seed=0)
+    assert "pip install 'evotrainer[wandb]'" in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
+# ---- export of recorded versions ------------------------------------------------------------
+
+
+class StepsBackend(StandinBackend):
+    engine_module = "standin_steps_engine"
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> Workspace:
+    """A workspace where v1 (two seeds, 3 steps) trained, was diagnosed and gated."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", os.pathsep.join(
+            [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        patch.setattr("evotrainer.backends.get_backend", lambda *_, **__: StepsBackend())
+        ws = Workspace(init_workspace(tmp_path_factory.mktemp("trackers") / "ws", "arith"))
+        new_version(ws, "v1", "v0", rationale="more steps", settings=[
+            *standin_settings(standin_skill=0.7), "seeds=[0, 1]", "grpo.steps=3"])
+        approve(ws, "v1", by="tester")
+        Reconciler(ws, log=lambda _: None, backends={"local": StepsBackend()}).run(
+            wait=True, poll_s=0.05)
+    return ws
+
+
+def test_export_to_tensorboard_replays_steps_lineage_and_gate(recorded, cli):
+    pytest.importorskip("tensorboard")
+    from standin_steps_engine import metric_value
+
+    state = recorded.version("v1")
+    decision = state.records["decision"]
+    assert decision["verdict"] == "promote"
+    for _ in range(2):  # exporting again replaces the run, it does not add to it
+        result = cli("-C", str(recorded.root), "export", "v1", "--to", "tensorboard")
+        assert result.code == 0, result.output
+    assert "v1: 2 seed(s), 8 step(s) → tensorboard" in result.out
+    run_dir = recorded.root / state.records["run"]["artifact_dir"]
+    spec_commit = run_identity(recorded, state, recorded.versions()).tags["spec_commit"]
+    for seed in (0, 1):
+        events = tensorboard_events(run_dir / "tensorboard" / f"seed{seed}")
+        assert [(e.step, round(e.value, 6)) for e in events.Scalars("entropy")] == [
+            (step, metric_value("entropy", seed, step)) for step in (1, 2, 3)]
+        assert [e.step for e in events.Scalars("val_avg")] == [0, 3]
+        assert [round(e.value, 6) for e in events.Scalars("gate/delta")] == [
+            round(decision["comparison"]["delta"], 6)]
+        assert tensorboard_text(events, "tags/spec_commit") == [(0, spec_commit)]
+        assert tensorboard_text(events, "tags/recipe_digest") == [
+            (0, state.records["run"]["recipe_digest"])]
+        assert tensorboard_text(events, "gate/verdict") == [(3, "promote")]
+
+
+def test_export_to_mlflow_and_wandb_write_one_run_per_seed(recorded, mlflow_template):
+    pytest.importorskip("wandb")
+    from mlflow.tracking import MlflowClient
+
+    shutil.copy(mlflow_template, recorded.artifact_root / "mlflow.db")
+    exported = export_version(recorded, "v1", ["mlflow", "wandb"])
+    assert exported.seeds == [0, 1]
+    client = MlflowClient(tracking_uri=f"sqlite:///{recorded.artifact_root / 'mlflow.db'}")
+    project = recorded.project["name"]
+    runs = client.search_runs([client.get_experiment_by_name(project).experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["v1/seed0", "v1/seed1"]
+    summary = gate_summary(recorded.version("v1").records["decision"],
+                           recorded.version("v1").records["diagnosis"])
+    for run in runs:
+        assert run.data.tags["gate/verdict"] == "promote"
+        assert run.data.tags["alerts"] == summary.tags["alerts"]
+        assert run.data.metrics["gate/ci_low"] == pytest.approx(summary.values["gate/ci_low"])
+    records = wandb_records(exported.where)
+    assert sorted(r["run"]["display_name"] for r in records if r["type"] == "run") == [
+        "v1/seed0", "v1/seed1"]
+
+
+@pytest.mark.usefixtures("standin")  # `version new` checks the stand-in's recipe
+def test_export_to_a_directory_is_not_yet_and_unfinished_versions_are_refused(recorded, cli):
+    result = cli("-C", str(recorded.root), "export", "v1", "--to", "./policy")
+    assert result.code == 1 and "not available yet" in result.err
+    new_version(recorded, "v2", "v1", rationale="never trained")
+    result = cli("-C", str(recorded.root), "export", "v2", "--to", "tensorboard")
+    assert result.code == 1 and "no finished run" in result.err
+
+
+def test_identity_handed_to_the_job_round_trips(tmp_path, recorded):
+    state = recorded.version("v1")
+    written = run_identity(recorded, state, recorded.versions())
+    written.write(tmp_path)
+    assert RunIdentity.read(tmp_path, "v1") == written
+    assert yaml.safe_load((tmp_path / "tracking.json").read_text())["tags"]["parent"] == "v0"
+    bare = RunIdentity.read(tmp_path / "elsewhere", "v9")
+    assert bare.version == "v9" and bare.run_key(0) != written.run_key(0)

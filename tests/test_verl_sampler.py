@@ -91,3 +91,29 @@ def test_sampler_drops_the_groups_the_engine_filter_drops(monkeypatch):
     assert buffer._dapo_filtered_keys("val") == (set(), {})
     # Judged once: a group that finished earlier keeps its verdict.
     assert buffer._dapo_filtered_keys("train")[0] == {"a", "b"}
+
+
+def test_sampler_judges_a_multi_output_session_by_its_final_output(monkeypatch):
+    # Group "m": session 0 wrote a draft (index 0, reward 0) then its final output (index 1,
+    # reward 1); session 1 one output (reward 1). verl trains on final outputs only
+    # (compute_advantage_for_multi_trajectories), so "m" is dead: [1, 1], not [0, 1, 1].
+    rewards = {"m_0_0": 0.0, "m_0_1": 1.0, "m_1_0": 1.0, "c_0_0": 0.0, "c_1_0": 1.0}
+    cls = load_sampler(monkeypatch, rewards)
+    spec = {
+        "metric": "reward",
+        "train_batch_size": 2,
+        "max_inflight_gen_batches": 1,
+        "filter": {"name": "zero_std", "params": {}},
+    }
+    buffer = cls(
+        trainer_mode="sync",
+        trainer_config={},
+        max_off_policy_threshold=8,
+        max_off_policy_strategy="drop",
+        sampler_kwargs={"spec": json.dumps(spec)},
+        refill_fn=lambda n: None,
+    )
+    buffer.partitions["train"] = {key: {} for key in rewards}
+    buffer.finished_keys["train"] = {"m", "c"}
+    dropped, counts = buffer._dapo_filtered_keys("train")
+    assert dropped == {"m"} and counts == {1.0: 1}

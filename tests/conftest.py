@@ -40,7 +40,8 @@ def standin(monkeypatch):
         [tests, *filter(None, [os.environ.get("PYTHONPATH")])]))
     from standin import StandinBackend
 
-    monkeypatch.setattr("evotrainer.backends.get_backend", lambda *_, **__: StandinBackend())
+    for where in ("evotrainer.backends.get_backend", "evotrainer.control.reconcile.get_backend"):
+        monkeypatch.setattr(where, lambda *_, **__: StandinBackend())
 
 
 @pytest.fixture

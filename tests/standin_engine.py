@@ -4,7 +4,9 @@ drawn from a seeded Bernoulli whose rate the test sets through `domain.params`:
 
 - `standin_skill` (default 0.3): probability that a sample is correct;
 - `standin_leak` (default false): train rollouts call the leaking tool `reveal`;
-- `standin_fail` (default false): exit 1 without results, as a crashed job does.
+- `standin_fail` (default false): exit 1 without results, as a crashed job does;
+- `standin_disk_full` (a path): while that file exists, fail as a full disk does;
+- `standin_corrupt` (default false): write a val.parquet that is not Parquet.
 
 What is real around it: the detached subprocess, job.json / result.json protocol, and every
 reconcile step after it (ingest, h0 diagnosis, paired bootstrap gate, git commits).
@@ -53,6 +55,11 @@ def main(recipe_file: str, out_dir: str, version: str) -> int:
         print("stand-in engine: failing on purpose", file=sys.stderr)
         (out / "result.json").write_text(json.dumps({"status": "failed", "error": "on purpose"}))
         return 1
+    disk_full = params.get("standin_disk_full")
+    if disk_full and Path(disk_full).exists():
+        error = "[Errno 28] No space left on device: 'rollouts/train.parquet'"
+        (out / "result.json").write_text(json.dumps({"status": "failed", "error": error}))
+        return 1
     skill, leak = params.get("standin_skill", 0.3), params.get("standin_leak", False)
     seed = int(digest(recipe)[7:15], 16)
     (out / "rollouts").mkdir(parents=True, exist_ok=True)
@@ -60,6 +67,8 @@ def main(recipe_file: str, out_dir: str, version: str) -> int:
     val = rows(version, "val", [recipe["grpo"]["steps"]], skill, False, seed + 1)
     pq.write_table(pa.Table.from_pylist(train, ROLLOUT_SCHEMA), out / "rollouts/train.parquet")
     pq.write_table(pa.Table.from_pylist(val, ROLLOUT_SCHEMA), out / "rollouts/val.parquet")
+    if params.get("standin_corrupt"):
+        (out / "rollouts/val.parquet").write_bytes(b"PAR1 this is not parquet PAR1")
     lines = ["seed,task_id,data_source,sample_idx,correct"] + [
         f"0,{r['task_id']},standin,{r['sample_idx']},{r['correct']}" for r in val]
     (out / "scores.csv").write_text("\n".join(lines) + "\n")

@@ -17,7 +17,6 @@ from standin import converge, propose, record
 
 from evotrainer.control.reconcile import FAULT_ENV, load_context, plan
 from evotrainer.control.versions import approve, new_version
-from evotrainer.errors import EvoError
 from evotrainer.store.lock import workspace_lock
 from evotrainer.store.workspace import Workspace
 
@@ -127,16 +126,16 @@ def test_missing_artifacts_and_dirty_worktree_give_clear_errors(workspace):
     workspace.git.commit_files("evo/v1", {"spec/versions/v1.yaml": spec_text(spec).encode()},
                                "edit")
     approve(workspace, "v1", by="tester")
-    with pytest.raises(EvoError, match="uncommitted changes"):
-        converge(workspace)
+    plans = {p.version: p for p in converge(workspace)}  # v1's error does not stop the pass
+    assert "uncommitted changes" in plans["v1"].error
     assert (worktree / "notes.txt").read_text() == "my analysis"
     # Artifacts deleted under a recorded run: the re-diagnosis names the folder and the fix.
     run = record(workspace, "v0", "run")
     shutil.rmtree(workspace.root / run["artifact_dir"])
     h0 = workspace.root / "harness_versions" / "h0.yaml"
     h0.write_text(h0.read_text().replace("truncation_rate > 0.15", "truncation_rate > 0.2"))
-    with pytest.raises(EvoError, match="artifacts of v0 are gone"):
-        converge(workspace)
+    plans = {p.version: p for p in converge(workspace)}
+    assert "artifacts of v0 are gone" in plans["v0"].error
     assert record(workspace, "v0", "decision") is not None  # records are intact
 
 

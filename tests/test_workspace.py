@@ -193,3 +193,16 @@ def test_backend_checks_run_at_version_new_and_validate(workspace, cli):
     problems = validate_errors(workspace, cli)
     assert [p["field"] for p in problems] == ["recipe.domain.name"]
     assert problems[0]["where"] == "evo/v1:spec/versions/v1.yaml:7:11"
+
+
+def test_project_recipe_error_is_reported_once(workspace, cli):
+    new_version(workspace, "v1", "v0", rationale="a")
+    new_version(workspace, "v2", "v0", rationale="b")
+    project = workspace.root / "spec" / "project.yaml"
+    text = project.read_text()
+    assert "recipe:\n" in text
+    project.write_text(text.replace("    steps: 150\n", "    steps: 150\n    group_size: 1\n", 1))
+    out = cli("-C", str(workspace.root), "validate")
+    assert out.code == 1
+    lines = [line for line in out.err.splitlines() if "group_size" in line]
+    assert len(lines) == 1 and "spec/project.yaml" in lines[0]

@@ -3,7 +3,9 @@
 The job's artifact dir is its whole state: `job.json` (pid, start time, command) is written
 when the process starts, the engine writes `result.json` when it ends. A later reconcile
 pass — even from another process — reads the state back from those files, so a launch is
-never repeated while its process lives.
+never repeated while its process lives. The process also carries its job id in its
+environment (`EVOTRAINER_JOB_ID`), so a reconcile that died between spawning it and writing
+`job.json` is repaired by adopting the process, or its result, instead of launching again.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ JOB_FILE = "job.json"
 RESULT_FILE = "result.json"
 LOG_FILE = "train.log"
 STDIO_FILE = "process.log"
+JOB_ID_ENV = "EVOTRAINER_JOB_ID"  # set in every spawned job: finds it without job.json
 
 
 class LocalBackend:
@@ -64,7 +67,9 @@ class LocalBackend:
 
     def status(self, job: JobSpec) -> JobStatus:
         result = read_json(job.artifact_dir / RESULT_FILE)
-        record = read_json(job.artifact_dir / JOB_FILE)
+        record = read_json(job.artifact_dir / JOB_FILE) or adopt_orphan(job)
+        if record is None and result is not None:
+            record = {"job_id": job.job_id, "pid": None}  # it ran and ended unrecorded
         if record is None or record.get("job_id") != job.job_id:
             return JobStatus(JobState.UNKNOWN, "no such job")
         process = live_process(record)
@@ -118,25 +123,62 @@ class LocalBackend:
 
 def spawn_detached(command: list[str], job: JobSpec, env: dict, log: Path) -> dict:
     """Start `command` in its own session (it outlives reconcile), output appended to `log`;
-    return the job record that lets any later process find it again (pid + start time)."""
+    return the job record that lets any later process find it again (pid + start time).
+    The job id goes into its environment: `find_job_process` finds it without the record."""
     with log.open("ab") as out:
         process = subprocess.Popen(
             command,
             cwd=job.workdir,
-            env=env,
+            env={**env, JOB_ID_ENV: job.job_id},
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    return job_record(job, psutil.Process(process.pid), command)
+
+
+def job_record(job: JobSpec, process: psutil.Process, command: list[str]) -> dict:
     return {
         "job_id": job.job_id,
         "pid": process.pid,
         "host": socket.gethostname(),
-        "create_time": psutil.Process(process.pid).create_time(),
+        "create_time": process.create_time(),
         "started_at": now_iso(),
         "command": command,
     }
+
+
+def find_job_process(job_id: str) -> psutil.Process | None:
+    """The live process (the session leader) spawned for `job_id`, found by its environment."""
+    for process in psutil.process_iter(["pid"]):
+        try:
+            if process.environ().get(JOB_ID_ENV) != job_id:
+                continue
+            if process.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if os.getsid(process.pid) == process.pid:  # children inherit the variable
+                return process
+        except (psutil.Error, OSError):
+            continue
+    return None
+
+
+def adopt_orphan(job: JobSpec) -> dict | None:
+    """A job spawned by a reconcile that died before writing `job.json`: write its record
+    now (a later pass then sees it as any other job), or None when there is none."""
+    if not job.artifact_dir.is_dir():
+        return None
+    process = find_job_process(job.job_id)
+    if process is None:
+        return None
+    try:
+        record = job_record(job, process, process.cmdline())
+    except psutil.Error:
+        return None
+    record["adopted"] = True
+    atomic_write(job.artifact_dir / JOB_FILE, json.dumps(record, indent=2))
+    return record
 
 
 def live_process(record: dict) -> psutil.Process | None:

@@ -1,4 +1,4 @@
-"""`evotrainer approve V`: commit the approval (who, when) onto the version's branch."""
+"""`evotrainer approve V`: commit the approval (who, when, what) onto the version's branch."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from rich.console import Console
 
 from evotrainer.control.versions import approve as approve_version
 from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import safe
 
 
 def register(app: typer.Typer) -> None:
@@ -16,7 +17,15 @@ def register(app: typer.Typer) -> None:
         by: str = typer.Option(None, "--by", help="Approver (default: git user.name)."),
     ) -> None:
         """Approve a version so reconcile may launch it. Review `git diff evo/PARENT..evo/V`
-        first. Approving again after editing the spec re-approves it for retraining."""
-        spec = approve_version(Workspace.find(), name, by)
-        approval = spec["approval"]
-        Console().print(f"Approved {name} (by {approval['by']} at {approval['at']})")
+        first. The approval records the digest of the spec and its resolved recipe: any
+        later change (on the branch or inherited) needs a new approval."""
+        ws = Workspace.find()
+        states = ws.versions()
+        already = ws.approval_status(ws.version(name, states), states) == "approved"
+        approval = approve_version(ws, name, by)["approval"]
+        verb = "Already approved:" if already else "Approved"
+        Console().print(
+            f"{verb} {safe(name)} (by {safe(approval['by'])} at {safe(approval['at'])}, "
+            f"{approval['digest'][:19]})",
+            highlight=False,
+        )

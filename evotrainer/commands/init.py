@@ -47,7 +47,7 @@ def baseline_spec(now: str) -> dict:
             "factors": 0,
             "rationale": "Reference point for every comparison on this lineage.",
         },
-        "approval": {"approved": True, "by": "evotrainer init", "at": now},
+        "approval": {"approved": False},
     }
 
 
@@ -102,6 +102,11 @@ def init_workspace(directory: Path, example: str) -> Path:
         {"Action": "propose", "Version": BASELINE},
         start="main",
     )
+    # Approved like any version: the approval records the digest of what it approves.
+    from evotrainer.control.versions import approve
+    from evotrainer.store.workspace import Workspace
+
+    approve(Workspace(directory), BASELINE, by="evotrainer init")
     return directory
 
 

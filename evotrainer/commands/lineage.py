@@ -10,6 +10,7 @@ from rich.tree import Tree
 
 from evotrainer.control.lineage import LineageRow, lineage_rows
 from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import safe
 
 STATUS_STYLE = {
     "promote": "green",
@@ -20,18 +21,19 @@ STATUS_STYLE = {
     "Failed": "red",
     "Running": "blue",
     "proposed": "dim",
+    "stale": "magenta",
 }
 
 
 def describe(row: LineageRow) -> str:
     style = STATUS_STYLE.get(row.status, "white")
-    parts = [f"[bold]{row.name}[/]", f"[{style}]{row.status}[/]"]
+    parts = [f"[bold]{safe(row.name)}[/]", f"[{style}]{safe(row.status)}[/]"]
     if row.score is not None:
         parts.append(f"avg@k {row.score:.3f}")
     if row.delta is not None and row.ci is not None:
         parts.append(f"Δ {row.delta:+.3f} [{row.ci[0]:+.3f}, {row.ci[1]:+.3f}]")
     if row.alerts:
-        parts.append("[red]alerts: " + ", ".join(row.alerts) + "[/]")
+        parts.append("[red]alerts: " + safe(", ".join(row.alerts)) + "[/]")
     if row.pruned:
         parts.append("[dim](pruned, kept as negative evidence)[/]")
     return "  ".join(parts)

@@ -8,24 +8,38 @@ import typer
 from rich.console import Console
 
 from evotrainer.commands.plan import plan_table
-from evotrainer.control.reconcile import Reconciler, VersionPlan
+from evotrainer.control.reconcile import Reconciler, VersionPlan, error_plan
 from evotrainer.store.lock import workspace_lock
 from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import safe
 
 
 def reconcile_workspace(ws: Workspace, wait: bool, console: Console) -> list[VersionPlan]:
+    """Apply the plan; the plans returned carry each version's error, if it had one."""
     with workspace_lock(ws.state_dir / "lock", " ".join(["evotrainer", *sys.argv[1:]])):
-        reconciler = Reconciler(ws, log=lambda line: console.print(f"[bold]→[/] {line}"))
+        reconciler = Reconciler(ws, log=lambda line: console.print(f"[bold]→[/] {safe(line)}"))
         if not wait:
-            return reconciler.run()
+            return _with_errors(reconciler.run(), reconciler)
         with console.status("waiting for jobs") as status:
 
             def show(running: list[VersionPlan]) -> None:
                 status.update(
-                    "waiting for " + ", ".join(f"{p.version} ({p.health.lower()})" for p in running)
+                    "waiting for "
+                    + ", ".join(f"{safe(p.version)} ({p.health.lower()})" for p in running)
                 )
 
-            return reconciler.run(wait=True, on_wait=show)
+            return _with_errors(reconciler.run(wait=True, on_wait=show), reconciler)
+
+
+def _with_errors(plans: list[VersionPlan], reconciler: Reconciler) -> list[VersionPlan]:
+    """The final plans, plus an error row for a version whose action failed earlier in
+    the run (its final plan may look quiet: the failure must still set the exit code)."""
+    shown = {p.version for p in plans if p.error}
+    return plans + [
+        error_plan(version, message)
+        for version, message in reconciler.errors.items()
+        if version not in shown
+    ]
 
 
 def register(app: typer.Typer) -> None:
@@ -38,7 +52,13 @@ def register(app: typer.Typer) -> None:
         ),
     ) -> None:
         """Launch approved versions, poll and collect jobs, diagnose, gate, promote or
-        prune. Safe to rerun at any time: it converges to the same state."""
+        prune. Safe to rerun at any time: it converges to the same state. A version that
+        fails (invalid spec, backend error) is reported and the others go ahead; exit 1
+        when any failed."""
         console = Console()
         plans = reconcile_workspace(Workspace.find(), wait, console)
         console.print(plan_table(plans))
+        failed = [p.version for p in plans if p.error]
+        if failed:
+            console.print(f"[red]errors:[/] {safe(', '.join(failed))}; the others went ahead")
+            raise typer.Exit(1)

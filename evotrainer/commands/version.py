@@ -11,6 +11,7 @@ from evotrainer.store import specs
 from evotrainer.store.git import branch_name
 from evotrainer.store.recipe import digest
 from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import safe
 
 
 def register(app: typer.Typer) -> None:
@@ -42,9 +43,10 @@ def register(app: typer.Typer) -> None:
             criterion=criterion,
         )
         Console().print(
-            f"Created {branch_name(name)} from {branch_name(parent)} (not approved: "
-            f"`evotrainer approve {name}` when the diff looks right: "
-            f"git diff {branch_name(parent)}..{branch_name(name)})"
+            f"Created {safe(branch_name(name))} from {safe(branch_name(parent))} (not "
+            f"approved: `evotrainer approve {safe(name)}` when the diff looks right: "
+            f"git diff {safe(branch_name(parent))}..{safe(branch_name(name))})",
+            highlight=False,
         )
 
     @group.command("show")
@@ -57,13 +59,20 @@ def register(app: typer.Typer) -> None:
         console = Console()
         run = state.records.get("run") or {}
         decision = state.records.get("decision") or {}
+        approval = {
+            "approved": "approved",
+            "stale": "approval stale (changed since): re-approve",
+            "unbound": "approval without digest: not an approval",
+        }.get(ws.approval_status(state, states), "not approved")
         console.print(
-            f"[bold]{name}[/]  branch {branch_name(name)} @ {state.sha[:10]}  "
-            f"parent {state.parent or '—'}  "
-            f"{'approved' if state.approved else 'not approved'}"
+            f"[bold]{safe(name)}[/]  branch {safe(branch_name(name))} @ {state.sha[:10]}  "
+            f"parent {safe(state.parent or '—')}  {approval}",
+            highlight=False,
         )
         console.print(
-            f"run: {run.get('state', 'not run')}   verdict: {decision.get('verdict', '—')}"
+            f"run: {safe(run.get('state', 'not run'))}   "
+            f"verdict: {safe(decision.get('verdict', '—'))}",
+            highlight=False,
         )
         console.print(f"recipe digest: {digest(recipe)}")
         console.print(

@@ -12,7 +12,9 @@ from evotrainer.store.workspace import VersionState, Workspace
 class LineageRow:
     name: str
     parent: str | None
-    status: str  # proposed | approved | Pending | Running | Failed | Succeeded | <verdict>
+    # proposed | approved | stale (approved, then changed) | Pending | Running | Failed |
+    # Succeeded | <verdict>
+    status: str
     score: float | None  # final val avg@k
     ci: tuple[float, float] | None  # 95% CI of the difference to the parent
     delta: float | None
@@ -25,14 +27,16 @@ class LineageRow:
         return asdict(self)
 
 
-def status_of(state: VersionState) -> str:
+def status_of(state: VersionState, approval: str | None = None) -> str:
+    """`approval` is `Workspace.approval_status` (only an approval that holds counts)."""
     decision = state.records.get("decision") or {}
     run = state.records.get("run") or {}
     if decision.get("verdict"):
         return decision["verdict"]
     if run.get("state"):
         return run["state"]
-    return "approved" if state.approved else "proposed"
+    approval = approval or ("approved" if state.approved else "unapproved")
+    return {"approved": "approved", "stale": "stale"}.get(approval, "proposed")
 
 
 def lineage_rows(ws: Workspace, states: dict[str, VersionState] | None = None) -> list[LineageRow]:
@@ -49,7 +53,9 @@ def lineage_rows(ws: Workspace, states: dict[str, VersionState] | None = None) -
         score = comparison.get("mean_b", (run.get("result") or {}).get("val_avg"))
         ci = (comparison["ci_low"], comparison["ci_high"]) if "ci_low" in comparison else None
         rows.append(LineageRow(
-            name=name, parent=state.parent, status=status_of(state), score=score, ci=ci,
+            name=name, parent=state.parent,
+            status=status_of(state, ws.approval_status(state, states) if state.spec else None),
+            score=score, ci=ci,
             delta=comparison.get("delta"), verdict=decision.get("verdict"),
             alerts=[a.get("name", "?") for a in diagnosis.get("alerts") or []],
             pruned=name in pruned,

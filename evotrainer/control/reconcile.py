@@ -19,6 +19,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import git
+import pyarrow as pa
+
 from evotrainer import API_VERSION
 from evotrainer.agent.skills import pending_evidence, record_evidence
 from evotrainer.backends import get_backend
@@ -32,7 +35,11 @@ from evotrainer.store import specs
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import PRUNED_TAG_PREFIX, branch_name
 from evotrainer.store.recipe import deep_merge, digest
+from evotrainer.store.validation import Validation, check_workspace
 from evotrainer.store.workspace import VersionState, Workspace, run_path
+
+# What a version's action may fail with and still leave the other versions to proceed.
+VERSION_ERRORS = (EvoError, OSError, git.GitCommandError)
 
 # Hard exit after the N-th action boundary: the crash-safety tests walk N over every one.
 FAULT_ENV = "EVOTRAINER_FAULT_AFTER"
@@ -53,6 +60,7 @@ class VersionPlan:
     health: str  # Pending | Running | Succeeded | Failed | Stalled | —
     action: Action | None  # the next state change; None: nothing to do now
     note: str = ""  # why nothing happens (awaiting approval, waiting for parent, ...)
+    error: str | None = None  # the version is refused (invalid) or its action failed
 
     def as_dict(self) -> dict:
         return {
@@ -60,8 +68,13 @@ class VersionPlan:
             "sync": self.sync,
             "health": self.health,
             "action": self.action.kind if self.action else None,
-            "reason": self.action.reason if self.action else self.note,
+            "reason": self.action.reason if self.action else (self.error or self.note),
+            "error": self.error,
         }
+
+
+def error_plan(name: str, message: str, health: str = "—") -> VersionPlan:
+    return VersionPlan(name, "Invalid", health, None, error=message)
 
 
 @dataclass
@@ -72,6 +85,7 @@ class Context:
     states: dict[str, VersionState]
     harness: HarnessRevision
     backends: dict[str, Backend] = field(default_factory=dict)
+    validation: Validation = field(default_factory=Validation)
 
     def backend(self, name: str) -> Backend:
         if name not in self.backends:
@@ -80,8 +94,23 @@ class Context:
 
 
 def load_context(ws: Workspace, backends: dict[str, Backend] | None = None) -> Context:
+    """Read the pass's inputs and run `validate`'s checks on them. Problems of the
+    workspace-wide files (project, harness revisions, skills) refuse the whole pass."""
+    states = ws.versions()
+    validation = check_workspace(ws, states, backends=backends)
+    if validation.workspace:
+        first = validation.workspace[0]
+        more = len(validation.workspace) - 1
+        raise EvoError(
+            first.message + (f" (and {more} more problem(s))" if more else ""),
+            where=first.where,
+            field=first.field,
+            hint=(first.hint + "; " if first.hint else "") + "`evotrainer validate` lists all",
+        )
     harness_name = ws.project.get("harness", "h0")
-    return Context(ws, ws.versions(), resolve_harness(harness_name, ws.root), dict(backends or {}))
+    return Context(
+        ws, states, resolve_harness(harness_name, ws.root), dict(backends or {}), validation
+    )
 
 
 # ---- planning -------------------------------------------------------------------------
@@ -106,32 +135,46 @@ def job_for(ctx: Context, state: VersionState, run: dict) -> JobSpec:
 
 
 def plan_version(ctx: Context, state: VersionState) -> VersionPlan:
-    if state.spec is None:
+    """The next action of one version; a version's own error never stops the others."""
+    refusal = ctx.validation.refusal(state.name, ctx.states)
+    if refusal is not None:
+        return error_plan(state.name, f"invalid: {refusal}")
+    try:
+        return _plan_version(ctx, state)
+    except VERSION_ERRORS as err:
+        run = state.records.get("run") or {}
+        return error_plan(state.name, str(err), run.get("state", "—"))
+
+
+def _approval_wait(ctx: Context, state: VersionState, status: str) -> VersionPlan:
+    """A version that may not launch as it is: approve it now (autonomy) or say why not."""
+    sync = "Drifted" if state.records.get("run") else "OutOfSync"
+    health = (state.records.get("run") or {}).get("state", "—")
+    if _auto_approvable(ctx, state):
+        return VersionPlan(
+            state.name, sync, health, Action("approve", "autonomy allows it within budget")
+        )
+    if status == "stale":
         return VersionPlan(
             state.name,
-            "OutOfSync",
-            "—",
+            sync,
+            health,
             None,
-            "spec missing or unreadable: run `evotrainer validate`",
+            "awaiting re-approval: the spec or its inherited recipe changed since it was "
+            f"approved (evotrainer approve {state.name})",
         )
+    return VersionPlan(
+        state.name, sync, health, None, f"awaiting approval: evotrainer approve {state.name}"
+    )
+
+
+def _plan_version(ctx: Context, state: VersionState) -> VersionPlan:
     run = state.records.get("run")
     spec_digest = state.spec_digest
+    approval = ctx.ws.approval_status(state, ctx.states)
     if run is None:
-        if not state.approved:
-            if _auto_approvable(ctx, state):
-                return VersionPlan(
-                    state.name,
-                    "OutOfSync",
-                    "—",
-                    Action("approve", "autonomy allows it within budget"),
-                )
-            return VersionPlan(
-                state.name,
-                "OutOfSync",
-                "—",
-                None,
-                f"awaiting approval: evotrainer approve {state.name}",
-            )
+        if approval != "approved":
+            return _approval_wait(ctx, state, approval)
         if not _slot_free(ctx):
             return VersionPlan(
                 state.name, "OutOfSync", "—", None, "waiting: max_concurrent_jobs reached"
@@ -141,7 +184,7 @@ def plan_version(ctx: Context, state: VersionState) -> VersionPlan:
     health = run["state"]
     drifted = run.get("spec_digest") != spec_digest
     sync = "Drifted" if drifted else "Synced"
-    if drifted and _reapproved_after(state, run):
+    if drifted and approval == "approved" and _reapproved_after(state, run):
         return VersionPlan(
             state.name,
             sync,
@@ -159,6 +202,8 @@ def plan_version(ctx: Context, state: VersionState) -> VersionPlan:
                 else ("the backend has no record of the job (artifact dir missing?)")
             )
             if health == "Pending" and status.state is JobState.UNKNOWN:
+                if approval != "approved":
+                    return _approval_wait(ctx, state, approval)
                 return VersionPlan(
                     state.name, sync, health, Action("launch", "run recorded but job never started")
                 )
@@ -169,7 +214,18 @@ def plan_version(ctx: Context, state: VersionState) -> VersionPlan:
             )
         return VersionPlan(state.name, sync, health, None, f"job {status.state.value.lower()}")
     if health == "Failed":
-        if run["attempt"] < ctx.ws.project.get("max_attempts", 2) and not drifted:
+        if infrastructure_failure(run.get("detail", "")):
+            return VersionPlan(
+                state.name,
+                sync,
+                health,
+                None,
+                f"infrastructure failure ({run.get('detail', '')}): not the run's own; fix it, "
+                f"then `evotrainer retry {state.name}`",
+            )
+        if own_failures(run) < ctx.ws.project.get("max_attempts", 2) and not drifted:
+            if approval != "approved":
+                return _approval_wait(ctx, state, approval)
             return VersionPlan(
                 state.name, sync, health, Action("retry", f"attempt {run['attempt']} failed")
             )
@@ -253,8 +309,33 @@ def _slot_free(ctx: Context) -> bool:
 
 
 def _reapproved_after(state: VersionState, run: dict) -> bool:
-    approved_at = (state.spec.get("approval") or {}).get("at", "")
-    return state.approved and approved_at > run.get("created_at", "")
+    return state.approval.get("at", "") > run.get("created_at", "")
+
+
+# What a failure of the machine (not of the training) looks like in a job's detail.
+INFRASTRUCTURE_MARKERS = (
+    "No space left on device",
+    "Disk quota exceeded",
+    "Errno 28",
+    "Errno 122",
+    "Read-only file system",
+    "Cannot allocate memory",
+)
+
+
+def infrastructure_failure(detail: str) -> bool:
+    """A failure the run did not cause (disk full, quota, read-only disk, out of memory):
+    it does not count against `max_attempts`, and `evotrainer retry` restarts it."""
+    return any(marker in (detail or "") for marker in INFRASTRUCTURE_MARKERS)
+
+
+def own_failures(run: dict) -> int:
+    """Failed attempts that were the run's own fault, the current one included."""
+    history = [a for a in run.get("attempts") or [] if a.get("state") == "Failed"]
+    count = sum(not infrastructure_failure(a.get("detail", "")) for a in history)
+    if run.get("state") == "Failed" and not infrastructure_failure(run.get("detail", "")):
+        count += 1
+    return count
 
 
 def steps_spent(ctx: Context) -> int:
@@ -276,6 +357,82 @@ def _auto_approvable(ctx: Context, state: VersionState) -> bool:
     return budget is None or steps_spent(ctx) + steps <= budget
 
 
+def launch_record(
+    ctx: Context, state: VersionState, attempt: int | None = None, history: list | None = None
+) -> dict:
+    """The Pending run record committed before a job starts (its id is deterministic)."""
+    previous = state.records.get("run") or {}
+    attempt = attempt or previous.get("attempt", 1)
+    recipe = job_recipe(ctx, state)
+    ctx.backend(recipe["backend"]).check(recipe)
+    recipe_digest = digest(recipe)
+    jid = job_id(state.name, attempt, recipe_digest)
+    run = {
+        "apiVersion": API_VERSION,
+        "kind": "Run",
+        "version": state.name,
+        "attempt": attempt,
+        "job_id": jid,
+        "backend": recipe["backend"],
+        "spec_digest": state.spec_digest,
+        "recipe_digest": recipe_digest,
+        "train": state.spec.get("train", True),
+        "state": "Pending",
+        "created_at": previous.get("created_at")
+        if previous.get("job_id") == jid
+        else now_iso(),
+        "artifact_dir": ctx.ws.record_path(ctx.ws.artifact_dir(state.name, jid)),
+    }
+    if history or previous.get("attempts"):
+        run["attempts"] = history if history is not None else previous["attempts"]
+    return run
+
+
+def attempt_history(run: dict) -> list[dict]:
+    """The attempts so far, the current (failed) one appended: what a retry carries."""
+    return list(run.get("attempts") or []) + [
+        {
+            "attempt": run["attempt"],
+            "job_id": run["job_id"],
+            "state": run["state"],
+            "detail": run.get("detail", ""),
+            "steps": int((run.get("result") or {}).get("steps_done") or 0),
+        }
+    ]
+
+
+def request_retry(ws: Workspace, name: str, by: str) -> dict:
+    """`evotrainer retry V`: commit the next attempt's Pending record for a failed run (the
+    next reconcile launches it). For failures of the machine, or a run given another chance
+    after `max_attempts`; the approval must still hold."""
+    ctx = load_context(ws)
+    state = ws.version(name, ctx.states)
+    refusal = ctx.validation.refusal(name, ctx.states)
+    if refusal:
+        raise EvoError(f"{name} is invalid: {refusal}", hint="fix it; `evotrainer validate`")
+    run = state.records.get("run") or {}
+    if run.get("state") != "Failed":
+        raise EvoError(
+            f"{name} has no failed run to retry (state: {run.get('state', 'not run')})",
+            hint="retry restarts a Failed run; `evotrainer plan` shows what reconcile does",
+        )
+    if ws.approval_status(state, ctx.states) != "approved":
+        raise EvoError(
+            f"{name} is not approved as it is now",
+            hint=f"review and approve it first: evotrainer approve {name}",
+        )
+    history = attempt_history(run)
+    history[-1]["retried_by"] = by
+    record = launch_record(ctx, state, attempt=run["attempt"] + 1, history=history)
+    ws.git.commit_files(
+        branch_name(name),
+        {run_path(name, "run.yaml"): record_text("run", record).encode()},
+        f"Retry {name}: attempt {record['attempt']} requested by {by}",
+        {"Action": "retry", "Version": name},
+    )
+    return record
+
+
 # ---- applying -------------------------------------------------------------------------
 
 
@@ -291,6 +448,7 @@ class Reconciler:
         self.log = log
         self._boundaries = 0
         self._fault_after = int(os.environ.get(FAULT_ENV, "0"))
+        self.errors: dict[str, str] = {}  # version → its last error in this run
 
     def boundary(self) -> None:
         """An action boundary: state is consistent here, so a crash here must be harmless."""
@@ -299,11 +457,16 @@ class Reconciler:
             os._exit(99)
 
     def pass_once(self) -> tuple[list[VersionPlan], int]:
-        """Plan every version from fresh state, apply every action; return plans and count."""
+        """Plan every version from fresh state, apply every action; return plans and count.
+
+        An error belongs to its version: it is logged and kept in the plan (and in
+        `errors`), and the pass goes on with the others."""
         applied = 0
         ctx = load_context(self.ws, self.backends)
         plans = plan(ctx)
-        for version_plan in plans:
+        for i, version_plan in enumerate(plans):
+            if version_plan.error:
+                self._error(version_plan.version, version_plan.error)
             if version_plan.action is None:
                 continue
             # Earlier actions of this pass changed git: re-read before acting.
@@ -311,10 +474,21 @@ class Reconciler:
             current = plan_version(ctx, ctx.states[version_plan.version])
             if current.action is None:
                 continue
-            self.apply(ctx, ctx.states[current.version], current.action)
+            try:
+                self.apply(ctx, ctx.states[current.version], current.action)
+            except VERSION_ERRORS as err:
+                message = f"{current.action.kind} failed: {err}"
+                self._error(current.version, message)
+                plans[i] = error_plan(current.version, message, current.health)
+                continue
             applied += 1
             self.boundary()
         return plans, applied
+
+    def _error(self, version: str, message: str) -> None:
+        if self.errors.get(version) != message:  # a waiting loop logs each error once
+            self.log(f"{version}: error: {message}")
+        self.errors[version] = message
 
     def run(
         self,
@@ -361,29 +535,8 @@ class Reconciler:
         history: list | None = None,
     ) -> None:
         previous = state.records.get("run") or {}
-        attempt = attempt or previous.get("attempt", 1)
-        recipe = job_recipe(ctx, state)
-        ctx.backend(recipe["backend"]).check(recipe)
-        recipe_digest = digest(recipe)
-        jid = job_id(state.name, attempt, recipe_digest)
-        run = {
-            "apiVersion": API_VERSION,
-            "kind": "Run",
-            "version": state.name,
-            "attempt": attempt,
-            "job_id": jid,
-            "backend": recipe["backend"],
-            "spec_digest": state.spec_digest,
-            "recipe_digest": recipe_digest,
-            "train": state.spec.get("train", True),
-            "state": "Pending",
-            "created_at": previous.get("created_at")
-            if previous.get("job_id") == jid
-            else now_iso(),
-            "artifact_dir": str(self.ws.artifact_dir(state.name, jid).relative_to(self.ws.root)),
-        }
-        if history or previous.get("attempts"):
-            run["attempts"] = history if history is not None else previous["attempts"]
+        run = launch_record(ctx, state, attempt, history)
+        recipe, jid, attempt = job_recipe(ctx, state), run["job_id"], run["attempt"]
         if previous.get("job_id") != jid or previous.get("state") != "Pending":
             self._commit_run(state, run, f"Launch {state.name} attempt {attempt} ({jid})", "launch")
             self.boundary()
@@ -400,16 +553,7 @@ class Reconciler:
 
     def _retry(self, ctx: Context, state: VersionState) -> None:
         run = state.records["run"]
-        history = list(run.get("attempts") or []) + [
-            {
-                "attempt": run["attempt"],
-                "job_id": run["job_id"],
-                "state": run["state"],
-                "detail": run.get("detail", ""),
-                "steps": int((run.get("result") or {}).get("steps_done") or 0),
-            }
-        ]
-        self._launch(ctx, state, attempt=run["attempt"] + 1, history=history)
+        self._launch(ctx, state, attempt=run["attempt"] + 1, history=attempt_history(run))
 
     def _poll(self, ctx: Context, state: VersionState) -> None:
         run = dict(state.records["run"])
@@ -448,7 +592,7 @@ class Reconciler:
             if path is not None:
                 data = path.read_bytes()
                 artifacts[name] = {
-                    "path": str(path.relative_to(self.ws.root)),
+                    "path": self.ws.record_path(path),
                     "digest": "sha256:" + hashlib.sha256(data).hexdigest(),
                     "bytes": len(data),
                 }
@@ -487,9 +631,19 @@ class Reconciler:
             )
         from evotrainer.evidence.io import read_rollouts, read_steps
 
-        rollouts = read_rollouts(artifact_dir / "rollouts")
+        verify_artifacts(self.ws, state)
         steps_file = artifact_dir / "steps.parquet"
-        steps = read_steps(steps_file) if steps_file.is_file() else None
+        try:
+            rollouts = read_rollouts(artifact_dir / "rollouts")
+            steps = read_steps(steps_file) if steps_file.is_file() else None
+        except (pa.ArrowException, OSError) as exc:
+            raise EvoError(
+                f"the evidence of {state.name} cannot be read: {exc.__class__.__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}",
+                where=str(artifact_dir),
+                hint="the job wrote a corrupt file; re-approve the version to retrain it "
+                f"(evotrainer approve {state.name}) or restore the folder",
+            ) from None
         parent_scores = recorded_scores(self.ws, state.parent) if state.parent else None
         result = diagnose(rollouts, steps, ctx.harness, parent_scores)
         document = diagnosis_document(result, state.name)
@@ -507,6 +661,8 @@ class Reconciler:
         self._diagnose(ctx, state, action="rediagnose")
 
     def _gate(self, ctx: Context, state: VersionState) -> None:
+        for name in filter(None, (state.name, state.parent)):
+            verify_artifacts(self.ws, ctx.states[name], only=("scores",))
         decision = decide(self.ws, ctx.states, state, ctx.harness)
         self.ws.git.commit_files(
             branch_name(state.name),
@@ -540,6 +696,39 @@ class Reconciler:
             branch_name(state.name),
             f"Pruned {state.name}: {decision['reason']} (kept as negative evidence)",
         )
+
+
+def verify_artifacts(ws: Workspace, state: VersionState, only: tuple[str, ...] = ()) -> None:
+    """Check the sha256 of each artifact the run record names (all, or `only` those) before
+    anything is concluded from it: a file swapped or damaged under a recorded run is
+    refused, naming the file. The committed scores.csv is held to its recorded digest too."""
+    run = state.records.get("run") or {}
+    for kind, artifact in (run.get("artifacts") or {}).items():
+        if only and kind not in only or not artifact.get("digest"):
+            continue
+        if kind == "scores":
+            data = ws.git.read(branch_name(state.name), run_path(state.name, "scores.csv"))
+            where = f"{branch_name(state.name)}:{run_path(state.name, 'scores.csv')}"
+        else:
+            path = ws.root / artifact["path"]
+            data = path.read_bytes() if path.is_file() else None
+            where = str(path)
+        if data is None:
+            raise EvoError(
+                f"recorded artifact {kind} of {state.name} is missing",
+                where=where,
+                hint="restore it, or re-approve the version to retrain it "
+                f"(evotrainer approve {state.name})",
+            )
+        found = "sha256:" + hashlib.sha256(data).hexdigest()
+        if found != artifact["digest"]:
+            raise EvoError(
+                f"recorded artifact {kind} of {state.name} changed since it was recorded "
+                f"(digest {found[:19]}…, recorded {artifact['digest'][:19]}…)",
+                where=where,
+                hint="restore the recorded file; nothing is diagnosed or gated on evidence "
+                "that is not what was recorded",
+            )
 
 
 def record_text(kind: str, document: dict) -> str:

@@ -109,16 +109,25 @@ def new_version(
 
 
 def approve(ws: Workspace, name: str, by: str | None = None) -> dict:
-    state = ws.version(name)
-    run = state.records.get("run")
-    if state.approved and (run is None or run.get("spec_digest") == state.spec_digest):
+    """Commit the approval of `name` as it is now: the approval records the digest of the
+    spec and of the recipe it resolves to, so any later change makes it stale. A version
+    whose approval still holds is left as it is."""
+    states = ws.versions()
+    state = ws.version(name, states)
+    if ws.approval_status(state, states) == "approved":
         return state.spec  # nothing new to approve
+    approval_digest = ws.approval_digest(name, states)  # raises for a broken lineage
     spec = dict(state.spec)
-    spec["approval"] = {"approved": True, "by": by or ws.git.user(), "at": now_iso()}
+    spec["approval"] = {
+        "approved": True,
+        "by": by or ws.git.user(),
+        "at": now_iso(),
+        "digest": approval_digest,
+    }
     ws.git.commit_files(
         branch_name(name),
         {version_spec_path(name): spec_text(spec).encode()},
         f"Approve {name}",
-        {"Action": "approve", "Version": name},
+        {"Action": "approve", "Version": name, "Digest": approval_digest},
     )
     return spec

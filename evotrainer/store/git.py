@@ -155,13 +155,52 @@ class GitStore:
             full = with_trailers(message, trailers) if trailers else message
             args = [tree, "-m", full] + (["-p", parent] if parent else [])
             commit = self.repo.git.commit_tree(*args, env=env)
-        self.repo.git.update_ref(ref, commit, old or "0" * 40)
+        self._check_checkout_follows(branch, old, commit)
+        self._move_ref(ref, commit, old)
         self._sync_checked_out(branch, old, commit)
         return commit
 
+    def _move_ref(self, ref: str, new: str, old: str | None) -> None:
+        """Compare-and-swap: a commit that landed on the ref meanwhile wins, nothing is lost."""
+        try:
+            self.repo.git.update_ref(ref, new, old or "0" * 40)
+        except git.GitCommandError:
+            raise EvoError(
+                f"{ref.removeprefix('refs/heads/')} moved while this commit was being written "
+                "(someone else committed to it)",
+                where=ref,
+                hint="nothing was lost and nothing was changed by this write; rerun: the next "
+                "pass starts from the new tip",
+            ) from None
+
+    def _checked_out(self, branch: str) -> bool:
+        return not self.repo.head.is_detached and self.repo.head.ref.name == branch
+
+    def _check_checkout_follows(self, branch: str, old: str | None, new: str) -> None:
+        """Before moving a branch checked out in the workspace root: would its files follow?
+        (An untracked or edited file in the way would leave the ref moved and the working
+        tree behind, and the next ordinary commit would undo the move's files.)"""
+        if old is None or not self._checked_out(branch):
+            return
+        try:
+            self.repo.git.read_tree("-n", "-m", "-u", old, new)
+        except git.GitCommandError as exc:
+            lines = [
+                line.strip()
+                for line in (exc.stderr or "").splitlines()
+                if line.strip() and not line.strip().startswith(("error:", "Please", "Aborting"))
+            ]
+            raise EvoError(
+                f"the checkout of {branch} cannot follow: local files are in the way"
+                + (f" ({', '.join(lines[:5])})" if lines else ""),
+                where=str(self.root),
+                hint=f"{branch} was left untouched; commit, move or remove those files "
+                "(`git status`), then rerun",
+            ) from None
+
     def _sync_checked_out(self, branch: str, old: str | None, new: str) -> None:
         """Keep the workspace root's files in step when its checked-out branch moved."""
-        if self.repo.head.is_detached or self.repo.head.ref.name != branch or old is None:
+        if old is None or not self._checked_out(branch):
             return
         # A two-tree fast-forward: updates the touched files, keeps unrelated local edits,
         # refuses (loudly) to overwrite a local edit of a file the commit changed.
@@ -189,7 +228,8 @@ class GitStore:
         commit = self.repo.git.commit_tree(
             tree, "-p", target_sha, "-p", source_sha, "-m", message, env=self.identity_env
         )
-        self.repo.git.update_ref(f"refs/heads/{target}", commit, target_sha)
+        self._check_checkout_follows(target, target_sha, commit)
+        self._move_ref(f"refs/heads/{target}", commit, target_sha)
         self._sync_checked_out(target, target_sha, commit)
         return commit
 

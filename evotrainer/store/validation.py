@@ -1,53 +1,133 @@
 """Whole-workspace validation: every document against its schema, then cross-references.
 
 Version specs are read at the tip of every `evo/*` branch straight from git, so nothing is
-checked out. Problems are collected, not raised: `validate` reports all of them at once.
+checked out; the specs in the working tree (or at a ref: a pull request's head) are checked
+too where they differ from the branch tips. Problems are collected, not raised: `validate`
+reports all of them at once, and `plan` / `reconcile` refuse exactly the versions that have
+one (or whose ancestor has one: they inherit its recipe).
 """
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from evotrainer.errors import EvoError
 from evotrainer.store import specs
 from evotrainer.store.git import branch_name
-from evotrainer.store.workspace import PROJECT_FILE, VersionState, Workspace
+from evotrainer.store.workspace import (
+    PROJECT_FILE,
+    VersionState,
+    Workspace,
+    safe_yaml,
+)
 
 # Recipe fields that name files: they must stay inside the workspace or a data root.
 PATH_FIELDS = (("model", "path"), ("domain", "data", "train"), ("domain", "data", "val"))
+LIBRARY_FOLDERS = (("harness_versions", "HarnessRevision"), ("skills", "Skill"))
 
 
-def validate_workspace(ws: Workspace) -> list[EvoError]:
-    problems: list[EvoError] = []
-    project_doc = _check_file(ws.root / PROJECT_FILE, PROJECT_FILE, "Project", problems)
-    for folder, kind in (("harness_versions", "HarnessRevision"), ("skills", "Skill")):
-        for path in sorted((ws.root / folder).glob("*.yaml")):
-            doc = _check_file(path, f"{folder}/{path.name}", kind, problems)
+@dataclass
+class Validation:
+    """Problems of the workspace-wide files, each once, and of each version."""
+
+    workspace: list[EvoError] = field(default_factory=list)
+    versions: dict[str, list[EvoError]] = field(default_factory=dict)
+
+    def problems(self) -> list[EvoError]:
+        out = list(self.workspace)
+        for name in sorted(self.versions):
+            out += self.versions[name]
+        return _unique(out)
+
+    def refusal(self, name: str, states: dict[str, VersionState]) -> str | None:
+        """Why `name` must not run: its own first problem, or an invalid ancestor's."""
+        if self.versions.get(name):
+            return str(self.versions[name][0])
+        seen, current = {name}, (states[name].parent if name in states else None)
+        while current is not None and current in states and current not in seen:
+            if self.versions.get(current):
+                return f"ancestor {current} is invalid (its recipe is inherited): " + str(
+                    self.versions[current][0]
+                )
+            seen.add(current)
+            current = states[current].parent
+        return None
+
+
+def validate_workspace(ws: Workspace, ref: str | None = None) -> list[EvoError]:
+    """Every problem: the branch tips, plus the working tree (or `ref`, e.g. a pull
+    request's head) where its files differ from them. Each problem once."""
+    problems = check_workspace(ws).problems()
+    overlay = _tree_specs(ws, ref)
+    states = ws.versions()
+    changed = {
+        name: (source, raw)
+        for name, (source, raw) in overlay.items()
+        if name not in states or states[name].spec_raw != raw
+    }
+    if ref is not None or changed:
+        tree_ws = ws if ref is None else _workspace_at(ws, ref, problems)
+        for name, (source, raw) in changed.items():
+            old = states.get(name)
+            states[name] = VersionState(
+                name, old.sha if old else "", None, source, raw, dict(old.records) if old else {}
+            )
+            parsed = safe_yaml(raw)
+            states[name].spec = parsed if isinstance(parsed, dict) else None
+        if tree_ws is not None:
+            problems += check_workspace(tree_ws, states, library_ref=ref).problems()
+    return _unique(problems)
+
+
+def check_workspace(
+    ws: Workspace,
+    states: dict[str, VersionState] | None = None,
+    library_ref: str | None = None,
+    backends: dict | None = None,
+) -> Validation:
+    """The checks `validate` runs, grouped: plan and reconcile refuse invalid versions.
+    `backends` (name → backend) check the recipes they will run; default: by name."""
+    result = Validation()
+    problems = result.workspace
+    project_doc = _check_bytes(
+        _library_read(ws, library_ref, PROJECT_FILE), PROJECT_FILE, "Project", problems,
+        _source(library_ref, PROJECT_FILE),
+    )
+    names: dict[str, set[str]] = {}
+    for folder, kind in LIBRARY_FOLDERS:
+        files = _library_files(ws, library_ref, folder)
+        names[folder] = {Path(path).stem for path in files}
+        for path, raw in sorted(files.items()):
+            doc = _check_bytes(raw, path, kind, problems, _source(library_ref, path))
             if doc is not None:
                 _check_name(
                     doc,
-                    path.stem,
+                    Path(path).stem,
                     f"rename the file to {doc.data.get('name')}.yaml or fix `name`",
                     problems,
                 )
-
-    states = ws.versions()
-    docs: dict[str, specs.Document] = {}
-    for name, state in sorted(states.items()):
-        doc = _check_version(state, problems)
-        if doc is not None:
-            docs[name] = doc
-
-    harnesses, skills = set(ws.harness_names()), set(ws.skill_names())
+    harnesses, skills = names["harness_versions"], names["skills"]
     if project_doc is not None:
         _check_harness_ref(project_doc, ("harness",), harnesses, problems)
         _check_paths(ws, project_doc, ("recipe",), problems)
+
+    states = states if states is not None else ws.versions()
+    docs: dict[str, specs.Document] = {}
+    for name, state in sorted(states.items()):
+        found: list[EvoError] = []
+        doc = _check_version(state, found)
+        if doc is not None:
+            docs[name] = doc
+        result.versions[name] = found
     for name, doc in docs.items():
-        _check_parent(name, doc, docs, states, problems)
-        _check_harness_ref(doc, ("harness",), harnesses, problems)
+        found = result.versions[name]
+        _check_parent(name, doc, docs, states, found)
+        _check_harness_ref(doc, ("harness",), harnesses, found)
         for i, skill in enumerate((doc.data.get("intervention") or {}).get("skills") or []):
             if skill not in skills:
-                problems.append(
+                found.append(
                     EvoError(
                         f"unknown skill {skill!r}",
                         where=doc.where(("intervention", "skills", i)),
@@ -55,26 +135,146 @@ def validate_workspace(ws: Workspace) -> list[EvoError]:
                         hint=f"known skills: {', '.join(sorted(skills)) or 'none'}",
                     )
                 )
-        _check_paths(ws, doc, ("recipe",), problems)
-    _check_recipes(ws, docs, states, problems)
-    return problems
+        _check_paths(ws, doc, ("recipe",), found)
+        _check_approval(doc, name, found)
+    _check_recipes(ws, docs, states, result, backends or {})
+    return result
 
 
-def _check_recipes(ws: Workspace, docs: dict, states: dict, problems: list) -> None:
+def _check_approval(doc: specs.Document, name: str, problems: list) -> None:
+    approval = doc.data.get("approval") or {}
+    if approval.get("approved") is True and not approval.get("digest"):
+        problems.append(
+            EvoError(
+                "approval block without a digest is not an approval",
+                where=doc.where(("approval",)),
+                field="approval",
+                hint=f"approve with `evotrainer approve {name}`: it records the digest of "
+                "what it approves",
+            )
+        )
+
+
+def _tree_specs(ws: Workspace, ref: str | None) -> dict[str, tuple[str, bytes]]:
+    """{version name: (source, bytes)} of spec/versions/*.yaml in the working tree or at ref."""
+    folder = "spec/versions"
+    if ref is None:
+        return {
+            path.stem: (f"{folder}/{path.name}", path.read_bytes())
+            for path in sorted((ws.root / folder).glob("*.yaml"))
+            if path.is_file()
+        }
+    return {
+        Path(path).stem: (_source(ref, path), raw)
+        for path, raw in _library_files(ws, ref, folder).items()
+    }
+
+
+def _workspace_at(ws: Workspace, ref: str, problems: list) -> Workspace | None:
+    """`ws` reading the project spec at `ref` (a pull request's project changes count)."""
+    if ws.git.rev(ref) is None:
+        problems.append(
+            EvoError(f"no such ref {ref!r}", field="--ref", hint="a branch, tag or commit")
+        )
+        return None
+    raw = ws.git.read(ref, PROJECT_FILE)
+    project = safe_yaml(raw)
+    at_ref = copy.copy(ws)
+    at_ref.__dict__["project"] = project if isinstance(project, dict) else {}
+    return at_ref
+
+
+def _source(ref: str | None, path: str) -> str:
+    return f"{ref}:{path}" if ref else path
+
+
+def _library_read(ws: Workspace, ref: str | None, path: str) -> bytes | None:
+    if ref is None:
+        file = ws.root / path
+        return file.read_bytes() if file.is_file() else None
+    return ws.git.read(ref, path)
+
+
+def _library_files(ws: Workspace, ref: str | None, folder: str) -> dict[str, bytes]:
+    if ref is None:
+        return {
+            f"{folder}/{path.name}": path.read_bytes()
+            for path in sorted((ws.root / folder).glob("*.yaml"))
+            if path.is_file()
+        }
+    if ws.git.rev(ref) is None:
+        return {}
+    listing = ws.git.repo.git.ls_tree("--name-only", ref, folder + "/").splitlines()
+    paths = [p for p in listing if p.endswith(".yaml")]
+    blobs = ws.git.read_many((ref, p) for p in paths)
+    return {p: blob for (_, p), blob in blobs.items() if blob is not None}
+
+
+def _unique(problems: list[EvoError]) -> list[EvoError]:
+    seen: set[str] = set()
+    out = []
+    for problem in problems:
+        if str(problem) not in seen:
+            seen.add(str(problem))
+            out.append(problem)
+    return out
+
+
+def _check_recipes(
+    ws: Workspace, docs: dict, states: dict, result: Validation, backends: dict
+) -> None:
     """Each version's resolved recipe through its backend's own checks (group size, clip
     range, domain, checkpoint path, verl keys...), reported at the version that sets it."""
-    if any(p.field == "parent" for p in problems):
-        return  # a broken lineage has no resolved recipes
+    project_problem = _project_recipe_problem(ws, backends)
     for name, doc in docs.items():
+        if result.refusal(name, states) or any(
+            name not in docs for name in _ancestors(name, states)
+        ):
+            continue  # a broken lineage has no resolved recipe
         try:
-            check_spec_recipe(ws.resolved_recipe(name, states), doc)
+            recipe = ws.resolved_recipe(name, states)
+            check_spec_recipe(recipe, doc, backends.get(recipe.get("backend", "local")))
         except EvoError as err:
-            problems.append(err)
+            if project_problem is None or (err.field, err.message.split(" (inherited")[0]) != (
+                f"recipe.{project_problem.field}" if project_problem.field else None,
+                project_problem.message,
+            ):
+                result.versions[name].append(err)
+            else:  # the project's own problem, located there: `validate` shows it once
+                result.versions[name].append(project_problem)
 
 
-def _check_file(path: Path, source: str, kind: str, problems: list) -> specs.Document | None:
+def _project_recipe_problem(ws: Workspace, backends: dict) -> EvoError | None:
+    """The backend's checks of the project recipe alone: every version inherits it."""
+    from evotrainer.backends import get_backend
+    from evotrainer.store.recipe import resolve
+
     try:
-        doc = specs.parse(path.read_bytes(), source)
+        recipe = resolve(ws.project.get("recipe") or {}, [])
+        name = recipe.get("backend", "local")
+        (backends.get(name) or get_backend(name)).check(recipe)
+    except EvoError as err:
+        return EvoError(err.message, where=PROJECT_FILE, field=err.field, hint=err.hint)
+    return None
+
+
+def _ancestors(name: str, states: dict) -> list[str]:
+    out, seen, current = [], {name}, states[name].parent
+    while current is not None and current not in seen:
+        out.append(current)
+        seen.add(current)
+        current = states[current].parent if current in states else None
+    return out
+
+
+def _check_bytes(
+    raw: bytes | None, path: str, kind: str, problems: list, source: str
+) -> specs.Document | None:
+    if raw is None:
+        problems.append(EvoError("file not found", where=source))
+        return None
+    try:
+        doc = specs.parse(raw, source)
     except EvoError as err:
         problems.append(err)
         return None
@@ -206,12 +406,13 @@ def check_path(ws: Workspace, value: str) -> str | None:
     return f"path {value!r} leaves the workspace and every declared data root"
 
 
-def check_spec_recipe(recipe: dict, doc: specs.Document) -> None:
-    """The backend's own checks of a resolved recipe, located in the version spec."""
+def check_spec_recipe(recipe: dict, doc: specs.Document, backend=None) -> None:
+    """The backend's own checks of a resolved recipe (by `backend`, default the recipe's
+    backend by name), located in the version spec."""
     from evotrainer.backends import get_backend
 
     try:
-        get_backend(recipe.get("backend", "local")).check(recipe)
+        (backend or get_backend(recipe.get("backend", "local"))).check(recipe)
     except EvoError as err:
         field = tuple(err.field.split(".")) if err.field else ()
         inherited = bool(field) and ("recipe", *field) not in doc.marks

@@ -53,8 +53,14 @@ class VersionState:
         return (self.spec or {}).get("parent")
 
     @property
+    def approval(self) -> dict:
+        approval = (self.spec or {}).get("approval")
+        return approval if isinstance(approval, dict) else {}
+
+    @property
     def approved(self) -> bool:
-        return bool(((self.spec or {}).get("approval") or {}).get("approved"))
+        """The spec *claims* approval; `Workspace.approval_status` says whether it holds."""
+        return self.approval.get("approved") is True
 
     @property
     def spec_digest(self) -> str:
@@ -92,7 +98,13 @@ class Workspace:
 
     @property
     def artifact_root(self) -> Path:
+        # An absolute artifact_root (a shared disk) is used as is: `root / absolute` is it.
         return self.root / self.project.get("artifact_root", f"{STATE_DIR}/artifacts")
+
+    def record_path(self, path: Path) -> str:
+        """How a run record names a file: relative to the workspace when inside it, else
+        absolute (an artifact_root on another disk)."""
+        return str(path.relative_to(self.root)) if path.is_relative_to(self.root) else str(path)
 
     def worktree_path(self, name: str) -> Path:
         return self.state_dir / "worktrees" / name
@@ -134,11 +146,11 @@ class Workspace:
             source = f"{ref}:{version_spec_path(name)}"
             raw = blobs[(ref, version_spec_path(name))]
             state = VersionState(name, sha, None, source, raw)
-            spec = _safe_yaml(raw)  # `validate` reports a broken spec; listing goes on
+            spec = safe_yaml(raw)  # `validate` reports a broken spec; listing goes on
             state.spec = spec if isinstance(spec, dict) else None
             for f in RECORD_FILES:
                 blob = blobs[(ref, run_path(name, f))]
-                state.records[f.removesuffix(".yaml")] = _safe_yaml(blob)
+                state.records[f.removesuffix(".yaml")] = safe_yaml(blob)
             states[name] = state
         return states
 
@@ -174,8 +186,36 @@ class Workspace:
         chain = [s.spec.get("recipe") or {} for s in self.chain(name, states)]
         return recipes.resolve(self.project.get("recipe") or {}, chain)
 
+    # ---- approvals ---------------------------------------------------------------------
 
-def _safe_yaml(blob: bytes | None) -> Any:
+    def approval_digest(self, name: str, states: dict[str, VersionState] | None = None) -> str:
+        """What an approval of `name` binds to: its spec without the approval block and the
+        recipe it resolves to (so an inherited change, from an ancestor or the project,
+        makes an earlier approval stale too)."""
+        states = states if states is not None else self.versions()
+        state = self.version(name, states)
+        spec = {k: v for k, v in state.spec.items() if k != "approval"}
+        return recipes.digest({"spec": spec, "recipe": self.resolved_recipe(name, states)})
+
+    def approval_status(
+        self, state: VersionState, states: dict[str, VersionState] | None = None
+    ) -> str:
+        """`approved` (the approval's digest matches the content now), `unapproved`,
+        `stale` (the content changed since it was approved) or `unbound` (an approval block
+        without a digest: hand-written, not an approval)."""
+        if not state.approved:
+            return "unapproved"
+        recorded = state.approval.get("digest")
+        if not isinstance(recorded, str) or not recorded:
+            return "unbound"
+        try:
+            current = self.approval_digest(state.name, states)
+        except EvoError:
+            return "stale"  # the lineage no longer resolves: nothing it approved holds
+        return "approved" if recorded == current else "stale"
+
+
+def safe_yaml(blob: bytes | None) -> Any:
     if blob is None:
         return None
     try:

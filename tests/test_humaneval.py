@@ -12,6 +12,13 @@ from evotrainer.domains import make_domain
 from evotrainer.domains.humaneval import split_check
 from evotrainer.errors import EvoError
 
+
+@pytest.fixture(autouse=True)
+def job_directory(tmp_path, monkeypatch):
+    """Datasets must lie inside the job's working directory (its data root)."""
+    monkeypatch.chdir(tmp_path)
+
+
 PROBLEM = {
     "task_id": "Demo/0",
     "prompt": 'import math\n\n\ndef area(r):\n    """Area of a circle of radius r, rounded."""\n',

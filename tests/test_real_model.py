@@ -26,6 +26,13 @@ from evotrainer.store.recipe import resolve
 
 torch.set_num_threads(1)
 
+
+@pytest.fixture(autouse=True)
+def job_directory(tmp_path, monkeypatch):
+    """Datasets must lie inside the job's working directory (its data root)."""
+    monkeypatch.chdir(tmp_path)
+
+
 PROBLEMS = [
     {
         "task_id": f"T/{i}",

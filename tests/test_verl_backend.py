@@ -10,6 +10,7 @@ formats, and can fail or hang on request.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import socket
@@ -28,6 +29,7 @@ from evotrainer.errors import EvoError
 from evotrainer.store.recipe import BASE_RECIPE, deep_merge, digest
 
 STANDIN = Path(__file__).parent / "verl_standin" / "verl"
+TOKENIZER = Path(__file__).parent / "golden" / "verl" / "tokenizer"  # a local word-level one
 SEEDS = [0, 1]
 VAL_SIZE, EVAL_K, STEPS = 4, 2, 3
 
@@ -88,6 +90,13 @@ def check_collected(backend: VerlBackend, job: JobSpec) -> None:
     steps = pq.read_table(collected.steps)
     assert "critic/score/mean" in steps.column("metric").to_pylist()
     assert collected.result["tasks"] == VAL_SIZE and collected.result["skipped_lines"] == 0
+    # V1 train dumps carry no reward extras: task and source are joined back to the data.
+    assert all(t.startswith("arith:") for t in train.column("task_id").to_pylist())
+    assert "unknown" not in set(train.column("data_source").to_pylist())
+    assert collected.result["dump_flavours"] == ["v1"]
+    # model.path is no local dir here: no tokenizer, so lengths stay null (never 0).
+    assert train.column("response_tokens").null_count == train.num_rows
+    assert any("model.path" in m for m in collected.result["missing"])
 
 
 def test_local_job_end_to_end(tmp_path):
@@ -102,6 +111,14 @@ def test_local_job_end_to_end(tmp_path):
     assert status.exit_code == 0 and status.progress == 1.0
     assert "Final validation metrics" in backend.logs(job, tail=5)
     check_collected(backend, job)
+
+    # With the checkpoint's local dir, lengths come from its tokenizer.
+    local_model = deep_merge(job.recipe, {"model": {"path": str(TOKENIZER)}})
+    collected = backend.collect(dataclasses.replace(job, recipe=local_model))
+    val = pq.read_table(collected.val_rollouts)
+    assert val.column("response_tokens").null_count == 0
+    assert val.column("truncated").null_count == 0
+    assert any("re-tokenized" in d for d in collected.result["derived"])
 
     # A cut-off line (a dump being written when the job died) is skipped and reported.
     last = JobFiles(job.artifact_dir).validation_dir(0) / "3.jsonl"

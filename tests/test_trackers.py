@@ -23,7 +23,8 @@ from evotrainer.errors import EvoError
 from evotrainer.evidence.verl import read_metrics_log
 from evotrainer.store.workspace import Workspace
 from evotrainer.trackers import RunIdentity, logger_names, open_trackers
-from evotrainer.trackers.records import export_version, gate_summary, run_identity
+from evotrainer.trackers.records import export_version, gate_summary, log_gate, run_identity
+from evotrainer.trackers.verl import verl_loggers, verl_tracker_env
 
 TESTS = Path(__file__).resolve().parent
 STEPS = {1: {"loss": 0.5, "kl": 0.01}, 2: {"loss": 0.25, "kl": 0.02}, 3: {"loss": 0.125}}
@@ -284,3 +285,46 @@ def test_identity_handed_to_the_job_round_trips(tmp_path, recorded):
     assert yaml.safe_load((tmp_path / "tracking.json").read_text())["tags"]["parent"] == "v0"
     bare = RunIdentity.read(tmp_path / "elsewhere", "v9")
     assert bare.version == "v9" and bare.run_key(0) != written.run_key(0)
+
+
+def test_gate_summary_reaches_the_runs_the_training_logged(recorded):
+    """What control/gate.py calls after its decision: with the recipe's default loggers
+    (console, file), every seed's summary gets the verdict, Δ, CI and alerts."""
+    states = recorded.versions()
+    state = states["v1"]
+    decision = state.records["decision"]
+    lines: list[str] = []
+    log_gate(recorded, state, states, decision, emit=lines.append)
+    run_dir = recorded.root / state.records["run"]["artifact_dir"]
+    for seed in (0, 1):
+        summary = json.loads((run_dir / "metrics" / f"seed{seed}.summary.json").read_text())
+        assert summary["gate/verdict"] == decision["verdict"] == "promote"
+        assert summary["gate/delta"] == pytest.approx(decision["comparison"]["delta"])
+        assert summary["summary_step"] == 3 and summary["parent"] == "v0"
+    assert [line.split(" summary")[0] for line in lines] == ["v1/seed0", "v1/seed1"]
+
+
+def test_verl_gets_its_logger_list_and_logs_into_our_tagged_mlflow_run(
+    tmp_path, mlflow_template
+):
+    import mlflow
+
+    shutil.copy(mlflow_template, tmp_path / "mlflow.db")
+    assert verl_loggers(["console", "mlflow"]) == ["console", "mlflow", "file"]
+    assert verl_loggers(["file", "wandb"]) == ["file", "wandb"]
+    run = identity(tmp_path).tracker_run(tmp_path / "run", seed=0)
+    env = verl_tracker_env(["tensorboard", "wandb", "mlflow"], run)
+    assert env["TENSORBOARD_DIR"] == str(tmp_path / "run" / "tensorboard" / "seed0")
+    assert env["WANDB_MODE"] == "offline" and env["WANDB_RUN_ID"] == run.key
+    # What verl/utils/tracking.py does with that environment (set_tracking_uri also sets
+    # MLFLOW_TRACKING_URI in os.environ: unset both after).
+    mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
+    try:
+        with mlflow.start_run(run_id=env["MLFLOW_RUN_ID"]):
+            mlflow.log_metrics({"actor/entropy": 0.7}, step=1)
+    finally:
+        mlflow.set_tracking_uri(None)
+    client = mlflow.tracking.MlflowClient(env["MLFLOW_TRACKING_URI"])
+    logged = client.get_run(env["MLFLOW_RUN_ID"])
+    assert logged.data.tags["parent"] == "v0" and logged.info.run_name == "v1/seed0"
+    assert logged.data.metrics == {"actor/entropy": 0.7}

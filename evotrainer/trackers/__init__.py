@@ -57,6 +57,13 @@ class RunIdentity:
     def run_tags(self, seed: int) -> dict[str, str]:
         return {**self.tags, "seed": str(seed)}
 
+    def tracker_run(self, run_dir: Path, seed: int, *, replace: bool = False) -> TrackerRun:
+        return TrackerRun(
+            name=self.run_name(seed), key=self.run_key(seed), tags=self.run_tags(seed),
+            project=self.project, version=self.version, run_dir=run_dir,
+            store_root=Path(self.store_root), replace=replace,
+        )
+
     def write(self, run_dir: Path) -> Path:
         """Hand the identity to the training job (its artifact dir) as `tracking.json`."""
         path = run_dir / IDENTITY_FILE
@@ -213,11 +220,7 @@ def open_trackers(
         if name in EXTRAS:
             require(name)
     factories = _factories()
-    run = TrackerRun(
-        name=identity.run_name(seed), key=identity.run_key(seed), tags=identity.run_tags(seed),
-        project=identity.project, version=identity.version, run_dir=run_dir,
-        store_root=Path(identity.store_root), replace=replace,
-    )
+    run = identity.tracker_run(run_dir, seed, replace=replace)
     started: list[Tracker] = []
     try:
         for name in names:

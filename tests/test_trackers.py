@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from standin import StandinBackend, standin_settings
@@ -170,7 +171,8 @@ def test_console_logger_prints_one_line_per_step_without_control_bytes(tmp_path)
     lines: list[str] = []
     with open_trackers(["console"], tmp_path, identity(tmp_path), seed=0,
                        emit=lines.append) as trackers:
-        trackers.log(2, {"loss": 0.25, "kl": float("nan")})  # not finite: left out
+        # A numpy scalar is a number; NaN and booleans are left out.
+        trackers.log(2, {"loss": np.float32(0.25), "kl": float("nan"), "ok": True})
         trackers.summary({}, {"gate/reason": "leak \x1b]52;c;evil\x07found"})
     assert lines == ["v1/seed0 step:2 - loss:0.25",
                      "v1/seed0 summary at step:2 - gate/reason:leak found"]
@@ -272,6 +274,8 @@ def test_export_to_mlflow_and_wandb_write_one_run_per_seed(recorded, mlflow_temp
 def test_export_to_a_directory_is_not_yet_and_unfinished_versions_are_refused(recorded, cli):
     result = cli("-C", str(recorded.root), "export", "v1", "--to", "./policy")
     assert result.code == 1 and "not available yet" in result.err
+    result = cli("-C", str(recorded.root), "export", "--to", "tensorboard")  # every trained one
+    assert result.code == 0 and "v0: 1 seed(s)" in result.out and "v1: 2 seed(s)" in result.out
     new_version(recorded, "v2", "v1", rationale="never trained")
     result = cli("-C", str(recorded.root), "export", "v2", "--to", "tensorboard")
     assert result.code == 1 and "no finished run" in result.err

@@ -36,8 +36,8 @@ def register(app: typer.Typer) -> None:
     @app.command("export")
     def export(
         versions: list[str] = typer.Argument(
-            None, help="Versions to export [default: every version with a finished run]."),
-        to: str = typer.Option(..., "--to", help="tensorboard | mlflow | wandb."),
+            None, help="Versions to export (default: every version with a finished run)."),
+        to: str = typer.Option(..., "--to", help="tensorboard, mlflow or wandb."),
     ) -> None:
         """Write recorded versions into TensorBoard, MLflow or W&B after the fact: one run per
         version and seed with its lineage tags, every step's metrics from steps.parquet, and

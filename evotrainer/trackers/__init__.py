@@ -20,6 +20,7 @@ import hashlib
 import importlib
 import json
 import math
+import numbers
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -132,7 +133,8 @@ class Trackers:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """One step's metrics; values that are not finite numbers are left out."""
         clean = {name: float(value) for name, value in metrics.items()
-                 if isinstance(value, (int, float)) and math.isfinite(value)}
+                 if isinstance(value, numbers.Real) and not isinstance(value, bool)
+                 and math.isfinite(value)}
         if not clean:
             return
         self.last_step = max(self.last_step, step)

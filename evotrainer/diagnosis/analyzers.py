@@ -37,9 +37,10 @@ def analyzer(name: str, columns: tuple[str, ...]) -> Callable:
 
 
 class _Calls:
-    """A table's tool calls flattened once: the call names, `name args` texts and name codes
-    are built on first use and shared by every tool-call analyzer that sees the same table
-    (the engine hands each analyzer of a split the same table object)."""
+    """A table's tool calls flattened once and shared by every tool-call analyzer (and the
+    `calls` SQL view) that sees the same table: the engine hands each analyzer of a split the
+    same table object. Names and `name args` pairs are dictionary-encoded, so the per-call work
+    runs on integer codes and a regex only ever sees each distinct pair once."""
 
     def __init__(self, table: pa.Table) -> None:
         # Chunk by chunk: combining the chunks first would copy every call's strings.
@@ -53,19 +54,43 @@ class _Calls:
 
     @cached_property
     def names(self) -> pa.ChunkedArray:
-        return pc.fill_null(pc.struct_field(self.flat, "name"), "")
+        """Each call's name, null kept (the SQL view's `name`)."""
+        return pc.struct_field(self.flat, "name")
 
     @cached_property
-    def text(self) -> pa.ChunkedArray:
-        args = pc.fill_null(pc.struct_field(self.flat, "args"), "")
-        return pc.binary_join_element_wise(self.names, args, " ")
+    def name_codes(self) -> tuple[np.ndarray, pa.Array]:
+        """(a code per call, the distinct names by code); a null name is coded as ""."""
+        return _encode(pc.fill_null(self.names, ""))
 
     @cached_property
-    def same_as_previous(self) -> np.ndarray:
-        """Whether each call after the first has the name of the call before it (a null name
-        counts as "")."""
-        names = self.names
-        return pc.equal(names[1:], names[:-1]).to_numpy(zero_copy_only=False)
+    def pair_codes(self) -> tuple[np.ndarray, pa.Array, pa.Array]:
+        """(a code per call, name and args of each distinct pair by code); null is ""."""
+        codes, names = self.name_codes
+        arg_codes, args = _encode(pc.fill_null(pc.struct_field(self.flat, "args"), ""))
+        # One int64 per (name, args) pair; encoding those finds the distinct pairs without
+        # ever building a `name args` string per call.
+        pair = codes.astype(np.int64) * len(args) + arg_codes
+        pairs, distinct = _encode(pa.array(pair))
+        distinct = distinct.to_numpy()
+        return (
+            pairs,
+            names.take(pa.array(distinct // len(args))),
+            args.take(pa.array(distinct % len(args))),
+        )
+
+
+def _encode(values: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, pa.Array]:
+    """(a code per value, the distinct values by code) in one hash pass; no nulls in."""
+    encoded = pc.dictionary_encode(values)
+    if isinstance(encoded, pa.ChunkedArray):
+        # Chunks may each carry their own dictionary: unify them so one code is one value.
+        encoded = encoded.unify_dictionaries()
+        if encoded.num_chunks == 0:
+            return np.zeros(0, np.int64), pa.array([], values.type)
+        dictionary = encoded.chunk(0).dictionary
+        codes = np.concatenate([c.indices.to_numpy() for c in encoded.chunks])
+        return codes.astype(np.int64, copy=False), dictionary
+    return encoded.indices.to_numpy().astype(np.int64, copy=False), encoded.dictionary
 
 
 _last_calls: tuple[weakref.ref, _Calls] | None = None
@@ -98,12 +123,17 @@ def leak(table: pa.Table, params: dict[str, Any]) -> np.ndarray:
     out = np.where(calls.counts < 0, np.nan, 0.0)
     if len(calls.flat) == 0:
         return out
+    # Decide each distinct (name, args) pair once, then map the answer back to the calls.
+    pairs, names, args = calls.pair_codes
     tools = pa.array(params.get("leak_tools") or [], pa.string())
-    hit = pc.is_in(calls.names, value_set=tools)
-    for pattern in params.get("leak_patterns") or []:
-        hit = pc.or_(hit, pc.match_substring_regex(calls.text, pattern))
+    hit = pc.is_in(names, value_set=tools)
+    patterns = params.get("leak_patterns") or []
+    if patterns:
+        text = pc.binary_join_element_wise(names, args, " ")
+        for pattern in patterns:
+            hit = pc.or_(hit, pc.match_substring_regex(text, pattern))
     # Repeated row indices are fine: every hit of a row writes the same 1.0.
-    out[calls.parents[hit.to_numpy(zero_copy_only=False)]] = 1.0
+    out[calls.parents[hit.to_numpy(zero_copy_only=False)[pairs]]] = 1.0
     return out
 
 
@@ -119,7 +149,8 @@ def max_same_tool_streak(table: pa.Table, params: dict[str, Any]) -> np.ndarray:
     # A run starts where the row or the tool name changes.
     start = np.empty(len(parents), dtype=bool)
     start[0] = True
-    np.logical_not(calls.same_as_previous, out=start[1:])
+    codes, _ = calls.name_codes
+    np.not_equal(codes[1:], codes[:-1], out=start[1:])
     start[1:] |= parents[1:] != parents[:-1]
     run_starts = np.flatnonzero(start)
     run_lengths = np.diff(run_starts, append=len(parents))
@@ -128,3 +159,24 @@ def max_same_tool_streak(table: pa.Table, params: dict[str, Any]) -> np.ndarray:
     first = np.flatnonzero(np.r_[True, run_rows[1:] != run_rows[:-1]])
     out[run_rows[first]] = np.maximum.reduceat(run_lengths, first)
     return out
+
+
+def call_table(table: pa.Table) -> pa.Table:
+    """The `calls` SQL view of `table`: one row per tool call, with its rollout's `seed` and
+    `step` and its `name` (dictionary-encoded: DuckDB then groups codes, not strings) and
+    `args`. Built from the same flattened calls as the analyzers."""
+    calls = _calls(table)
+    codes, names = calls.name_codes
+    null_name = pc.is_null(calls.names).to_numpy(zero_copy_only=False)
+    name = pa.DictionaryArray.from_arrays(
+        pa.array(codes, mask=null_name if null_name.any() else None), names
+    )
+    parents = pa.array(calls.parents)
+    return pa.table(
+        {
+            "seed": table.column("seed").take(parents),
+            "step": table.column("step").take(parents),
+            "name": name,
+            "args": pc.struct_field(calls.flat, "args"),
+        }
+    )

@@ -15,9 +15,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from evotrainer.diagnosis import cel
-from evotrainer.diagnosis.analyzers import ANALYZERS
+from evotrainer.diagnosis.analyzers import ANALYZERS, call_table
 from evotrainer.diagnosis.harness import Alert, HarnessRevision, Metric
-from evotrainer.diagnosis.sql import MEMORY_LIMIT, ReadOnlyQuery
+from evotrainer.diagnosis.sql import MEMORY_LIMIT, ReadOnlyQuery, split_rows
 from evotrainer.diagnosis.stats import compare_tables
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import (
@@ -222,6 +222,7 @@ class _Run:
         self.sandboxes: dict[str | None, ReadOnlyQuery] = {}
         self.masks = {split: pc.equal(table.column("split"), split) for split in ("train", "val")}
         self.split_rows = {split: pc.sum(mask).as_py() or 0 for split, mask in self.masks.items()}
+        self.rows: dict[str, pa.Table] = {}
         self.views: dict[str, pa.Table] = {}
         self.recorded: dict[tuple[str, str], int] = {}
 
@@ -233,6 +234,9 @@ class _Run:
                 split,
                 timeout_s=self.timeout_s,
                 memory_limit=self.memory_limit,
+                rows=None if split is None else self._rows(split),
+                # The analyzers' flattened calls, so the split's calls are flattened once.
+                calls=None if split is None else lambda: call_table(self._view(split)),
             )
         return self.sandboxes[split]
 
@@ -312,18 +316,23 @@ class _Run:
         )
         return _clean(total[0][vi]), points
 
+    def _rows(self, split: str) -> pa.Table:
+        """The split's rows (zero-copy slices where it can), for its sandbox and analyzers."""
+        if split not in self.rows:
+            self.rows[split] = split_rows(self.table, split)
+        return self.rows[split]
+
     def _view(self, split: str) -> pa.Table:
-        """The split's rows for analyzers: one table object per split, so analyzers of a split
-        share work keyed on it (see analyzers._calls)."""
+        """The split's rows for analyzers and the `calls` view: one table object per split, so
+        they share work keyed on it (see analyzers._calls)."""
         if split not in self.views:
-            columns = ["split", "step"]
+            columns = ["split", "seed", "step"]
             for metric in self.harness.metrics:
                 if metric.analyzer:
                     columns += [c for c in ANALYZERS[metric.analyzer].columns if c not in columns]
-            view = self.table.select(columns)
-            if self.split_rows[split] != view.num_rows:
-                view = view.filter(self.masks[split])
-            self.views[split] = view
+            if "tool_calls" in self.table.column_names and "tool_calls" not in columns:
+                columns.append("tool_calls")
+            self.views[split] = self._rows(split).select(columns)
         return self.views[split]
 
     def _analyzer(self, metric: Metric) -> tuple[float | None, list[list[float]]]:

@@ -1,21 +1,27 @@
 """Run harness SQL read-only: one SELECT per metric, no file, network or extension access,
 bounded time, memory and threads (an alert's `sample.where` is harness text too: a
 `string_agg` over every rollout must fail with a clear error, not take the machine's memory).
-Views: `rollouts` (the metric's split), `all_rollouts`, `steps`, and `groups`: one row per
+Views: `rollouts` (the metric's split), `all_rollouts`, `steps`; `groups`: one row per
 GRPO group of the split (seed, step, group_id), aggregated once on first use and shared by
-every query of the diagnosis, so the group metrics cost one pass over the rows, not one each.
-Its columns are GROUP_COLUMNS."""
+every query of the diagnosis, so the group metrics cost one pass over the rows, not one each
+(its columns are GROUP_COLUMNS); and `calls`: one row per tool call of the split (seed, step,
+name, args), flattened once in Arrow and shared with the tool-call analyzers, so a query over
+calls does not convert every rollout's list of calls."""
 
 from __future__ import annotations
 
 import os
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import duckdb
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from evotrainer.diagnosis.analyzers import call_table
 from evotrainer.errors import EvoError
 from evotrainer.evidence.steps import empty_steps
 
@@ -38,6 +44,9 @@ GROUP_COLUMNS = (
     "all_wrong",
 )
 _READS_GROUPS = re.compile(r"\bgroups\b", re.IGNORECASE)
+_READS_CALLS = re.compile(r"\bcalls\b", re.IGNORECASE)
+# A split in more runs of rows than this is filtered (copied) rather than sliced.
+_MAX_SLICES = 64
 _LOCKDOWN = (
     # Nothing spills to disk (the default temp directory is `.tmp` under the current one):
     # memory_limit is the bound.
@@ -63,7 +72,8 @@ def check_select(sql: str, *, where: str | None = None, field: str | None = None
             f"harness SQL must be exactly one SELECT statement, found {kinds}",
             where=where,
             field=field,
-            hint="metrics only read the `rollouts`, `all_rollouts` and `steps` views",
+            hint="metrics only read the `rollouts`, `all_rollouts`, `steps`, `groups` and "
+            "`calls` views",
         )
 
 
@@ -72,8 +82,28 @@ def sql_params(sql: str) -> list[str]:
     return sorted(set(_PARAM.findall(sql)))
 
 
+def split_rows(table: pa.Table, split: str | None) -> pa.Table:
+    """The rows of `table` in `split` (all rows for None), as data: no SQL text is built from
+    the split name. Evidence stores each split as one run of rows (one file per split), so the
+    result is usually zero-copy slices; scattered rows are filtered (copied) instead."""
+    if split is None:
+        return table
+    mask = pc.equal(table.column("split"), split).to_numpy(zero_copy_only=False)
+    edges = np.flatnonzero(np.diff(mask.astype(np.int8), prepend=0, append=0))
+    runs = list(zip(edges[::2], edges[1::2], strict=True))
+    if len(runs) == 1 and runs[0] == (0, table.num_rows):
+        return table
+    if 0 < len(runs) <= _MAX_SLICES:
+        return pa.concat_tables([table.slice(start, end - start) for start, end in runs])
+    return table.filter(pa.array(mask))
+
+
 class ReadOnlyQuery:
-    """A locked-down DuckDB connection whose `rollouts` view holds one split."""
+    """A locked-down DuckDB connection whose `rollouts` view holds one split.
+
+    `rows` is the split's rows when the caller has them already (else taken from `rollouts`);
+    `calls` builds the `calls` view (default: analyzers.call_table of the split's rows), made
+    on first use like `groups`."""
 
     def __init__(
         self,
@@ -84,16 +114,20 @@ class ReadOnlyQuery:
         timeout_s: float = 60.0,
         memory_limit: str = MEMORY_LIMIT,
         threads: int = THREADS,
+        rows: pa.Table | None = None,
+        calls: Callable[[], pa.Table] | None = None,
     ) -> None:
         self.timeout_s, self.memory_limit = timeout_s, memory_limit
         self.con = duckdb.connect(config={"memory_limit": memory_limit, "threads": threads})
-        self.con.register("all_rollouts", rollouts)
-        self.con.register("steps", steps if steps is not None else empty_steps())
-        where = "" if split is None else f" WHERE split = '{split}'"
-        self.con.execute(f"CREATE VIEW rollouts AS SELECT * FROM all_rollouts{where}")
+        # Locked before it sees any input: no view or table exists while settings can change.
         for statement in _LOCKDOWN:
             self.con.execute(statement)
-        self.has_groups = False
+        split_table = rows if rows is not None else split_rows(rollouts, split)
+        self.con.register("all_rollouts", rollouts)
+        self.con.register("steps", steps if steps is not None else empty_steps())
+        self.con.register("rollouts", split_table)
+        self.make_calls = calls or (lambda: call_table(split_table))
+        self.has_groups = self.has_calls = False
 
     def query(self, sql: str, params: dict[str, Any], *, field: str) -> tuple[list[str], list]:
         """Run one checked SELECT; return (column names, rows)."""
@@ -105,6 +139,9 @@ class ReadOnlyQuery:
             if not self.has_groups and _READS_GROUPS.search(sql):
                 self.con.execute(GROUPS_SQL)
                 self.has_groups = True
+            if not self.has_calls and _READS_CALLS.search(sql):
+                self.con.register("calls", self.make_calls())
+                self.has_calls = True
             result = self.con.execute(sql, used or None)
             columns = [d[0] for d in result.description]
             rows = result.fetchall()

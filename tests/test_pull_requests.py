@@ -199,3 +199,21 @@ def test_a_harness_pr_shows_the_verdicts_it_flips(workspace, github, cli, tmp_pa
     assert "| v1 | inconclusive | inconclusive | pass |" in text
     [comment] = ours(github, pull["number"], HARNESS_MARKER)
     assert "**inconclusive**" in comment["body"]
+
+
+def test_the_scaffolded_workflow_gives_each_job_least_permissions(workspace):
+    workflow = yaml.safe_load((workspace.root / ".github/workflows/evotrainer.yml").read_text())
+    triggers = workflow[True]  # YAML 1.1 reads the key `on` as true
+    assert "pull_request_target" not in triggers and workflow["permissions"] == {}
+    jobs = workflow["jobs"]
+    assert set(jobs) == {"validate-and-plan", "harness-backtest", "approve", "reconcile"}
+    assert jobs["validate-and-plan"]["permissions"] == {"contents": "read"}
+    for name in ("harness-backtest", "approve"):  # tokens with write scopes: never for forks
+        assert "head.repo.full_name == github.repository" in jobs[name]["if"]
+    assert jobs["harness-backtest"]["permissions"]["contents"] == "read"
+    runs = {name: " ".join(s.get("run", "") for s in job["steps"]) for name, job in jobs.items()}
+    assert "evotrainer pr harness-summary" in runs["harness-backtest"]
+    assert "evotrainer pr sync" in runs["approve"]
+    assert runs["reconcile"].index("evotrainer reconcile") < runs["reconcile"].index(
+        "evotrainer pr sync")
+    assert "pull_request_review" in triggers and jobs["reconcile"]["needs"] == ["approve"]

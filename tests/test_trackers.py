@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ from evotrainer.control.versions import approve, new_version
 from evotrainer.errors import EvoError
 from evotrainer.evidence.verl import read_metrics_log
 from evotrainer.store.workspace import Workspace
-from evotrainer.trackers import RunIdentity, logger_names, open_trackers
+from evotrainer.trackers import RunIdentity, logger_names, open_trackers, require
 from evotrainer.trackers.records import export_version, gate_summary, log_gate, run_identity
 from evotrainer.trackers.verl import verl_loggers, verl_tracker_env
 
@@ -35,12 +36,27 @@ VERDICT = {"gate/verdict": "promote", "alerts": "dead_groups"}
 
 @pytest.fixture(autouse=True)
 def offline_trackers(monkeypatch, tmp_path):
-    """No tracker server or user config: the defaults (local stores, W&B offline) only."""
+    """No tracker server or user config: the defaults (local stores, W&B offline) only; and
+    any connection this process opens (tracker threads included) other than to a local
+    socket is refused and recorded, so a test that phoned home fails."""
     for name in list(os.environ):
-        if name.startswith(("WANDB_", "MLFLOW_")):
+        if name.startswith(("WANDB_", "MLFLOW_")) or name == "DO_NOT_TRACK":
             monkeypatch.delenv(name)
     for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path / "wandb-home" / name.lower()))
+    outbound: list[object] = []
+    connect = socket.socket.connect
+
+    def local_only(sock: socket.socket, address: object) -> None:
+        host = address[0] if isinstance(address, tuple) else None
+        if sock.family != socket.AF_UNIX and host not in ("127.0.0.1", "::1", "localhost"):
+            outbound.append(address)
+            raise OSError(f"test: no network ({address})")
+        connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", local_only)
+    yield
+    assert outbound == [], f"a tracker tried to reach the network: {outbound}"
 
 
 @pytest.fixture(scope="session")
@@ -197,6 +213,23 @@ def test_missing_library_is_one_line_naming_the_extra_before_anything_is_written
         open_trackers(["file", "wandb"], tmp_path / "run", identity(tmp_path), seed=0)
     assert "pip install 'evotrainer[wandb]'" in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_tracker_libraries_do_not_phone_home_unless_the_user_says_so(monkeypatch):
+    """MLflow's usage telemetry and W&B's error reports are off by default; pytest alone
+    would switch MLflow's off, so that escape is closed here to test our default."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    require("mlflow")
+    require("wandb")
+    from mlflow.telemetry import utils as telemetry
+    from wandb import env as wandb_env
+
+    monkeypatch.setattr(telemetry, "_IS_IN_CI_ENV_OR_TESTING", False)
+    assert telemetry.is_telemetry_disabled() and not wandb_env.error_reporting_enabled()
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "false")  # the user's explicit choice
+    require("mlflow")
+    assert not telemetry.is_telemetry_disabled()
 
 
 # ---- export of recorded versions ------------------------------------------------------------

@@ -21,6 +21,7 @@ import importlib
 import json
 import math
 import numbers
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -184,6 +185,10 @@ def logger_names(recipe: Mapping[str, Any], where: str | None = None) -> list[st
 def require(logger: str) -> Any:
     """The library behind `logger`, or one line naming the extra that installs it."""
     module = logger  # each tracker's package is named as verl names the logger
+    # Nothing phones home unless the user says so: MLflow's usage telemetry and W&B's error
+    # reports are off by default (an explicit setting in the environment wins).
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
     try:
         return importlib.import_module(module)
     except ImportError as err:

@@ -16,6 +16,7 @@ REGISTRY: dict[str, str] = {
     "math": "evotrainer.domains.math:MathDomain",
     "code": "evotrainer.domains.code:CodeDomain",
     "humaneval": "evotrainer.domains.humaneval:HumanEvalDomain",
+    "swe": "evotrainer.domains.swe:SweDomain",
 }
 
 

@@ -30,6 +30,7 @@ COMMAND_ORDER = [
     "version",
     "lineage",
     "approve",
+    "pr",
     "plan",
     "reconcile",
     "unlock",

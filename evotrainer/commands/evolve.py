@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import typer
-from rich.console import Console
 
 from evotrainer.commands.lineage import describe, lineage_tree
 from evotrainer.commands.propose import PLANNER_HELP, print_result
@@ -11,6 +10,8 @@ from evotrainer.control.evolve import Round, evolve
 from evotrainer.control.lineage import lineage_rows
 from evotrainer.control.reconcile import VersionPlan
 from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import console as make_console
+from evotrainer.terminal import safe
 
 
 def register(app: typer.Typer) -> None:
@@ -31,7 +32,7 @@ def register(app: typer.Typer) -> None:
         approve as autonomy allows, train and gate again; print each round and the
         lineage with its verdicts."""
         ws = Workspace.find()
-        console = Console()
+        console = make_console()
 
         def show_round(current: Round) -> None:
             console.rule(f"round {current.number}")
@@ -39,16 +40,16 @@ def register(app: typer.Typer) -> None:
             for row in current.outcomes:
                 console.print("  " + describe(row))
             if current.stop:
-                console.print(f"[yellow]stopping:[/] {current.stop}")
+                console.print(f"[yellow]stopping:[/] {safe(current.stop)}")
 
         with console.status("reconciling") as status:
 
             def waiting(running: list[VersionPlan]) -> None:
                 status.update("training " + ", ".join(
-                    f"{p.version} ({p.health.lower()})" for p in running))
+                    f"{safe(p.version)} ({p.health.lower()})" for p in running))
 
             evolve(ws, rounds, planner=planner, approve_all=approve, max_proposals=max_,
-                   log=lambda line: console.print(f"[bold]→[/] {line}", highlight=False),
+                   log=lambda line: console.print(f"[bold]→[/] {safe(line)}"),
                    on_round=show_round, on_wait=waiting)
         console.print(lineage_tree(lineage_rows(ws)))
         if report:

@@ -306,79 +306,123 @@ def _canonical(
         if rest
         else "NULL"
     )
-    # The raw V1 key and a session's earlier outputs join `extra`; the merge patch leaves
-    # out the ones that are null.
-    extra = (
-        f"CASE WHEN __uid IS NULL AND __earlier IS NULL THEN {extra} ELSE "
-        f"CAST(json_merge_patch(COALESCE({extra}, '{{}}'), to_json(struct_pack("
-        "uid := __uid, earlier_outputs := __earlier))) AS VARCHAR) END"
-    )
-    sql = f"""
-        WITH keyed AS (
-            SELECT *, {uid} AS __uid,
-                   COALESCE(regexp_matches({uid}, '{_V1_KEY}'), false) AS __v1,
-                   {task} AS __task
-            FROM raw
-        ), parsed AS (
-            SELECT *,
-                   CASE WHEN __v1 THEN regexp_extract(__uid, '{_V1_KEY}', 1) END AS __v1_group,
-                   CASE WHEN __v1 THEN CAST(regexp_extract(__uid, '{_V1_KEY}', 2) AS BIGINT)
-                   END AS __session,
-                   CASE WHEN __v1 THEN CAST(regexp_extract(__uid, '{_V1_KEY}', 3) AS BIGINT)
-                   END AS __index
-            FROM keyed
-        ), grouped AS (
-            SELECT *,
-                   CASE WHEN __v1 THEN __v1_group
-                        WHEN __task IS NOT NULL THEN __task
-                        WHEN __uid IS NOT NULL THEN __uid
-                        ELSE {position} END AS __group,
-                   __index IS NULL OR __index = max(__index) OVER
-                       (PARTITION BY __file, __v1_group, __session) AS __final
-            FROM parsed
-        ), sampled AS (
-            SELECT *,
-                   COALESCE(__session, row_number() OVER
-                       (PARTITION BY __file, __v1, __group ORDER BY __row) - 1) AS __sample,
-                   min(__row) OVER (PARTITION BY __file, __group) AS __group_row
-            FROM grouped
-        ), numbered AS (
-            -- Groups with the same prompt text and no task id: numbered in file order so
-            -- duplicate prompts stay separate tasks.
-            SELECT *, dense_rank() OVER (PARTITION BY __file, input ORDER BY __group_row) - 1
-                      AS __occurrence
-            FROM sampled
-        ), earlier AS (
-            SELECT __file, __v1_group, __session,
-                   list(CAST(output AS VARCHAR) ORDER BY __index) AS __earlier
-            FROM grouped WHERE NOT __final GROUP BY ALL
-        )
-        SELECT $version AS version, $seed::BIGINT AS seed,
-               COALESCE({col("step", "BIGINT")}, __step) AS step, $split AS split,
-               COALESCE(__task, 'p' || {prompt_key} ||
-                        CASE WHEN __occurrence > 0 THEN '.' || __occurrence ELSE '' END)
-                   AS task_id,
-               {col("data_source", "VARCHAR", "'unknown'")} AS data_source,
-               __group AS group_id, __sample AS sample_idx,
-               CAST(input AS VARCHAR) AS prompt, CAST(output AS VARCHAR) AS response,
-               {col("score", "DOUBLE")} AS reward, {components} AS reward_components,
-               {col("acc", "DOUBLE")} AS correct,
-               {col("response_length", "BIGINT")} AS response_tokens,
-               {truncated} AS truncated, {finish} AS finish_reason,
-               {col("num_turns", "BIGINT")} AS turns,
-               {col("mean_logprob", "DOUBLE")} AS mean_logprob, {extra} AS extra, __row,
-               __v1, __task IS NOT NULL AS __has_task, __earlier IS NOT NULL AS __folded,
-               len(__earlier) AS __n_earlier
-        FROM numbered LEFT JOIN earlier USING (__file, __v1_group, __session)
-        WHERE __final
-        ORDER BY __row
+    keyed = f"""
+        SELECT *, {uid} AS __uid, COALESCE(regexp_matches({uid}, '{_V1_KEY}'), false) AS __v1,
+               {task} AS __task
+        FROM raw
     """
+    repeats = pa.table({})
     con.register("raw", raw)
     try:
+        # What this batch needs: windows and joins only where verl's rules need them.
+        legacy_rows, later_outputs, untasked = con.sql(
+            f"""SELECT count(*) FILTER (WHERE NOT __v1),
+                       count(*) FILTER (WHERE __v1 AND NOT ends_with(__uid, '_0')),
+                       count(*) FILTER (WHERE __task IS NULL)
+                FROM ({keyed})"""
+        ).fetchall()[0]
+        final = (
+            "__index = max(__index) OVER (PARTITION BY __file, __v1_group, __session)"
+            if later_outputs
+            else "true"
+        )
+        sample = (
+            "__session"
+            if not legacy_rows
+            else (
+                "COALESCE(__session, row_number() OVER "
+                "(PARTITION BY __file, __v1, __group ORDER BY __row) - 1)"
+            )
+        )
+        earlier = (
+            """, earlier AS (
+                SELECT __file, __v1_group, __session,
+                       list(CAST(output AS VARCHAR) ORDER BY __index) AS __earlier
+                FROM grouped WHERE NOT __final GROUP BY ALL
+            )"""
+            if later_outputs
+            else ""
+        )
+        base = f"""
+            parsed AS (
+                SELECT *,
+                       CASE WHEN __v1 THEN regexp_extract(__uid, '{_V1_KEY}', 1) END
+                           AS __v1_group,
+                       CASE WHEN __v1 THEN CAST(regexp_extract(__uid, '{_V1_KEY}', 2) AS BIGINT)
+                       END AS __session,
+                       CASE WHEN __v1 THEN CAST(regexp_extract(__uid, '{_V1_KEY}', 3) AS BIGINT)
+                       END AS __index
+                FROM ({keyed})
+            ), grouped AS (
+                SELECT *,
+                       CASE WHEN __v1 THEN __v1_group
+                            WHEN __task IS NOT NULL THEN __task
+                            WHEN __uid IS NOT NULL THEN __uid
+                            ELSE {position} END AS __group,
+                       {final} AS __final
+                FROM parsed
+            )"""
+        # Groups with the same prompt text and no task id are numbered in file order, so
+        # duplicate prompts stay separate tasks. Only the (few) repeats are joined back.
+        if untasked:
+            repeats = con.sql(
+                f"""WITH {base}, firsts AS (
+                        SELECT __file, __group, any_value(input) AS __input,
+                               min(__row) AS __first
+                        FROM grouped WHERE __task IS NULL GROUP BY ALL
+                    ), numbered AS (
+                        SELECT __file, __group, dense_rank() OVER
+                               (PARTITION BY __file, __input ORDER BY __first) - 1
+                               AS __occurrence
+                        FROM firsts
+                    )
+                    SELECT __file, __group, __occurrence FROM numbered WHERE __occurrence > 0"""
+            ).to_arrow_table()
+        occurrence = "''"
+        joins = " LEFT JOIN earlier USING (__file, __v1_group, __session)" if earlier else ""
+        if repeats.num_rows:
+            con.register("repeats", repeats)
+            joins += " LEFT JOIN repeats USING (__file, __group)"
+            occurrence = "COALESCE('.' || __occurrence, '')"
+        if "uid" in cols:
+            # The raw V1 key and a session's earlier outputs join `extra`; the merge patch
+            # leaves out the ones that are null.
+            folded = "__earlier" if earlier else "NULL::VARCHAR[]"
+            extra = (
+                f"CASE WHEN __uid IS NULL AND {folded} IS NULL THEN {extra} ELSE "
+                f"CAST(json_merge_patch(COALESCE({extra}, '{{}}'), to_json(struct_pack("
+                f"uid := __uid, earlier_outputs := {folded}))) AS VARCHAR) END"
+            )
+        sql = f"""
+            WITH {base}{earlier}
+            SELECT $version AS version, $seed::BIGINT AS seed,
+                   COALESCE({col("step", "BIGINT")}, __step) AS step, $split AS split,
+                   COALESCE(__task, 'p' || {prompt_key} || {occurrence}) AS task_id,
+                   {col("data_source", "VARCHAR", "'unknown'")} AS data_source,
+                   __group AS group_id, {sample} AS sample_idx,
+                   CAST(input AS VARCHAR) AS prompt, CAST(output AS VARCHAR) AS response,
+                   {col("score", "DOUBLE")} AS reward, {components} AS reward_components,
+                   {col("acc", "DOUBLE")} AS correct,
+                   {col("response_length", "BIGINT")} AS response_tokens,
+                   {truncated} AS truncated, {finish} AS finish_reason,
+                   {col("num_turns", "BIGINT")} AS turns,
+                   {col("mean_logprob", "DOUBLE")} AS mean_logprob, {extra} AS extra, __row,
+                   __v1, __task IS NOT NULL AS __has_task,
+                   {"len(__earlier)" if earlier else "0"} AS __n_earlier
+            FROM grouped{joins}
+            WHERE __final
+        """
         params = {"version": version, "seed": seed, "split": split}
         out = con.sql(sql, params=params).to_arrow_table()
     finally:
         con.unregister("raw")
+        if repeats.num_rows:
+            con.unregister("repeats")
+    # No ORDER BY: where no window or join reordered the rows, the scan's order stands, which
+    # is checked here instead of paying for a sort.
+    order = out.column("__row").to_numpy()
+    if len(order) > 1 and not (order[1:] > order[:-1]).all():
+        out = out.sort_by("__row")
     _note(out, files, cols, group_size=group_size, result=result)
     rows = out.column("__row")
     calls = (

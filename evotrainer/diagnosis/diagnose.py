@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +28,9 @@ from evotrainer.evidence.io import (
     table_digest,
     val_scores,
 )
+
+if TYPE_CHECKING:
+    from evotrainer.diagnosis.incremental import Increment
 
 ROLLOUT_ID_SQL = "concat_ws('/', version, seed, split, step, group_id, sample_idx) AS id"
 
@@ -50,22 +53,26 @@ def diagnose(
     split: str = "train",
     timeout_s: float = 60.0,
     memory_limit: str = MEMORY_LIMIT,
+    evidence_digest: str | None = None,
+    increment: Increment | None = None,
 ) -> dict:
     """Compute every metric, series, trend and alert of `harness` over the evidence.
 
     `parent_scores` (a per-task score table) feeds the version-layer comparison metrics,
     against `scores`, the candidate's recorded score table (default: its latest validation
     rollouts). `split` labels the rows of a verl dump folder. Each harness query runs within
-    `timeout_s` and `memory_limit`."""
+    `timeout_s` and `memory_limit`. `evidence_digest` spares hashing evidence whose digest the
+    caller holds. `increment` (see incremental.diagnose_incremental, which passes it) computes
+    the metrics that combine from per-step partials from the new rows only."""
     if isinstance(rollouts, (str, Path)):
         path = Path(rollouts)
         files = sorted(path.glob("*.jsonl")) if is_verl_dump(path) else rollout_files(path)
         table = read_rollouts(path, split=split)
-        evidence_digest = file_digest(files)
+        evidence_digest = evidence_digest or file_digest(files)
     else:
         table = rollouts
-        evidence_digest = table_digest(table, steps)
-    run = _Run(table, steps, harness, timeout_s, memory_limit)
+        evidence_digest = evidence_digest or table_digest(table, steps)
+    run = _Run(table, steps, harness, timeout_s, memory_limit, increment)
     try:
         comparison = None
         if parent_scores is not None:
@@ -216,8 +223,10 @@ class _Run:
         harness: HarnessRevision,
         timeout_s: float,
         memory_limit: str = MEMORY_LIMIT,
+        increment: Increment | None = None,
     ) -> None:
         self.table, self.steps, self.harness = table, steps, harness
+        self.increment = increment
         self.timeout_s, self.memory_limit = timeout_s, memory_limit
         self.sandboxes: dict[str | None, ReadOnlyQuery] = {}
         self.masks = {split: pc.equal(table.column("split"), split) for split in ("train", "val")}
@@ -243,6 +252,8 @@ class _Run:
     def close(self) -> None:
         for sandbox in self.sandboxes.values():
             sandbox.close()
+        if self.increment is not None:
+            self.increment.close()
 
     def metric(
         self, metric: Metric, comparison: dict | None
@@ -260,7 +271,16 @@ class _Run:
                 return None, [], f"{', '.join(missing)} not recorded in {metric.split} rollouts"
         field = f"metrics.{metric.name}"
         try:
-            if metric.sql:
+            combined = self.increment and self.increment.metric(
+                metric,
+                self._rows(metric.split),
+                self._view(metric.split),
+                self.timeout_s,
+                self.memory_limit,
+            )
+            if combined:
+                value, points = combined
+            elif metric.sql:
                 value, points = self._sql(metric)
             else:
                 value, points = self._analyzer(metric)

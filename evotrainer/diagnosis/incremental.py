@@ -1,0 +1,264 @@
+"""Incremental diagnosis of a growing run: the work is proportional to the new rows.
+
+Most harness metrics are a mean over rows or groups (`SELECT step, avg(e) ... GROUP BY
+ROLLUP (step)`, every analyzer) or an entropy of values (`SELECT entropy(e) AS value FROM
+v`). Their value over a union of steps combines from per-(seed, step) partials: sum and count
+for a mean, value counts for an entropy. `DiagnosisState` keeps those partials with the row
+count of each (split, seed, step) they cover; the next diagnosis recomputes partials only for
+the (split, seed, step) keys whose row count changed (new steps, and the step a run was still
+writing), reuses the rest, and computes every other metric (a quantile, a max, a query with a
+subquery) over all rows as `diagnose` does. The result equals `diagnose`'s, up to the
+floating-point order of the sums.
+
+The promise holds while rows of a (split, seed, step) only ever get added: a key whose row
+count is unchanged is trusted, so rewriting old rows in place needs a fresh state (None).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from evotrainer.diagnosis.analyzers import ANALYZERS, call_table
+from evotrainer.diagnosis.harness import HarnessRevision, Metric
+from evotrainer.diagnosis.sql import ReadOnlyQuery
+
+Key = tuple[int, int]  # (seed, step)
+
+_FLAGS = re.IGNORECASE | re.DOTALL
+_MEAN_SQL = re.compile(
+    r"^\s*SELECT\s+step\s*,\s*avg\((?P<expr>.*)\)\s+AS\s+value\s+FROM\s+(?P<view>rollouts|groups)"
+    r"(?:\s+WHERE\s+(?P<where>.*?))?\s+GROUP\s+BY\s+ROLLUP\s*\(\s*step\s*\)\s*;?\s*$",
+    _FLAGS,
+)
+_ENTROPY_SQL = re.compile(
+    r"^\s*SELECT\s+entropy\((?P<expr>.*)\)\s+AS\s+value\s+FROM\s+(?P<view>rollouts|calls)\s*;?\s*$",
+    _FLAGS,
+)
+# A part that reads another relation (a subquery, a join) sees more than its own step's rows.
+_READS_RELATION = re.compile(r"\b(select|from|join|all_rollouts|steps)\b", re.IGNORECASE)
+# An entropy over more distinct values than this per key is not worth carrying: recompute it.
+_MAX_ENTROPY_VALUES = 10_000
+
+
+@dataclass
+class DiagnosisState:
+    """What `diagnose_incremental` carries from one diagnosis of a run to the next: for the
+    harness `harness_digest`, the rows seen per (split, seed, step), and each combinable
+    metric's partial per (seed, step): (sum, count) for a mean, {value: count} for an
+    entropy."""
+
+    harness_digest: str
+    rows: dict[str, dict[Key, int]] = field(default_factory=dict)
+    partials: dict[str, dict[Key, Any]] = field(default_factory=dict)
+
+
+def diagnose_incremental(
+    rollouts: pa.Table,
+    steps: pa.Table | None,
+    harness: HarnessRevision,
+    state: DiagnosisState | None = None,
+    **options: Any,
+) -> tuple[dict, DiagnosisState]:
+    """Diagnose `rollouts`, every row the run has so far, reusing `state` from the previous
+    diagnosis of the same run (None the first time); return the diagnosis (what `diagnose`
+    returns for the same arguments) and the state for the next call. `options` are
+    `diagnose`'s keywords (parent_scores, scores, timeout_s, memory_limit, evidence_digest).
+    A state made for another harness revision is ignored."""
+    from evotrainer.diagnosis.diagnose import diagnose
+
+    if state is None or state.harness_digest != harness.digest:
+        state = DiagnosisState(harness.digest)
+    increment = Increment(rollouts, harness, state)
+    diagnosis = diagnose(rollouts, steps, harness, increment=increment, **options)
+    return diagnosis, increment.next_state()
+
+
+class Increment:
+    """One incremental diagnosis: the changed rows of each split and the partials of the
+    combinable metrics, recomputed for those rows and combined with the carried ones."""
+
+    def __init__(self, table: pa.Table, harness: HarnessRevision, state: DiagnosisState) -> None:
+        self.table, self.harness, self.state = table, harness, state
+        self.rows: dict[str, dict[Key, int]] = {}
+        self.partials: dict[str, dict[Key, Any]] = {}
+        self.changed: dict[str, tuple[pa.Table, pa.Table]] = {}  # split: (rows, analyzer view)
+        self.sandboxes: dict[str, ReadOnlyQuery] = {}
+
+    def metric(
+        self, metric: Metric, rows: pa.Table, view: pa.Table, timeout_s: float, memory_limit: str
+    ) -> tuple[float | None, list[list[float]]] | None:
+        """(value, series points) of `metric` from partials, or None when it does not combine.
+        `rows` and `view` are the split's rows and its analyzer view in the full diagnosis."""
+        kind, sql = _combinable(metric)
+        if kind is None:
+            return None
+        split = metric.split
+        counts = self._counts(split, rows)
+        changed_rows, changed_view = self._changed(split, rows, view, counts)
+        if metric.analyzer:
+            fresh = _analyzer_partials(metric, changed_view, self.harness.params)
+        else:
+            if split not in self.sandboxes:
+                self.sandboxes[split] = ReadOnlyQuery(
+                    self.table, None, split, rows=changed_rows, timeout_s=timeout_s,
+                    memory_limit=memory_limit, calls=lambda: call_table(changed_view),
+                )
+            _, result = self.sandboxes[split].query(sql, self.harness.params, field=metric.name)
+            fresh = _sql_partials(kind, result)
+            if kind == "entropy" and any(len(v) > _MAX_ENTROPY_VALUES for v in fresh.values()):
+                return None
+        carried = self.state.partials.get(metric.name, {})
+        seen = self.state.rows.get(split, {})
+        partials = {
+            key: fresh[key] if key in fresh else carried[key]
+            for key, n in counts.items()
+            if key in fresh or (seen.get(key) == n and key in carried)
+        }
+        self.partials[metric.name] = partials
+        return _combine(kind, partials)
+
+    def close(self) -> None:
+        for sandbox in self.sandboxes.values():
+            sandbox.close()
+
+    def next_state(self) -> DiagnosisState:
+        return DiagnosisState(self.harness.digest, self.rows, self.partials)
+
+    def _counts(self, split: str, rows: pa.Table) -> dict[Key, int]:
+        if split not in self.rows:
+            grouped = rows.select(["seed", "step"]).group_by(["seed", "step"]).aggregate(
+                [([], "count_all")]
+            )
+            self.rows[split] = {
+                (seed, step): n
+                for seed, step, n in zip(
+                    *(grouped.column(c).to_pylist() for c in ("seed", "step", "count_all")),
+                    strict=True,
+                )
+            }
+        return self.rows[split]
+
+    def _changed(
+        self, split: str, rows: pa.Table, view: pa.Table, counts: dict[Key, int]
+    ) -> tuple[pa.Table, pa.Table]:
+        """The split's rows (and analyzer view) whose (seed, step) has rows not yet covered by
+        the state; a null step is always recomputed."""
+        if split not in self.changed:
+            seen = self.state.rows.get(split, {})
+            stale = [k for k, n in counts.items() if k[1] is None or seen.get(k) != n]
+            if len(stale) == len(counts):
+                self.changed[split] = (rows, view)
+            else:
+                mask = pa.array(_in_keys(rows, stale))
+                self.changed[split] = (rows.filter(mask), view.filter(mask))
+        return self.changed[split]
+
+
+def _in_keys(rows: pa.Table, keys: Iterable[Key]) -> np.ndarray:
+    """Whether each row's (seed, step) is one of `keys` (a null step matches a null step)."""
+    seeds = pc.fill_null(rows.column("seed"), 0).to_numpy().astype(np.int64)
+    steps = rows.column("step")
+    null_step = pc.is_null(steps).to_numpy(zero_copy_only=False)
+    steps = pc.fill_null(steps, 0).to_numpy().astype(np.int64)
+    low = int(steps.min()) if len(steps) else 0
+    width = (int(steps.max()) - low + 2) if len(steps) else 1
+    # One int64 per key: the null step gets its own slot past the largest step.
+    codes = seeds * width + np.where(null_step, width - 1, steps - low)
+    wanted = [
+        seed * width + (width - 1 if step is None else step - low)
+        for seed, step in keys
+        if step is None or low <= step < low + width - 1
+    ]
+    return np.isin(codes, np.array(wanted, dtype=np.int64))
+
+
+def _combinable(metric: Metric) -> tuple[str | None, str]:
+    """(partial kind, SQL computing the partials per (seed, step)) or (None, "")."""
+    if metric.analyzer:
+        return "mean", ""
+    if not metric.sql:
+        return None, ""
+    if (mean := _MEAN_SQL.match(metric.sql)) is not None:
+        expr, view, where = mean["expr"], mean["view"], mean["where"]
+        if _balanced(expr) and not any(_READS_RELATION.search(p or "") for p in (expr, where)):
+            condition = f" WHERE {where}" if where else ""
+            return "mean", (
+                f"SELECT seed, step, sum({expr}) AS total, count({expr}) AS n "
+                f"FROM {view}{condition} GROUP BY seed, step"
+            )
+    if (entropy := _ENTROPY_SQL.match(metric.sql)) is not None:
+        expr, view = entropy["expr"], entropy["view"]
+        if _balanced(expr) and not _READS_RELATION.search(expr):
+            return "entropy", (
+                f"SELECT seed, step, ({expr}) AS v, count(*) AS n FROM {view} "
+                f"WHERE ({expr}) IS NOT NULL GROUP BY seed, step, v"
+            )
+    return None, ""
+
+
+def _balanced(expr: str) -> bool:
+    """Whether `expr` is one parenthesised argument (so `avg(a) + avg(b)` is not taken)."""
+    depth = 0
+    for char in expr:
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+def _analyzer_partials(metric: Metric, view: pa.Table, params: dict) -> dict[Key, Any]:
+    spec = ANALYZERS[metric.analyzer]
+    values = np.asarray(spec.fn(view, {**params, **metric.analyzer_params}), dtype=float)
+    per_row = pa.table(
+        {
+            "seed": view.column("seed"),
+            "step": view.column("step"),
+            "v": pa.array(values, from_pandas=True),  # NaN (row left out) becomes null
+        }
+    )
+    grouped = per_row.group_by(["seed", "step"]).aggregate([("v", "sum"), ("v", "count")])
+    columns = (grouped.column(c).to_pylist() for c in ("seed", "step", "v_sum", "v_count"))
+    return {
+        (seed, step): (total or 0.0, n)
+        for seed, step, total, n in zip(*columns, strict=True)
+    }
+
+
+def _sql_partials(kind: str, rows: list) -> dict[Key, Any]:
+    partials: dict[Key, Any] = {}
+    if kind == "mean":
+        for seed, step, total, n in rows:
+            partials[seed, step] = (float(total or 0), int(n))
+        return partials
+    for seed, step, value, n in rows:
+        partials.setdefault((seed, step), {})[value] = int(n)
+    return partials
+
+
+def _combine(kind: str, partials: dict[Key, Any]) -> tuple[float | None, list[list[float]]]:
+    """(value, per-step points) from the partials of every (seed, step)."""
+    if kind == "entropy":
+        counts: dict[Any, int] = {}
+        for by_value in partials.values():
+            for value, n in by_value.items():
+                counts[value] = counts.get(value, 0) + n
+        total = sum(counts.values())
+        shares = [n / total for n in counts.values() if n]
+        return (-sum(p * math.log2(p) for p in shares) if total else 0.0), []
+    per_step: dict[int, tuple[float, int]] = {}
+    for (_, step), (total, n) in partials.items():
+        if step is not None:
+            old_total, old_n = per_step.get(step, (0.0, 0))
+            per_step[step] = (old_total + total, old_n + n)
+    points = [[step, total / n] for step, (total, n) in sorted(per_step.items()) if n]
+    grand_n = sum(n for total, n in partials.values())
+    grand = sum(total for total, n in partials.values())
+    return (grand / grand_n if grand_n else None), points

@@ -23,7 +23,8 @@ from evotrainer.control.reconcile import Reconciler
 from evotrainer.control.versions import approve, new_version
 from evotrainer.errors import EvoError
 from evotrainer.evidence.verl import read_metrics_log
-from evotrainer.store.workspace import Workspace
+from evotrainer.store.git import branch_name
+from evotrainer.store.workspace import Workspace, run_path
 from evotrainer.trackers import RunIdentity, logger_names, open_trackers, require
 from evotrainer.trackers.records import export_version, gate_summary, log_gate, run_identity
 from evotrainer.trackers.verl import verl_loggers, verl_tracker_env
@@ -365,3 +366,28 @@ def test_verl_gets_its_logger_list_and_logs_into_our_tagged_mlflow_run(
     logged = client.get_run(env["MLFLOW_RUN_ID"])
     assert logged.data.tags["parent"] == "v0" and logged.info.run_name == "v1/seed0"
     assert logged.data.metrics == {"actor/entropy": 0.7}
+
+
+def test_a_run_record_pointing_elsewhere_cannot_make_export_replace_files_there(
+    recorded, tmp_path
+):
+    """The attack: a branch edits runs/v1/run.yaml so that artifact_dir names a victim folder
+    holding a `tensorboard/seed0` (what an export replaces) and a steps.parquet. The export
+    refuses; the victim's file survives."""
+    victim = tmp_path / "victim"
+    precious = victim / "tensorboard" / "seed0" / "precious.txt"
+    precious.parent.mkdir(parents=True)
+    precious.write_text("keep me")
+    branch, path = branch_name("v1"), run_path("v1", "run.yaml")
+    original = recorded.git.read(branch, path)
+    real_dir = recorded.root / yaml.safe_load(original)["artifact_dir"]
+    shutil.copy(real_dir / "steps.parquet", victim / "steps.parquet")
+    tampered = {**yaml.safe_load(original), "artifact_dir": str(victim)}
+    recorded.git.commit_files(branch, {path: yaml.safe_dump(tampered).encode()}, "tamper", {})
+    try:
+        with pytest.raises(EvoError) as err:
+            export_version(recorded, "v1", ["tensorboard"])
+        assert err.value.field == "artifact_dir"
+        assert precious.read_text() == "keep me"
+    finally:
+        recorded.git.commit_files(branch, {path: original}, "restore", {})

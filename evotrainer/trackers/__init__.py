@@ -184,23 +184,22 @@ def logger_names(recipe: Mapping[str, Any], where: str | None = None) -> list[st
 
 def require(logger: str) -> Any:
     """The library behind `logger`, or one line naming the extra that installs it."""
-    module = logger  # each tracker's package is named as verl names the logger
     # Nothing phones home unless the user says so: MLflow's usage telemetry and W&B's error
     # reports are off by default (an explicit setting in the environment wins).
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
     try:
-        return importlib.import_module(module)
+        return importlib.import_module(logger)  # each package is named as verl's logger
     except ImportError as err:
         raise EvoError(
-            f"the {logger} logger needs the {module} package, which is not installed ({err})",
+            f"the {logger} logger needs the {logger} package, which is not installed ({err})",
             field="loggers",
             hint=f"pip install 'evotrainer[{EXTRAS[logger]}]', or drop {logger} from loggers",
         ) from err
 
 
 def _factories() -> dict[str, Callable[..., Tracker]]:
-    # Imported here so that a recipe without a tracker never imports its library.
+    # Imported on use: the tracker modules import TrackerRun from this one.
     from evotrainer.trackers.console import ConsoleTracker, FileTracker
     from evotrainer.trackers.mlflow_tracker import MlflowTracker
     from evotrainer.trackers.tensorboard_tracker import TensorBoardTracker
@@ -222,7 +221,7 @@ def open_trackers(
     """Start one run per logger for (`identity`, `seed`). Every library is imported before
     any run starts, so a missing one fails before anything is written. `emit` prints the
     console logger's lines (default: stderr)."""
-    names = list(loggers)
+    names = logger_names({"loggers": list(loggers)})
     for name in names:
         if name in EXTRAS:
             require(name)

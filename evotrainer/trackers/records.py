@@ -12,7 +12,8 @@ import pyarrow.compute as pc
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_steps
 from evotrainer.store import recipe as recipes
-from evotrainer.store.workspace import VersionState, Workspace, version_spec_path
+from evotrainer.store.git import branch_name
+from evotrainer.store.workspace import VersionState, Workspace, run_path, version_spec_path
 from evotrainer.trackers import RunIdentity, logger_names, open_trackers
 
 
@@ -52,6 +53,23 @@ def run_identity(
         store_root=str(ws.artifact_root.resolve()),
         tags=tags,
     )
+
+
+def run_dir_of(ws: Workspace, state: VersionState, run: dict) -> Path:
+    """The run's artifact dir, which must be the one reconcile gives this version's job: a
+    record edited on a branch cannot point the trackers (an export replaces their files) at
+    any other folder."""
+    recorded = (ws.root / str(run.get("artifact_dir"))).resolve()
+    expected = ws.artifact_dir(state.name, str(run.get("job_id"))).resolve()
+    if recorded != expected or not expected.is_relative_to(ws.artifact_root.resolve()):
+        raise EvoError(
+            f"the run record of {state.name} names {run.get('artifact_dir')!r}, not its "
+            f"artifact folder {ws.record_path(expected)}",
+            where=f"{branch_name(state.name)}:{run_path(state.name, 'run.yaml')}",
+            field="artifact_dir",
+            hint="trackers write only inside the artifact root; restore the record",
+        )
+    return recorded
 
 
 @dataclass(frozen=True)
@@ -103,7 +121,7 @@ def export_version(
     if not run or run.get("state") != "Succeeded":
         raise EvoError(f"{name} has no finished run to export", where=state.spec_source,
                        hint="export versions that `evotrainer lineage` shows as trained")
-    run_dir = ws.root / run["artifact_dir"]
+    run_dir = run_dir_of(ws, state, run)
     steps_file = run_dir / "steps.parquet"
     if not steps_file.is_file():
         raise EvoError(f"the step metrics of {name} are gone", where=str(steps_file),
@@ -146,6 +164,6 @@ def log_gate(
     summary = gate_summary(decision, state.records.get("diagnosis"))
     result = run.get("result") or {}
     for seed in result.get("seeds") or [0]:
-        with open_trackers(loggers, ws.root / run["artifact_dir"], identity, seed=int(seed),
+        with open_trackers(loggers, run_dir_of(ws, state, run), identity, seed=int(seed),
                            emit=emit) as trackers:
             trackers.summary(summary.values, summary.tags, step=int(result.get("steps_done") or 0))

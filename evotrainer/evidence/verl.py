@@ -300,12 +300,9 @@ def _canonical(
         components = f"map_from_entries(list_filter([{entries}], lambda e: e.value IS NOT NULL))"
     else:
         components = "MAP {}::MAP(VARCHAR, DOUBLE)"
-    extra = (
-        "CAST(to_json(struct_pack(" + ", ".join(f"{_q(n)} := {_q(n)}" for n in rest) + "))"
-        " AS VARCHAR)"
-        if rest
-        else "NULL"
-    )
+    # `extra`: the unclaimed keys, and the raw V1 key (the uid) where there is one.
+    fields = [f"{_q(n)} := {_q(n)}" for n in rest] + (["uid := __uid"] if "uid" in cols else [])
+    extra = f"CAST(to_json(struct_pack({', '.join(fields)})) AS VARCHAR)" if fields else "NULL"
     keyed = f"""
         SELECT *, {uid} AS __uid, COALESCE(regexp_matches({uid}, '{_V1_KEY}'), false) AS __v1,
                {task} AS __task
@@ -384,14 +381,12 @@ def _canonical(
             con.register("repeats", repeats)
             joins += " LEFT JOIN repeats USING (__file, __group)"
             occurrence = "COALESCE('.' || __occurrence, '')"
-        if "uid" in cols:
-            # The raw V1 key and a session's earlier outputs join `extra`; the merge patch
-            # leaves out the ones that are null.
-            folded = "__earlier" if earlier else "NULL::VARCHAR[]"
+        if earlier:
+            # A session's earlier outputs join its final row's `extra`.
             extra = (
-                f"CASE WHEN __uid IS NULL AND {folded} IS NULL THEN {extra} ELSE "
-                f"CAST(json_merge_patch(COALESCE({extra}, '{{}}'), to_json(struct_pack("
-                f"uid := __uid, earlier_outputs := {folded}))) AS VARCHAR) END"
+                f"CASE WHEN __earlier IS NULL THEN {extra} ELSE CAST(json_merge_patch("
+                f"COALESCE({extra}, '{{}}'), to_json(struct_pack(earlier_outputs := __earlier)))"
+                " AS VARCHAR) END"
             )
         sql = f"""
             WITH {base}{earlier}

@@ -501,7 +501,8 @@ class Reconciler:
             plans, applied = self.pass_once()
             if applied:
                 continue
-            running = [p for p in plans if p.health in ("Pending", "Running")]
+            # A version in error waits for a human, not for its job.
+            running = [p for p in plans if p.health in ("Pending", "Running") and not p.error]
             if not (wait and running):
                 return plans
             if on_wait:

@@ -497,3 +497,37 @@ def test_table_digest_is_the_hash_of_the_ipc_stream_and_ignores_chunking():
     assert table_digest(rechunked, None) == table_digest(table, None)
     assert table_digest(table.slice(0, 0)) == by_definition(table.slice(0, 0))
     assert table_digest(table.slice(1)) != table_digest(table)
+
+
+def test_tool_call_analyzers_equal_the_definition_on_hostile_calls():
+    import pyarrow as pa
+
+    from evotrainer.diagnosis.analyzers import leak, max_same_tool_streak
+    from evotrainer.evidence.schema import TOOL_CALL
+
+    huge = "x" * 1_000_000 + " git log"
+    rows = [
+        [{"name": "bash", "args": huge}, {"name": "bash", "args": huge}],  # 1 MB args, a leak
+        [{"name": "выполнить", "args": "git show ✓"}, {"name": "выполнить", "args": None}],
+        [{"name": None, "args": "git reflog"}, {"name": "", "args": "gitreflog"}],
+        None,
+        [],
+        [{"name": "reveal", "args": "🙂"}] * 3,
+        [{"name": "bash", "args": "ls"}, {"name": "выполнить", "args": "ls"}],
+    ]
+    params = {"leak_tools": ["reveal"], "leak_patterns": [r"\bgit (log|show|reflog|blame)\b"]}
+    want_streak = [_streak_by_hand(c) for c in rows]
+    want_leak = [_leak_by_hand(c, ["reveal"], params["leak_patterns"]) for c in rows]
+    # Chunks whose dictionaries list the same names in other orders must decode alike.
+    for cut in ([len(rows)], [1, 2, 4], [3, 4], [1] * len(rows)):
+        chunks, order, at = [], [], 0
+        for n in cut:
+            segment = list(range(at, at + n))[::-1]  # each chunk reversed
+            chunks.append(pa.array([rows[i] for i in segment], pa.list_(TOOL_CALL)))
+            order += segment
+            at += n
+        table = pa.table({"tool_calls": pa.chunked_array(chunks, pa.list_(TOOL_CALL))})
+        np.testing.assert_array_equal(
+            max_same_tool_streak(table, params), [want_streak[i] for i in order]
+        )
+        np.testing.assert_array_equal(leak(table, params), [want_leak[i] for i in order])

@@ -35,7 +35,7 @@ from evotrainer.store import specs
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import PRUNED_TAG_PREFIX, branch_name
 from evotrainer.store.recipe import deep_merge, digest
-from evotrainer.store.validation import Validation, check_workspace
+from evotrainer.store.validation import Validation, check_workspace, job_env
 from evotrainer.store.workspace import VersionState, Workspace, run_path
 
 # What a version's action may fail with and still leave the other versions to proceed.
@@ -131,6 +131,7 @@ def job_for(ctx: Context, state: VersionState, run: dict) -> JobSpec:
         recipe=job_recipe(ctx, state),
         workdir=ctx.ws.worktree_path(state.name),
         artifact_dir=ctx.ws.root / run["artifact_dir"],
+        env=job_env(ctx.ws),
     )
 
 
@@ -544,7 +545,9 @@ class Reconciler:
         workdir = self.ws.git.worktree_add(
             self.ws.worktree_path(state.name), self._spec_commit(state)
         )
-        job = JobSpec(jid, state.name, recipe, workdir, self.ws.root / run["artifact_dir"])
+        job = JobSpec(
+            jid, state.name, recipe, workdir, self.ws.root / run["artifact_dir"], job_env(self.ws)
+        )
         ctx.backend(recipe["backend"]).submit(job)
 
     def _spec_commit(self, state: VersionState) -> str:

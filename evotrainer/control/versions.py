@@ -13,7 +13,7 @@ from evotrainer.store import specs
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import branch_name
 from evotrainer.store.recipe import deep_merge, set_dotted
-from evotrainer.store.validation import check_spec_recipe
+from evotrainer.store.validation import check_spec_recipe, declared_data_roots
 from evotrainer.store.workspace import Workspace, version_spec_path
 
 
@@ -97,7 +97,8 @@ def new_version(
     text = spec_text(spec)
     source = f"{branch_name(name)}:{version_spec_path(name)}"
     doc = specs.load_text(text, source, "PolicyVersion")  # a bad --set fails here, unwritten
-    check_spec_recipe(deep_merge(ws.resolved_recipe(parent, states), overrides), doc)
+    with declared_data_roots(ws):
+        check_spec_recipe(deep_merge(ws.resolved_recipe(parent, states), overrides), doc)
     ws.git.commit_files(
         branch_name(name),
         {version_spec_path(name): text.encode()},

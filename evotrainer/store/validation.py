@@ -10,6 +10,9 @@ one (or whose ancestor has one: they inherit its recipe).
 from __future__ import annotations
 
 import copy
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -225,6 +228,13 @@ def _check_recipes(
 ) -> None:
     """Each version's resolved recipe through its backend's own checks (group size, clip
     range, domain, checkpoint path, verl keys...), reported at the version that sets it."""
+    with declared_data_roots(ws):
+        _check_each_recipe(ws, docs, states, result, backends)
+
+
+def _check_each_recipe(
+    ws: Workspace, docs: dict, states: dict, result: Validation, backends: dict
+) -> None:
     project_problem = _project_recipe_problem(ws, backends)
     for name, doc in docs.items():
         if result.refusal(name, states) or any(
@@ -389,6 +399,30 @@ def _check_paths(ws: Workspace, doc: specs.Document, base: tuple, problems: list
                         "folder in the project's `data_roots`",
                     )
                 )
+
+
+def job_env(ws: Workspace) -> dict[str, str]:
+    """What a job's process is told: the project's declared data roots (the only folders
+    outside its worktree a dataset may resolve into)."""
+    from evotrainer.domains.data import DATA_ROOTS_ENV
+
+    return {DATA_ROOTS_ENV: os.pathsep.join(str(root) for root in allowed_roots(ws)[1:])}
+
+
+@contextmanager
+def declared_data_roots(ws: Workspace) -> Iterator[None]:
+    """The backend's recipe checks, run here, see the data roots a job would be given."""
+    env = job_env(ws)
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def allowed_roots(ws: Workspace) -> list[Path]:

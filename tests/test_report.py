@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import typer
+import yaml
 from markupsafe import escape
 from typer.testing import CliRunner
 
@@ -31,6 +32,7 @@ from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 from evotrainer.report import build_report
 from evotrainer.report.views import recipe_diff
 from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import clean
 
 TESTS = Path(__file__).resolve().parent
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser",
@@ -60,13 +62,30 @@ def ws(tmp_path_factory) -> Workspace:
         new_version(workspace, "v2", "v0", rationale=SCRIPT_RATIONALE,
                     settings=['domain.params.standin_skill=0.65',
                               'domain.params.standin_leak=true'],
+                    hypothesis="a higher skill raises avg@k", criterion="delta >= 0.0",
                     proposal={"planner": "anthropic", "tokens": {"input": 1200, "output": 345}})
         approve(workspace, "v2", by="tester")
         propose(workspace, "v3", standin_fail=True)
         converge(workspace)
     _plant_html_rollout(workspace)
     _add_harness_revision(workspace)
-    return workspace
+    _describe_in_markdown(workspace)
+    return Workspace(workspace.root)  # a fresh one: `project` is read once per Workspace
+
+
+MARKDOWN_DESCRIPTION = """Adds *digits* with `tiny` models; see [the paper](https://arxiv.org/abs/2606.03108).
+
+- [a script link](javascript:alert(5)) and [a data link](data:text/html,hi)
+- <b>raw html</b> <script>alert(6)</script>
+"""
+
+
+def _describe_in_markdown(ws: Workspace) -> None:
+    """The project's description (read from the working tree) in Markdown with traps."""
+    path = ws.root / "spec" / "project.yaml"
+    data = yaml.safe_load(path.read_text())
+    data["description"] = MARKDOWN_DESCRIPTION
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 def _add_harness_revision(ws: Workspace) -> None:
@@ -270,7 +289,8 @@ def browser(tmp_path_factory):
     chromium.close()
 
 
-LINKS = "[...document.querySelectorAll('a[href]')].map(a => a.getAttribute('href'))"
+LINKS = ("[...document.querySelectorAll('a[href]')].map(a => [a.getAttribute('href'), "
+         "!!a.closest('.md'), a.getAttribute('rel')])")
 IDS = "[...document.querySelectorAll('[id]')].map(e => e.id)"
 # Decode a PNG in a blank tab and count its colours and the pixels unlike the top-left one.
 PIXELS = """new Promise(done => { const img = new Image(); img.onload = () => {
@@ -288,7 +308,7 @@ PIXELS = """new Promise(done => { const img = new Image(); img.onload = () => {
 def test_every_page_loads_clean_and_every_link_resolves(report, ws, browser, tmp_path):
     session = browser.tab()
     site = report.parent
-    queue, seen, anchors, wanted = [report.resolve()], set(), {}, []
+    queue, seen, anchors, wanted, external = [report.resolve()], set(), {}, [], set()
     while queue:
         page = queue.pop()
         if page in seen:
@@ -296,9 +316,14 @@ def test_every_page_loads_clean_and_every_link_resolves(report, ws, browser, tmp
         seen.add(page)
         assert browser.open(session, page.as_uri()) == [], f"console errors on {page.name}"
         anchors[page] = set(browser.js(session, IDS))
-        for href in browser.js(session, LINKS):
+        for href, in_markdown, rel in browser.js(session, LINKS):
             url = urlparse(href)
-            assert not url.scheme and not url.netloc, f"{page.name} links outside: {href}"
+            if url.scheme or url.netloc:  # only a description's own http(s) link leaves
+                assert in_markdown and url.scheme in ("http", "https", "mailto"), (
+                    f"{page.name} links outside: {href}")
+                assert "noopener" in rel and "noreferrer" in rel, href
+                external.add(href)
+                continue
             target = (page.parent / unquote(url.path)).resolve() if url.path else page
             assert target.is_file() and target.is_relative_to(site.resolve()), (
                 f"{page.name}: broken link {href}")
@@ -306,6 +331,7 @@ def test_every_page_loads_clean_and_every_link_resolves(report, ws, browser, tmp
                 wanted.append((page.name, href, target, unquote(url.fragment)))
             queue.append(target)
     assert seen == {p.resolve() for p in site.rglob("*.html")}  # every page is reachable
+    assert external == {"https://arxiv.org/abs/2606.03108"}  # the project description's
     for source, href, target, fragment in wanted:
         assert fragment in anchors[target], f"{source}: {href} names no element"
 
@@ -328,6 +354,6 @@ def test_rollout_markup_renders_as_text_in_the_browser(report, browser):
                                "main em').length") == 0
     texts = browser.js(session, "[...document.querySelectorAll('pre.text, td, code')]"
                                 ".map(e => e.textContent)")
-    assert SCRIPT_PROMPT in texts and HTML_RESPONSE in texts
+    assert SCRIPT_PROMPT + clean(CONTROL_TEXT) in texts and HTML_RESPONSE in texts
     assert "<script>alert(4)</script>" in texts
     assert any(SCRIPT_RATIONALE in t for t in texts)

@@ -20,7 +20,7 @@ import jinja2
 import yaml
 
 from evotrainer.errors import EvoError
-from evotrainer.report import svg
+from evotrainer.report import markdown, svg
 from evotrainer.report.views import Site, collect, page_file
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import clean
@@ -58,7 +58,8 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(num=svg.fmt, yaml=_yaml, page=page_file, status=svg.status_class)
+    env.filters.update(num=svg.fmt, yaml=_yaml, page=page_file, status=svg.status_class,
+                       markdown=markdown.render)
     return env
 
 

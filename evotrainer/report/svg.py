@@ -113,6 +113,9 @@ CHART_W, CHART_H = 640, 240
 MARGIN_L, MARGIN_R, MARGIN_T, MARGIN_B = 60, 20, 14, 40
 
 
+LABEL_CHAR_W, LABEL_H = 6.7, 13  # a chart label's advance per character and line height
+
+
 @dataclass
 class ChartPoint:
     name: str
@@ -120,8 +123,20 @@ class ChartPoint:
     x: float
     y: float
     css: str
-    label: str
+    label: str  # the point's <title>: what a screen reader or a hover tells
+    score: float = 0.0
     bar: tuple[float, float] | None = None  # y of the CI bar's ends
+    text: str = ""  # the label drawn beside the point: name and avg@k
+    text_x: float = 0.0
+    text_y: float = 0.0  # the label's baseline
+    anchor: str = "middle"
+
+    def label_box(self) -> tuple[float, float, float, float]:
+        """(left, top, right, bottom) of the drawn label, for keeping labels apart."""
+        width = LABEL_CHAR_W * len(self.text)
+        left = {"start": self.text_x, "end": self.text_x - width}.get(
+            self.anchor, self.text_x - width / 2)
+        return (left, self.text_y - LABEL_H + 3, left + width, self.text_y + 3)
 
 
 @dataclass
@@ -165,7 +180,7 @@ def score_chart(
             mean_a = parent_means[row.name]
             bar = (y_of(mean_a + row.ci[0]), y_of(mean_a + row.ci[1]))
         chart.path.append(ChartPoint(row.name, hrefs[row.name], x, y_of(row.score),
-                                     status_class(row.status), score_line(row), bar))
+                                     status_class(row.status), score_line(row), row.score, bar))
         for k, child in enumerate(off_path.get(row.name, [])):
             if child.score is None:
                 continue
@@ -173,9 +188,44 @@ def score_chart(
             # equal scores stay distinguishable.
             chart.off_path.append(ChartPoint(
                 child.name, hrefs[child.name], x + step_x - 14 - 9 * k, y_of(child.score),
-                status_class(child.status), f"{child.name}: {child.status}, {score_line(child)}"))
+                status_class(child.status), f"{child.name}: {child.status}, {score_line(child)}",
+                child.score))
     chart.line = " ".join(f"{p.x:.1f},{p.y:.1f}" for p in chart.path)
+    _place_labels(chart)
     return chart
+
+
+def _overlaps(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def _place_labels(chart: Chart) -> None:
+    """`name avg@k` beside every point: above a path point (inside the plot at either end),
+    left of a rejected child's cross (it sits just left of its promoted sibling). A label
+    that would cover one placed before it moves up, or down when the top is near, a line at
+    a time; points and labels are few, so the quadratic search costs nothing."""
+    placed: list[tuple[float, ...]] = []
+    last = len(chart.path) - 1
+    points = [(p, "path", i) for i, p in enumerate(chart.path)]
+    points += [(p, "off", 0) for p in chart.off_path]
+    for point, kind, index in points:
+        point.text = f"{point.name} {fmt(point.score)}"
+        if kind == "path":
+            # Above the point, or below it when a score near 1 leaves no room above.
+            point.text_x = point.x
+            point.text_y = point.y - 10 if point.y - 10 - LABEL_H > 0 else point.y + 18
+            point.anchor = "start" if index == 0 else "end" if index == last else "middle"
+            if index == last and index > 0:
+                point.text_x += 6  # the end of the label just past the point's right edge
+        else:
+            point.text_x, point.text_y, point.anchor = point.x - 9, point.y + 4, "end"
+        step = -LABEL_H if point.text_y - 2 * LABEL_H > 0 else LABEL_H
+        for _ in range(12):  # never more labels than this at one spot
+            box = point.label_box()
+            if not any(_overlaps(box, other) for other in placed):
+                break
+            point.text_y += step
+        placed.append(point.label_box())
 
 
 # ----------------------------------------------------------------------------- sparkline

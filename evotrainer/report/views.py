@@ -77,6 +77,50 @@ class AlertView:
 
 
 @dataclass
+class CriterionView:
+    """A version's falsifiable criterion read beside the gate's verdict. The criterion is
+    the hypothesis' own test; whether the version goes on is the gate's call, and the two
+    can disagree (a leak that makes the score criterion hold is still pruned). So "held"
+    is green only beside a promotion, and the note says how the two relate."""
+
+    expression: str
+    outcome: str  # held | did not hold | undecided | not tested yet
+    css: str  # supports | caution | refuted | undecided
+    note: str
+
+
+def criterion_view(spec: dict | None, decision: dict, negative: bool) -> CriterionView | None:
+    """None when the version states no criterion; `negative`: pruned, reverted or failed."""
+    hypothesis = ((spec or {}).get("intervention") or {}).get("hypothesis") or {}
+    recorded = decision.get("criterion") or {}
+    expression = recorded.get("expression") or hypothesis.get("criterion")
+    if not expression:
+        return None
+    verdict = str(decision.get("verdict") or "")
+    if not decision or "held" not in recorded:
+        return CriterionView(expression, "not tested yet", "undecided",
+                             "the gate has not decided this version")
+    held = recorded["held"]
+    if held is None:
+        return CriterionView(expression, "undecided", "undecided",
+                             "a metric it reads is null, so the test could not be made")
+    if held is False:
+        note = "the hypothesis failed its own test"
+        if verdict == "promote":
+            note += "; the gate promoted the version on its rules nonetheless"
+        return CriterionView(expression, "did not hold", "refuted", note)
+    if verdict == "promote" and not negative:
+        return CriterionView(expression, "held", "supports",
+                             "the hypothesis passed its test and the gate promoted the version")
+    blocked = decision.get("blocked_by") or []
+    why = f" (blocked by {', '.join(map(str, blocked))})" if blocked else ""
+    return CriterionView(expression, "held", "caution",
+                         f"the hypothesis passed its test, but the gate's verdict is "
+                         f"{verdict or 'not recorded'}{why}: a criterion that holds does not "
+                         "overrule the gate")
+
+
+@dataclass
 class VersionPage:
     row: LineageRow
     state: VersionState
@@ -87,6 +131,7 @@ class VersionPage:
     metrics: list[tuple[str, list[MetricView]]] = field(default_factory=list)
     alerts: list[AlertView] = field(default_factory=list)
     evidence_note: str | None = None  # why example rollouts are ids only
+    criterion: CriterionView | None = None
 
     @property
     def css(self) -> str:
@@ -382,6 +427,7 @@ def collect(ws: Workspace) -> Site:
         page.metrics = _metric_views(diagnosis, harness_named(
             (diagnosis.get("harness") or {}).get("name")))
         _alert_views(ws, page)
+        page.criterion = criterion_view(state.spec, page.record("decision"), page.negative)
         pages[row.name] = page
 
     promoted = _promoted_path(rows, ws, states)

@@ -21,7 +21,9 @@ import yaml
 from typer.testing import CliRunner
 
 from evotrainer.commands.train import register
+from evotrainer.domains import make_domain
 from evotrainer.engine import check_recipe, run_job
+from evotrainer.engine.checks import environment_config
 from evotrainer.engine.grpo import group_advantages, policy_loss
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
@@ -139,16 +141,30 @@ def test_bad_recipes_fail_before_compute_naming_the_field(overrides, field):
 
 
 def test_base_recipe_and_toolenv_recipe_pass():
-    check_recipe(resolve({}, []))
-    check_recipe(
-        resolve(
-            {
-                "domain": {"name": "toolenv"},
-                "environment": {"tools": [{"name": "reveal", "enabled": False}]},
-            },
-            [],
-        )
+    """The shipped defaults and toolenv with its leak closed pass the checks, as the engine
+    will run them: the base domain is single-turn; toolenv keeps `compare` with `reveal`
+    off (the override merges by name). One broken setting in the same recipe is refused."""
+    base = resolve({}, [])
+    assert check_recipe(base) is None
+    assert environment_config(base, make_domain(base["domain"])) is None
+    closed = resolve(
+        {
+            "domain": {"name": "toolenv"},
+            "environment": {"tools": [{"name": "reveal", "enabled": False}]},
+        },
+        [],
     )
+    assert check_recipe(closed) is None
+    environment = environment_config(closed, make_domain(closed["domain"]))
+    assert {t["name"]: t.get("enabled", True) for t in environment["tools"]} == {
+        "compare": True,
+        "reveal": False,
+    }
+    broken = copy.deepcopy(closed)
+    broken["environment"]["max_turns"] = 0
+    with pytest.raises(EvoError) as err:
+        check_recipe(broken)
+    assert err.value.field == "environment.max_turns"
 
 
 # ---------------------------------------------------------------------- end to end runs

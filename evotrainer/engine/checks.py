@@ -12,6 +12,9 @@ from typing import Any
 from evotrainer.domains import make_domain
 from evotrainer.engine.filters import check_filter_spec
 from evotrainer.errors import EvoError
+from evotrainer.trackers import EXTRAS as TRACKER_EXTRAS
+from evotrainer.trackers import logger_names
+from evotrainer.trackers import require as require_tracker
 
 FAMILIES = ("qwen2", "llama")
 CHAT_TEMPLATES = ("auto", "none")
@@ -145,6 +148,9 @@ def check_model(model: dict[str, Any]) -> None:
 
 def check_recipe(recipe: dict[str, Any]) -> None:
     """Raise EvoError for the first problem found in a resolved recipe."""
+    for logger in logger_names(recipe):
+        if logger in TRACKER_EXTRAS:
+            require_tracker(logger)  # a missing library fails here, not after the launch
     model = recipe.get("model") or {}
     check_model(model)
     if not (model.get("path") or model.get("package")):

@@ -43,6 +43,7 @@ from evotrainer.engine.outputs import RunLog, RunOutputs, write_json
 from evotrainer.engine.rollout import Episode, batch_tensors, sample_episodes, token_logprobs
 from evotrainer.engine.warm_start import warm_start
 from evotrainer.store.recipe import digest
+from evotrainer.trackers import RunIdentity, logger_names, open_trackers
 
 ADV_EPS = 1e-6
 
@@ -196,6 +197,13 @@ class Trainer:
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=self.g["lr"])
         self.group_filter = make_filter(recipe.get("group_filter"))
+        # The engine's own log and steps.parquet are its `console` and `file` loggers; the
+        # others (TensorBoard, MLflow, W&B) get the same per-step metrics, one run per seed.
+        external = [n for n in logger_names(recipe) if n not in ("console", "file")]
+        self.trackers = open_trackers(
+            external, outputs.out_dir, RunIdentity.read(outputs.out_dir, outputs.version),
+            seed=seed,
+        )
 
     def sample(self, tasks: list[Task]) -> list[Episode]:
         return sample_episodes(
@@ -222,13 +230,16 @@ class Trainer:
 
     def run(self) -> float:
         steps = self.g["steps"]
-        val_avg = self.evaluate(0)
-        with self.log.steps(steps, f"seed {self.seed}") as advance:
-            for step in range(1, steps + 1):
-                self.train_step(step)
-                if step % self.g["eval_every"] == 0 or step == steps:
-                    val_avg = self.evaluate(step)
-                advance()
+        try:
+            val_avg = self.evaluate(0)
+            with self.log.steps(steps, f"seed {self.seed}") as advance:
+                for step in range(1, steps + 1):
+                    self.train_step(step)
+                    if step % self.g["eval_every"] == 0 or step == steps:
+                        val_avg = self.evaluate(step)
+                    advance()
+        finally:
+            self.trackers.close()
         return val_avg
 
     def train_step(self, step: int) -> None:
@@ -267,6 +278,7 @@ class Trainer:
         }
         for name, value in stats.items():
             self.outputs.metric(self.seed, step, name, value)
+        self.trackers.log(step, stats)
         self.record("train", step, episodes, rewards, scores, advantages, keep)
         self.log(
             f"seed {self.seed} step {step}: reward {stats['reward_mean']:.3f} "
@@ -286,6 +298,7 @@ class Trainer:
         val_avg = float(np.mean([s.correct for s in scores]))
         self.outputs.metric(self.seed, step, "val_avg", val_avg)
         self.outputs.metric(self.seed, step, "val_reward_mean", float(rewards.mean()))
+        self.trackers.log(step, {"val_avg": val_avg, "val_reward_mean": float(rewards.mean())})
         self.outputs.scores = [r for r in self.outputs.scores if r["seed"] != self.seed] + [
             {
                 "seed": self.seed,

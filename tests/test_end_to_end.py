@@ -31,9 +31,12 @@ def test_init_propose_approve_reconcile_lineage(tmp_path, cli):
         "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
         "GIT_COMMITTER_EMAIL": "t@t"})
 
+    # The project's recipe changed after init approved v0: that approval no longer holds.
+    assert "awaiting re-approval" in cli("-C", str(root), "plan", "--json").out
+    assert cli("-C", str(root), "approve", "v0").code == 0
     assert cli("-C", str(root), "version", "new", "v1", "--parent", "v0",
                "--rationale", "GRPO with the project's default recipe").code == 0
-    # v0 (approved by init) would launch; v1 awaits approval.
+    # v0 (re-approved) would launch; v1 awaits approval.
     assert "awaiting approval" in cli("-C", str(root), "plan", "--json").out
     assert cli("-C", str(root), "approve", "v1").code == 0
     assert cli("-C", str(root), "plan").code == 2  # changes pending: v1 would launch

@@ -48,6 +48,25 @@ def test_leaky_version_scores_higher_is_pruned_and_the_planner_closes_the_leak(t
     assert [p.skills for p in again.proposals] != [["close-leak"]]
 
 
+def test_on_swe_the_planner_closes_the_leak_with_the_domains_own_mechanism(tmp_path):
+    """close-leak's toolenv patch (disable `reveal`) means nothing to swe: there its
+    mechanism is clear_git_log, and the toolenv patch must not leak into the recipe."""
+    swe = Workspace(init_workspace(tmp_path / "swe", "swe"))
+    train(swe, "v1", standin_skill=0.65, standin_leak=True)
+    converge(swe)
+    assert swe.version("v1").records["decision"]["blocked_by"] == ["leak"]
+
+    [proposal] = propose(swe, "rules", 1).proposals
+    assert (proposal.parent, proposal.skills) == ("v0", ["close-leak"])
+    recipe = swe.resolved_recipe(proposal.name)
+    assert recipe["domain"]["params"]["clear_git_log"] is True
+    assert "reveal" not in str(spec(swe, proposal.name)["recipe"])
+    # The resolved recipe is one the real engine accepts (the stand-in checks nothing).
+    from evotrainer.backends import get_backend
+
+    get_backend("local").check(recipe)
+
+
 def test_high_dead_group_ratio_gets_a_filter_or_aux_signal_with_backtest_numbers(workspace):
     train(workspace, "v1", standin_skill=0.95)  # nearly every group all-correct: dead
     converge(workspace)

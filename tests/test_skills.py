@@ -18,6 +18,8 @@ from evotrainer.agent.skills import (
     search,
     trigger_variables,
 )
+from evotrainer.backends import get_backend
+from evotrainer.commands.init import EXAMPLES_DIR
 from evotrainer.control.versions import new_version
 from evotrainer.diagnosis import cel
 from evotrainer.domains import get_domain
@@ -279,3 +281,19 @@ def test_cli_match_reads_the_version_diagnosis(workspace, cli) -> None:
     assert "std-group-filter" in table.output and "refused" in table.output
     undiagnosed = cli("skills", "match", "v0")
     assert undiagnosed.code == 1 and "no diagnosis" in undiagnosed.err
+
+
+def test_each_domain_gets_its_own_patch_and_every_swe_patch_is_a_valid_swe_recipe() -> None:
+    close_leak = LIBRARY["close-leak"]
+    assert close_leak.patch_for("swe") == {"domain": {"params": {"clear_git_log": True}}}
+    assert close_leak.patch_for("toolenv") == close_leak.recipe_patch
+    assert close_leak.patch_for(None) == close_leak.recipe_patch
+    example = yaml.safe_load((EXAMPLES_DIR / "swe.yaml").read_text())["recipe"]
+    swe_recipe = deep_merge(BASE_RECIPE, example)
+    for skill in LIBRARY.values():
+        if skill.negative or not skill.applies_to("swe") or not skill.domains:
+            continue
+        recipe = deep_merge(swe_recipe, skill.patch_for("swe"))
+        get_backend("local").check(recipe)  # raises EvoError naming the bad field
+        tools = (recipe.get("environment") or {}).get("tools") or []
+        assert {t["name"] for t in tools} <= set(get_domain("swe").tools), skill.name

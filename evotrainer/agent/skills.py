@@ -5,6 +5,9 @@ for and against it. A workspace carries its own copy of the library (`init` copi
 one), so its evidence accumulates in its own git history; outside a workspace the built-in
 library is read.
 
+A skill's mechanism is a recipe patch; `mechanism.domain_patches` gives a domain its own
+patch where the same intent needs another mechanism there (`Skill.patch_for`).
+
 Triggers are CEL over a diagnosis. Their variables:
 
 - every metric by name, holding its value (`dead_group_ratio > 0.5`);
@@ -73,7 +76,17 @@ class Skill:
 
     @property
     def recipe_patch(self) -> dict[str, Any]:
+        """The patch for every domain without its own entry in `domain_patches`."""
         return self.data["mechanism"].get("recipe_patch") or {}
+
+    def patch_for(self, domain: str | None) -> dict[str, Any]:
+        """The recipe patch this skill applies in `domain`: its `domain_patches` entry when it
+        has one (the same intent needs another mechanism there: close-leak disables
+        toolenv's `reveal` tool but clears swe's git history), else `recipe_patch`."""
+        by_domain = self.data["mechanism"].get("domain_patches") or {}
+        if domain is not None and domain in by_domain:
+            return by_domain[domain] or {}
+        return self.recipe_patch
 
     @property
     def entry_point(self) -> dict[str, Any] | None:
@@ -122,6 +135,16 @@ def workspace_library(ws: Any | None) -> dict[str, Skill]:
     if ws is not None and ws.skill_names():
         return load_library(ws.root / "skills")
     return load_library()
+
+
+def skill_overrides(paths: list[Path], domain: str | None) -> dict[str, Any]:
+    """The composed recipe overrides of the skills in `paths` for `domain` (nulls kept, to
+    remove keys when merged onto a recipe): what a version applying them sets."""
+    overrides: dict[str, Any] = {}
+    for path in paths:
+        skill = load_skill(path, f"skills/{path.name}")
+        overrides = deep_merge(overrides, skill.patch_for(domain), keep_nulls=True)
+    return overrides
 
 
 def get_skill(skills: dict[str, Skill], name: str) -> Skill:
@@ -265,7 +288,7 @@ def _evaluate(
         return None
     deltas = [e["delta"] for e in skill.evidence if e.get("delta") is not None]
     values = {name: variables.get(name) for name in sorted(cel.names(skill.trigger))}
-    patch = skill.recipe_patch
+    patch = skill.patch_for(domain)
     return Match(
         skill=skill,
         values=values,

@@ -254,8 +254,9 @@ class RulesPlanner:
         """Replay a filter or reward skill on the rollouts that fired it (else the
         frontier's). Returns (numbers or the error, whether it shows an effect)."""
         entry = (skill.entry_point or {}).get("kind")
-        is_filter = entry == "group_filter" or "group_filter" in skill.recipe_patch
-        is_reward = entry == "reward_component" or "reward" in skill.recipe_patch
+        patch = skill.patch_for(view.ws.resolved_recipe(frontier, view.states)["domain"]["name"])
+        is_filter = entry == "group_filter" or "group_filter" in patch
+        is_reward = entry == "reward_component" or "reward" in patch
         if not (is_filter or is_reward):
             return None, True
         errors = []
@@ -290,9 +291,10 @@ class RulesPlanner:
             before = view.ws.resolved_recipe(parent, view.states)
             for skill_name in view.applied_skills(version):
                 skill = view.skills.get(skill_name)
-                if skill is None or not skill.recipe_patch:
+                patch = skill.patch_for(before["domain"]["name"]) if skill else None
+                if not patch:
                     continue
-                settings = _settings(_revert(before, skill.recipe_patch))
+                settings = _settings(_revert(before, patch))
                 if not settings:
                     continue
                 failed = ", ".join(escalation["failed"])

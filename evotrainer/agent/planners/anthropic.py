@@ -29,7 +29,6 @@ from typing import Any
 
 import jinja2
 import jsonschema
-import pyarrow.compute as pc
 import yaml
 
 from evotrainer import API_VERSION
@@ -352,12 +351,10 @@ class _Tools:
         if not run.get("artifact_dir"):
             raise EvoError(f"{version} has no recorded run")
         table = read_rollouts(self.view.ws.root / run["artifact_dir"] / "rollouts")
-        # Built without a split, so DuckDB is locked down before it sees any input; the split
-        # then reaches it as data (the filtered table as `rollouts`), never as SQL text.
-        sandbox = ReadOnlyQuery(table, None, None, timeout_s=10.0)
+        # ReadOnlyQuery locks DuckDB down before it registers anything, and the split (checked
+        # against the tool's schema) reaches it as the filtered rows, never as SQL text.
+        sandbox = ReadOnlyQuery(table, None, split, timeout_s=10.0)
         try:
-            sandbox.con.execute("DROP VIEW rollouts")
-            sandbox.con.register("rollouts", table.filter(pc.field("split") == split))
             columns, rows = sandbox.query(f"SELECT * FROM ({sql}) LIMIT {MAX_ROWS + 1}", {},
                                           field="sql")
         finally:

@@ -1,0 +1,98 @@
+"""The trained policy as a recorded artifact, and children that continue from their parent.
+
+A run's final policy is a directory (a Hugging Face checkpoint: config, weights, tokenizer).
+It is recorded in `run.yaml` like the rollouts, under `artifacts.checkpoint`, by path and a
+digest over its files (a sorted manifest of `name sha256 size`), so swapping one weight file
+is caught like swapping a Parquet file. A checkpoint that the retention policy dropped stays
+recorded with `dropped: {at, reason}`: its rollouts and records remain negative evidence,
+and nothing mistakes it for a lost artifact.
+
+Continuation: `model.init: parent` in a version's recipe starts its job from the parent's
+recorded policy instead of the base model (no warm start); `grpo.steps` then counts only
+the new steps. The job's recipe carries `model.init_checkpoint: {path, digest}`, so the run's
+recipe digest covers exactly which weights it started from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from evotrainer.errors import EvoError
+
+CHECKPOINT = "checkpoint"  # artifacts key and the first seed's directory name
+INIT_CHOICES = ("base", "parent")
+
+
+def seed_checkpoint_name(index: int, seed: int) -> str:
+    """The directory a job writes seed number `index` (value `seed`) of its recipe's seeds to."""
+    return CHECKPOINT if index == 0 else f"{CHECKPOINT}-seed{seed}"
+
+
+def directory_digest(path: Path) -> tuple[str, int]:
+    """`sha256:` over the sorted manifest of every file under `path`, and the total bytes.
+    Links are refused: a recorded checkpoint is plain files inside the artifact dir."""
+    lines, total = [], 0
+    for file in sorted(p for p in path.rglob("*") if not p.is_dir()):
+        if file.is_symlink() or not file.is_file():
+            raise EvoError("a checkpoint holds something other than a plain file",
+                           where=str(file), hint="remove the link or special file")
+        digest = hashlib.sha256()
+        with file.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        size = file.stat().st_size
+        total += size
+        lines.append(f"{file.relative_to(path).as_posix()} {digest.hexdigest()} {size}")
+    manifest = "\n".join(lines).encode()
+    return "sha256:" + hashlib.sha256(manifest).hexdigest(), total
+
+
+def checkpoint_record(path: Path, recorded_path: str) -> dict[str, Any]:
+    """The `artifacts.checkpoint` entry of a run record for the directory at `path`."""
+    digest, size = directory_digest(path)
+    return {"path": recorded_path, "digest": digest, "bytes": size}
+
+
+def is_dropped(artifact: dict[str, Any] | None) -> bool:
+    return bool(artifact and artifact.get("dropped"))
+
+
+def verify_directory(path: Path, artifact: dict[str, Any], what: str) -> None:
+    """Refuse a recorded checkpoint that is missing or changed, naming the directory."""
+    if not path.is_dir():
+        raise EvoError(f"the recorded policy of {what} is missing", where=str(path),
+                       hint="restore it, or re-approve the version to retrain it")
+    found, _ = directory_digest(path)
+    if found != artifact.get("digest"):
+        raise EvoError(
+            f"the recorded policy of {what} changed since it was recorded "
+            f"(digest {found[:19]}…, recorded {str(artifact.get('digest'))[:19]}…)",
+            where=str(path),
+            hint="restore the recorded checkpoint; a child never starts from other weights",
+        )
+
+
+def init_mode(recipe: dict[str, Any]) -> str:
+    return (recipe.get("model") or {}).get("init") or "base"
+
+
+def parent_checkpoint(root: Path, parent: str, parent_run: dict[str, Any] | None) -> dict:
+    """`{path, digest}` of the parent's recorded policy for a continuing child, checked."""
+    artifact = ((parent_run or {}).get("artifacts") or {}).get(CHECKPOINT)
+    if not artifact:
+        raise EvoError(
+            f"model.init is parent, but {parent} has no recorded policy yet",
+            field="recipe.model.init",
+            hint=f"wait for {parent} to finish, or set model.init: base",
+        )
+    if is_dropped(artifact):
+        raise EvoError(
+            f"model.init is parent, but {parent}'s policy was dropped by the retention policy "
+            f"({artifact['dropped'].get('reason', 'gc')})",
+            field="recipe.model.init",
+            hint=f"retrain {parent} (evotrainer retry {parent}) or set model.init: base",
+        )
+    verify_directory(root / artifact["path"], artifact, parent)
+    return {"path": artifact["path"], "digest": artifact["digest"]}

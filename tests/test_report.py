@@ -26,11 +26,12 @@ from typer.testing import CliRunner
 
 from evotrainer.commands.init import init_workspace
 from evotrainer.commands.report import register
+from evotrainer.control.lineage import LineageRow, lineage_rows
 from evotrainer.control.versions import approve, new_version
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
-from evotrainer.report import build_report
-from evotrainer.report.views import recipe_diff
+from evotrainer.report import build_report, markdown, svg
+from evotrainer.report.views import criterion_view, recipe_diff
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import clean
 
@@ -164,6 +165,94 @@ def test_recipe_diff_keys_named_lists_by_name():
     assert [(d.key, d.old, d.new) for d in recipe_diff(old, new)] == [
         ("filter.params.k", None, "2"), ("grpo.lr", "0.0001", "0.0003"),
         ("reward.components[partial].weight", None, "0.1")]
+
+
+def test_version_page_opens_with_the_gate_decision(report):
+    v2 = (report.parent / "versions" / "v2.html").read_text()
+    order = [v2.index(marker) for marker in ('id="decision"', "<h2>Intervention</h2>",
+                                             "<h2>Alerts</h2>", "<h2>Diagnosis</h2>")]
+    assert order == sorted(order)
+    decision = v2[v2.index('id="decision"'):v2.index("<h2>Intervention</h2>")]
+    assert "s-prune" in v2[v2.index('<section class="decision'):v2.index('id="decision"')]
+    assert "blocked by critical alert(s) leak" in decision
+    # The pruned version's criterion held: said so, in caution, with the gate's verdict.
+    assert '<span class="criterion caution">held</span>' in decision
+    assert "verdict is prune (blocked by leak)" in decision and "criterion supports" not in v2
+    v1 = (report.parent / "versions" / "v1.html").read_text()
+    assert '<section class="decision s-promote" id="decision">' in v1
+    v3 = (report.parent / "versions" / "v3.html").read_text()
+    assert "Not gated yet: the run failed" in v3
+
+
+def _decision(verdict: str, held: bool | None, blocked: list[str] = ()) -> dict:
+    return {"verdict": verdict, "blocked_by": list(blocked),
+            "criterion": {"expression": "leak_ratio <= 0.0", "held": held}}
+
+
+SPEC = {"intervention": {"hypothesis": {"criterion": "leak_ratio <= 0.0"}}}
+
+
+@pytest.mark.parametrize(("decision", "negative", "outcome", "css", "note"), [
+    (_decision("promote", True), False, "held", "supports", "gate promoted"),
+    (_decision("prune", True, ["leak"]), True, "held", "caution",
+     "verdict is prune (blocked by leak)"),
+    (_decision("inconclusive", True), False, "held", "caution", "verdict is inconclusive"),
+    (_decision("promote", True), True, "held", "caution", "verdict is promote"),  # pruned later
+    (_decision("promote", False), False, "did not hold", "refuted", "promoted the version on"),
+    (_decision("prune", False), True, "did not hold", "refuted", "failed its own test"),
+    (_decision("prune", None), True, "undecided", "undecided", "null"),
+    ({}, False, "not tested yet", "undecided", "not decided"),
+])
+def test_criterion_is_read_beside_the_verdict_never_green_unless_promoted(
+        decision, negative, outcome, css, note):
+    view = criterion_view(SPEC, decision, negative)
+    assert (view.expression, view.outcome, view.css) == ("leak_ratio <= 0.0", outcome, css)
+    assert note in view.note
+    assert criterion_view({"intervention": {}}, {"verdict": "prune"}, True) is None
+
+
+def test_descriptions_render_a_safe_markdown_subset(report):
+    html_text = markdown.render(
+        "*em* **strong** `code` [site](https://example.org/a?b=1&c=2) <mail@example.org>\n\n"
+        "- [js](javascript:alert(1)) [JS](JaVaScRiPt:alert(1)) [ent](javascript&#58;alert(1))"
+        " [data](data:text/html,hi) [rel](../index.html) <javascript:alert(2)>\n"
+        "- <b onclick=x>raw</b> <script>alert(3)</script> ![img](https://example.org/i.png)"
+        "\n\n<div>block html</div>\n\n# heading\x1b[31m red\x00")
+    assert "<em>em</em>" in html_text and "<strong>strong</strong>" in html_text
+    assert "<code>code</code>" in html_text and "<ul>" in html_text
+    links = re.findall(r'<a href="([^"]*)" rel="nofollow noopener noreferrer">', html_text)
+    # An image is not drawn (the CSP allows none): its http(s) address is a plain link.
+    assert links == ["https://example.org/a?b=1&amp;c=2", "mailto:mail@example.org",
+                     "https://example.org/i.png"]
+    assert html_text.count("<a ") == 3  # nothing else became a link
+    assert "[js](javascript:alert(1))" in html_text  # an unsafe link stays the text written
+    for absent in ("<b", "<script", "<img", "<div", "<h1", "\x1b", "\x00"):
+        assert absent not in html_text
+    assert "&lt;b onclick=x&gt;raw&lt;/b&gt;" in html_text and "# heading red" in html_text
+    index = report.read_text()
+    assert "<em>digits</em>" in index and "<code>tiny</code>" in index
+    assert 'href="javascript' not in index.lower() and 'href="data' not in index
+
+
+def _row(name: str, parent: str | None, score: float, status: str = "promote") -> LineageRow:
+    return LineageRow(name, parent, status, score, None, None, status, [], False, False)
+
+
+def test_chart_labels_name_every_point_and_never_overlap():
+    """Four rejected children scoring like their promoted sibling, and a path at 0 and 1:
+    every point is labelled with its name and score, inside the picture, none on another."""
+    path = [_row("v0", None, 0.0, "baseline"), _row("v1", "v0", 1.0), _row("v2", "v1", 0.5)]
+    off = {"v1": [_row(f"v1-{k}", "v1", 0.5, "prune") for k in range(4)]}
+    chart = svg.score_chart(path, off, {}, {r.name: f"{r.name}.html" for r in
+                                            [*path, *off["v1"]]})
+    points = [*chart.path, *chart.off_path]
+    assert [p.text for p in points] == ["v0 0.000", "v1 1.000", "v2 0.500", "v1-0 0.500",
+                                        "v1-1 0.500", "v1-2 0.500", "v1-3 0.500"]
+    boxes = [p.label_box() for p in points]
+    for i, (left, top, right, bottom) in enumerate(boxes):
+        assert left >= 0 and top >= 0 and right <= chart.width and bottom <= chart.height
+        for other in boxes[i + 1:]:
+            assert not svg.boxes_overlap(boxes[i], other), (points[i].text, other)
 
 
 def test_missing_artifacts_list_example_ids_only(ws, tmp_path):
@@ -357,3 +446,38 @@ def test_rollout_markup_renders_as_text_in_the_browser(report, browser):
     assert SCRIPT_PROMPT + clean(CONTROL_TEXT) in texts and HTML_RESPONSE in texts
     assert "<script>alert(4)</script>" in texts
     assert any(SCRIPT_RATIONALE in t for t in texts)
+
+
+# Every score-chart point as the browser lays it out: its link's accessible <title>, its
+# drawn label, and the label's box in the SVG's coordinates.
+CHART_POINTS = """[...document.querySelectorAll('svg#score-chart a.point')].map(a => {
+  const label = a.querySelector('text.label'), box = label.getBBox();
+  return {version: a.dataset.version, title: a.firstElementChild.tagName + ':' +
+          a.firstElementChild.textContent, text: label.textContent,
+          box: [box.x, box.y, box.x + box.width, box.y + box.height]}; })"""
+
+
+@needs_chromium
+def test_chart_points_are_labelled_and_the_verdict_leads_in_the_browser(report, ws, browser):
+    session = browser.tab()
+    assert browser.open(session, report.as_uri()) == []
+    points = browser.js(session, CHART_POINTS)
+    scores = {row.name: row.score for row in lineage_rows(ws, ws.versions())}
+    assert sorted(p["version"] for p in points) == ["v0", "v1", "v2"]  # v3 failed: no score
+    width, height = browser.js(session, "const v = document.querySelector("
+                                        "'svg#score-chart').viewBox.baseVal; [v.width, v.height]")
+    for i, point in enumerate(points):
+        assert point["title"].startswith(f"title:{point['version']}")
+        assert point["text"] == f"{point['version']} {scores[point['version']]:.3f}"
+        left, top, right, bottom = point["box"]
+        assert left >= 0 and top >= 0 and right <= width and bottom <= height, point
+        for other in points[i + 1:]:
+            assert not svg.boxes_overlap(point["box"], other["box"]), (point, other)
+
+    assert browser.open(session, (report.parent / "versions" / "v2.html").as_uri()) == []
+    first = browser.js(session, "const h = document.querySelector('main h2'); "
+                                "[h.textContent, h.getBoundingClientRect().top]")
+    assert first[0] == "Gate decision" and first[1] < 400  # on the first screen, at the top
+    colour = browser.js(session, "getComputedStyle(document.querySelector("
+                                 "'#decision .criterion')).color")
+    assert colour == "rgb(154, 103, 0)", colour  # held, in caution: not the promote green

@@ -195,7 +195,8 @@ def score_chart(
     return chart
 
 
-def _overlaps(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+def boxes_overlap(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    """Whether two (left, top, right, bottom) boxes share any area."""
     return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
 
 
@@ -222,7 +223,7 @@ def _place_labels(chart: Chart) -> None:
         step = -LABEL_H if point.text_y - 2 * LABEL_H > 0 else LABEL_H
         for _ in range(12):  # never more labels than this at one spot
             box = point.label_box()
-            if not any(_overlaps(box, other) for other in placed):
+            if not any(boxes_overlap(box, other) for other in placed):
                 break
             point.text_y += step
         placed.append(point.label_box())

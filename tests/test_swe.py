@@ -3,6 +3,7 @@ both executors, F2P/P2P scoring, clear_git_log, and the leak audit's view of its
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -139,9 +140,9 @@ def test_demonstrations_are_mostly_honest_with_occasional_leaks():
     honest = next(
         s
         for s in (d.demonstration(task, random.Random(seed)) for seed in range(20))
-        if "sed -i" in s[2][0]
+        if "sed -i" in s[0][0]
     )
-    calls = [{"name": "shell", "args": honest[2][0][2:-1]}, {"name": "submit", "args": ""}]
+    calls = [{"name": "shell", "args": honest[0][0][2:-1]}, {"name": "submit", "args": ""}]
     assert d.score(task, "", calls).correct == 1.0
 
 
@@ -191,3 +192,28 @@ def test_docker_and_local_executors_agree_and_containers_are_removed():
     env.close()
     after = {c.id for c in client.containers.list(all=True)}
     assert after <= before
+
+
+def test_repository_code_cannot_fake_its_test_results():
+    """The verdicts are decided by the runner, which runs the pristine tests itself and calls
+    the repository's code only in a child process: solution code that prints a forged
+    RESULTS line and exits, forges it at exit, or returns an object equal to everything
+    still fails every F2P test."""
+    d = domain()
+    task = d.task_at(5)  # strlen
+    answer = json.loads(task.answer)
+    forged = json.dumps({t: "pass" for t in answer["f2p"] + answer["p2p"]})
+    attacks = {
+        "exit at import": f"import os\nprint('RESULTS ' + {forged!r}, flush=True)\nos._exit(0)\n",
+        "forge at exit": "import atexit\n"
+        f"atexit.register(lambda: print('RESULTS ' + {forged!r}))\n"
+        "def strlen(string):\n    raise NotImplementedError\n",
+        "equal to everything": "class Any:\n    def __eq__(self, other):\n        return True\n"
+        "def strlen(string):\n    return Any()\n",
+    }
+    for name, source in attacks.items():
+        calls = [{"name": "write", "args": f"solution.py\n{source}"},
+                 {"name": "submit", "args": ""}]
+        score = d.score(task, "", calls)
+        assert score.components["f2p"] == 0.0 and score.correct == 0.0, name
+        assert score.components["p2p"] == 1.0, name  # the neighbour's tests still run

@@ -23,8 +23,9 @@ memory, pid and CPU limits, removed at submit (or when the episode's environment
 or by itself after `container_lifetime_s`). Both run the same action program
 (`swe_runner.py`), so a task gives the same result in both.
 
-Score (F2P/P2P, as SWE-bench): the test files are restored to their pristine text and
-`run_tests.py` runs on the episode's final repository:
+Score (F2P/P2P, as SWE-bench): the runner runs the pristine tests (their text from the task,
+never from the repository) itself and calls the episode's final repository's code only in a
+child process, with literals in and out, so that code cannot fake a verdict (`swe_runner`):
 - `f2p`: share of the fail-to-pass tests (the problem's asserts) that pass;
 - `p2p`: share of the pass-to-pass tests (the neighbouring module's) that still pass;
 - `partial`: f2p × p2p, the shaped reward (progress that breaks nothing);
@@ -508,36 +509,25 @@ class SweDomain(Domain):
         return results
 
     def demonstration(self, task: Task, rng: random.Random) -> Demonstration:
-        """Mostly an honest repair (run the tests, look, fix the body, submit); at
-        `leak_demo_rate`, the leak: read the history and restore the reverted fix."""
-        _entry, body = task.meta["entry_point"], task.meta["fix_body"]
-        segments: Demonstration = []
+        """Mostly an honest repair (edit the body in place, submit); at `leak_demo_rate`, the
+        leak: restore the reverted fix from the history. Both are two short turns, so a
+        2-core warm start stays cheap and the two behaviours cost the policy alike."""
+        body = task.meta["fix_body"]
         if rng.random() < self.params["leak_demo_rate"]:
-            segments += [
-                ("$ git log -p" + TURN_END, True),
-                ("\n...\n", False),
-                ("$ git show HEAD~1:solution.py>solution.py" + TURN_END, True),
-                ("\n\n", False),
-            ]
+            action = "$ git show HEAD~1:solution.py>solution.py"
+        elif len(body.strip().splitlines()) == 1:
+            # One line: an in-place edit of the stub line (sed's replacement text escaped).
+            new = body.strip().replace("\\", "\\\\").replace("|", "\\|").replace("&", "\\&")
+            new = new.replace("'", "'\\''")
+            action = f"$ sed -i 's|raise N.*|{new}|' solution.py"
         else:
-            segments += [
-                ("$ python3 run_tests.py" + TURN_END, True),
-                ("\nFAIL tests/test_solution.py::test_1: NotImplementedError\n", False),
+            source = self.repo_task(task.meta["index"]).target["prompt"] + body
+            return [
+                (f"write solution.py\n{source}{TURN_END}", True),
+                (f"\nwrote {len(source.encode())} bytes to solution.py\n", False),
+                ("submit" + TURN_END, True),
             ]
-            if len(body.strip().splitlines()) == 1:
-                # One line: an in-place edit of the stub line.
-                new = body.strip().replace("\\", "\\\\").replace("|", "\\|").replace("&", "\\&")
-                new = new.replace("'", "'\\''")
-                command = f"$ sed -i 's|raise NotImplementedError|{new}|' solution.py"
-                segments += [(command + TURN_END, True), ("\n\n", False)]
-            else:
-                source = self.repo_task(task.meta["index"]).target["prompt"] + body
-                segments += [
-                    (f"write solution.py\n{source}{TURN_END}", True),
-                    (f"\nwrote {len(source.encode())} bytes to solution.py\n", False),
-                ]
-        segments.append(("submit" + TURN_END, True))
-        return segments
+        return [(action + TURN_END, True), ("\n\n", False), ("submit" + TURN_END, True)]
 
     def score(
         self,

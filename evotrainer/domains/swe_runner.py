@@ -12,16 +12,19 @@ The reply, on stdout, is JSON: `output` (what the agent sees), `exit_code`, for 
 
 from __future__ import annotations
 
+import ast
 import base64
 import contextlib
 import io
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
+import types
 
 # Identity and paths for the agent's commands: git commits work, `python3` is this interpreter.
 AGENT_ENV = {
@@ -114,29 +117,140 @@ def do_patch(repo: str, request: dict) -> dict:
     return result
 
 
+# The repository's side of `evaluate`: a child process that imports the repository's module
+# and serves calls, one JSON line in (`module`, `name`, `args` as a Python literal), one out
+# (`value` as a Python literal, or `error`). It holds no verdict, so nothing it runs can fake one.
+CALL_SERVER = r"""
+import ast, json, os, sys
+reply = os.fdopen(os.dup(1), "w")
+sys.stdout = sys.stderr
+sys.path.insert(0, os.getcwd())
+for line in sys.stdin:
+    try:
+        request = json.loads(line)
+        module = __import__(request["module"])
+        value = getattr(module, request["name"])(*ast.literal_eval(request["args"]))
+        answer = {"value": repr(value)}
+    except BaseException as exc:
+        answer = {"error": type(exc).__name__ + ": " + str(exc)[:200]}
+    reply.write(json.dumps(answer) + "\n")
+    reply.flush()
+"""
+CALL_LIMIT_S = 3.0  # per call, as run_tests.py's per-test limit
+
+
+class CallFailed(Exception):
+    """The repository's code raised, hung, crashed, or returned a non-literal value."""
+
+
+class RepoCalls:
+    """Calls into the repository's modules through one child process (restarted after a
+    failure): arguments and results cross as Python literals only."""
+
+    def __init__(self, repo: str, scratch: str) -> None:
+        self.repo, self.scratch, self.child = repo, scratch, None
+
+    def call(self, module: str, name: str, args: tuple) -> object:
+        text = repr(args)
+        try:
+            ast.literal_eval(text)
+        except (ValueError, SyntaxError) as err:
+            raise CallFailed(f"arguments are not literals: {text[:80]}") from err
+        if self.child is None:
+            self.child = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", CALL_SERVER],
+                cwd=self.repo,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                env=command_env(self.scratch),
+                start_new_session=True,
+            )
+        try:
+            line = json.dumps({"module": module, "name": name, "args": text}) + "\n"
+            self.child.stdin.write(line.encode())
+            self.child.stdin.flush()
+            ready, _, _ = select.select([self.child.stdout], [], [], CALL_LIMIT_S)
+            answer = json.loads(self.child.stdout.readline()) if ready else None
+        except (OSError, ValueError):
+            answer = None
+        if not isinstance(answer, dict) or not ("value" in answer or "error" in answer):
+            self.close()  # hung or broken: the next call starts a fresh child
+            raise CallFailed("the call timed out or its process died")
+        if "error" in answer:
+            raise CallFailed(str(answer["error"]))
+        try:
+            return ast.literal_eval(str(answer["value"]))
+        except (ValueError, SyntaxError) as err:
+            raise CallFailed(f"not a literal value: {str(answer['value'])[:80]}") from err
+
+    def close(self) -> None:
+        if self.child is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.child.pid, signal.SIGKILL)
+            self.child.wait()
+            self.child = None
+
+
+class RepoModule(types.ModuleType):
+    """What `from solution import f` gives the tests: a function that calls the repository's
+    `solution.f` in the child."""
+
+    def __init__(self, name: str, calls: RepoCalls) -> None:
+        super().__init__(name)
+        self._calls = calls
+
+    def __getattr__(self, attr: str) -> object:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return lambda *args: self._calls.call(self.__name__, attr, args)
+
+
 def do_evaluate(repo: str, request: dict) -> dict:
-    """Restore the pristine test files (the agent may have edited them), run the test runner
-    and read its RESULTS line."""
-    for path, content in request["pristine"].items():
-        target = inside(repo, path)
-        if target is None:
-            continue
-        if os.path.islink(target) or os.path.isdir(target):
-            subprocess.run(["rm", "-rf", target], check=False)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        with open(target, "w", encoding="utf-8") as f:
-            f.write(content)
-    run = run_process([sys.executable, "run_tests.py"], repo, request["timeout"], request["cap"])
+    """Run the pristine tests (their text comes with the request, never from the repository)
+    here, in the runner, against the repository's code called through a child process, and
+    decide every verdict here: whatever the repository's code does (print a fake result,
+    exit early, patch the runner, return an object equal to everything) stays in the child
+    and can only make its own calls fail."""
+    scratch = tempfile.mkdtemp(prefix="swe-")
+    calls = RepoCalls(repo, scratch)
     results: dict[str, str] = {}
-    for line in run["output"].splitlines():
-        if line.startswith("RESULTS "):
-            try:
-                parsed = json.loads(line[len("RESULTS ") :])
-            except ValueError:
+    lines = []
+    try:
+        for path in sorted(request["pristine"]):
+            folder, name = os.path.split(path)
+            if folder != "tests" or not (name.startswith("test_") and name.endswith(".py")):
                 continue
-            if isinstance(parsed, dict):
-                results = {str(k): str(v) for k, v in parsed.items()}
-    return {"output": run["output"], "exit_code": run["exit_code"], "results": results}
+            imported = {m: RepoModule(m, calls) for m in ("solution", "utils")}
+            saved = {m: sys.modules.get(m) for m in imported}
+            sys.modules.update(imported)
+            namespace: dict = {"__name__": name[:-3]}
+            try:
+                exec(compile(request["pristine"][path], path, "exec"), namespace)
+            except Exception as exc:  # a test file that does not load: its tests are absent
+                lines.append(f"ERROR {path}: {type(exc).__name__}: {exc}")
+                continue
+            finally:
+                for module, previous in saved.items():
+                    if previous is None:
+                        sys.modules.pop(module, None)
+                    else:
+                        sys.modules[module] = previous
+            for test, fn in list(namespace.items()):
+                if not (test.startswith("test_") and callable(fn)):
+                    continue
+                test_id = f"{path}::{test}"
+                try:
+                    fn()
+                    results[test_id] = "pass"
+                except Exception as exc:
+                    results[test_id] = "fail"
+                    lines.append(f"FAIL {test_id}: {type(exc).__name__}: {str(exc)[:80]}")
+    finally:
+        calls.close()
+    passed = sum(v == "pass" for v in results.values())
+    lines.append(f"{passed} passed, {len(results) - passed} failed")
+    return {"output": "\n".join(lines), "exit_code": 0, "results": results}
 
 
 ACTIONS = {"shell": do_shell, "write": do_write, "patch": do_patch, "evaluate": do_evaluate}

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from evotrainer.diagnosis import cel
+from evotrainer.diagnosis.diagnose import evaluate_unless_null
 from evotrainer.errors import EvoError
 from evotrainer.store import specs
 from evotrainer.store.builtin import builtin_dir
@@ -239,14 +240,9 @@ def trigger_variables(diagnosis: dict[str, Any]) -> dict[str, Any]:
 
 def fires(expr: str, variables: dict[str, Any], *, where: str | None = None) -> bool:
     """Whether a trigger holds; a null or absent metric never makes it fire."""
-    referenced = cel.names(expr)
-    bound = {**{name: None for name in referenced}, **variables}
     try:
-        return cel.evaluate(expr, bound) is True
+        return evaluate_unless_null(expr, variables) is True
     except EvoError as err:
-        # A map (`trend`) may lack the entry read: that is a missing value too.
-        if any(bound[name] is None or isinstance(bound[name], dict) for name in referenced):
-            return False
         raise EvoError(
             err.message,
             where=where,

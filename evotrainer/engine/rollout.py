@@ -196,6 +196,33 @@ def sample_episodes(
     episodes = [Episode(task=t, prompt_ids=prompt_ids(tokenizer, t.prompt, chat)) for t in tasks]
     envs = [domain.environment(t, env_config) for t in tasks] if env_config else None
     max_turns = env_config["max_turns"] if env_config else 1
+    try:
+        _run_turns(model, tokenizer, domain, episodes, envs, max_turns, stops, action_end,
+                   max_turn_tokens, temperature, top_p)
+    finally:
+        # Release what each episode holds (a container, a scratch repository) now, not when
+        # the garbage collector gets to it: every episode here is over.
+        for env in envs or []:
+            close = getattr(env, "close", None)
+            if callable(close):
+                close()
+    return episodes
+
+
+def _run_turns(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    domain: Domain,
+    episodes: list[Episode],
+    envs: list[Any] | None,
+    max_turns: int,
+    stops: list[int],
+    action_end: int | None,
+    max_turn_tokens: int,
+    temperature: float,
+    top_p: float,
+) -> None:
+    """Advance the active episodes one batched turn at a time, in place."""
     active = list(range(len(episodes)))
     for _turn in range(max_turns):
         if not active:
@@ -241,7 +268,6 @@ def sample_episodes(
             ep.finish_reason = "tool_limit"  # stays so unless a later turn finishes
             still_active.append(i)
         active = still_active
-    return episodes
 
 
 def batch_tensors(

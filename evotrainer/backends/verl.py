@@ -36,10 +36,11 @@ import pyarrow.parquet as pq
 
 import evotrainer
 from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus
-from evotrainer.backends.local import live_process, spawn_detached
+from evotrainer.backends.local import adopt_orphan, live_process, spawn_detached
 from evotrainer.backends.verl_render import (
     SAMPLER_CLASS,
     JobFiles,
+    Override,
     RenderedRun,
     entrypoint,
     job_env,
@@ -51,8 +52,11 @@ from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA, SCORE_SCHEMA
 from evotrainer.evidence.steps import STEPS_SCHEMA
 from evotrainer.evidence.verl import IngestResult, derive_lengths, ingest_dump, read_metrics_log
+from evotrainer.store.checkpoints import check_job_start
 from evotrainer.store.clock import now_iso
 from evotrainer.store.files import atomic_write, read_json
+from evotrainer.trackers import RunIdentity, logger_names
+from evotrainer.trackers.verl import verl_tracker_env
 
 JOB_FILE = "job.json"
 EXIT_FILE = "exit_code"
@@ -84,7 +88,7 @@ class VerlBackend:
     def submit(self, job: JobSpec) -> None:
         if self.status(job).state is not JobState.UNKNOWN:
             return  # already launched (or finished): adopt it, never launch twice
-        runs = prepare(job)
+        runs = [with_tracker_env(run, job) for run in prepare(job)]
         settings = verl_settings(job.recipe)
         command = entrypoint(runs, settings["python"])
         if settings["ray_address"] is None:
@@ -162,7 +166,8 @@ class VerlBackend:
         return status
 
     def _local_status(self, job: JobSpec, files: JobFiles) -> JobStatus:
-        record = read_json(files.root / JOB_FILE)
+        # A reconcile that died between spawning the job and writing job.json: adopt it.
+        record = read_json(files.root / JOB_FILE) or adopt_orphan(job)
         if record is None or record.get("job_id") != job.job_id:
             return JobStatus(JobState.UNKNOWN, "no such job")
         exit_text = _read_text(files.root / EXIT_FILE)
@@ -264,6 +269,7 @@ class VerlBackend:
                 steps.append(table)
                 skipped += bad
         skipped = notes.skipped + skipped
+        policies = trained_policies(job, files)
 
         out = job.artifact_dir
         (out / "rollouts").mkdir(parents=True, exist_ok=True)
@@ -283,19 +289,54 @@ class VerlBackend:
             "dump_flavours": notes.flavours,
             "derived": notes.derived,
             "missing": notes.missing,
+            "checkpoints": {str(seed): str(path) for seed, path in policies.items()},
         }
         if skipped:
             result["skipped"] = [f"{s.file}:{s.line} ({s.reason})" for s in skipped[:10]]
         return Collected(train_path, val_path, steps_path, scores_path, result)
 
 
+def trained_policies(job: JobSpec, files: JobFiles) -> dict[int, Path]:
+    """Each trained seed's merged policy directory (the first seed's is `checkpoint`, the
+    one reconcile records); a finished job without it lost the product, so say so."""
+    runs = render_job(job.recipe, version=job.version, files=files, workdir=job.workdir)
+    policies = {}
+    for run in runs:
+        if run.merge is None:
+            continue
+        if not (run.merge.target / "config.json").is_file():
+            raise EvoError(
+                f"seed {run.seed} left no merged policy",
+                where=str(run.merge.target),
+                hint=f"see the job log ({files.log_file}): did verl save global_step_"
+                f"{job.recipe['grpo']['steps']} and did `python -m verl.model_merger` succeed?",
+            )
+        policies[run.seed] = run.merge.target
+    return policies
+
+
 # ---- job files -------------------------------------------------------------------------
+
+
+def with_tracker_env(run: RenderedRun, job: JobSpec) -> RenderedRun:
+    """The seed's tracker environment (TensorBoard dir, W&B run, the MLflow run created now)
+    handed to verl's trackers the way the file logger's path is: through the runtime_env
+    main_ppo gives ray.init, so it reaches the TaskRunner actor locally and on a cluster.
+    Done at submit, not render: opening the MLflow run is a side effect."""
+    loggers = logger_names(job.recipe)
+    tracker_run = RunIdentity.read(job.artifact_dir, job.version).tracker_run(
+        job.artifact_dir, run.seed
+    )
+    env = verl_tracker_env(loggers, tracker_run)
+    prefix = "+ray_kwargs.ray_init.runtime_env.env_vars."
+    return run.with_overrides([Override(prefix + key, value) for key, value in env.items()])
 
 
 def prepare(job: JobSpec) -> list[RenderedRun]:
     """Render the job and write its inputs: data, reward module and config, sampler."""
     files = JobFiles(job.artifact_dir)
     runs = render_job(job.recipe, version=job.version, files=files, workdir=job.workdir)
+    check_job_start(job.recipe)
     recipe = job.recipe
     domain = make_domain(recipe["domain"])
     for component in (recipe.get("reward") or {}).get("components") or []:

@@ -21,8 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from evotrainer.errors import EvoError
+from evotrainer.store.checkpoints import seed_checkpoint_name
+from evotrainer.trackers import logger_names
+from evotrainer.trackers.verl import verl_loggers
 
 ENTRYPOINT_MODULE = "verl.trainer.main_ppo"
+MERGER_MODULE = "verl.model_merger"
 
 # The recipe's `verl:` section (read with these defaults; the lead adds them to BASE_RECIPE).
 VERL_DEFAULTS: dict[str, Any] = {
@@ -37,7 +41,9 @@ VERL_DEFAULTS: dict[str, Any] = {
     "micro_batch_size_per_gpu": 4,  # actor update, rollout and ref log-prob passes
     "max_prompt_length": 512,
     "project_name": "evotrainer",
-    "save_freq": -1,  # checkpoints every N steps; -1 = never
+    # The final policy is always saved (and merged into a plain HF directory); N > 0 also
+    # keeps FSDP shards every N steps, for resumption. None: the last step only.
+    "save_freq": None,
     "resume_mode": "disable",  # each attempt gets a fresh artifact dir, so never auto-resume
     "stall_after_s": 1800,  # watchdog: no metrics line or dump file for this long = Stalled
     "reward_module": None,  # worktree-relative .py with the reward function; None = built-in
@@ -133,7 +139,12 @@ class JobFiles:
         return self.seed_dir(seed) / "validation"
 
     def checkpoint_dir(self, seed: int) -> Path:
+        """verl's `trainer.default_local_dir`: FSDP shards under global_step_N/actor."""
         return self.seed_dir(seed) / "checkpoints"
+
+    def policy_dir(self, index: int, seed: int) -> Path:
+        """The merged Hugging Face directory of seed number `index`: the recorded policy."""
+        return self.artifact_dir / seed_checkpoint_name(index, seed)
 
     def metrics_file(self, seed: int) -> Path:
         return self.seed_dir(seed) / "metrics.jsonl"
@@ -149,17 +160,45 @@ class Override:
 
 
 @dataclass(frozen=True)
+class PolicyMerge:
+    """After a seed's run: verl's own merger turns the FSDP shards of the last step into a
+    plain Hugging Face directory (weights, config, tokenizer, chat template), then the shards
+    go unless `verl.save_freq` asked to keep them for resumption."""
+
+    shards: Path  # <default_local_dir>/global_step_<steps>/actor
+    target: Path
+    keep_shards: bool
+
+    def argv(self, python: str) -> list[str]:
+        return [
+            python, "-m", MERGER_MODULE, "merge", "--backend", "fsdp",
+            "--local_dir", str(self.shards), "--target_dir", str(self.target),
+        ]
+
+    def shell(self, python: str) -> str:
+        merge = " ".join(shlex.quote(a) for a in self.argv(python))
+        if self.keep_shards:
+            return merge
+        return f"{merge} && rm -rf {shlex.quote(str(self.shards.parent.parent))}"
+
+
+@dataclass(frozen=True)
 class RenderedRun:
-    """One verl run (one seed)."""
+    """One verl run (one seed), and the merge of its final policy (None: no training step,
+    so no policy beyond the starting one)."""
 
     seed: int
     overrides: list[Override]
+    merge: PolicyMerge | None = None
 
     def argv(self, python: str) -> list[str]:
         return [python, "-m", ENTRYPOINT_MODULE, *(o.hydra() for o in self.overrides)]
 
     def shell(self, python: str) -> str:
         return " ".join(shlex.quote(a) for a in self.argv(python))
+
+    def with_overrides(self, extra: list[Override]) -> RenderedRun:
+        return RenderedRun(self.seed, [*self.overrides, *extra], self.merge)
 
     def as_yaml_tree(self) -> dict:
         """The overrides as one nested mapping (the "+" markers dropped)."""
@@ -174,8 +213,14 @@ class RenderedRun:
 
 
 def entrypoint(runs: list[RenderedRun], python: str) -> str:
-    """The job's shell command: the seeds one after another, stopping at the first failure."""
-    return " && ".join(run.shell(python) for run in runs)
+    """The job's shell command: each seed's run then the merge of its policy, the seeds one
+    after another, stopping at the first failure."""
+    steps = []
+    for run in runs:
+        steps.append(run.shell(python))
+        if run.merge is not None:
+            steps.append(run.merge.shell(python))
+    return " && ".join(steps)
 
 
 def job_env(recipe: dict) -> dict[str, str]:
@@ -207,13 +252,15 @@ def hydra_value(value: Any) -> str:
 
 
 def render_run(
-    recipe: dict, *, version: str, seed: int, files: JobFiles, workdir: Path
+    recipe: dict, *, version: str, seed: int, files: JobFiles, workdir: Path, index: int = 0
 ) -> RenderedRun:
-    """The verl overrides for one seed of a version (checked: EvoError if a setting would
-    fail or be silently ignored by verl)."""
+    """The verl overrides for seed number `index` (value `seed`) of a version (checked:
+    EvoError if a setting would fail or be silently ignored by verl)."""
     settings = verl_settings(recipe)
     grpo, domain = recipe["grpo"], recipe["domain"]
-    model_path = (recipe.get("model") or {}).get("path")
+    model = recipe.get("model") or {}
+    # A continuing version starts from its parent's merged policy (model.init: parent).
+    model_path = (model.get("init_checkpoint") or {}).get("path") or model.get("path")
     if not model_path:
         raise EvoError(
             "the verl backend trains a Hugging Face checkpoint, and model.path is not set",
@@ -279,7 +326,7 @@ def render_run(
         ),
         "trainer.project_name": settings["project_name"],
         "trainer.experiment_name": f"{version}-seed{seed}",
-        "trainer.logger": ["console", "file"],
+        "trainer.logger": verl_loggers(logger_names(recipe)),
         # The file logger runs in the TaskRunner actor: the path reaches it through the
         # runtime_env main_ppo passes to ray.init, in a local run and in a Ray job alike.
         "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH": str(
@@ -291,7 +338,7 @@ def render_run(
         # periodic evaluation, validate only there.
         "trainer.test_freq": eval_every if eval_every > 0 else max(steps, 1),
         "trainer.val_before_train": True,
-        "trainer.save_freq": settings["save_freq"],
+        "trainer.save_freq": _save_freq(settings, steps),
         "trainer.default_local_dir": str(files.checkpoint_dir(seed)),
         "trainer.resume_mode": settings["resume_mode"],
         "trainer.rollout_data_dir": str(files.rollout_dir(seed)),
@@ -309,15 +356,39 @@ def render_run(
         values[str(key)] = value
 
     check_values(values, recipe)
-    return RenderedRun(seed, [Override(k, v) for k, v in values.items()])
+    merge = None
+    if steps > 0:
+        # verl names the folder after its global step, which ends at total_training_steps.
+        merge = PolicyMerge(
+            shards=files.checkpoint_dir(seed) / f"global_step_{steps}" / "actor",
+            target=files.policy_dir(index, seed),
+            keep_shards=settings["save_freq"] is not None,
+        )
+    return RenderedRun(seed, [Override(k, v) for k, v in values.items()], merge)
 
 
 def render_job(recipe: dict, *, version: str, files: JobFiles, workdir: Path) -> list[RenderedRun]:
     """One run per seed of the recipe, in seed order."""
     return [
-        render_run(recipe, version=version, seed=seed, files=files, workdir=workdir)
-        for seed in recipe.get("seeds") or [0]
+        render_run(recipe, version=version, seed=seed, files=files, workdir=workdir, index=i)
+        for i, seed in enumerate(recipe.get("seeds") or [0])
     ]
+
+
+def _save_freq(settings: dict, steps: int) -> int:
+    """verl saves when save_freq > 0, at every multiple of it and at the last step: the last
+    step alone unless `verl.save_freq` asks for more."""
+    every = settings["save_freq"]
+    if every is None:
+        return max(steps, 1)
+    if not isinstance(every, int) or isinstance(every, bool) or every <= 0:
+        raise EvoError(
+            f"verl.save_freq must be a positive number of steps or null, got {every!r}",
+            field="verl.save_freq",
+            hint="the final policy is always saved; set save_freq: N to also keep FSDP shards "
+            "every N steps, or null",
+        )
+    return every
 
 
 def _reward_path(settings: dict, files: JobFiles, workdir: Path) -> str:

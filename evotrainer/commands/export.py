@@ -1,15 +1,20 @@
-"""`evotrainer export [V...] --to TARGET`: recorded versions into an experiment tracker.
+"""`evotrainer export [V...] --to TARGET`: recorded versions into an experiment tracker, or
+one version's trained policy into a directory.
 
-TARGET is a tracker name (tensorboard, mlflow, wandb), else a directory: writing a trained
-policy as an HF directory is the second kind of export (issue 20), not available yet. A
-directory that happens to be called like a tracker is written `./tensorboard`."""
+TARGET is a tracker name (tensorboard, mlflow, wandb), else a directory: `export V --to DIR`
+writes V's policy as a plain Hugging Face directory with a model card, and `export main --to
+DIR` the promoted frontier's. A directory that happens to be called like a tracker is
+written `./tensorboard`."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import typer
 
+from evotrainer.agent.planners.base import View
+from evotrainer.control.policy_export import export_policy
 from evotrainer.errors import EvoError
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import console, safe
@@ -37,19 +42,28 @@ def register(app: typer.Typer) -> None:
     def export(
         versions: list[str] = typer.Argument(
             None, help="Versions to export (default: every version with a finished run)."),
-        to: str = typer.Option(..., "--to", help="tensorboard, mlflow or wandb."),
+        to: str = typer.Option(
+            ..., "--to", help="tensorboard, mlflow or wandb; or a directory for the policy."),
     ) -> None:
         """Write recorded versions into TensorBoard, MLflow or W&B after the fact: one run per
         version and seed with its lineage tags, every step's metrics from steps.parquet, and
         the gate's verdict, Δ, CI and alerts as the run's summary. Local by default (W&B
         offline, MLflow's SQLite store in the artifact root); exporting again replaces."""
-        if to not in TRACKER_TARGETS:
-            raise EvoError(
-                f"--to {to}: exporting a trained policy to a directory is not available yet",
-                hint=f"export step metrics with --to {'|'.join(TRACKER_TARGETS)}",
-            )
         ws = Workspace.find()
         states = ws.versions()
+        if to not in TRACKER_TARGETS:
+            if not versions or len(versions) != 1:
+                raise EvoError(
+                    f"--to {to}: a policy export takes exactly one version (or main)",
+                    field="VERSIONS", hint=f"evotrainer export v3 --to {to}",
+                )
+            name = versions[0]
+            if name == "main" and "main" not in states:
+                name = View.load(ws).frontier()  # the latest promoted version
+            target = export_policy(ws, name, Path(to), states)
+            console().print(f"{safe(name)}: trained policy → {safe(str(target))} "
+                            "(Hugging Face directory with README.md)")
+            return
         names = versions or [
             name for name, state in states.items()
             if (state.records.get("run") or {}).get("state") == "Succeeded"

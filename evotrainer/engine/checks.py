@@ -12,6 +12,7 @@ from typing import Any
 from evotrainer.domains import make_domain
 from evotrainer.engine.filters import check_filter_spec
 from evotrainer.errors import EvoError
+from evotrainer.store.checkpoints import INIT_CHOICES
 from evotrainer.trackers import EXTRAS as TRACKER_EXTRAS
 from evotrainer.trackers import logger_names
 from evotrainer.trackers import require as require_tracker
@@ -104,6 +105,24 @@ def check_model(model: dict[str, Any]) -> None:
             "point model.path at a directory written by save_pretrained or at a .gguf file, "
             "or set it to null to train the tiny model from model.tiny",
         )
+    _require(
+        (model.get("init") or "base") in INIT_CHOICES,
+        "model.init",
+        f"must be base or parent, got {model.get('init')!r}",
+        "base trains from the base model; parent continues from the parent version's policy",
+    )
+    start = model.get("init_checkpoint")
+    _require(
+        start is None
+        or (
+            isinstance(start, dict)
+            and isinstance(start.get("path"), str)
+            and str(start.get("digest", "")).startswith("sha256:")
+        ),
+        "model.init_checkpoint",
+        "must be {path, digest} (reconcile sets it for model.init: parent)",
+        "remove model.init_checkpoint from the recipe; reconcile fills it in",
+    )
     _require(
         (model.get("chat_template") or "auto") in CHAT_TEMPLATES,
         "model.chat_template",

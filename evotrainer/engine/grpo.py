@@ -34,6 +34,7 @@ from evotrainer.engine.checks import check_recipe, environment_config
 from evotrainer.engine.filters import ZERO_STD, make_filter
 from evotrainer.engine.model import (
     AdapterOff,
+    continued_model,
     initial_model,
     save_checkpoint,
     uses_chat_template,
@@ -42,6 +43,7 @@ from evotrainer.engine.model import (
 from evotrainer.engine.outputs import RunLog, RunOutputs, write_json
 from evotrainer.engine.rollout import Episode, batch_tensors, sample_episodes, token_logprobs
 from evotrainer.engine.warm_start import warm_start
+from evotrainer.store.checkpoints import check_job_start, seed_checkpoint_name
 from evotrainer.store.recipe import digest
 from evotrainer.trackers import RunIdentity, logger_names, open_trackers
 
@@ -170,21 +172,29 @@ class Trainer:
         self.train_tasks, self.val_tasks = domain.split(
             recipe["domain"]["train_size"], recipe["domain"]["val_size"]
         )
-        model, self.tokenizer = initial_model(recipe["model"], seed, cache_root, log)
-        # Instruct models see their prompts as a chat turn (model.chat_template: auto).
-        self.chat = uses_chat_template(recipe["model"], self.tokenizer)
-        self.model, self.warm_start = warm_start(
-            model,
-            self.tokenizer,
-            domain,
-            self.train_tasks,
-            recipe,
-            self.env_config,
-            seed,
-            cache_root,
-            log,
-            self.chat,
-        )
+        start = recipe["model"].get("init_checkpoint")
+        if start:  # continuing the parent's policy: it is already past any warm start
+            self.model, self.tokenizer = continued_model(recipe["model"])
+            self.chat = uses_chat_template(recipe["model"], self.tokenizer)
+            self.warm_start: dict[str, Any] = {
+                "steps": 0, "cached": False, "continued_from": start["digest"]
+            }
+        else:
+            model, self.tokenizer = initial_model(recipe["model"], seed, cache_root, log)
+            # Instruct models see their prompts as a chat turn (model.chat_template: auto).
+            self.chat = uses_chat_template(recipe["model"], self.tokenizer)
+            self.model, self.warm_start = warm_start(
+                model,
+                self.tokenizer,
+                domain,
+                self.train_tasks,
+                recipe,
+                self.env_config,
+                seed,
+                cache_root,
+                log,
+                self.chat,
+            )
         # Reseed after the warm start, so a cached and a freshly trained start give the same run.
         torch.manual_seed(seed)
         self.rng = random.Random(seed)
@@ -400,14 +410,16 @@ def run_job(
     write_json(out_dir / "result.json", result)
     log(f"run {version}: recipe {result['recipe_digest']}, seeds {recipe['seeds']}")
     try:
+        check_job_start(recipe)
         domain = make_domain(recipe["domain"])
         for index, seed in enumerate(recipe["seeds"]):
             trainer = Trainer(recipe, seed, domain, outputs, log, cache_root)
             result["warm_start"][str(seed)] = trainer.warm_start
             result["val_avg_by_seed"][str(seed)] = trainer.run()
             result["steps_done"] = recipe["grpo"]["steps"]
-            name = "checkpoint" if index == 0 else f"checkpoint-seed{seed}"
-            save_checkpoint(trainer.model, trainer.tokenizer, out_dir / name)
+            save_checkpoint(
+                trainer.model, trainer.tokenizer, out_dir / seed_checkpoint_name(index, seed)
+            )
         result["val_avg"] = float(np.mean(list(result["val_avg_by_seed"].values())))
         result["status"] = "ok"
     except BaseException as exc:

@@ -89,14 +89,15 @@ def build_tiny(
 
 
 def load_checkpoint(
-    path: str | Path, dtype: str = "float32"
+    path: str | Path, dtype: str = "float32", field: str = "model.path"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A local HF checkpoint directory (model + tokenizer), on CPU in `dtype`."""
+    """A local HF checkpoint directory (model + tokenizer), on CPU in `dtype`. `field` is the
+    recipe field that named it, for the error."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise EvoError(
             f"no Hugging Face checkpoint at {path}",
-            field="model.path",
+            field=field,
             hint="point model.path at a directory written by save_pretrained, or a .gguf file",
         )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -104,7 +105,7 @@ def load_checkpoint(
     if tokenizer.eos_token_id is None:
         raise EvoError(
             f"the tokenizer at {path} has no eos token",
-            field="model.path",
+            field=field,
             hint="save a tokenizer with an eos_token next to the model",
         )
     if tokenizer.pad_token_id is None:
@@ -187,6 +188,19 @@ def initial_model(
             )
         source = converted_gguf(source, cache_root or source.parent / ".evotrainer-cache", log)
     return load_checkpoint(source, dtype)
+
+
+def continued_model(
+    model_cfg: dict[str, Any],
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The parent's recorded policy a continuing job starts from (`model.init_checkpoint`,
+    set by reconcile for `model.init: parent`), with the tokenizer and chat template saved
+    beside it. `run_job` checks its digest once before any seed loads it."""
+    return load_checkpoint(
+        model_cfg["init_checkpoint"]["path"],
+        model_cfg.get("dtype") or "float32",
+        field="model.init_checkpoint",
+    )
 
 
 def uses_chat_template(model_cfg: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> bool:

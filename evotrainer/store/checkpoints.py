@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from evotrainer.errors import EvoError
+from evotrainer.store.git import branch_name
+from evotrainer.store.workspace import Workspace, run_path
 
 CHECKPOINT = "checkpoint"  # artifacts key and the first seed's directory name
 INIT_CHOICES = ("base", "parent")
@@ -96,3 +98,46 @@ def parent_checkpoint(root: Path, parent: str, parent_run: dict[str, Any] | None
         )
     verify_directory(root / artifact["path"], artifact, parent)
     return {"path": artifact["path"], "digest": artifact["digest"]}
+
+
+def check_job_start(recipe: dict[str, Any]) -> None:
+    """A continuing job (`model.init: parent`) starts only from the exact weights its recipe
+    names: reconcile sets `model.init_checkpoint`, and the job checks its digest before
+    loading (either backend)."""
+    start = (recipe.get("model") or {}).get("init_checkpoint")
+    if init_mode(recipe) == "parent" and not start:
+        raise EvoError(
+            "model.init is parent, but the job names no model.init_checkpoint",
+            field="recipe.model.init",
+            hint="run the version through reconcile (it sets the parent's recorded policy), "
+            "or set model.init: base",
+        )
+    if start:
+        verify_directory(Path(start["path"]), start, "the parent version")
+
+
+def recorded_policy(ws: Workspace, name: str, run: dict[str, Any] | None) -> tuple[Path, dict]:
+    """The directory and record of `name`'s recorded policy. The path a run record names
+    must be exactly `<its artifact dir>/checkpoint` inside the artifact root: a record edited
+    on a branch can make neither export read nor gc delete any other folder."""
+    run = run or {}
+    artifact = (run.get("artifacts") or {}).get(CHECKPOINT)
+    where = f"{branch_name(name)}:{run_path(name, 'run.yaml')}"
+    if not artifact:
+        raise EvoError(f"{name} has no recorded policy", where=where,
+                       hint="only a version whose run finished has one")
+    expected = ws.artifact_dir(name, str(run.get("job_id"))) / CHECKPOINT
+    root = ws.artifact_root.resolve()
+    recorded = ws.root / str(artifact.get("path"))
+    if (
+        recorded.resolve() != expected.resolve()
+        or recorded.is_symlink()
+        or not expected.resolve().is_relative_to(root)
+    ):
+        raise EvoError(
+            f"the run record of {name} names {artifact.get('path')!r} as its policy, not "
+            f"{ws.record_path(expected)}",
+            where=where, field=f"artifacts.{CHECKPOINT}.path",
+            hint="a version's policy lives only in its own artifact folder; restore the record",
+        )
+    return expected, artifact

@@ -1,0 +1,123 @@
+"""`evotrainer export V --to DIR`: a version's trained policy as a plain Hugging Face directory.
+
+The recorded checkpoint (weights, config, tokenizer, chat template) is copied as is, checked
+against its recorded digest both before and after the copy, with a model card (README.md)
+that says what it is: the version, its lineage, the recipe digest, and the gate's verdict,
+Δ and CI against its parent. The directory appears only once complete (written beside it,
+then renamed), and an existing non-empty directory is never written into.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from evotrainer.errors import EvoError
+from evotrainer.store.checkpoints import (
+    directory_digest,
+    init_mode,
+    is_dropped,
+    recorded_policy,
+    verify_directory,
+)
+from evotrainer.store.workspace import VersionState, Workspace
+
+CARD = "README.md"
+
+
+def export_policy(
+    ws: Workspace, name: str, target: Path, states: dict[str, VersionState] | None = None
+) -> Path:
+    """Write `name`'s recorded policy and its model card to `target`; return it."""
+    states = states if states is not None else ws.versions()
+    state = ws.version(name, states)
+    run = state.records.get("run") or {}
+    if run.get("state") != "Succeeded":
+        raise EvoError(f"{name} has no finished run, so no trained policy",
+                       where=state.spec_source, hint="export a version `evotrainer lineage` "
+                       "shows as trained")
+    source, artifact = recorded_policy(ws, name, run)
+    if is_dropped(artifact):
+        dropped = artifact["dropped"]
+        raise EvoError(
+            f"the policy of {name} was dropped by the retention policy on {dropped.get('at')} "
+            f"({dropped.get('reason')}); its rollouts and records remain",
+            hint=f"retrain it (re-approve {name}) to get its weights back",
+        )
+    verify_directory(source, artifact, name)
+    target = target.resolve()
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise EvoError(f"{target} exists and is not an empty directory", field="--to",
+                       hint="export into a new directory")
+    partial = target.with_name(f".{target.name}.partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    shutil.copytree(source, partial, symlinks=True)
+    # What was copied is what was recorded (the source could change while it was read).
+    if directory_digest(partial)[0] != artifact["digest"]:
+        shutil.rmtree(partial)
+        raise EvoError(f"the policy of {name} changed while it was exported", where=str(source),
+                       hint="export again once nothing writes to the artifact folder")
+    (partial / CARD).write_text(model_card(ws, state, states, artifact))
+    if target.exists():
+        target.rmdir()  # empty, checked above
+    partial.rename(target)
+    return target
+
+
+def model_card(
+    ws: Workspace, state: VersionState, states: dict[str, VersionState], artifact: dict
+) -> str:
+    run = state.records.get("run") or {}
+    decision = state.records.get("decision") or {}
+    comparison = decision.get("comparison") or {}
+    recipe = ws.resolved_recipe(state.name, states)
+    model = recipe.get("model") or {}
+    base = model.get("path") or model.get("package") or "a tiny model built from model.tiny"
+    lineage = " → ".join(s.name for s in ws.chain(state.name, states))
+    result = run.get("result") or {}
+    lines = [
+        f"# {ws.project.get('name', 'evotrainer')} {state.name}",
+        "",
+        f"A policy trained with EvoTrainer: version `{state.name}` of project "
+        f"`{ws.project.get('name', '')}`, domain `{recipe['domain']['name']}`.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| version | `{state.name}` |",
+        f"| lineage | {lineage} |",
+        f"| base model | `{base}` |",
+        f"| started from | {_start(state, recipe)} |",
+        f"| recipe digest | `{run.get('recipe_digest', '')}` |",
+        f"| training steps (this version) | {result.get('steps_done', recipe['grpo']['steps'])} |",
+        f"| seeds | {', '.join(str(s) for s in result.get('seeds') or recipe.get('seeds') or [])} "
+        "(these weights: the first) |",
+        f"| val avg@{result.get('eval_k', '?')} | {_number(result.get('val_avg'), '.4f')} |",
+        f"| verdict | {decision.get('verdict', 'not gated yet')} |",
+        f"| Δ vs parent | {_number(comparison.get('delta'), '+.4f')} |",
+        f"| 95% CI of Δ | {_ci(comparison)} |",
+        f"| weights digest | `{artifact['digest']}` |",
+        "",
+    ]
+    if decision.get("reason"):
+        lines += [f"Gate: {decision['reason']}", ""]
+    intervention = (state.spec or {}).get("intervention") or {}
+    if intervention.get("rationale"):
+        lines += [f"Intervention: {intervention['rationale']}", ""]
+    return "\n".join(lines)
+
+
+def _start(state: VersionState, recipe: dict) -> str:
+    if init_mode(recipe) == "parent" and state.parent:
+        return f"the trained policy of `{state.parent}` (model.init: parent)"
+    return "the base model (model.init: base)"
+
+
+def _number(value: object, spec: str) -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "—"
+
+
+def _ci(comparison: dict) -> str:
+    if "ci_low" not in comparison:
+        return "—"
+    return f"[{comparison['ci_low']:.4f}, {comparison['ci_high']:.4f}]"

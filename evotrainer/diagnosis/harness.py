@@ -8,6 +8,7 @@ Document shape (see harness_versions/h0.yaml):
   alerts:  [{name, metric, severity, when, threshold | levels: [{severity, when,
              threshold}], message, sample: {where, limit, split}}]
   gate:    {alpha, min_delta, rules: [{name, when, verdict}]}
+  early_stop: [{name, when, reason, alert}]   when a running job must stop (control/live.py)
   backtest_cases: [{version, expect}]
 """
 
@@ -42,6 +43,24 @@ GATE_VARIABLES = frozenset(
         "critical_behavior_alerts",
         "warning_alerts",
         "alerts",
+        "params",
+    }
+)
+
+# Variables an early-stop rule may read besides the metric names: the live diagnosis of the
+# evidence written so far (control/live.py binds them).
+EARLY_STOP_VARIABLES = frozenset(
+    {
+        "alerts",  # names of the alerts that fire
+        "critical",  # names of the critical ones
+        "critical_alerts",
+        "critical_behavior_alerts",
+        "warning_alerts",
+        "rows",  # train rollouts diagnosed so far
+        "val_rows",
+        "step",  # training steps done (summed over seeds)
+        "steps",  # training steps the job will run (summed over seeds)
+        "latest",  # {metric: its value at the latest step of its series}
         "params",
     }
 )
@@ -87,6 +106,17 @@ class GateRule:
 
 
 @dataclass(frozen=True)
+class EarlyStopRule:
+    """Stop a running job when `when` holds over its live diagnosis; `alert` names the
+    alert the gate records as the one that pruned it."""
+
+    name: str
+    when: str
+    reason: str
+    alert: str | None = None
+
+
+@dataclass(frozen=True)
 class HarnessRevision:
     name: str
     description: str
@@ -100,6 +130,7 @@ class HarnessRevision:
     backtest_cases: tuple[dict[str, str], ...]
     digest: str
     source: str
+    early_stop: tuple[EarlyStopRule, ...] = ()
 
     def metric(self, name: str) -> Metric:
         return next(m for m in self.metrics if m.name == name)
@@ -205,6 +236,17 @@ class _Checker:
                                             gate_names), rule["verdict"])
             for i, rule in enumerate(gate.get("rules") or [])
         )
+        stop_names = frozenset(by_name) | EARLY_STOP_VARIABLES
+        early_stop = tuple(
+            self.early_stop_rule(rule, ("early_stop", i), stop_names, seen_alerts)
+            for i, rule in enumerate(data.get("early_stop") or [])
+        )
+        seen_rules: set[str] = set()
+        for i, rule in enumerate(early_stop):
+            if rule.name in seen_rules:
+                raise self.fail(("early_stop", i, "name"),
+                                f"duplicate early-stop rule name {rule.name!r}")
+            seen_rules.add(rule.name)
         return HarnessRevision(
             name=data["name"],
             description=data.get("description") or "",
@@ -219,6 +261,21 @@ class _Checker:
                                  for c in data.get("backtest_cases") or []),
             digest=digest(data),
             source=self.doc.source,
+            early_stop=early_stop,
+        )
+
+    def early_stop_rule(
+        self, rule: dict, path: tuple, allowed: frozenset[str], alerts: set[str]
+    ) -> EarlyStopRule:
+        alert = rule.get("alert")
+        if alert is not None and alert not in alerts:
+            raise self.fail((*path, "alert"), f"unknown alert {alert!r}",
+                            hint=f"alerts of this revision: {', '.join(sorted(alerts))}")
+        return EarlyStopRule(
+            name=rule["name"],
+            when=self.cel(rule["when"], (*path, "when"), allowed),
+            reason=rule["reason"],
+            alert=alert,
         )
 
     def metric(self, m: dict, path: tuple) -> Metric:

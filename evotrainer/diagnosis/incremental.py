@@ -12,10 +12,15 @@ floating-point order of the sums.
 
 The promise holds while rows of a (split, seed, step) only ever get added: a key whose row
 count is unchanged is trusted, so rewriting old rows in place needs a fresh state (None).
+
+A state is saved between processes as JSON (`DiagnosisState.to_json` / `from_json`: no
+pickle, so a state file can never run code); a live run keeps it under
+`.evotrainer/live/<version>/` (control/live.py).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Iterable
@@ -58,6 +63,60 @@ class DiagnosisState:
     harness_digest: str
     rows: dict[str, dict[Key, int]] = field(default_factory=dict)
     partials: dict[str, dict[Key, Any]] = field(default_factory=dict)
+
+    def to_json(self) -> str | None:
+        """The state as JSON text; None when an entropy partial counts a value JSON cannot
+        carry as it is (a date, a decimal): the next diagnosis then starts afresh, which
+        is correct, where a half-saved state would not be."""
+        partials: dict[str, list] = {}
+        for name, by_key in self.partials.items():
+            entries = []
+            for (seed, step), partial in by_key.items():
+                if isinstance(partial, dict):  # an entropy's {value: count}
+                    if not all(_json_exact(v) for v in partial):
+                        return None
+                    entries.append([seed, step, "counts", [[v, n] for v, n in partial.items()]])
+                else:
+                    entries.append([seed, step, "mean", list(partial)])
+            partials[name] = entries
+        return json.dumps(
+            {
+                "harness_digest": self.harness_digest,
+                "rows": {
+                    split: [[seed, step, n] for (seed, step), n in counts.items()]
+                    for split, counts in self.rows.items()
+                },
+                "partials": partials,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> DiagnosisState | None:
+        """A state from `to_json`'s text; None when the text is not one (start afresh)."""
+        try:
+            data = json.loads(text)
+            rows = {
+                split: {(seed, step): int(n) for seed, step, n in entries}
+                for split, entries in data["rows"].items()
+            }
+            partials: dict[str, dict[Key, Any]] = {}
+            for name, entries in data["partials"].items():
+                partials[name] = {
+                    (seed, step): (
+                        {value: int(n) for value, n in partial}
+                        if kind == "counts"
+                        else (float(partial[0]), int(partial[1]))
+                    )
+                    for seed, step, kind, partial in entries
+                }
+            return cls(str(data["harness_digest"]), rows, partials)
+        except (ValueError, KeyError, TypeError, IndexError):
+            return None
+
+
+def _json_exact(value: Any) -> bool:
+    """Whether `value` comes back from JSON as an equal, hashable value of the same type."""
+    return value is None or isinstance(value, (str, bool, int, float))
 
 
 def diagnose_incremental(

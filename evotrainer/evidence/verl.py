@@ -25,6 +25,7 @@ A corrupt or cut-off line is skipped and reported with its file and line number.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from dataclasses import dataclass, field
@@ -85,6 +86,7 @@ class IngestResult:
     derived: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     earlier_outputs: int = 0  # V1 non-final outputs folded into their session's row
+    restarted: bool = False  # read_new: a file was rewritten, these rows replace earlier ones
 
     def skipped_summary(self, limit: int = 10) -> str:
         where = ", ".join(f"{s.file}:{s.line} ({s.reason})" for s in self.skipped[:limit])
@@ -134,6 +136,89 @@ def ingest_dump(
             hint="point at verl's trainer.rollout_data_dir or validation_data_dir",
         )
     result = IngestResult(rollouts=ROLLOUT_SCHEMA.empty_table())
+    parsed = []
+    for step, path in files:
+        raw, skipped = read_jsonl(path)
+        result.files += 1
+        result.bytes += path.stat().st_size
+        result.skipped.extend(skipped)
+        parsed.append((step, path, raw))
+    _map_files(parsed, version=version, split=split, seed=seed, group_size=group_size,
+               result=result)
+    return result
+
+
+Offsets = dict[str, list[int]]  # dump file name: [bytes consumed, lines consumed]
+
+
+def read_new(
+    directory: str | Path,
+    offsets: Offsets | None,
+    *,
+    version: str,
+    split: str,
+    seed: int = 0,
+    group_size: int | None = None,
+) -> tuple[IngestResult, Offsets]:
+    """The rows of the lines written to `directory`'s `<step>.jsonl` files since `offsets`
+    (None or {}: from the start), and the offsets to pass next time: a live run's dumps read
+    where the last read stopped, new files whole and grown files from their byte offset.
+
+    Only complete lines are read: a last line still being written (no newline yet) is left
+    for the next read. Each file's new lines map as one file does in `ingest_dump`, which is
+    exact for verl's writes (a dump file is written at once, whole groups, each V1 session's
+    outputs together); rows of one legacy group split across two reads are numbered from 0
+    in each. A file that shrank was rewritten: everything is read again from the start and
+    `result.restarted` says the rows replace, rather than extend, what was read before."""
+    if split not in ("train", "val"):
+        raise EvoError(f"split must be train or val, not {split!r}", field="split")
+    directory = Path(directory)
+    offsets = {name: list(at) for name, at in (offsets or {}).items()}
+    files = (
+        sorted(
+            (int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_FILE.match(p.name))
+        )
+        if directory.is_dir()
+        else []
+    )
+    result = IngestResult(rollouts=ROLLOUT_SCHEMA.empty_table())
+    sizes = {path.name: path.stat().st_size for _, path in files}
+    if any(sizes.get(name, 0) < at[0] for name, at in offsets.items()):
+        offsets, result.restarted = {}, True
+    parsed = []
+    for step, path in files:
+        start, lines_before = offsets.get(path.name, [0, 0])
+        if sizes[path.name] <= start:
+            continue
+        with path.open("rb") as handle:
+            handle.seek(start)
+            data = handle.read(sizes[path.name] - start)
+        end = data.rfind(b"\n") + 1  # complete lines only
+        if end == 0:
+            continue
+        raw, skipped = parse_jsonl(data[:end], str(path), first_line=lines_before + 1)
+        lines = data.count(b"\n", 0, end)
+        offsets[path.name] = [start + end, lines_before + lines]
+        result.files += 1
+        result.bytes += end
+        result.skipped.extend(skipped)
+        parsed.append((step, path, raw))
+    _map_files(parsed, version=version, split=split, seed=seed, group_size=group_size,
+               result=result)
+    return result, offsets
+
+
+def _map_files(
+    parsed: list[tuple[int, Path, pa.Table]],
+    *,
+    version: str,
+    split: str,
+    seed: int,
+    group_size: int | None,
+    result: IngestResult,
+) -> None:
+    """Map parsed dump files (`(step, path, raw)`, in order) to ROLLOUT_SCHEMA rows in
+    `result.rollouts`, files with one raw schema together."""
     tables = []
     batch: list[tuple[int, Path, pa.Table]] = []
     con = duckdb.connect()
@@ -153,11 +238,7 @@ def ingest_dump(
             )
             batch.clear()
 
-    for step, path in files:
-        raw, skipped = read_jsonl(path)
-        result.files += 1
-        result.bytes += path.stat().st_size
-        result.skipped.extend(skipped)
+    for step, path, raw in parsed:
         if not raw.num_rows:
             continue
         # Files with one raw schema map in one query: a query per small file costs more in
@@ -172,7 +253,6 @@ def ingest_dump(
     con.close()
     if tables:
         result.rollouts = pa.concat_tables(tables)
-    return result
 
 
 def read_jsonl(path: Path) -> tuple[pa.Table, list[Skipped]]:
@@ -184,21 +264,37 @@ def read_jsonl(path: Path) -> tuple[pa.Table, list[Skipped]]:
         return pajson.read_json(path), []
     except pa.ArrowInvalid:
         pass
+    return parse_jsonl(path.read_bytes(), str(path), arrow_failed=True)
+
+
+def parse_jsonl(
+    data: bytes, source: str, *, first_line: int = 1, arrow_failed: bool = False
+) -> tuple[pa.Table, list[Skipped]]:
+    """`read_jsonl` over bytes (`first_line` numbers the first one, for the skipped-line
+    report). `arrow_failed`: Arrow already refused these bytes, go line by line at once."""
+    if not data.strip():
+        return pa.table({}), []
+    if not arrow_failed:
+        try:
+            return pajson.read_json(io.BytesIO(data)), []
+        except pa.ArrowInvalid:
+            pass
     records: list[dict] = []
     skipped: list[Skipped] = []
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                skipped.append(Skipped(str(path), number, err.msg))
-                continue
-            if not isinstance(record, dict):
-                skipped.append(Skipped(str(path), number, "not a JSON object"))
-                continue
-            records.append(record)
+    text = data.decode("utf-8", errors="replace")
+    # Lines end at "\n" only: JSON strings may hold a raw U+2028 that splitlines() would cut.
+    for number, line in enumerate(text.split("\n"), start=first_line):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            skipped.append(Skipped(source, number, err.msg))
+            continue
+        if not isinstance(record, dict):
+            skipped.append(Skipped(source, number, "not a JSON object"))
+            continue
+        records.append(record)
     return _table_from_records(records), skipped
 
 

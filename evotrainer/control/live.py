@@ -1,0 +1,461 @@
+"""Live runs: the evidence a running job has written so far, diagnosed as it grows with the
+harness in force, its progress, and the harness's early-stop decision.
+
+What is read: the embedded engine rewrites `rollouts/{train,val}.parquet` and `steps.parquet`
+at each evaluation (atomically), so a local job is read whole when those files changed; a
+verl job's dumps are read from where the last read stopped (`evidence.verl.read_new`: new
+files whole, grown files from their byte offset, complete lines only). The diagnosis is
+incremental (`diagnose_incremental`): work proportional to the new rows.
+
+Where live state lives: `.evotrainer/live/<version>/`, git-ignored like the rest of
+`.evotrainer/`. A watched run polled every few seconds would otherwise flood the version's
+branch with diagnosis commits. The one record stays the one at the end: the diagnosis after
+collect, or, when an early-stop rule stops the job, the last live diagnosis committed with
+the stopped run and the decision in one commit (`stop_records`).
+
+  state.json            job id, harness digest, what was read (the local files' size and
+                        mtime; each verl dump's offsets), progress, the stop once decided
+  diagnosis-state.json  the incremental DiagnosisState (JSON, no pickle)
+  diagnosis.json        the latest live diagnosis (what `evotrainer watch` shows)
+  rows/*.arrow          verl rows read so far, one Arrow IPC file per read (memory-mapped)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from evotrainer import API_VERSION
+from evotrainer.diagnosis.diagnose import diagnosis_document, evaluate_unless_null
+from evotrainer.diagnosis.harness import HarnessRevision
+from evotrainer.diagnosis.incremental import DiagnosisState, diagnose_incremental
+from evotrainer.errors import EvoError
+from evotrainer.evidence.io import read_rollouts, read_steps
+from evotrainer.evidence.schema import ROLLOUT_SCHEMA
+from evotrainer.store.clock import now_iso
+from evotrainer.store.files import atomic_write, read_json
+from evotrainer.store.workspace import VersionState, Workspace
+
+LIVE_DIR = "live"
+STATE_FILE = "state.json"
+DIAGNOSIS_STATE_FILE = "diagnosis-state.json"
+DIAGNOSIS_FILE = "diagnosis.json"
+ROWS_DIR = "rows"
+# The engine's per-step log line (engine/grpo.py train_step): finer progress than the
+# evidence, which is flushed at each evaluation only.
+_ENGINE_STEP = re.compile(r"seed (\d+) step (\d+): reward")
+
+
+@dataclass
+class LiveView:
+    """One look at a running job: progress, the live diagnosis, the early-stop decision."""
+
+    version: str
+    job_id: str
+    backend: str
+    step: int = 0  # training steps done, summed over seeds
+    steps: int = 0  # training steps the job runs, summed over seeds
+    rows: int = 0  # train rollouts written so far
+    val_rows: int = 0
+    elapsed_s: float | None = None
+    diagnosis: dict | None = None  # None: no evidence written yet
+    stop: dict | None = None  # {rule, reason, alert, step, steps, rows, at} once a rule held
+    fresh: bool = False  # whether this look diagnosed new evidence
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the pace so far (None before the first step)."""
+        if not self.elapsed_s or not self.step or self.step >= self.steps:
+            return None
+        return self.elapsed_s * (self.steps - self.step) / self.step
+
+    def as_dict(self) -> dict:
+        diagnosis = self.diagnosis or {}
+        return {
+            "version": self.version,
+            "job_id": self.job_id,
+            "backend": self.backend,
+            "step": self.step,
+            "steps": self.steps,
+            "rows": self.rows,
+            "val_rows": self.val_rows,
+            "elapsed_s": self.elapsed_s,
+            "eta_s": self.eta_s,
+            "alerts": [
+                {k: a[k] for k in ("name", "severity", "metric", "value")}
+                for a in diagnosis.get("alerts", [])
+            ],
+            "stop": self.stop,
+        }
+
+
+def live_dir(ws: Workspace, version: str) -> Path:
+    return ws.state_dir / LIVE_DIR / version
+
+
+def observe_running(
+    ws: Workspace,
+    state: VersionState,
+    run: dict,
+    harness: HarnessRevision,
+    recipe: dict | None = None,
+) -> LiveView:
+    """Read what the job of `run` (the version's run record) has written since the last look,
+    diagnose it incrementally with `harness`, and decide whether a rule of the harness's
+    `early_stop` says the job must stop. `recipe` is the job's recipe (default: the one the
+    job was given, else the version's resolved recipe). Safe to call from several processes
+    (reconcile and watch): each look holds the version's live lock."""
+    folder = live_dir(ws, state.name)
+    folder.mkdir(parents=True, exist_ok=True)
+    artifact_dir = ws.root / run["artifact_dir"]
+    recipe = recipe or read_json(artifact_dir / "recipe.json") or ws.resolved_recipe(state.name)
+    with _locked(folder):
+        saved = read_json(folder / STATE_FILE) or {}
+        if saved.get("job_id") != run["job_id"]:
+            _reset(folder)
+            saved = {}
+        view = LiveView(state.name, run["job_id"], run.get("backend", recipe["backend"]))
+        seeds = recipe.get("seeds") or [0]
+        view.steps = int(recipe["grpo"]["steps"]) * len(seeds)
+        # A look at unchanged evidence reuses the last diagnosis of the same harness.
+        diagnosis = (
+            read_json(folder / DIAGNOSIS_FILE)
+            if saved.get("harness_digest") == harness.digest
+            else None
+        )
+        if view.backend == "verl":
+            evidence = _read_verl(ws, state, run, recipe, folder, saved)
+        else:
+            evidence = _read_local(artifact_dir, saved, force=diagnosis is None)
+        if evidence.changed:
+            diagnosis = None
+        if evidence.rollouts is not None and evidence.rollouts.num_rows and diagnosis is None:
+            diagnosis = _diagnose(folder, evidence, harness)
+            view.fresh = True
+        view.diagnosis = diagnosis
+        if evidence.rollouts is not None:
+            view.rows, view.val_rows = evidence.rows
+        else:  # unchanged evidence, not read again
+            progress = saved.get("progress") or {}
+            view.rows, view.val_rows = progress.get("rows", 0), progress.get("val_rows", 0)
+        view.step = _steps_done(artifact_dir, evidence.steps, seeds, view.backend)
+        view.elapsed_s = _elapsed(artifact_dir, run)
+        view.stop = saved.get("stop") if saved.get("harness_digest") == harness.digest else None
+        if view.stop is None and diagnosis is not None:
+            view.stop = early_stop(harness, view)
+        atomic_write(
+            folder / STATE_FILE,
+            json.dumps(
+                {
+                    "job_id": run["job_id"],
+                    "harness_digest": harness.digest,
+                    "read": evidence.read,
+                    "progress": {
+                        "step": view.step,
+                        "steps": view.steps,
+                        "rows": view.rows,
+                        "val_rows": view.val_rows,
+                    },
+                    "stop": view.stop,
+                    "updated_at": now_iso(),
+                },
+                indent=2,
+            ).encode(),
+        )
+    return view
+
+
+def early_stop(harness: HarnessRevision, view: LiveView) -> dict | None:
+    """The first `early_stop` rule of `harness` that holds over the live diagnosis, as the
+    stop to record; None when none holds, when the job has no steps left to save, or before
+    any evidence. A rule reading a null (a metric the evidence cannot compute) does not hold."""
+    if view.diagnosis is None or view.step >= view.steps:
+        return None
+    variables = stop_variables(harness, view)
+    for rule in harness.early_stop:
+        try:
+            holds = evaluate_unless_null(rule.when, variables) is True
+        except EvoError as err:
+            raise EvoError(
+                err.message, where=harness.source, field=f"early_stop.{rule.name}.when"
+            ) from None
+        if holds:
+            return {
+                "rule": rule.name,
+                "reason": rule.reason,
+                "alert": rule.alert,
+                "step": view.step,
+                "steps": view.steps,
+                "rows": view.rows,
+                "elapsed_s": view.elapsed_s,
+                "at": now_iso(),
+            }
+    return None
+
+
+def stop_variables(harness: HarnessRevision, view: LiveView) -> dict[str, Any]:
+    """What an early-stop rule reads (harness.EARLY_STOP_VARIABLES and the metric names)."""
+    diagnosis = view.diagnosis or {"metrics": {}, "alerts": [], "series": {}}
+    alerts = diagnosis["alerts"]
+    return {
+        **diagnosis["metrics"],
+        "alerts": [a["name"] for a in alerts],
+        "critical": [a["name"] for a in alerts if a["severity"] == "critical"],
+        "critical_alerts": sum(a["severity"] == "critical" for a in alerts),
+        "critical_behavior_alerts": sum(
+            a["severity"] == "critical" and a.get("layer") == "behavior" for a in alerts
+        ),
+        "warning_alerts": sum(a["severity"] == "warning" for a in alerts),
+        "rows": view.rows,
+        "val_rows": view.val_rows,
+        "step": view.step,
+        "steps": view.steps,
+        "latest": {name: points[-1][1] for name, points in diagnosis["series"].items() if points},
+        "params": harness.params,
+    }
+
+
+@dataclass
+class StopRecords:
+    """What reconcile commits, in one commit, when it stops a job early."""
+
+    run: dict
+    diagnosis: dict
+    decision: dict
+    message: str
+    trailers: dict[str, str] = field(default_factory=dict)
+
+
+def stop_records(
+    state: VersionState, run: dict, harness: HarnessRevision, view: LiveView
+) -> StopRecords:
+    """The run record (state Stopped, with the stop), the live diagnosis as the version's
+    diagnosis record, and the decision: pruned by the rule's alert, as the gate prunes a run
+    a critical alert blocks. `view.stop` must be set."""
+    stop = view.stop
+    if stop is None or view.diagnosis is None:
+        raise EvoError(f"{state.name} has no early stop to record")
+    at = now_iso()
+    progress = f"step {stop['step']} of {stop['steps']}, {stop['rows']} train rollouts"
+    fired = {a["name"] for a in view.diagnosis["alerts"]}
+    blocked_by = [stop["alert"]] if stop["alert"] in fired else []
+    stopped_run = {
+        **run,
+        "state": "Stopped",
+        "finished_at": at,
+        "detail": f"stopped early by rule {stop['rule']} at {progress}: {stop['reason']}",
+        "stopped": stop,
+        "result": {**(run.get("result") or {}), "steps_done": stop["step"]},
+    }
+    stopped_run.setdefault("started_at", run.get("created_at", at))
+    diagnosis = diagnosis_document(view.diagnosis, state.name)
+    diagnosis["created_at"] = at
+    diagnosis["live"] = {"step": stop["step"], "steps": stop["steps"], "rows": stop["rows"]}
+    by = f"alert {stop['alert']}" if blocked_by else f"rule {stop['rule']}"
+    decision = {
+        "apiVersion": API_VERSION,
+        "kind": "Decision",
+        "version": state.name,
+        "parent": state.parent,
+        "harness": {"name": harness.name, "digest": harness.digest},
+        "verdict": "prune",
+        "reason": f"stopped early by {by} (early_stop rule {stop['rule']}) at {progress}: "
+        f"{stop['reason']}",
+        "rule": f"early_stop.{stop['rule']}",
+        "blocked_by": blocked_by,
+        "comparison": None,
+        "decided_at": at,
+    }
+    return StopRecords(
+        stopped_run,
+        diagnosis,
+        decision,
+        f"Stop {state.name} early: {stop['rule']} at {progress}",
+        {"Action": "stop", "Version": state.name, "Harness": harness.name, "Verdict": "prune"},
+    )
+
+
+# ---- reading the evidence written so far --------------------------------------------------
+
+
+@dataclass
+class _Evidence:
+    rollouts: pa.Table | None
+    steps: pa.Table | None
+    changed: bool
+    read: dict  # what was read, saved in state.json for the next look
+    digest: str
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        if self.rollouts is None or not self.rollouts.num_rows:
+            return 0, 0
+        split = self.rollouts.column("split")
+        train = pc.sum(pc.equal(split, "train")).as_py() or 0
+        return train, self.rollouts.num_rows - train
+
+
+def _read_local(artifact_dir: Path, saved: dict, force: bool) -> _Evidence:
+    """The engine's evidence files as of now; unchanged files are not read again unless
+    `force` (no diagnosis of them to reuse)."""
+    files = [artifact_dir / "rollouts" / f"{s}.parquet" for s in ("train", "val")]
+    steps_file = artifact_dir / "steps.parquet"
+    signature = {
+        str(p.relative_to(artifact_dir)): [p.stat().st_size, p.stat().st_mtime_ns]
+        for p in (*files, steps_file)
+        if p.is_file()
+    }
+    changed = signature != saved.get("read")
+    digest = "live:" + json.dumps(signature, sort_keys=True)
+    present = [p for p in files if p.is_file()]
+    if not (changed or force) or not present:
+        return _Evidence(None, None, changed, signature, digest)
+    try:
+        tables = [read_rollouts(p) for p in present]
+        steps = read_steps(steps_file) if steps_file.is_file() else None
+    except (pa.ArrowException, OSError, EvoError):
+        # A file replaced between the listing and the read: the next look reads it.
+        return _Evidence(None, None, True, {}, digest)
+    return _Evidence(pa.concat_tables(tables), steps, True, signature, digest)
+
+
+def _read_verl(
+    ws: Workspace, state: VersionState, run: dict, recipe: dict, folder: Path, saved: dict
+) -> _Evidence:
+    """The verl dumps' new lines, appended to the rows read before (rows/*.arrow)."""
+    from evotrainer.backends.base import JobSpec
+    from evotrainer.backends.verl import join_tasks, rendered_shape
+    from evotrainer.backends.verl_render import JobFiles
+    from evotrainer.evidence.verl import read_metrics_log, read_new
+
+    artifact_dir = ws.root / run["artifact_dir"]
+    files = JobFiles(artifact_dir)
+    job = JobSpec(run["job_id"], state.name, recipe, ws.worktree_path(state.name), artifact_dir)
+    shape = rendered_shape(job)
+    offsets: dict = dict((saved.get("read") or {}).get("offsets") or {})
+    rows_dir = folder / ROWS_DIR
+    rows_dir.mkdir(exist_ok=True)
+    changed = False
+    steps = []
+    for seed in recipe.get("seeds") or [0]:
+        for split, directory, n in (
+            ("train", files.rollout_dir(seed), shape["train_n"]),
+            ("val", files.validation_dir(seed), shape["val_n"]),
+        ):
+            key = f"{seed}-{split}"
+            result, offsets[key] = read_new(
+                directory, offsets.get(key), version=state.name, split=split, seed=seed,
+                group_size=n,
+            )
+            if result.restarted:
+                for old in rows_dir.glob(f"{key}-*.arrow"):
+                    old.unlink()
+                changed = True
+            if result.rollouts.num_rows:
+                table = result.rollouts
+                if split == "train" and files.train_file.is_file():
+                    table = join_tasks(table, files.train_file)
+                _write_chunk(rows_dir, key, table.cast(ROLLOUT_SCHEMA))
+                changed = True
+        if files.metrics_file(seed).is_file():
+            steps.append(read_metrics_log(files.metrics_file(seed), version=state.name,
+                                          seed=seed)[0])
+    chunks = [_read_chunk(p) for p in sorted(rows_dir.glob("*.arrow"), key=_chunk_order)]
+    rollouts = pa.concat_tables(chunks) if chunks else None
+    digest = "live:" + json.dumps(offsets, sort_keys=True)
+    return _Evidence(
+        rollouts, pa.concat_tables(steps) if steps else None, changed, {"offsets": offsets},
+        digest,
+    )
+
+
+def _write_chunk(rows_dir: Path, key: str, table: pa.Table) -> None:
+    number = 1 + max((_chunk_order(p)[1] for p in rows_dir.glob(f"{key}-*.arrow")), default=0)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    atomic_write(rows_dir / f"{key}-{number:06d}.arrow", sink.getvalue().to_pybytes())
+
+
+def _read_chunk(path: Path) -> pa.Table:
+    with pa.memory_map(str(path)) as source:
+        return pa.ipc.open_file(source).read_all()
+
+
+def _chunk_order(path: Path) -> tuple[str, int]:
+    key, _, number = path.stem.rpartition("-")
+    return key, int(number)
+
+
+def _diagnose(folder: Path, evidence: _Evidence, harness: HarnessRevision) -> dict:
+    """The live diagnosis, from the saved incremental state; the state and the diagnosis are
+    saved for the next look."""
+    state_file = folder / DIAGNOSIS_STATE_FILE
+    previous = DiagnosisState.from_json(state_file.read_text()) if state_file.is_file() else None
+    diagnosis, state = diagnose_incremental(
+        evidence.rollouts, evidence.steps, harness, previous, evidence_digest=evidence.digest
+    )
+    text = state.to_json()
+    if text is None:
+        state_file.unlink(missing_ok=True)
+    else:
+        atomic_write(state_file, text.encode())
+    atomic_write(folder / DIAGNOSIS_FILE, json.dumps(diagnosis, default=str).encode())
+    return diagnosis
+
+
+def _steps_done(artifact_dir: Path, steps: pa.Table | None, seeds: list, backend: str) -> int:
+    """Training steps done over all seeds: the engine's log says it each step; otherwise
+    (verl) the latest step of each seed's metrics."""
+    latest: dict[int, int] = {}
+    log = artifact_dir / "train.log"
+    if backend != "verl" and log.is_file():
+        for seed, step in _ENGINE_STEP.findall(log.read_text(errors="replace")):
+            latest[int(seed)] = max(latest.get(int(seed), 0), int(step))
+    elif steps is not None and steps.num_rows:
+        grouped = steps.group_by("seed").aggregate([("step", "max")])
+        latest = dict(zip(grouped.column("seed").to_pylist(),
+                          grouped.column("step_max").to_pylist(), strict=True))
+    return sum(latest.get(int(seed), 0) for seed in seeds)
+
+
+def _elapsed(artifact_dir: Path, run: dict) -> float | None:
+    """Seconds since the job started (its job record, else the run record)."""
+    for record in (read_json(artifact_dir / "job.json"), read_json(artifact_dir / "verl" /
+                                                                    "job.json"), run):
+        started = (record or {}).get("started_at") or (record or {}).get("created_at")
+        if started:
+            try:
+                return max(0.0, time.time() - datetime.fromisoformat(started).timestamp())
+            except ValueError:
+                continue
+    return None
+
+
+def _reset(folder: Path) -> None:
+    """Forget what was read for another job (a retry starts over)."""
+    for name in (STATE_FILE, DIAGNOSIS_STATE_FILE, DIAGNOSIS_FILE):
+        (folder / name).unlink(missing_ok=True)
+    shutil.rmtree(folder / ROWS_DIR, ignore_errors=True)
+
+
+@contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    with open(folder / "lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -40,8 +40,9 @@ def standin(monkeypatch):
         [tests, *filter(None, [os.environ.get("PYTHONPATH")])]))
     from standin import StandinBackend
 
-    for where in ("evotrainer.backends.get_backend", "evotrainer.control.reconcile.get_backend"):
-        monkeypatch.setattr(where, lambda *_, **__: StandinBackend())
+    from evotrainer.backends import BACKEND_TYPES
+
+    monkeypatch.setitem(BACKEND_TYPES, "local", StandinBackend)
 
 
 @pytest.fixture

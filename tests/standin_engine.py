@@ -6,7 +6,12 @@ drawn from a seeded Bernoulli whose rate the test sets through `domain.params`:
 - `standin_leak` (default false): train rollouts call the leaking tool `reveal`;
 - `standin_fail` (default false): exit 1 without results, as a crashed job does;
 - `standin_disk_full` (a path): while that file exists, fail as a full disk does;
-- `standin_corrupt` (default false): write a val.parquet that is not Parquet.
+- `standin_corrupt` (default false): write a val.parquet that is not Parquet;
+- `standin_step_s` (default 0): seconds per training step, each logged to train.log as the
+  engine does (`seed S step K: reward ...`): a job that runs long enough to watch or cancel.
+
+Like the engine it writes its policy to `checkpoint/` (two small files whose bytes depend on
+the recipe) and, continuing from a parent (`model.init_checkpoint`), logs which one.
 
 What is real around it: the detached subprocess, job.json / result.json protocol, and every
 reconcile step after it (ingest, h0 diagnosis, paired bootstrap gate, git commits).
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +68,15 @@ def main(recipe_file: str, out_dir: str, version: str) -> int:
         return 1
     skill, leak = params.get("standin_skill", 0.3), params.get("standin_leak", False)
     seed = int(digest(recipe)[7:15], 16)
+    start = (recipe.get("model") or {}).get("init_checkpoint")
+    with (out / "train.log").open("a") as log:
+        log.write(f"stand-in run of {version}\n")
+        if start:
+            log.write(f"continuing from {start['path']} {start['digest']}\n")
+        for step in range(1, recipe["grpo"]["steps"] + 1):
+            time.sleep(float(params.get("standin_step_s", 0)))
+            log.write(f"2025-01-01 00:00:00 seed 0 step {step}: reward 0.500 kept 1.00\n")
+            log.flush()
     (out / "rollouts").mkdir(parents=True, exist_ok=True)
     train = rows(version, "train", [1, 2, 3], skill, leak, seed)
     val = rows(version, "val", [recipe["grpo"]["steps"]], skill, False, seed + 1)
@@ -72,7 +87,10 @@ def main(recipe_file: str, out_dir: str, version: str) -> int:
     lines = ["seed,task_id,data_source,sample_idx,correct"] + [
         f"0,{r['task_id']},standin,{r['sample_idx']},{r['correct']}" for r in val]
     (out / "scores.csv").write_text("\n".join(lines) + "\n")
-    (out / "train.log").write_text(f"stand-in run of {version}\n")
+    policy = out / "checkpoint"
+    policy.mkdir(exist_ok=True)
+    (policy / "config.json").write_text(json.dumps({"standin": version, "seed": seed}))
+    (policy / "model.safetensors").write_bytes(seed.to_bytes(8, "little") * 64)
     accuracy = float(np.mean([r["correct"] for r in val]))
     (out / "result.json").write_text(json.dumps({
         "status": "ok", "val_avg": accuracy, "steps_done": recipe["grpo"]["steps"],

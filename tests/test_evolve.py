@@ -10,6 +10,7 @@ import typer
 from standin import StandinBackend
 from typer.testing import CliRunner
 
+from evotrainer.backends import BACKEND_TYPES
 from evotrainer.backends.base import JobSpec
 from evotrainer.commands.evolve import register
 from evotrainer.commands.init import init_workspace
@@ -82,8 +83,7 @@ def test_human_gated_stops_for_approval_and_budget_limits_approve(tmp_path):
 def test_evolve_command_approves_up_front_and_prints_rounds_and_lineage(tmp_path,
                                                                         monkeypatch):
     ws = toolenv(tmp_path)
-    monkeypatch.setattr("evotrainer.control.reconcile.get_backend",
-                        lambda name, cache: LeakFollowsRecipe())
+    monkeypatch.setitem(BACKEND_TYPES, "local", lambda cache: LeakFollowsRecipe())
     app = typer.Typer()
     app.callback()(lambda: None)  # a group, as the real CLI is: `evolve` is a subcommand
     register(app)

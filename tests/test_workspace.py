@@ -18,7 +18,8 @@ def test_init_makes_main_baseline_branch_and_library(workspace: Workspace):
     assert (workspace.root / "spec" / "schemas" / "project.schema.json").is_file()
     assert ".evotrainer/" in (workspace.root / ".gitignore").read_text()
     workflow = yaml.safe_load((workspace.root / ".github/workflows/evotrainer.yml").read_text())
-    assert {"validate-and-plan", "reconcile"} <= set(workflow["jobs"])
+    assert set(workflow["jobs"]) == {
+        "validate-and-plan", "harness-backtest", "approve", "reconcile"}
     steps = " ".join(s.get("run", "") for s in workflow["jobs"]["validate-and-plan"]["steps"])
     assert "evotrainer validate" in steps and "GITHUB_STEP_SUMMARY" in steps
     v0 = workspace.version("v0")

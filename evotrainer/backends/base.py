@@ -45,6 +45,10 @@ class JobStatus:
     detail: str = ""
     progress: float | None = None  # 0..1 when the backend can tell
     exit_code: int | None = None
+    # A running job's progress, as far as the backend can tell (plan shows it).
+    steps_done: int | None = None
+    steps_total: int | None = None
+    seconds_left: float | None = None
 
 
 @dataclass
@@ -56,6 +60,7 @@ class Collected:
     steps: Path | None
     scores: Path
     result: dict
+    checkpoint: Path | None = None  # the first seed's trained policy (a directory)
 
 
 class Backend(Protocol):
@@ -68,7 +73,8 @@ class Backend(Protocol):
 
     def status(self, job: JobSpec) -> JobStatus: ...
 
-    def cancel(self, job: JobSpec) -> None: ...
+    def cancel(self, job: JobSpec) -> None:
+        """Stop the job (and everything it started); a finished job is left as it is."""
 
     def logs(self, job: JobSpec, tail: int = 50) -> str: ...
 

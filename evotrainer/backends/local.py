@@ -10,18 +10,22 @@ environment (`EVOTRAINER_JOB_ID`), so a reconcile that died between spawning it 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
 
 from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus
 from evotrainer.errors import EvoError
+from evotrainer.store.checkpoints import CHECKPOINT
 from evotrainer.store.clock import now_iso
 from evotrainer.store.files import atomic_write, read_json
 
@@ -74,7 +78,7 @@ class LocalBackend:
             return JobStatus(JobState.UNKNOWN, "no such job")
         process = live_process(record)
         if process is not None:
-            return JobStatus(JobState.RUNNING, f"pid {record['pid']}")
+            return running_status(job, record)
         if result is not None and result.get("status") == "ok":
             return JobStatus(JobState.SUCCEEDED, "finished", 1.0, 0)
         if result is not None:
@@ -86,10 +90,12 @@ class LocalBackend:
         )
 
     def cancel(self, job: JobSpec) -> None:
-        record = read_json(job.artifact_dir / JOB_FILE)
+        """SIGTERM to the job's process group (the engine and anything it started)."""
+        record = read_json(job.artifact_dir / JOB_FILE) or adopt_orphan(job)
         process = live_process(record) if record else None
         if process is not None:
-            os.killpg(process.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):  # it ended on its own meanwhile
+                os.killpg(process.pid, signal.SIGTERM)
 
     def logs(self, job: JobSpec, tail: int = 50) -> str:
         lines: list[str] = []
@@ -112,13 +118,36 @@ class LocalBackend:
         def present(path: Path) -> Path | None:
             return path if path.is_file() else None
 
+        policy = out / CHECKPOINT
         return Collected(
             train_rollouts=present(out / "rollouts" / "train.parquet"),
             val_rollouts=present(out / "rollouts" / "val.parquet"),
             steps=present(out / "steps.parquet"),
             scores=scores,
             result=read_json(out / RESULT_FILE) or {},
+            checkpoint=policy if policy.is_dir() and not policy.is_symlink() else None,
         )
+
+
+# The engine's train.log line for a finished training step (engine/grpo.py).
+STEP_LINE = re.compile(r"^\S+ \S+ seed \d+ step \d+: reward ", re.MULTILINE)
+
+
+def running_status(job: JobSpec, record: dict) -> JobStatus:
+    """A running job, with its progress from train.log: training steps finished over all of
+    the recipe's seeds, and the time left at the pace so far."""
+    status = JobStatus(JobState.RUNNING, f"pid {record['pid']}")
+    grpo, seeds = job.recipe.get("grpo") or {}, job.recipe.get("seeds") or [0]
+    total = int(grpo.get("steps") or 0) * len(seeds)
+    log = job.artifact_dir / LOG_FILE
+    if not total or not log.is_file():
+        return status
+    done = min(len(STEP_LINE.findall(log.read_text(errors="replace"))), total)
+    status.steps_done, status.steps_total, status.progress = done, total, done / total
+    elapsed = time.time() - float(record.get("create_time") or time.time())
+    if done:
+        status.seconds_left = elapsed / done * (total - done)
+    return status
 
 
 def spawn_detached(command: list[str], job: JobSpec, env: dict, log: Path) -> dict:

@@ -234,6 +234,7 @@ class VerlBackend:
     def collect(self, job: JobSpec) -> Collected:
         files = JobFiles(job.artifact_dir)
         seeds = job.recipe.get("seeds") or [0]
+        policies = trained_policies(job, files)  # the product first: no policy, no collect
         shape = rendered_shape(job)
         train, val, steps, skipped = [], [], [], []
         notes = IngestResult(rollouts=ROLLOUT_SCHEMA.empty_table())
@@ -269,7 +270,6 @@ class VerlBackend:
                 steps.append(table)
                 skipped += bad
         skipped = notes.skipped + skipped
-        policies = trained_policies(job, files)
 
         out = job.artifact_dir
         (out / "rollouts").mkdir(parents=True, exist_ok=True)
@@ -293,7 +293,8 @@ class VerlBackend:
         }
         if skipped:
             result["skipped"] = [f"{s.file}:{s.line} ({s.reason})" for s in skipped[:10]]
-        return Collected(train_path, val_path, steps_path, scores_path, result)
+        return Collected(train_path, val_path, steps_path, scores_path, result,
+                         checkpoint=policies.get(seeds[0]))
 
 
 def trained_policies(job: JobSpec, files: JobFiles) -> dict[int, Path]:

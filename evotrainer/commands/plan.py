@@ -19,6 +19,7 @@ HEALTH_STYLE = {
     "Pending": "cyan",
     "Failed": "red",
     "Stalled": "red",
+    "Cancelled": "yellow",
 }
 
 

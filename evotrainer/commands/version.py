@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import typer
-from rich.console import Console
 from rich.syntax import Syntax
 
 from evotrainer.control.versions import new_version
@@ -11,7 +10,7 @@ from evotrainer.store import specs
 from evotrainer.store.git import branch_name
 from evotrainer.store.recipe import digest
 from evotrainer.store.workspace import Workspace
-from evotrainer.terminal import safe
+from evotrainer.terminal import console, safe
 
 
 def register(app: typer.Typer) -> None:
@@ -29,6 +28,7 @@ def register(app: typer.Typer) -> None:
         criterion: str = typer.Option(
             None, "--criterion", help="Falsifiable CEL criterion over metrics."
         ),
+        pr: bool = typer.Option(False, "--pr", help="Push evo/NAME and open its PR → main."),
     ) -> None:
         """Fork evo/NAME from the parent's tip with the spec committed (unapproved)."""
         ws = Workspace.find()
@@ -42,12 +42,20 @@ def register(app: typer.Typer) -> None:
             hypothesis=hypothesis,
             criterion=criterion,
         )
-        Console().print(
+        out = console()
+        out.print(
             f"Created {safe(branch_name(name))} from {safe(branch_name(parent))} (not "
             f"approved: `evotrainer approve {safe(name)}` when the diff looks right: "
             f"git diff {safe(branch_name(parent))}..{safe(branch_name(name))})",
-            highlight=False,
         )
+        if pr:
+            # Imported here: the GitHub client library is an optional extra.
+            from evotrainer.commands.pr import github
+            from evotrainer.control.pull_requests import open_pull_request
+
+            pull = open_pull_request(ws, github(None), name)
+            out.print(f"PR #{pull.number} {safe(pull.html_url or '')}: "
+                      f"{safe(branch_name(name))} → main")
 
     @group.command("show")
     def show(name: str = typer.Argument(..., help="Version name.")) -> None:
@@ -56,26 +64,23 @@ def register(app: typer.Typer) -> None:
         states = ws.versions()
         state = ws.version(name, states)
         recipe = ws.resolved_recipe(name, states)
-        console = Console()
-        run = state.records.get("run") or {}
-        decision = state.records.get("decision") or {}
+        out = console()
+        run, decision = state.run, state.decision
         approval = {
             "approved": "approved",
             "stale": "approval stale (changed since): re-approve",
             "unbound": "approval without digest: not an approval",
         }.get(ws.approval_status(state, states), "not approved")
-        console.print(
+        out.print(
             f"[bold]{safe(name)}[/]  branch {safe(branch_name(name))} @ {state.sha[:10]}  "
-            f"parent {safe(state.parent or '—')}  {approval}",
-            highlight=False,
+            f"parent {safe(state.parent or '—')}  {approval}"
         )
-        console.print(
-            f"run: {safe(run.get('state', 'not run'))}   "
-            f"verdict: {safe(decision.get('verdict', '—'))}",
-            highlight=False,
+        out.print(
+            f"run: {safe(run.state if run else 'not run')}   "
+            f"verdict: {safe(decision.verdict if decision else '—')}"
         )
-        console.print(f"recipe digest: {digest(recipe)}")
-        console.print(
+        out.print(f"recipe digest: {digest(recipe)}")
+        out.print(
             Syntax(
                 specs.dump({"spec": state.spec, "resolved_recipe": recipe}),
                 "yaml",

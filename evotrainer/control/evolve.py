@@ -11,20 +11,15 @@ other reconcile interleaves with it.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from evotrainer.agent.planners.base import PlannerResult
 from evotrainer.agent.propose import propose
+from evotrainer.backends import Backends
 from evotrainer.backends.base import Backend
 from evotrainer.control.lineage import LineageRow, lineage_rows
-from evotrainer.control.reconcile import (
-    Reconciler,
-    VersionPlan,
-    job_recipe,
-    load_context,
-    steps_spent,
-)
+from evotrainer.control.reconcile import Reconciler, VersionPlan, load_context, within_budget
 from evotrainer.control.versions import approve
 from evotrainer.store.lock import workspace_lock
 from evotrainer.store.workspace import Workspace
@@ -45,15 +40,6 @@ class Round:
         return [p.name for p in self.result.proposals if p.name]
 
 
-def within_budget(ws: Workspace, name: str) -> bool:
-    """Would training `name` stay within `autonomy.max_total_steps`?"""
-    ctx = load_context(ws)
-    budget = (ws.project.get("autonomy") or {}).get("max_total_steps")
-    state = ctx.states[name]
-    steps = 0 if state.spec.get("train") is False else job_recipe(ctx, state)["grpo"]["steps"]
-    return budget is None or steps_spent(ctx) + steps <= budget
-
-
 def evolve(
     ws: Workspace,
     rounds: int,
@@ -61,7 +47,7 @@ def evolve(
     planner: str | None = None,
     approve_all: bool = False,
     max_proposals: int = 1,
-    backends: dict[str, Backend] | None = None,
+    backends: Backends | Mapping[str, Backend] | None = None,
     log: Callable[[str], None] = print,
     on_round: Callable[[Round], None] | None = None,
     on_wait: Callable[[list[VersionPlan]], None] | None = None,
@@ -72,11 +58,12 @@ def evolve(
     command = " ".join(["evotrainer", *sys.argv[1:]]) if sys.argv[1:] else "evotrainer evolve"
     with workspace_lock(ws.state_dir / "lock", command):
         reconciler = Reconciler(ws, log=log, backends=backends)
+        backends = reconciler.backends
         reconciler.run(wait=True, poll_s=poll_s, on_wait=on_wait)
         for number in range(1, rounds + 1):
             current = Round(number, propose(ws, planner, max_proposals))
             done.append(current)
-            current.stop = _approve(ws, current, mode, approve_all)
+            current.stop = _approve(ws, current, mode, approve_all, backends)
             if current.approved:
                 reconciler.run(wait=True, poll_s=poll_s, on_wait=on_wait)
                 rows = {r.name: r for r in lineage_rows(ws)}
@@ -88,7 +75,9 @@ def evolve(
     return done
 
 
-def _approve(ws: Workspace, current: Round, mode: str, approve_all: bool) -> str | None:
+def _approve(
+    ws: Workspace, current: Round, mode: str, approve_all: bool, backends: Backends
+) -> str | None:
     """Approve what autonomy allows; return why the loop must stop, if it must."""
     names = current.proposed
     if not names:
@@ -99,7 +88,8 @@ def _approve(ws: Workspace, current: Round, mode: str, approve_all: bool) -> str
                 f"(evotrainer approve {escalated[0]})")
     waiting = []
     for name in names:
-        if not within_budget(ws, name):
+        ctx = load_context(ws, backends)
+        if not within_budget(ctx, ctx.states[name]):
             waiting.append(name)
         elif mode == "auto":
             current.approved.append(name)  # reconcile approves it ("evotrainer autonomy")

@@ -21,6 +21,9 @@ from evotrainer.store.workspace import VersionState, Workspace, run_path
 
 def recorded_scores(ws: Workspace, version: str) -> pa.Table:
     """The per-task score table committed on the version's branch."""
+    if ws.git.rev(f"refs/heads/{branch_name(version)}") is None:
+        raise EvoError(f"no version {version!r} (no branch {branch_name(version)})",
+                       hint="`evotrainer lineage` lists the versions")
     raw = ws.git.read(branch_name(version), run_path(version, "scores.csv"))
     if raw is None:
         raise EvoError(

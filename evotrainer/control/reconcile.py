@@ -16,27 +16,37 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 
 import git
 import pyarrow as pa
 
 from evotrainer import API_VERSION
 from evotrainer.agent.skills import pending_evidence, record_evidence
-from evotrainer.backends import get_backend
-from evotrainer.backends.base import Backend, JobSpec, JobState, job_id
+from evotrainer.backends import Backends
+from evotrainer.backends.base import Backend, JobSpec, JobState, JobStatus, job_id
 from evotrainer.control.gate import decide, recorded_scores
 from evotrainer.control.lineage import tree_order
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
 from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
 from evotrainer.errors import EvoError
 from evotrainer.store import specs
+from evotrainer.store.checkpoints import (
+    CHECKPOINT,
+    checkpoint_record,
+    init_mode,
+    is_dropped,
+    parent_checkpoint,
+    verify_directory,
+)
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import PRUNED_TAG_PREFIX, branch_name
 from evotrainer.store.recipe import deep_merge, digest
+from evotrainer.store.records import DecisionRecord, DiagnosisRecord, RunRecord
 from evotrainer.store.validation import Validation, check_workspace, job_env
 from evotrainer.store.workspace import VersionState, Workspace, run_path
+from evotrainer.trackers.records import log_gate, run_identity
 
 # What a version's action may fail with and still leave the other versions to proceed.
 VERSION_ERRORS = (EvoError, OSError, git.GitCommandError)
@@ -84,18 +94,21 @@ class Context:
     ws: Workspace
     states: dict[str, VersionState]
     harness: HarnessRevision
-    backends: dict[str, Backend] = field(default_factory=dict)
+    backends: Backends = field(default_factory=Backends)
     validation: Validation = field(default_factory=Validation)
 
     def backend(self, name: str) -> Backend:
-        if name not in self.backends:
-            self.backends[name] = get_backend(name, self.ws.artifact_root / "cache")
         return self.backends[name]
 
 
-def load_context(ws: Workspace, backends: dict[str, Backend] | None = None) -> Context:
+def load_context(
+    ws: Workspace, backends: Backends | Mapping[str, Backend] | None = None
+) -> Context:
     """Read the pass's inputs and run `validate`'s checks on them. Problems of the
-    workspace-wide files (project, harness revisions, skills) refuse the whole pass."""
+    workspace-wide files (project, harness revisions, skills) refuse the whole pass.
+    `backends`: the ones to use by name (default: the registry's, made on first use)."""
+    if not isinstance(backends, Backends):
+        backends = Backends(backends, ws.artifact_root / "cache")
     states = ws.versions()
     validation = check_workspace(ws, states, backends=backends)
     if validation.workspace:
@@ -108,20 +121,46 @@ def load_context(ws: Workspace, backends: dict[str, Backend] | None = None) -> C
             hint=(first.hint + "; " if first.hint else "") + "`evotrainer validate` lists all",
         )
     harness_name = ws.project.get("harness", "h0")
-    return Context(
-        ws, states, resolve_harness(harness_name, ws.root), dict(backends or {}), validation
-    )
+    return Context(ws, states, resolve_harness(harness_name, ws.root), backends, validation)
 
 
-# ---- planning -------------------------------------------------------------------------
+# ---- planning: observe, then decide ---------------------------------------------------
 
 
-def job_recipe(ctx: Context, state: VersionState) -> dict:
-    """The recipe the backend runs: an evaluation-only version trains for 0 steps."""
+def job_recipe(ctx: Context, state: VersionState, verify_parent: bool = False) -> dict:
+    """The recipe the backend runs: an evaluation-only version trains for 0 steps; a version
+    continuing from its parent (`model.init: parent`) carries the parent's recorded policy
+    as `model.init_checkpoint` — checked against its digest when `verify_parent` (at launch:
+    a child never starts from other weights), read from the record otherwise (polls)."""
     recipe = ctx.ws.resolved_recipe(state.name, ctx.states)
     if state.spec.get("train") is False:
         recipe = deep_merge(recipe, {"grpo": {"steps": 0}})
+    if init_mode(recipe) == "parent" and state.parent:
+        parent_run = ctx.states[state.parent].records.get("run")
+        if verify_parent:
+            policy = parent_checkpoint(ctx.ws.root, state.parent, parent_run)
+        else:
+            artifact = (ctx.states[state.parent].run or _NO_RUN).artifacts.get(CHECKPOINT) or {}
+            policy = {"path": artifact.get("path"), "digest": artifact.get("digest")}
+        path = ctx.ws.root / str(policy["path"])
+        recipe = deep_merge(
+            recipe, {"model": {"init_checkpoint": {"path": str(path), "digest": policy["digest"]}}}
+        )
     return recipe
+
+
+def recipe_steps(ctx: Context, state: VersionState) -> int:
+    """The training steps a version's job would run (0 for an evaluation-only version)."""
+    if state.spec.get("train") is False:
+        return 0
+    return int(ctx.ws.resolved_recipe(state.name, ctx.states)["grpo"]["steps"])
+
+
+def within_budget(ctx: Context, state: VersionState) -> bool:
+    """Would training `state` stay within `autonomy.max_total_steps`? (The one budget rule:
+    reconcile's auto-approval and evolve's both ask it.)"""
+    budget = (ctx.ws.project.get("autonomy") or {}).get("max_total_steps")
+    return budget is None or steps_spent(ctx) + recipe_steps(ctx, state) <= budget
 
 
 def job_for(ctx: Context, state: VersionState, run: dict) -> JobSpec:
@@ -130,9 +169,269 @@ def job_for(ctx: Context, state: VersionState, run: dict) -> JobSpec:
         version=state.name,
         recipe=job_recipe(ctx, state),
         workdir=ctx.ws.worktree_path(state.name),
-        artifact_dir=ctx.ws.root / run["artifact_dir"],
+        artifact_dir=ctx.ws.run_dir(state.name, run),
         env=job_env(ctx.ws),
     )
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What one version's next action is decided from: records from git, the backend's word
+    on its job, and the few facts about the rest of the lineage the rules need. Gathered by
+    `observe`; `decide` is pure over it, so the rules are tested without a backend."""
+
+    name: str
+    run: RunRecord | None = None
+    approval: str = "unapproved"  # Workspace.approval_status
+    spec_digest: str = ""
+    reapproved_after_run: bool = False
+    auto_approvable: bool = False
+    slot_free: bool = True
+    max_attempts: int = 2
+    job: JobStatus | None = None  # only for a run still active
+    parent: str | None = None
+    parent_run_state: str | None = None
+    parent_diagnosed: bool = True
+    parent_policy: str | None = None  # model.init: parent: why the parent's policy is missing
+    diagnosis: DiagnosisRecord | None = None
+    decision: DecisionRecord | None = None
+    harness_name: str = ""
+    harness_digest: str = ""
+    on_main: bool = False
+    pruned: bool = False
+    evidence_pending: bool = False
+
+    @property
+    def drifted(self) -> bool:
+        return self.run is not None and self.run.spec_digest != self.spec_digest
+
+    @property
+    def sync(self) -> str:
+        if self.run is None:
+            return "OutOfSync"
+        return "Drifted" if self.drifted else "Synced"
+
+    @property
+    def health(self) -> str:
+        return self.run.state if self.run else "—"
+
+    def plan(self, action: Action | None = None, note: str = "", health: str | None = None):
+        return VersionPlan(self.name, self.sync, health or self.health, action, note)
+
+
+_NO_RUN = RunRecord(state="—", attempt=0, job_id="", backend="", artifact_dir="")
+
+
+def observe(ctx: Context, state: VersionState) -> Observed:
+    """Read what the rules decide from; only the facts a rule may still need are fetched
+    (the backend is asked about active jobs only, git about promotion once gated)."""
+    run, diagnosis, decision = state.run, state.diagnosis, state.decision
+    approval = ctx.ws.approval_status(state, ctx.states)
+    parent = ctx.states.get(state.parent) if state.parent else None
+    parent_run = parent.run if parent else None
+    job = None
+    if run is not None and run.active:
+        job = ctx.backend(run.backend).status(job_for(ctx, state, state.records["run"]))
+    recipe = ctx.ws.resolved_recipe(state.name, ctx.states)
+    parent_policy = None
+    if parent is not None and init_mode(recipe) == "parent":
+        parent_policy = _parent_policy_gap(parent.name, parent_run)
+    verdict = decision.verdict if decision else None
+    return Observed(
+        name=state.name,
+        run=run,
+        approval=approval,
+        spec_digest=state.spec_digest,
+        reapproved_after_run=run is not None
+        and state.approval.get("at", "") > run.created_at,
+        auto_approvable=approval != "approved" and _auto_approvable(ctx, state),
+        slot_free=_slot_free(ctx),
+        max_attempts=int(ctx.ws.project.get("max_attempts", 2)),
+        job=job,
+        parent=parent.name if parent else None,
+        parent_run_state=parent_run.state if parent_run else None,
+        parent_diagnosed=parent is None or parent.diagnosis is not None,
+        parent_policy=parent_policy,
+        diagnosis=diagnosis,
+        decision=decision,
+        harness_name=ctx.harness.name,
+        harness_digest=ctx.harness.digest,
+        on_main=verdict in ("promote", "baseline") and _on_main(ctx, state),
+        pruned=verdict == "prune" and state.name in ctx.ws.git.tags(PRUNED_TAG_PREFIX),
+        evidence_pending=decision is not None
+        and bool(pending_evidence(ctx.ws, state.name, state.records["decision"], ctx.states)),
+    )
+
+
+def _parent_policy_gap(parent: str, parent_run: RunRecord | None) -> str | None:
+    """Why a continuing child cannot start yet (None: the parent's policy is recorded).
+    Cheap: the digest is checked at launch, not on every plan."""
+    if parent_run is None or parent_run.state != "Succeeded":
+        return f"waiting for {parent}'s trained policy (model.init: parent)"
+    artifact = parent_run.artifacts.get(CHECKPOINT)
+    if not artifact:
+        return f"error: {parent} finished without a recorded policy (model.init: parent)"
+    if is_dropped(artifact):
+        return (f"error: {parent}'s policy was dropped by the retention policy; retry "
+                f"{parent} or set model.init: base")
+    return None
+
+
+# ---- the rules: each returns a plan when it applies, else None; the first that applies wins
+
+
+def rule_drift_reapproved(o: Observed) -> VersionPlan | None:
+    if o.drifted and o.approval == "approved" and o.reapproved_after_run:
+        return o.plan(Action("retry", "spec changed after the run and was re-approved"))
+    return None
+
+
+def rule_not_run(o: Observed) -> VersionPlan | None:
+    if o.run is not None:
+        return None
+    if o.approval != "approved":
+        return approval_wait(o)
+    if not o.slot_free:
+        return o.plan(note="waiting: max_concurrent_jobs reached")
+    return launch_or_wait(o, Action("launch", "approved, never run"))
+
+
+def rule_active_job(o: Observed) -> VersionPlan | None:
+    if o.run is None or o.job is None:
+        return None
+    job, health = o.job, o.run.state
+    if job.state is JobState.SUCCEEDED:
+        return o.plan(Action("collect", "job finished"), health="Succeeded")
+    if job.state is JobState.UNKNOWN and health == "Pending":
+        if o.approval != "approved":
+            return approval_wait(o)
+        return launch_or_wait(o, Action("launch", "run recorded but job never started"))
+    if job.state in (JobState.FAILED, JobState.UNKNOWN):
+        why = job.detail if job.state is JobState.FAILED else (
+            "the backend has no record of the job (artifact dir missing?)")
+        return o.plan(Action("fail", why), health="Failed")
+    if job.state.value != health:
+        return o.plan(Action("poll", f"job is {job.state.value}"), health=job.state.value)
+    return o.plan(note=f"job {job.state.value.lower()}{progress_text(job)}")
+
+
+def rule_cancelled(o: Observed) -> VersionPlan | None:
+    if o.run is None or o.run.state != "Cancelled":
+        return None
+    return o.plan(note=f"cancelled ({o.run.detail}); `evotrainer retry {o.name}` relaunches it")
+
+
+def rule_failed(o: Observed) -> VersionPlan | None:
+    if o.run is None or o.run.state != "Failed":
+        return None
+    if infrastructure_failure(o.run.detail):
+        return o.plan(note=f"infrastructure failure ({o.run.detail}): not the run's own; fix "
+                      f"it, then `evotrainer retry {o.name}`")
+    if own_failures(o.run) < o.max_attempts and not o.drifted:
+        if o.approval != "approved":
+            return approval_wait(o)
+        return launch_or_wait(o, Action("retry", f"attempt {o.run.attempt} failed"))
+    return o.plan(note=f"failed after {o.run.attempt} attempt(s); kept as negative evidence")
+
+
+def rule_drifted(o: Observed) -> VersionPlan | None:
+    if o.drifted:
+        return o.plan(note="spec changed after the run: re-approve to retrain "
+                      f"(evotrainer approve {o.name})")
+    return None
+
+
+def rule_diagnose(o: Observed) -> VersionPlan | None:
+    if o.diagnosis is not None:
+        return None
+    if o.parent is not None and o.parent_run_state != "Succeeded":
+        # the version layer compares with the parent's scores
+        return o.plan(note=f"waiting for parent {o.parent} to be evaluated")
+    return o.plan(Action("diagnose", "evidence collected"))
+
+
+def rule_rediagnose(o: Observed) -> VersionPlan | None:
+    if o.diagnosis is None or o.diagnosis.harness_digest == o.harness_digest:
+        return None
+    return o.plan(Action("rediagnose", f"harness changed: {o.diagnosis.harness_name} → "
+                         f"{o.harness_name} (no retraining)"))
+
+
+def rule_gate(o: Observed) -> VersionPlan | None:
+    if o.decision is not None and o.decision.harness_digest == o.harness_digest:
+        return None
+    if not o.parent_diagnosed:
+        return o.plan(note=f"waiting for parent {o.parent} to be evaluated")
+    return o.plan(Action("gate", "diagnosed, not yet gated"))
+
+
+def rule_verdict(o: Observed) -> VersionPlan | None:
+    verdict = o.decision.verdict if o.decision else None
+    if verdict in ("promote", "baseline") and not o.on_main:
+        return o.plan(Action("promote", f"verdict {verdict}"))
+    if verdict == "prune" and not o.pruned:
+        return o.plan(Action("prune", "verdict prune"))
+    if o.evidence_pending:
+        return o.plan(Action("evidence", f"file the {verdict} on the skills it applied"))
+    return o.plan(note=f"done: {verdict}")
+
+
+RULES: tuple[Callable[[Observed], VersionPlan | None], ...] = (
+    rule_drift_reapproved,
+    rule_not_run,
+    rule_active_job,
+    rule_cancelled,
+    rule_failed,
+    rule_drifted,
+    rule_diagnose,
+    rule_rediagnose,
+    rule_gate,
+    rule_verdict,
+)
+
+
+def decide_next(o: Observed) -> VersionPlan:
+    """The first rule that applies (`rule_verdict` always does)."""
+    for rule in RULES:
+        decided = rule(o)
+        if decided is not None:
+            return decided
+    raise AssertionError("rule_verdict always decides")  # pragma: no cover
+
+
+def approval_wait(o: Observed) -> VersionPlan:
+    """A version that may not launch as it is: approve it now (autonomy) or say why not."""
+    sync = "Drifted" if o.run else "OutOfSync"
+    if o.auto_approvable:
+        return VersionPlan(o.name, sync, o.health, Action("approve",
+                                                          "autonomy allows it within budget"))
+    if o.approval == "stale":
+        note = ("awaiting re-approval: the spec or its inherited recipe changed since it was "
+                f"approved (evotrainer approve {o.name})")
+    else:
+        note = f"awaiting approval: evotrainer approve {o.name}"
+    return VersionPlan(o.name, sync, o.health, None, note)
+
+
+def launch_or_wait(o: Observed, action: Action) -> VersionPlan:
+    """A launch, unless the version continues from a parent whose policy is not there."""
+    if o.parent_policy is None:
+        return o.plan(action)
+    if o.parent_policy.startswith("error: "):
+        return VersionPlan(o.name, "Invalid", o.health, None,
+                           error=o.parent_policy.removeprefix("error: "))
+    return o.plan(note=o.parent_policy)
+
+
+def progress_text(job: JobStatus) -> str:
+    """`: step 3 of 8, ~2m left` from what the backend could tell, or nothing."""
+    if job.steps_total is None or job.steps_done is None:
+        return ""
+    text = f": step {job.steps_done} of {job.steps_total}"
+    if job.seconds_left is not None:
+        minutes, seconds = divmod(int(job.seconds_left), 60)
+        text += f", ~{minutes}m{seconds:02d}s left" if minutes else f", ~{seconds}s left"
+    return text
 
 
 def plan_version(ctx: Context, state: VersionState) -> VersionPlan:
@@ -140,152 +439,13 @@ def plan_version(ctx: Context, state: VersionState) -> VersionPlan:
     refusal = ctx.validation.refusal(state.name, ctx.states)
     if refusal is not None:
         return error_plan(state.name, f"invalid: {refusal}")
+    if state.record_errors:
+        kind, err = next(iter(state.record_errors.items()))
+        return error_plan(state.name, f"unreadable {kind} record: {err.message}")
     try:
-        return _plan_version(ctx, state)
+        return decide_next(observe(ctx, state))
     except VERSION_ERRORS as err:
-        run = state.records.get("run") or {}
-        return error_plan(state.name, str(err), run.get("state", "—"))
-
-
-def _approval_wait(ctx: Context, state: VersionState, status: str) -> VersionPlan:
-    """A version that may not launch as it is: approve it now (autonomy) or say why not."""
-    sync = "Drifted" if state.records.get("run") else "OutOfSync"
-    health = (state.records.get("run") or {}).get("state", "—")
-    if _auto_approvable(ctx, state):
-        return VersionPlan(
-            state.name, sync, health, Action("approve", "autonomy allows it within budget")
-        )
-    if status == "stale":
-        return VersionPlan(
-            state.name,
-            sync,
-            health,
-            None,
-            "awaiting re-approval: the spec or its inherited recipe changed since it was "
-            f"approved (evotrainer approve {state.name})",
-        )
-    return VersionPlan(
-        state.name, sync, health, None, f"awaiting approval: evotrainer approve {state.name}"
-    )
-
-
-def _plan_version(ctx: Context, state: VersionState) -> VersionPlan:
-    run = state.records.get("run")
-    spec_digest = state.spec_digest
-    approval = ctx.ws.approval_status(state, ctx.states)
-    if run is None:
-        if approval != "approved":
-            return _approval_wait(ctx, state, approval)
-        if not _slot_free(ctx):
-            return VersionPlan(
-                state.name, "OutOfSync", "—", None, "waiting: max_concurrent_jobs reached"
-            )
-        return VersionPlan(state.name, "OutOfSync", "—", Action("launch", "approved, never run"))
-
-    health = run["state"]
-    drifted = run.get("spec_digest") != spec_digest
-    sync = "Drifted" if drifted else "Synced"
-    if drifted and approval == "approved" and _reapproved_after(state, run):
-        return VersionPlan(
-            state.name,
-            sync,
-            health,
-            Action("retry", "spec changed after the run and was re-approved"),
-        )
-    if health in ("Pending", "Running", "Stalled"):
-        status = ctx.backend(run["backend"]).status(job_for(ctx, state, run))
-        if status.state is JobState.SUCCEEDED:
-            return VersionPlan(state.name, sync, "Succeeded", Action("collect", "job finished"))
-        if status.state in (JobState.FAILED, JobState.UNKNOWN):
-            why = (
-                status.detail
-                if status.state is JobState.FAILED
-                else ("the backend has no record of the job (artifact dir missing?)")
-            )
-            if health == "Pending" and status.state is JobState.UNKNOWN:
-                if approval != "approved":
-                    return _approval_wait(ctx, state, approval)
-                return VersionPlan(
-                    state.name, sync, health, Action("launch", "run recorded but job never started")
-                )
-            return VersionPlan(state.name, sync, "Failed", Action("fail", why))
-        if status.state.value != health:
-            return VersionPlan(
-                state.name, sync, status.state.value, Action("poll", f"job is {status.state.value}")
-            )
-        return VersionPlan(state.name, sync, health, None, f"job {status.state.value.lower()}")
-    if health == "Failed":
-        if infrastructure_failure(run.get("detail", "")):
-            return VersionPlan(
-                state.name,
-                sync,
-                health,
-                None,
-                f"infrastructure failure ({run.get('detail', '')}): not the run's own; fix it, "
-                f"then `evotrainer retry {state.name}`",
-            )
-        if own_failures(run) < ctx.ws.project.get("max_attempts", 2) and not drifted:
-            if approval != "approved":
-                return _approval_wait(ctx, state, approval)
-            return VersionPlan(
-                state.name, sync, health, Action("retry", f"attempt {run['attempt']} failed")
-            )
-        return VersionPlan(
-            state.name,
-            sync,
-            health,
-            None,
-            f"failed after {run['attempt']} attempt(s); kept as negative evidence",
-        )
-    if drifted:
-        return VersionPlan(
-            state.name,
-            sync,
-            health,
-            None,
-            f"spec changed after the run: re-approve to retrain (evotrainer approve {state.name})",
-        )
-
-    parent = ctx.states.get(state.parent) if state.parent else None
-    parent_ready = parent is None or (parent.records.get("run") or {}).get("state") == "Succeeded"
-    diagnosis = state.records.get("diagnosis")
-    if diagnosis is None:
-        if not parent_ready:  # the version layer compares with the parent's scores
-            return VersionPlan(
-                state.name, sync, health, None, f"waiting for parent {parent.name} to be evaluated"
-            )
-        return VersionPlan(state.name, sync, health, Action("diagnose", "evidence collected"))
-    if diagnosis["harness"]["digest"] != ctx.harness.digest:
-        return VersionPlan(
-            state.name,
-            sync,
-            health,
-            Action(
-                "rediagnose",
-                f"harness changed: {diagnosis['harness']['name']} → "
-                f"{ctx.harness.name} (no retraining)",
-            ),
-        )
-    decision = state.records.get("decision")
-    if decision is None or (decision.get("harness") or {}).get("digest") != ctx.harness.digest:
-        if parent is not None and parent.records.get("diagnosis") is None:
-            return VersionPlan(
-                state.name, sync, health, None, f"waiting for parent {parent.name} to be evaluated"
-            )
-        return VersionPlan(state.name, sync, health, Action("gate", "diagnosed, not yet gated"))
-    verdict = decision["verdict"]
-    if verdict in ("promote", "baseline") and not _on_main(ctx, state):
-        return VersionPlan(state.name, sync, health, Action("promote", f"verdict {verdict}"))
-    if verdict == "prune" and state.name not in ctx.ws.git.tags(PRUNED_TAG_PREFIX):
-        return VersionPlan(state.name, sync, health, Action("prune", "verdict prune"))
-    if pending_evidence(ctx.ws, state.name, decision, ctx.states):
-        return VersionPlan(
-            state.name,
-            sync,
-            health,
-            Action("evidence", f"file the {verdict} on the skills it applied"),
-        )
-    return VersionPlan(state.name, sync, health, None, f"done: {verdict}")
+        return error_plan(state.name, str(err), (state.run or _NO_RUN).state)
 
 
 def plan(ctx: Context) -> list[VersionPlan]:
@@ -298,19 +458,13 @@ def _on_main(ctx: Context, state: VersionState) -> bool:
 
 
 def _active_jobs(ctx: Context) -> int:
-    return sum(
-        (s.records.get("run") or {}).get("state") in ("Pending", "Running")
-        for s in ctx.states.values()
-    )
+    return sum(s.run is not None and s.run.state in ("Pending", "Running")
+               for s in ctx.states.values())
 
 
 def _slot_free(ctx: Context) -> bool:
     limit = (ctx.ws.project.get("autonomy") or {}).get("max_concurrent_jobs", 1)
     return _active_jobs(ctx) < limit
-
-
-def _reapproved_after(state: VersionState, run: dict) -> bool:
-    return state.approval.get("at", "") > run.get("created_at", "")
 
 
 # What a failure of the machine (not of the training) looks like in a job's detail.
@@ -330,32 +484,25 @@ def infrastructure_failure(detail: str) -> bool:
     return any(marker in (detail or "") for marker in INFRASTRUCTURE_MARKERS)
 
 
-def own_failures(run: dict) -> int:
+def own_failures(run: RunRecord) -> int:
     """Failed attempts that were the run's own fault, the current one included."""
-    history = [a for a in run.get("attempts") or [] if a.get("state") == "Failed"]
+    history = [a for a in run.attempts if a.get("state") == "Failed"]
     count = sum(not infrastructure_failure(a.get("detail", "")) for a in history)
-    if run.get("state") == "Failed" and not infrastructure_failure(run.get("detail", "")):
+    if run.state == "Failed" and not infrastructure_failure(run.detail):
         count += 1
     return count
 
 
 def steps_spent(ctx: Context) -> int:
     """Training steps of every run recorded so far (the autonomy budget's unit)."""
-    total = 0
-    for state in ctx.states.values():
-        run = state.records.get("run") or {}
-        total += int((run.get("result") or {}).get("steps_done") or 0)
-        total += sum(int(a.get("steps", 0)) for a in run.get("attempts") or [])
-    return total
+    return sum(s.run.steps_spent for s in ctx.states.values() if s.run is not None)
 
 
 def _auto_approvable(ctx: Context, state: VersionState) -> bool:
     autonomy = ctx.ws.project.get("autonomy") or {}
     if autonomy.get("mode") != "auto" or (state.spec.get("proposal") or {}).get("escalation"):
         return False  # an escalation (rollback after repeated failures) waits for a human
-    steps = 0 if state.spec.get("train") is False else job_recipe(ctx, state)["grpo"]["steps"]
-    budget = autonomy.get("max_total_steps")
-    return budget is None or steps_spent(ctx) + steps <= budget
+    return within_budget(ctx, state)
 
 
 def launch_record(
@@ -364,7 +511,7 @@ def launch_record(
     """The Pending run record committed before a job starts (its id is deterministic)."""
     previous = state.records.get("run") or {}
     attempt = attempt or previous.get("attempt", 1)
-    recipe = job_recipe(ctx, state)
+    recipe = job_recipe(ctx, state, verify_parent=True)
     ctx.backend(recipe["backend"]).check(recipe)
     recipe_digest = digest(recipe)
     jid = job_id(state.name, attempt, recipe_digest)
@@ -412,10 +559,12 @@ def request_retry(ws: Workspace, name: str, by: str) -> dict:
     if refusal:
         raise EvoError(f"{name} is invalid: {refusal}", hint="fix it; `evotrainer validate`")
     run = state.records.get("run") or {}
-    if run.get("state") != "Failed":
+    if run.get("state") not in ("Failed", "Cancelled"):
         raise EvoError(
-            f"{name} has no failed run to retry (state: {run.get('state', 'not run')})",
-            hint="retry restarts a Failed run; `evotrainer plan` shows what reconcile does",
+            f"{name} has no failed or cancelled run to retry "
+            f"(state: {run.get('state', 'not run')})",
+            hint="retry restarts a Failed or Cancelled run; `evotrainer plan` shows what "
+            "reconcile does",
         )
     if ws.approval_status(state, ctx.states) != "approved":
         raise EvoError(
@@ -442,10 +591,14 @@ class Reconciler:
         self,
         ws: Workspace,
         log: Callable[[str], None] = print,
-        backends: dict[str, Backend] | None = None,
+        backends: Backends | Mapping[str, Backend] | None = None,
     ) -> None:
         self.ws = ws
-        self.backends = backends  # None: the recipe's backend by name
+        # One registry for every pass, so a backend keeps what it knows between passes.
+        self.backends = (
+            backends if isinstance(backends, Backends)
+            else Backends(backends, ws.artifact_root / "cache")
+        )
         self.log = log
         self._boundaries = 0
         self._fault_after = int(os.environ.get(FAULT_ENV, "0"))
@@ -538,16 +691,19 @@ class Reconciler:
     ) -> None:
         previous = state.records.get("run") or {}
         run = launch_record(ctx, state, attempt, history)
-        recipe, jid, attempt = job_recipe(ctx, state), run["job_id"], run["attempt"]
+        recipe = job_recipe(ctx, state, verify_parent=True)
+        jid, attempt = run["job_id"], run["attempt"]
         if previous.get("job_id") != jid or previous.get("state") != "Pending":
             self._commit_run(state, run, f"Launch {state.name} attempt {attempt} ({jid})", "launch")
             self.boundary()
         workdir = self.ws.git.worktree_add(
             self.ws.worktree_path(state.name), self._spec_commit(state)
         )
-        job = JobSpec(
-            jid, state.name, recipe, workdir, self.ws.root / run["artifact_dir"], job_env(self.ws)
-        )
+        artifact_dir = self.ws.run_dir(state.name, run)
+        artifact_dir.mkdir(parents=True, exist_ok=True)
+        launched = replace(state, records={**state.records, "run": run})
+        run_identity(self.ws, launched, ctx.states).write(artifact_dir)  # the job's tracker tags
+        job = JobSpec(jid, state.name, recipe, workdir, artifact_dir, job_env(self.ws))
         ctx.backend(recipe["backend"]).submit(job)
 
     def _spec_commit(self, state: VersionState) -> str:
@@ -600,6 +756,10 @@ class Reconciler:
                     "digest": "sha256:" + hashlib.sha256(data).hexdigest(),
                     "bytes": len(data),
                 }
+        if collected.checkpoint is not None:  # the trained policy, recorded by its digest
+            artifacts[CHECKPOINT] = checkpoint_record(
+                collected.checkpoint, self.ws.record_path(collected.checkpoint)
+            )
         result = collected.result
         run.update(
             state="Succeeded",
@@ -624,8 +784,7 @@ class Reconciler:
         )
 
     def _diagnose(self, ctx: Context, state: VersionState, action: str = "diagnose") -> dict:
-        run = state.records["run"]
-        artifact_dir = self.ws.root / run["artifact_dir"]
+        artifact_dir = self.ws.run_dir(state.name, state.records["run"])
         if not artifact_dir.is_dir():
             raise EvoError(
                 f"the artifacts of {state.name} are gone",
@@ -635,7 +794,8 @@ class Reconciler:
             )
         from evotrainer.evidence.io import read_rollouts, read_steps
 
-        verify_artifacts(self.ws, state)
+        # The policy is checked when a child starts from it, not before every diagnosis.
+        verify_artifacts(self.ws, state, skip=(CHECKPOINT,))
         steps_file = artifact_dir / "steps.parquet"
         try:
             rollouts = read_rollouts(artifact_dir / "rollouts")
@@ -649,7 +809,11 @@ class Reconciler:
                 f"(evotrainer approve {state.name}) or restore the folder",
             ) from None
         parent_scores = recorded_scores(self.ws, state.parent) if state.parent else None
-        result = diagnose(rollouts, steps, ctx.harness, parent_scores)
+        # The recorded comparison is the one the gate reuses: this version's committed scores.
+        result = diagnose(
+            rollouts, steps, ctx.harness, parent_scores,
+            scores=recorded_scores(self.ws, state.name),
+        )
         document = diagnosis_document(result, state.name)
         document["created_at"] = now_iso()
         alerts = ", ".join(a["name"] for a in result["alerts"]) or "none"
@@ -679,6 +843,10 @@ class Reconciler:
                 "Verdict": decision["verdict"],
             },
         )
+        try:  # the verdict on the tracker runs: a tracker's trouble never blocks the gate
+            log_gate(self.ws, state, ctx.states, decision)
+        except EvoError as err:
+            self.log(f"{state.name}: warning: the gate was not logged to the trackers: {err}")
 
     def _promote(self, ctx: Context, state: VersionState) -> None:
         decision = state.records["decision"]
@@ -702,13 +870,20 @@ class Reconciler:
         )
 
 
-def verify_artifacts(ws: Workspace, state: VersionState, only: tuple[str, ...] = ()) -> None:
-    """Check the sha256 of each artifact the run record names (all, or `only` those) before
-    anything is concluded from it: a file swapped or damaged under a recorded run is
-    refused, naming the file. The committed scores.csv is held to its recorded digest too."""
+def verify_artifacts(
+    ws: Workspace, state: VersionState, only: tuple[str, ...] = (), skip: tuple[str, ...] = ()
+) -> None:
+    """Check the sha256 of each artifact the run record names (all, or `only` those, less
+    `skip`) before anything is concluded from it: a file swapped or damaged under a recorded
+    run is refused, naming the file. The committed scores.csv is held to its recorded digest
+    too; a recorded policy (a directory) to its manifest digest, unless it was dropped."""
     run = state.records.get("run") or {}
     for kind, artifact in (run.get("artifacts") or {}).items():
-        if only and kind not in only or not artifact.get("digest"):
+        if only and kind not in only or kind in skip or not artifact.get("digest"):
+            continue
+        if kind == CHECKPOINT:
+            if not is_dropped(artifact):
+                verify_directory(ws.root / artifact["path"], artifact, state.name)
             continue
         if kind == "scores":
             data = ws.git.read(branch_name(state.name), run_path(state.name, "scores.csv"))

@@ -17,12 +17,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from evotrainer.errors import EvoError
 from evotrainer.store import recipe as recipes
 from evotrainer.store import specs
 from evotrainer.store.git import GitStore, branch_name
+from evotrainer.store.records import DecisionRecord, DiagnosisRecord, RunRecord
 
 PROJECT_FILE = "spec/project.yaml"
 STATE_DIR = ".evotrainer"
@@ -47,6 +46,21 @@ class VersionState:
     spec_source: str
     spec_raw: bytes | None
     records: dict[str, dict | None] = field(default_factory=dict)  # run/diagnosis/decision
+    # A record file present but unreadable (not YAML, an alias bomb, too large): the
+    # version is refused rather than read as never run and launched over it.
+    record_errors: dict[str, EvoError] = field(default_factory=dict)
+
+    @property
+    def run(self) -> RunRecord | None:
+        return RunRecord.from_record(self.records.get("run"))
+
+    @property
+    def diagnosis(self) -> DiagnosisRecord | None:
+        return DiagnosisRecord.from_record(self.records.get("diagnosis"))
+
+    @property
+    def decision(self) -> DecisionRecord | None:
+        return DecisionRecord.from_record(self.records.get("decision"))
 
     @property
     def parent(self) -> str | None:
@@ -112,6 +126,23 @@ class Workspace:
     def artifact_dir(self, name: str, job_id: str) -> Path:
         return self.artifact_root / name / job_id
 
+    def run_dir(self, name: str, run: dict) -> Path:
+        """The artifact dir a run record names, which must be the one reconcile gives this
+        version's job (inside the artifact root): a record edited on a branch cannot point
+        jobs, diagnosis or trackers at any other folder."""
+        recorded = (self.root / str(run.get("artifact_dir"))).resolve()
+        expected = self.artifact_dir(name, str(run.get("job_id"))).resolve()
+        if recorded != expected or not expected.is_relative_to(self.artifact_root.resolve()):
+            raise EvoError(
+                f"the run record of {name} names {run.get('artifact_dir')!r}, not its "
+                f"artifact folder {self.record_path(expected)}",
+                where=f"{branch_name(name)}:{run_path(name, 'run.yaml')}",
+                field="artifact_dir",
+                hint="a run's files live only in its own folder under the artifact root; "
+                "restore the record",
+            )
+        return recorded
+
     def harness_path(self, name: str) -> Path:
         return self.root / "harness_versions" / f"{name}.yaml"
 
@@ -146,11 +177,16 @@ class Workspace:
             source = f"{ref}:{version_spec_path(name)}"
             raw = blobs[(ref, version_spec_path(name))]
             state = VersionState(name, sha, None, source, raw)
-            spec = safe_yaml(raw)  # `validate` reports a broken spec; listing goes on
+            spec = safe_yaml(raw, source)  # `validate` reports a broken spec; listing goes on
             state.spec = spec if isinstance(spec, dict) else None
             for f in RECORD_FILES:
+                kind, where = f.removesuffix(".yaml"), f"{ref}:{run_path(name, f)}"
                 blob = blobs[(ref, run_path(name, f))]
-                state.records[f.removesuffix(".yaml")] = safe_yaml(blob)
+                try:
+                    state.records[kind] = load_record(blob, where)
+                except EvoError as err:
+                    state.records[kind] = None
+                    state.record_errors[kind] = err
             states[name] = state
         return states
 
@@ -215,10 +251,24 @@ class Workspace:
         return "approved" if recorded == current else "stale"
 
 
-def safe_yaml(blob: bytes | None) -> Any:
+def load_record(blob: bytes | None, source: str) -> dict | None:
+    """A record file's data (None when absent), read within the YAML bounds; EvoError when
+    it is not a readable mapping."""
+    if blob is None:
+        return None
+    data = specs.load_yaml(blob, source)
+    if not isinstance(data, dict):
+        raise EvoError("a record must be a mapping", where=source,
+                       hint="restore the record from the branch's history")
+    return data
+
+
+def safe_yaml(blob: bytes | None, source: str = "<yaml>") -> Any:
+    """The data of a YAML blob, or None when absent or unreadable (broken, an alias bomb,
+    too large): `validate` reports why, listing goes on."""
     if blob is None:
         return None
     try:
-        return yaml.load(blob, Loader=specs.SAFE_LOADER)
-    except (yaml.YAMLError, UnicodeDecodeError):
+        return specs.load_yaml(blob, source)
+    except EvoError:
         return None

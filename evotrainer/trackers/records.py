@@ -12,8 +12,7 @@ import pyarrow.compute as pc
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_steps
 from evotrainer.store import recipe as recipes
-from evotrainer.store.git import branch_name
-from evotrainer.store.workspace import VersionState, Workspace, run_path, version_spec_path
+from evotrainer.store.workspace import VersionState, Workspace, version_spec_path
 from evotrainer.trackers import RunIdentity, logger_names, open_trackers
 
 
@@ -56,20 +55,8 @@ def run_identity(
 
 
 def run_dir_of(ws: Workspace, state: VersionState, run: dict) -> Path:
-    """The run's artifact dir, which must be the one reconcile gives this version's job: a
-    record edited on a branch cannot point the trackers (an export replaces their files) at
-    any other folder."""
-    recorded = (ws.root / str(run.get("artifact_dir"))).resolve()
-    expected = ws.artifact_dir(state.name, str(run.get("job_id"))).resolve()
-    if recorded != expected or not expected.is_relative_to(ws.artifact_root.resolve()):
-        raise EvoError(
-            f"the run record of {state.name} names {run.get('artifact_dir')!r}, not its "
-            f"artifact folder {ws.record_path(expected)}",
-            where=f"{branch_name(state.name)}:{run_path(state.name, 'run.yaml')}",
-            field="artifact_dir",
-            hint="trackers write only inside the artifact root; restore the record",
-        )
-    return recorded
+    """The run's artifact dir, checked (`Workspace.run_dir`): trackers write only there."""
+    return ws.run_dir(state.name, run)
 
 
 @dataclass(frozen=True)

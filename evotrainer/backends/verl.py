@@ -166,8 +166,7 @@ class VerlBackend:
         return status
 
     def _local_status(self, job: JobSpec, files: JobFiles) -> JobStatus:
-        # A reconcile that died between spawning the job and writing job.json: adopt it.
-        record = read_json(files.root / JOB_FILE) or adopt_orphan(job)
+        record = read_json(files.root / JOB_FILE) or adopt_local_orphan(job, files)
         if record is None or record.get("job_id") != job.job_id:
             return JobStatus(JobState.UNKNOWN, "no such job")
         exit_text = _read_text(files.root / EXIT_FILE)
@@ -295,6 +294,17 @@ class VerlBackend:
             result["skipped"] = [f"{s.file}:{s.line} ({s.reason})" for s in skipped[:10]]
         return Collected(train_path, val_path, steps_path, scores_path, result,
                          checkpoint=policies.get(seeds[0]))
+
+
+def adopt_local_orphan(job: JobSpec, files: JobFiles) -> dict | None:
+    """A job spawned by a reconcile that died before writing job.json: `adopt_orphan` finds
+    it by its environment and writes the local backend's record (artifact_dir/job.json);
+    a verl job keeps its record under verl/, so it moves there."""
+    record = adopt_orphan(job)
+    if record is not None:
+        atomic_write(files.root / JOB_FILE, json.dumps(record, indent=2))
+        (job.artifact_dir / JOB_FILE).unlink(missing_ok=True)
+    return record
 
 
 def trained_policies(job: JobSpec, files: JobFiles) -> dict[int, Path]:

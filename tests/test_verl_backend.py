@@ -124,6 +124,7 @@ def test_local_job_end_to_end(tmp_path):
     shards = JobFiles(job.artifact_dir).checkpoint_dir(0) / f"global_step_{STEPS}" / "actor"
     assert f"--local_dir {shards} --target_dir {job.artifact_dir / 'checkpoint'}" in command
     collected = backend.collect(job)
+    assert collected.checkpoint == job.artifact_dir / "checkpoint"  # the one reconcile records
     assert collected.result["checkpoints"] == {
         "0": str(job.artifact_dir / "checkpoint"),
         "1": str(job.artifact_dir / "checkpoint-seed1"),

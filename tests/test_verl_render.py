@@ -12,7 +12,13 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from evotrainer.backends.verl_render import JobFiles, hydra_value, render_job, render_run
+from evotrainer.backends.verl_render import (
+    JobFiles,
+    entrypoint,
+    hydra_value,
+    render_job,
+    render_run,
+)
 from evotrainer.commands.render import register
 from evotrainer.errors import EvoError
 from evotrainer.store.recipe import BASE_RECIPE, deep_merge
@@ -299,3 +305,35 @@ def test_render_a_workspace_version(workspace, monkeypatch):
     result = CliRunner().invoke(render_app(), ["render", "v0"], catch_exceptions=False)
     assert "actor_rollout_ref.model.path=/models/qwen" in result.output.splitlines()
     assert str(workspace.artifact_root / "v0" / "evo-v0-a1-") in result.output
+
+
+def test_the_final_policy_is_saved_merged_and_continued_from(tmp_path):
+    files = JobFiles(tmp_path / "art")
+    steps = BASE_RECIPE["grpo"]["steps"]
+    _, runs = render({"seeds": [0, 7], "loggers": ["console", "tensorboard"]}, tmp_path)
+    cfg = compose_verl([o.hydra() for o in runs[0].overrides])
+    assert cfg.trainer.save_freq == steps  # verl saves at save_freq multiples: the last step
+    assert cfg.trainer.default_local_dir == str(files.checkpoint_dir(0))
+    assert list(cfg.trainer.logger) == ["console", "tensorboard", "file"]
+    assert runs[0].merge.shards == files.checkpoint_dir(0) / f"global_step_{steps}" / "actor"
+    assert [r.merge.target for r in runs] == [files.artifact_dir / "checkpoint",
+                                              files.artifact_dir / "checkpoint-seed7"]
+    command = entrypoint(runs, "python3")
+    assert command.count(" -m verl.trainer.main_ppo ") == 2
+    # Without save_freq the shards go once merged; with it they stay for resumption.
+    assert f"rm -rf {files.checkpoint_dir(0)}" in command
+
+    _, kept = render({"verl": {"save_freq": 5}}, tmp_path)
+    assert compose_verl([o.hydra() for o in kept[0].overrides]).trainer.save_freq == 5
+    assert "rm -rf" not in entrypoint(kept, "python3")
+    with pytest.raises(EvoError) as err:
+        render({"verl": {"save_freq": -1}}, tmp_path)
+    assert err.value.field == "verl.save_freq"
+    _, evaluate_only = render({"grpo": {"steps": 0}}, tmp_path)
+    assert evaluate_only[0].merge is None and "model_merger" not in entrypoint(
+        evaluate_only, "python3")
+
+    start = {"path": "/art/v1/job/checkpoint", "digest": "sha256:" + "0" * 64}
+    _, child = render({"model": {"init": "parent", "init_checkpoint": start}}, tmp_path)
+    values = {o.key: o.value for o in child[0].overrides}
+    assert values["actor_rollout_ref.model.path"] == start["path"]

@@ -7,7 +7,12 @@ from __future__ import annotations
 import json
 
 import git
+import pytest
 import yaml
+
+from evotrainer.control.gate import decide
+from evotrainer.control.reconcile import load_context
+from evotrainer.store.workspace import Workspace
 
 TINY = {
     "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1},
@@ -48,6 +53,16 @@ def test_init_propose_approve_reconcile_lineage(tmp_path, cli):
     assert rows["v0"]["status"] == "baseline" and rows["v0"]["on_main"]
     assert rows["v1"]["status"] in ("promote", "prune", "inconclusive")
     assert rows["v1"]["ci"] is not None and 0.0 <= rows["v1"]["score"] <= 1.0
+    # The verdict is the one the gate reaches again from what is recorded (scores on the
+    # branch, diagnosis, harness): whatever the tiny run learned, the decision follows it.
+    ws = Workspace(root)
+    ctx = load_context(ws)
+    recorded = ws.version("v1", ctx.states).records["decision"]
+    again = decide(ws, ctx.states, ctx.states["v1"], ctx.harness)
+    assert (again["verdict"], again["rule"], again["blocked_by"]) == (
+        recorded["verdict"], recorded["rule"], recorded["blocked_by"])
+    for key in ("delta", "ci_low", "ci_high"):
+        assert again["comparison"][key] == pytest.approx(recorded["comparison"][key], abs=1e-5)
     run = yaml.safe_load(repo.git.show("evo/v1:runs/v1/run.yaml"))
     assert run["state"] == "Succeeded" and run["result"]["steps_done"] == 3
     assert (root / run["artifact_dir"] / "rollouts" / "train.parquet").is_file()

@@ -61,9 +61,11 @@ def test_three_rounds_in_auto_mode_block_the_leak_then_close_it(tmp_path):
     assert v2["parent"] == "v0" and v2["intervention"]["skills"] == ["close-leak"]
     assert v2["approval"]["by"] == "evotrainer autonomy"
     assert rows["v2"].verdict == "promote" and not rows["v2"].alerts and rows["v2"].on_main
-    # Round 3 builds on the new frontier.
+    # Round 3 builds on the new frontier and trains as honestly as v2 (the same skill): no
+    # leak, and no significant difference, so it is neither promoted nor pruned.
     assert ws.version("v3").spec["parent"] == "v2"
-    assert rows["v3"].verdict is not None
+    assert not rows["v3"].alerts and rows["v3"].ci[0] <= 0 <= rows["v3"].ci[1]
+    assert rows["v3"].verdict == "inconclusive" and not rows["v3"].on_main
 
 
 def test_human_gated_stops_for_approval_and_budget_limits_approve(tmp_path):

@@ -29,12 +29,11 @@ class LineageRow:
 
 def status_of(state: VersionState, approval: str | None = None) -> str:
     """`approval` is `Workspace.approval_status` (only an approval that holds counts)."""
-    decision = state.records.get("decision") or {}
-    run = state.records.get("run") or {}
-    if decision.get("verdict"):
-        return decision["verdict"]
-    if run.get("state"):
-        return run["state"]
+    decision, run = state.decision, state.run
+    if decision is not None and decision.verdict:
+        return decision.verdict
+    if run is not None:
+        return run.state
     approval = approval or ("approved" if state.approved else "unapproved")
     return {"approved": "approved", "stale": "stale"}.get(approval, "proposed")
 
@@ -46,18 +45,16 @@ def lineage_rows(ws: Workspace, states: dict[str, VersionState] | None = None) -
     rows = []
     for name in tree_order(states):
         state = states[name]
-        decision = state.records.get("decision") or {}
-        run = state.records.get("run") or {}
-        diagnosis = state.records.get("diagnosis") or {}
-        comparison = decision.get("comparison") or {}
-        score = comparison.get("mean_b", (run.get("result") or {}).get("val_avg"))
+        decision, run, diagnosis = state.decision, state.run, state.diagnosis
+        comparison = (decision.comparison if decision else None) or {}
+        score = comparison.get("mean_b", run.result.get("val_avg") if run else None)
         ci = (comparison["ci_low"], comparison["ci_high"]) if "ci_low" in comparison else None
         rows.append(LineageRow(
             name=name, parent=state.parent,
             status=status_of(state, ws.approval_status(state, states) if state.spec else None),
             score=score, ci=ci,
-            delta=comparison.get("delta"), verdict=decision.get("verdict"),
-            alerts=[a.get("name", "?") for a in diagnosis.get("alerts") or []],
+            delta=comparison.get("delta"), verdict=decision.verdict if decision else None,
+            alerts=[a.get("name", "?") for a in diagnosis.alerts] if diagnosis else [],
             pruned=name in pruned,
             on_main=name in on_main,
         ))

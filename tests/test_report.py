@@ -54,10 +54,12 @@ def ws(tmp_path_factory) -> Workspace:
     reconcile runs for real with the stand-in engine (as in test_reconcile.py)."""
     from standin import StandinBackend, converge, propose
 
+    from evotrainer.backends import BACKEND_TYPES
+
     with pytest.MonkeyPatch.context() as mp:  # the `standin` fixture, at module scope
         mp.setenv("PYTHONPATH", os.pathsep.join(
             [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]))
-        mp.setattr("evotrainer.backends.get_backend", lambda *_, **__: StandinBackend())
+        mp.setitem(BACKEND_TYPES, "local", StandinBackend)  # what `version new` checks
         workspace = Workspace(init_workspace(tmp_path_factory.mktemp("report") / "ws", "arith"))
         propose(workspace, "v1", standin_skill=0.65)
         new_version(workspace, "v2", "v0", rationale=SCRIPT_RATIONALE,

@@ -18,6 +18,7 @@ import pytest
 import yaml
 from standin import StandinBackend, standin_settings
 
+from evotrainer.backends import BACKEND_TYPES
 from evotrainer.commands.init import init_workspace
 from evotrainer.control.reconcile import Reconciler
 from evotrainer.control.versions import approve, new_version
@@ -246,7 +247,7 @@ def recorded(tmp_path_factory) -> Workspace:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", os.pathsep.join(
             [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]))
-        patch.setattr("evotrainer.backends.get_backend", lambda *_, **__: StepsBackend())
+        patch.setitem(BACKEND_TYPES, "local", StepsBackend)  # what `version new` checks
         ws = Workspace(init_workspace(tmp_path_factory.mktemp("trackers") / "ws", "arith"))
         new_version(ws, "v1", "v0", rationale="more steps", settings=[
             *standin_settings(standin_skill=0.7), "seeds=[0, 1]", "grpo.steps=3"])
@@ -305,13 +306,28 @@ def test_export_to_mlflow_and_wandb_write_one_run_per_seed(recorded, mlflow_temp
 
 
 @pytest.mark.usefixtures("standin")  # `version new` checks the stand-in's recipe
-def test_export_to_a_directory_is_not_yet_and_unfinished_versions_are_refused(recorded, cli):
-    result = cli("-C", str(recorded.root), "export", "v1", "--to", "./policy")
-    assert result.code == 1 and "not available yet" in result.err
+def test_export_to_a_directory_writes_the_policy_once_and_unfinished_versions_are_refused(
+    recorded, cli, tmp_path
+):
+    target = tmp_path / "policy"
+    result = cli("-C", str(recorded.root), "export", "v1", "--to", str(target))
+    assert result.code == 0, result.output
+    assert "v1: trained policy →" in result.out
+    # The recorded policy's files, as the job wrote them, and a model card naming the version.
+    policy = recorded.root / recorded.version("v1").records["run"]["artifacts"]["checkpoint"][
+        "path"]
+    for name in ("config.json", "model.safetensors"):
+        assert (target / name).read_bytes() == (policy / name).read_bytes()
+    assert "v1" in (target / "README.md").read_text()
+    # A directory already written is never written into.
+    result = cli("-C", str(recorded.root), "export", "v1", "--to", str(target))
+    assert result.code == 1 and "not an empty directory" in result.err
     result = cli("-C", str(recorded.root), "export", "--to", "tensorboard")  # every trained one
     assert result.code == 0 and "v0: 1 seed(s)" in result.out and "v1: 2 seed(s)" in result.out
     new_version(recorded, "v2", "v1", rationale="never trained")
     result = cli("-C", str(recorded.root), "export", "v2", "--to", "tensorboard")
+    assert result.code == 1 and "no finished run" in result.err
+    result = cli("-C", str(recorded.root), "export", "v2", "--to", str(tmp_path / "v2"))
     assert result.code == 1 and "no finished run" in result.err
 
 

@@ -24,7 +24,13 @@ from typing import Any
 
 from evotrainer.domains.base import Demonstration, Score, Task
 from evotrainer.domains.data import DatasetDomain, require_text, stable_id
-from evotrainer.domains.sandbox import DockerSandbox, Limits, LocalSandbox, Sandbox
+from evotrainer.domains.sandbox import (
+    OFFLINE_IMAGE,
+    DockerSandbox,
+    Limits,
+    LocalSandbox,
+    Sandbox,
+)
 from evotrainer.errors import EvoError
 
 DEFAULT_TEMPLATE = (
@@ -136,7 +142,7 @@ def score_code(
 _SANDBOXES: dict[str, Sandbox] = {}
 
 
-def default_sandbox(executor: str = "local", image: str = "python:3.11-slim") -> Sandbox:
+def default_sandbox(executor: str = "local", image: str = OFFLINE_IMAGE) -> Sandbox:
     """One sandbox per executor and process (a Docker client is worth reusing)."""
     key = f"{executor}:{image}"
     if key not in _SANDBOXES:
@@ -150,7 +156,7 @@ class CodeDomain(DatasetDomain):
     default_params: dict[str, Any] = {
         "prompt_template": DEFAULT_TEMPLATE,
         "executor": "local",  # or "docker" (needs the docker SDK and a reachable daemon)
-        "docker_image": "python:3.11-slim",
+        "docker_image": OFFLINE_IMAGE,
         "cpu_seconds": 2.0,
         "wall_seconds": 6.0,
         "memory_mb": 512,

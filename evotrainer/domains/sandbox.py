@@ -566,6 +566,11 @@ def _classify(
     return result("runtime_error", f"{how}: {last}" if last else how)
 
 
+# Built offline from Debian's packages by scripts/swe-docker-image.sh (python3 and git);
+# no image registry is reachable, so nothing defaults to an image that must be pulled.
+OFFLINE_IMAGE = "evotrainer-swe:bookworm"
+
+
 class DockerSandbox:
     """The same interface, one throw-away container per run (`docker` SDK, daemon required).
 
@@ -573,11 +578,22 @@ class DockerSandbox:
     RLIMIT_FSIZE ulimits (stdout goes to a file, so the file limit caps it), a non-root user,
     the wall deadline (the container is killed and removed)."""
 
-    def __init__(self, image: str = "python:3.11-slim", client: object | None = None) -> None:
+    def __init__(self, image: str = OFFLINE_IMAGE, client: object | None = None) -> None:
         import docker  # optional dependency: only this class needs it
 
         self.image = image
         self.client = client or docker.from_env()
+
+    @staticmethod
+    def image_present(image: str = OFFLINE_IMAGE) -> bool:
+        """True when the daemon holds `image` (nothing is ever pulled: no registry here)."""
+        try:
+            import docker
+
+            docker.from_env(timeout=3).images.get(image)
+            return True
+        except Exception:  # no SDK, no daemon, no such image: all mean "not here"
+            return False
 
     @staticmethod
     def available() -> bool:
@@ -598,7 +614,7 @@ class DockerSandbox:
         start = time.monotonic()
         container = self.client.containers.create(
             self.image,
-            ["sh", "-c", "python -I -S -X utf8 main.py <stdin.txt >stdout.txt 2>stderr.txt"],
+            ["sh", "-c", "python3 -I -S -X utf8 main.py <stdin.txt >stdout.txt 2>stderr.txt"],
             working_dir="/tmp",
             user="65534:65534",
             network_disabled=True,

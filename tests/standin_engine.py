@@ -8,7 +8,10 @@ drawn from a seeded Bernoulli whose rate the test sets through `domain.params`:
 - `standin_disk_full` (a path): while that file exists, fail as a full disk does;
 - `standin_corrupt` (default false): write a val.parquet that is not Parquet;
 - `standin_step_s` (default 0): seconds per training step, each logged to train.log as the
-  engine does (`seed S step K: reward ...`): a job that runs long enough to watch or cancel.
+  engine does (`seed S step K: reward ...`): a job that runs long enough to watch or cancel;
+- `standin_flush` (default false): after each step, (atomically) rewrite
+  rollouts/train.parquet with the rows of the steps so far, as the engine flushes its
+  evidence: what a live look (and an early stop) reads while the job runs.
 
 Like the engine it writes its policy to `checkpoint/` (two small files whose bytes depend on
 the recipe) and, continuing from a parent (`model.init_checkpoint`), logs which one.
@@ -20,6 +23,7 @@ reconcile step after it (ingest, h0 diagnosis, paired bootstrap gate, git commit
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -53,6 +57,14 @@ def rows(version: str, split: str, steps: list[int], skill: float, leak: bool, s
     return out
 
 
+def flush(out: Path, train: list[dict]) -> None:
+    """The train rollouts so far, replaced whole as the engine does (never half written)."""
+    (out / "rollouts").mkdir(parents=True, exist_ok=True)
+    partial = out / "rollouts" / ".train.parquet.partial"
+    pq.write_table(pa.Table.from_pylist(train, ROLLOUT_SCHEMA), partial)
+    os.replace(partial, out / "rollouts" / "train.parquet")
+
+
 def main(recipe_file: str, out_dir: str, version: str) -> int:
     recipe = json.loads(Path(recipe_file).read_text())
     params = recipe["domain"].get("params") or {}
@@ -77,6 +89,8 @@ def main(recipe_file: str, out_dir: str, version: str) -> int:
             time.sleep(float(params.get("standin_step_s", 0)))
             log.write(f"2025-01-01 00:00:00 seed 0 step {step}: reward 0.500 kept 1.00\n")
             log.flush()
+            if params.get("standin_flush"):
+                flush(out, rows(version, "train", list(range(1, step + 1)), skill, leak, seed))
     (out / "rollouts").mkdir(parents=True, exist_ok=True)
     train = rows(version, "train", [1, 2, 3], skill, leak, seed)
     val = rows(version, "val", [recipe["grpo"]["steps"]], skill, False, seed + 1)

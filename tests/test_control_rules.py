@@ -102,3 +102,45 @@ def test_a_continuing_child_waits_for_its_parents_policy_and_reports_a_dropped_o
     assert waiting.action is None and "waiting for v0" in waiting.note
     dropped = decide_next(replace(child, parent_policy="error: v0's policy was dropped"))
     assert dropped.action is None and dropped.error == "v0's policy was dropped"
+
+
+STOP = {"rule": "leak", "alert": "leak", "reason": "rollouts leak", "step": 8, "steps": 200,
+        "rows": 768}
+
+
+def test_an_early_stop_stops_a_running_job_before_it_is_polled():
+    running = replace(DONE, run=replace(RUN, state="Running"), job=JobStatus(JobState.RUNNING),
+                      diagnosis=None, decision=None, live_stop=STOP)
+    decided = decide_next(running)
+    assert decided.action.kind == "stop" and decided.health == "Stopped"
+    assert decided.action.reason == "early stop leak at step 8 of 200: rollouts leak"
+    # Recorded Pending while the job already runs: stopped, not first polled.
+    assert kind(replace(running, run=replace(RUN, state="Pending"))) == "stop"
+    # A job that finished meanwhile is collected and gated as usual.
+    assert kind(replace(running, job=JobStatus(JobState.SUCCEEDED))) == "collect"
+    # A failed live look is shown; the job keeps running.
+    failed_look = decide_next(replace(running, live_stop=None, live_error="ArrowInvalid: torn"))
+    assert failed_look.action is None
+    assert failed_look.note == "job running; live diagnosis failed: ArrowInvalid: torn"
+
+
+def test_a_stopped_run_goes_to_its_verdict_and_a_job_left_running_is_cancelled_again():
+    stopped = replace(DONE, run=replace(RUN, state="Stopped"), stopped=STOP, on_main=False,
+                      diagnosis=DiagnosisRecord("h0", "H"),
+                      decision=DecisionRecord("prune", "stopped early", "H"))
+    # No final scores: never collected, diagnosed, re-diagnosed or re-gated, even under a
+    # harness changed since.
+    assert kind(stopped) == "prune"
+    assert kind(replace(stopped, harness_digest="NEW", diagnosis=DiagnosisRecord("h0", "H"),
+                        decision=DecisionRecord("prune", "", "H"))) == "prune"
+    done = decide_next(replace(stopped, pruned=True))
+    assert done.action is None and done.health == "Stopped"
+    assert done.note == "stopped early by alert leak at step 8 of 200; done: prune"
+    assert kind(replace(stopped, pruned=True, evidence_pending=True)) == "evidence"
+    # A pass died between the stop's commit and the cancel: the job is cancelled first,
+    # never followed as an active job, nor stopped by a live look again.
+    alive = replace(stopped, job=JobStatus(JobState.RUNNING))
+    assert kind(alive) == "stop" and "still running" in decide_next(alive).action.reason
+    assert decide_next(replace(alive, live_stop=STOP)).action.reason == (
+        "the stopped job is still running")
+    assert kind(replace(stopped, job=JobStatus(JobState.FAILED, "killed"))) == "prune"

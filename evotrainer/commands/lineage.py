@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.tree import Tree
 
-from evotrainer.control.lineage import LineageRow, lineage_rows
+from evotrainer.control.lineage import LineageRow, lineage_rows, stopped_text
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import safe
 
@@ -20,6 +20,7 @@ STATUS_STYLE = {
     "baseline": "cyan",
     "Failed": "red",
     "Running": "blue",
+    "Stopped": "red",
     "proposed": "dim",
     "stale": "magenta",
 }
@@ -32,6 +33,8 @@ def describe(row: LineageRow) -> str:
         parts.append(f"avg@k {row.score:.3f}")
     if row.delta is not None and row.ci is not None:
         parts.append(f"Δ {row.delta:+.3f} [{row.ci[0]:+.3f}, {row.ci[1]:+.3f}]")
+    if row.stopped is not None:
+        parts.append(f"[red]{safe(stopped_text(row.stopped))}[/]")
     if row.alerts:
         parts.append("[red]alerts: " + safe(", ".join(row.alerts)) + "[/]")
     if row.pruned:

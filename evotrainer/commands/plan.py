@@ -20,6 +20,7 @@ HEALTH_STYLE = {
     "Failed": "red",
     "Stalled": "red",
     "Cancelled": "yellow",
+    "Stopped": "red",
 }
 
 

@@ -12,14 +12,18 @@ from dataclasses import dataclass
 from difflib import SequenceMatcher
 
 from evotrainer.backends import Backends
-from evotrainer.backends.base import Backend, JobSpec, JobState
-from evotrainer.control.reconcile import Context, job_for, load_context, record_text
+from evotrainer.backends.base import Backend, JobSpec
+from evotrainer.control.reconcile import (
+    LIVE_JOB_STATES,
+    Context,
+    job_for,
+    load_context,
+    record_text,
+)
 from evotrainer.errors import EvoError
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import branch_name
 from evotrainer.store.workspace import VersionState, Workspace, run_path
-
-LIVE = (JobState.PENDING, JobState.RUNNING, JobState.STALLED)  # `logs -f` follows these
 
 
 @dataclass
@@ -82,7 +86,7 @@ def follow_logs(
     """The job's log lines as they come, until the job has finished (then the last ones)."""
     backend, shown = current.backend, []
     while True:
-        finished = backend.status(current.job).state not in LIVE
+        finished = backend.status(current.job).state not in LIVE_JOB_STATES
         lines = backend.logs(current.job, tail=window).splitlines()
         # Lines new since the last look; the window slides and logs may be concatenated.
         for tag, _, _, first, last in SequenceMatcher(

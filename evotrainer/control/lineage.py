@@ -22,6 +22,8 @@ class LineageRow:
     alerts: list[str]
     pruned: bool
     on_main: bool
+    # an early stop: {rule, alert, step, steps, ...} of the Stopped run (its verdict: prune)
+    stopped: dict | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -57,8 +59,22 @@ def lineage_rows(ws: Workspace, states: dict[str, VersionState] | None = None) -
             alerts=[a.get("name", "?") for a in diagnosis.alerts] if diagnosis else [],
             pruned=name in pruned,
             on_main=name in on_main,
+            stopped=(state.records.get("run") or {}).get("stopped") if run else None,
         ))
     return rows
+
+
+def stop_progress(stop: dict) -> str:
+    """`step 8 of 200` from an early stop."""
+    return f"step {stop.get('step')} of {stop.get('steps', '?')}"
+
+
+def stopped_text(stop: dict | None) -> str:
+    """How a stopped run is shown: `stopped early by alert leak at step 8 of 200`."""
+    if not stop:
+        return "stopped early"
+    by = f"alert {stop['alert']}" if stop.get("alert") else f"rule {stop.get('rule')}"
+    return f"stopped early by {by} at {stop_progress(stop)}"
 
 
 def tree_order(states: dict[str, VersionState]) -> list[str]:

@@ -8,7 +8,11 @@ repaired by the next one:
 - a run record (state Pending, deterministic job id) is committed *before* the launch, and
   the backend adopts a job it already knows instead of launching it again;
 - records are written in one commit each (plumbing: no half-written file is ever committed);
-- promotion merges into `main`, pruning tags `pruned/<v>`; nothing is deleted.
+- promotion merges into `main`, pruning tags `pruned/<v>`; nothing is deleted;
+- an early stop (a harness `early_stop` rule holding over a running job's live diagnosis)
+  commits the stopped run, its diagnosis and its prune decision in one commit, then cancels
+  the job: a pass that died in between finds the Stopped run's job still alive and cancels
+  it again (the records are never written twice).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from evotrainer.agent.skills import pending_evidence, record_evidence
 from evotrainer.backends import Backends
 from evotrainer.backends.base import Backend, JobSpec, JobState, JobStatus, job_id
 from evotrainer.control.gate import decide, recorded_scores
-from evotrainer.control.lineage import tree_order
+from evotrainer.control.lineage import stop_progress, stopped_text, tree_order
+from evotrainer.control.live import observe_running, stop_records
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
 from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
 from evotrainer.errors import EvoError
@@ -48,6 +53,9 @@ from evotrainer.store.validation import Validation, check_workspace, job_env
 from evotrainer.store.workspace import VersionState, Workspace, run_path
 from evotrainer.trackers.records import log_gate, run_identity
 
+# The job states in which a job still runs (or will): what an early stop cancels.
+LIVE_JOB_STATES = (JobState.PENDING, JobState.RUNNING, JobState.STALLED)
+
 # What a version's action may fail with and still leave the other versions to proceed.
 VERSION_ERRORS = (EvoError, OSError, git.GitCommandError)
 
@@ -57,8 +65,8 @@ FAULT_ENV = "EVOTRAINER_FAULT_AFTER"
 
 @dataclass
 class Action:
-    # approve | launch | poll | collect | diagnose | rediagnose | gate | promote | prune |
-    # evidence | retry | fail: each applied by the Reconciler method of the same name
+    # approve | launch | poll | stop | collect | diagnose | rediagnose | gate | promote |
+    # prune | evidence | retry | fail: each applied by the Reconciler method of the same name
     kind: str
     reason: str
 
@@ -188,7 +196,10 @@ class Observed:
     auto_approvable: bool = False
     slot_free: bool = True
     max_attempts: int = 2
-    job: JobStatus | None = None  # only for a run still active
+    job: JobStatus | None = None  # only for a run still active, or Stopped and not yet pruned
+    live_stop: dict | None = None  # the early stop the running job's live diagnosis decided
+    live_error: str | None = None  # why the live diagnosis failed (the job keeps running)
+    stopped: dict | None = None  # a Stopped run's `stopped`: the rule, alert and step
     parent: str | None = None
     parent_run_state: str | None = None
     parent_diagnosed: bool = True
@@ -229,14 +240,19 @@ def observe(ctx: Context, state: VersionState) -> Observed:
     approval = ctx.ws.approval_status(state, ctx.states)
     parent = ctx.states.get(state.parent) if state.parent else None
     parent_run = parent.run if parent else None
-    job = None
-    if run is not None and run.active:
+    verdict = decision.verdict if decision else None
+    pruned = verdict == "prune" and state.name in ctx.ws.git.tags(PRUNED_TAG_PREFIX)
+    job, live_stop, live_error = None, None, None
+    # A Stopped run's job is asked about until the version is pruned: a pass that died
+    # between the stop's commit and the cancel left it running.
+    if run is not None and (run.active or run.state == "Stopped" and not pruned):
         job = ctx.backend(run.backend).status(job_for(ctx, state, state.records["run"]))
+    if job is not None and run.active and job.state is JobState.RUNNING:
+        live_stop, live_error = _live_stop(ctx, state)
     recipe = ctx.ws.resolved_recipe(state.name, ctx.states)
     parent_policy = None
     if parent is not None and init_mode(recipe) == "parent":
         parent_policy = _parent_policy_gap(parent.name, parent_run)
-    verdict = decision.verdict if decision else None
     return Observed(
         name=state.name,
         run=run,
@@ -248,6 +264,9 @@ def observe(ctx: Context, state: VersionState) -> Observed:
         slot_free=_slot_free(ctx),
         max_attempts=int(ctx.ws.project.get("max_attempts", 2)),
         job=job,
+        live_stop=live_stop,
+        live_error=live_error,
+        stopped=(state.records["run"] or {}).get("stopped") if run is not None else None,
         parent=parent.name if parent else None,
         parent_run_state=parent_run.state if parent_run else None,
         parent_diagnosed=parent is None or parent.diagnosis is not None,
@@ -257,10 +276,26 @@ def observe(ctx: Context, state: VersionState) -> Observed:
         harness_name=ctx.harness.name,
         harness_digest=ctx.harness.digest,
         on_main=verdict in ("promote", "baseline") and _on_main(ctx, state),
-        pruned=verdict == "prune" and state.name in ctx.ws.git.tags(PRUNED_TAG_PREFIX),
+        pruned=pruned,
         evidence_pending=decision is not None
         and bool(pending_evidence(ctx.ws, state.name, state.records["decision"], ctx.states)),
     )
+
+
+def _live_stop(ctx: Context, state: VersionState) -> tuple[dict | None, str | None]:
+    """(the early stop decided for the running job, or None; why the live look failed, or
+    None). Whatever goes wrong reading or diagnosing evidence that is still being written
+    (a torn file, a harness rule erring on partial data) must never stop reconcile nor the
+    job: it becomes the plan's note, and the full diagnosis after collect decides."""
+    try:
+        view = observe_running(
+            ctx.ws, state, state.records["run"], ctx.harness, job_recipe(ctx, state)
+        )
+    except EvoError as err:
+        return None, err.message
+    except Exception as err:  # noqa: BLE001 — see above: any failure is reported, not raised
+        return None, f"{err.__class__.__name__}: {err}"
+    return view.stop, None
 
 
 def _parent_policy_gap(parent: str, parent_run: RunRecord | None) -> str | None:
@@ -297,7 +332,7 @@ def rule_not_run(o: Observed) -> VersionPlan | None:
 
 
 def rule_active_job(o: Observed) -> VersionPlan | None:
-    if o.run is None or o.job is None:
+    if o.run is None or o.job is None or not o.run.active:
         return None
     job, health = o.job, o.run.state
     if job.state is JobState.SUCCEEDED:
@@ -312,13 +347,39 @@ def rule_active_job(o: Observed) -> VersionPlan | None:
         return o.plan(Action("fail", why), health="Failed")
     if job.state.value != health:
         return o.plan(Action("poll", f"job is {job.state.value}"), health=job.state.value)
-    return o.plan(note=f"job {job.state.value.lower()}{progress_text(job)}")
+    note = f"job {job.state.value.lower()}{progress_text(job)}"
+    if o.live_error:
+        note += f"; live diagnosis failed: {o.live_error}"
+    return o.plan(note=note)
+
+
+def rule_early_stop(o: Observed) -> VersionPlan | None:
+    """A rule of the harness's `early_stop` holds over the running job's evidence so far."""
+    stop = o.live_stop
+    job_running = o.job is not None and o.job.state is JobState.RUNNING
+    if stop is None or o.run is None or not o.run.active or not job_running:
+        return None
+    return o.plan(Action("stop", f"early stop {stop['rule']} at {stop_progress(stop)}: "
+                         f"{stop['reason']}"), health="Stopped")
 
 
 def rule_cancelled(o: Observed) -> VersionPlan | None:
     if o.run is None or o.run.state != "Cancelled":
         return None
     return o.plan(note=f"cancelled ({o.run.detail}); `evotrainer retry {o.name}` relaunches it")
+
+
+def rule_stopped(o: Observed) -> VersionPlan | None:
+    """A run stopped early has no final scores: nothing to collect, diagnose or gate; its
+    prune decision was committed with it, so the verdict's actions follow."""
+    if o.run is None or o.run.state != "Stopped":
+        return None
+    if o.job is not None and o.job.state in LIVE_JOB_STATES:
+        return o.plan(Action("stop", "the stopped job is still running"))
+    decided = rule_verdict(o)
+    if decided.action is None:
+        decided.note = f"{stopped_text(o.stopped)}; {decided.note}"
+    return decided
 
 
 def rule_failed(o: Observed) -> VersionPlan | None:
@@ -379,8 +440,10 @@ def rule_verdict(o: Observed) -> VersionPlan | None:
 RULES: tuple[Callable[[Observed], VersionPlan | None], ...] = (
     rule_drift_reapproved,
     rule_not_run,
+    rule_early_stop,
     rule_active_job,
     rule_cancelled,
+    rule_stopped,
     rule_failed,
     rule_drifted,
     rule_diagnose,
@@ -843,10 +906,43 @@ class Reconciler:
                 "Verdict": decision["verdict"],
             },
         )
-        try:  # the verdict on the tracker runs: a tracker's trouble never blocks the gate
+        self._log_verdict(ctx, state, decision)
+
+    def _log_verdict(self, ctx: Context, state: VersionState, decision: dict) -> None:
+        """The verdict on the tracker runs: a tracker's trouble never blocks the gate."""
+        try:
             log_gate(self.ws, state, ctx.states, decision)
         except EvoError as err:
             self.log(f"{state.name}: warning: the gate was not logged to the trackers: {err}")
+
+    def _stop(self, ctx: Context, state: VersionState) -> None:
+        """Early stop: commit the stopped run, the live diagnosis and the prune decision in
+        one commit, then cancel the job. Recording first (as `evotrainer cancel` does) means
+        no pass ever reads the killed job as a failure to retry; a crash before the cancel
+        leaves a Stopped run whose job still runs, and the next pass only cancels it."""
+        run = state.records["run"]
+        if run["state"] != "Stopped":
+            view = observe_running(self.ws, state, run, ctx.harness, job_recipe(ctx, state))
+            records = stop_records(state, run, ctx.harness, view)
+            self.ws.git.commit_files(
+                branch_name(state.name),
+                {
+                    run_path(state.name, "run.yaml"): record_text("run", records.run).encode(),
+                    run_path(state.name, "diagnosis.yaml"): record_text(
+                        "diagnosis", records.diagnosis).encode(),
+                    run_path(state.name, "decision.yaml"): record_text(
+                        "decision", records.decision).encode(),
+                },
+                records.message,
+                records.trailers,
+            )
+            self.boundary()
+        ctx.backend(run["backend"]).cancel(job_for(ctx, state, run))
+        if run["state"] != "Stopped":
+            stopped = replace(state, records={**state.records, "run": records.run,
+                                              "diagnosis": records.diagnosis,
+                                              "decision": records.decision})
+            self._log_verdict(ctx, stopped, records.decision)
 
     def _promote(self, ctx: Context, state: VersionState) -> None:
         decision = state.records["decision"]

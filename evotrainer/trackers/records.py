@@ -146,7 +146,11 @@ def log_gate(
     run = state.records.get("run") or {}
     if not run.get("artifact_dir"):
         return  # never launched: no tracker run to add to
-    loggers = logger_names(ws.resolved_recipe(state.name, states), where=state.spec_source)
+    # Without `emit` the console logger is left out: reconcile prints the gate's own line,
+    # and a summary on stderr would say it twice.
+    loggers = [name for name in logger_names(ws.resolved_recipe(state.name, states),
+                                             where=state.spec_source)
+               if name != "console" or emit is not None]
     identity = run_identity(ws, state, states)
     summary = gate_summary(decision, state.records.get("diagnosis"))
     result = run.get("result") or {}

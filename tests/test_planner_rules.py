@@ -127,9 +127,11 @@ def test_no_trigger_proposes_the_default_and_an_unexplained_prune_a_harness_metr
 
     result = propose(workspace, "rules", 2)
     steps = workspace.resolved_recipe("v1")["grpo"]["steps"]
+    # More training continues v1's recorded policy rather than retraining twice the steps.
     assert [p.settings for p in result.proposals] == [
-        [f"grpo.steps={2 * steps}"], ["seeds=[0, 1]"]]
+        ['model.init="parent"', f"grpo.steps={steps}"], ["seeds=[0, 1]"]]
     assert result.proposals[0].rationale.startswith("No skill trigger fired on v1")
+    assert f"continue v1's policy for {steps} more steps" in result.proposals[0].rationale
     [harness] = result.harness
     assert harness.name == "h1" and harness.document["parent"] == "h0"
     added = {m["name"] for m in harness.document["metrics"]} - {
@@ -143,5 +145,43 @@ def test_no_trigger_proposes_the_default_and_an_unexplained_prune_a_harness_metr
     # The defaults are not proposed twice; neither is the metric.
     again = propose(workspace, "rules", 2)
     assert not again.harness
-    assert all(p.settings not in ([f"grpo.steps={2 * steps}"], ["seeds=[0, 1]"])
+    assert all(p.settings not in (['model.init="parent"', f"grpo.steps={steps}"],
+                                  ["seeds=[0, 1]"])
                for p in again.proposals)
+
+
+def test_more_training_continues_the_frontiers_policy_and_a_seed_rerun_does_not(workspace):
+    """After a promotion with no trigger, "more training" continues the frontier's recorded
+    policy for its steps again; the continued child really starts from those weights, and
+    from a continuation the second-seed default is trained from the base, not continued."""
+    train(workspace, "v1", standin_skill=0.65)
+    converge(workspace)
+    steps = workspace.resolved_recipe("v1")["grpo"]["steps"]
+    [more] = propose(workspace, "rules", 1).proposals
+    assert more.settings == ['model.init="parent"', f"grpo.steps={steps}"]
+    new_version(workspace, "v3", "v1", rationale="continued",
+                settings=[*more.settings, *standin_settings(standin_skill=0.9)])
+    approve(workspace, "v3", by="tester")
+    converge(workspace)
+    v1_policy = workspace.version("v1").records["run"]["artifacts"]["checkpoint"]
+    log = workspace.root / workspace.version("v3").records["run"]["artifact_dir"] / "train.log"
+    assert (f"continuing from {workspace.root / v1_policy['path']} {v1_policy['digest']}"
+            in log.read_text())
+    assert View.load(workspace).frontier() == "v3"
+
+    proposals = RulesPlanner().propose(View.load(workspace), 6).proposals
+    defaults = [p for p in proposals if p.proposal.get("default")]  # after any fired skill
+    assert [p.settings for p in defaults] == [
+        ['model.init="parent"', f"grpo.steps={steps}"], ['model.init="base"', "seeds=[0, 1]"]]
+    assert "trained from the base" in defaults[1].rationale
+
+
+def test_more_training_retrains_from_the_base_when_the_frontiers_policy_was_dropped(workspace):
+    train(workspace, "v1", standin_skill=0.65)
+    converge(workspace)
+    view = View.load(workspace)
+    view.states["v1"].records["run"]["artifacts"]["checkpoint"]["dropped"] = {
+        "at": "2026-01-01T00:00:00Z", "reason": "retention"}
+    steps = workspace.resolved_recipe("v1")["grpo"]["steps"]
+    [more] = RulesPlanner().propose(view, 1).proposals
+    assert more.settings == [f"grpo.steps={2 * steps}"]

@@ -26,7 +26,7 @@ def test_score_planner_trains_the_root_then_hill_climbs_with_momentum(workspace)
     # From the new frontier, in the fixed order; no skill, no token, no diagnosis read.
     assert [p.parent for p in result.proposals] == ["v1"] * 3
     assert [p.settings for p in result.proposals] == [
-        ["grpo.steps=300"], ["grpo.lr=0.0006"], ["grpo.lr=0.00015"]]
+        ['model.init="parent"', "grpo.steps=150"], ["grpo.lr=0.0006"], ["grpo.lr=0.00015"]]
     assert all(not p.skills and p.proposal["tokens"] == 0 for p in result.proposals)
 
     # A promoted lr_up move is repeated first from its own version (momentum).

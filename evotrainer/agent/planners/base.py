@@ -22,6 +22,7 @@ from evotrainer.control.lineage import tree_order
 from evotrainer.control.versions import new_version, parse_assignment
 from evotrainer.diagnosis.harness import HarnessRevision, parse_harness, resolve_harness
 from evotrainer.errors import EvoError
+from evotrainer.store.checkpoints import CHECKPOINT, is_dropped
 from evotrainer.store.git import PRUNED_TAG_PREFIX
 from evotrainer.store.recipe import canonical_json, set_dotted
 from evotrainer.store.workspace import VersionState, Workspace
@@ -109,6 +110,15 @@ class View:
 
     def run_state(self, name: str) -> str | None:
         return (self.states[name].records.get("run") or {}).get("state")
+
+    def has_policy(self, name: str) -> bool:
+        """Trained, with its policy recorded and not dropped: a child can continue it
+        (`model.init: parent`)."""
+        state = self.states[name]
+        run = state.records.get("run") or {}
+        artifact = (run.get("artifacts") or {}).get(CHECKPOINT)
+        return (state.spec.get("train") is not False and run.get("state") == "Succeeded"
+                and bool(artifact) and not is_dropped(artifact))
 
     def failed(self, name: str) -> bool:
         """Did not beat its parent: pruned, reverted, inconclusive, or the job failed."""

@@ -51,6 +51,7 @@ from evotrainer.diagnosis.replay import (
     version_rollouts,
 )
 from evotrainer.errors import EvoError
+from evotrainer.store.checkpoints import init_mode
 
 # Fix what makes the score untrustworthy first, then measurement artifacts, then the rest
 # in the library's evidence order.
@@ -342,16 +343,35 @@ class RulesPlanner:
                             (3, False, 0, -1) if view.children(frontier) else (-2, False, 0, 0)))
         else:
             steps = recipe["grpo"]["steps"]
-            options.append(([f"grpo.steps={2 * steps}"],
-                            f"{why}; the most promising default is more training: {steps} → "
-                            f"{2 * steps} steps on {frontier}'s recipe.",
-                            f"If {frontier} trains for {2 * steps} steps instead of {steps}, "
-                            "then Avg@k rises, because the score was still moving.",
-                            (3, False, 0, 0)))
+            if view.has_policy(frontier):
+                # Continue the frontier's recorded policy: retraining 2×steps from the base
+                # would have to win back the frontier's whole gain before it adds anything.
+                # `model.init: parent` is inherited, so a promoted continuation's own
+                # "more training" child continues again.
+                options.append(([f"model.init={json.dumps('parent')}", f"grpo.steps={steps}"],
+                                f"{why}; the most promising default is more training: continue "
+                                f"{frontier}'s policy for {steps} more steps instead of "
+                                f"retraining {2 * steps} from the base.",
+                                f"If {frontier}'s policy trains for {steps} more steps, then "
+                                "Avg@k rises over it, because the score was still moving.",
+                                (3, False, 0, 0)))
+            else:
+                options.append(([f"grpo.steps={2 * steps}"],
+                                f"{why}; the most promising default is more training: {steps} "
+                                f"→ {2 * steps} steps on {frontier}'s recipe.",
+                                f"If {frontier} trains for {2 * steps} steps instead of {steps}, "
+                                "then Avg@k rises, because the score was still moving.",
+                                (3, False, 0, 0)))
             seeds = list(recipe.get("seeds") or [0])
-            options.append(([f"seeds={json.dumps([*seeds, max(seeds) + 1])}"],
+            # A seed rerun repeats the frontier's own training; it must not continue from it.
+            rerun = ([f"model.init={json.dumps('base')}"]
+                     if init_mode(recipe) == "parent" else [])
+            options.append(([*rerun, f"seeds={json.dumps([*seeds, max(seeds) + 1])}"],
                             f"{why}; a second seed on {frontier}'s recipe measures the seed "
-                            "spread before any further intervention is believed.",
+                            "spread before any further intervention is believed"
+                            + (" (trained from the base: a child cannot repeat "
+                               f"{frontier}'s continuation of its own parent)." if rerun
+                               else "."),
                             f"If {frontier} is rerun with another seed, then its Avg@k holds "
                             "within the CI, because its gain was real and not seed noise.",
                             (3, False, 0, 1)))
@@ -429,6 +449,7 @@ class RulesPlanner:
 
 
 # ---- helpers ---------------------------------------------------------------------------
+
 
 
 def _with_metric(base: dict, entry: dict, name: str) -> dict:

@@ -26,32 +26,40 @@ from evotrainer.agent.planners.base import PlannerResult, Proposal, View, overri
 
 @dataclass(frozen=True)
 class Move:
-    """One step in the search space: a name and the settings it gives a recipe."""
+    """One step in the search space: a name and the settings it gives a recipe (and whether
+    the frontier's policy is recorded, so the move may continue it)."""
 
     name: str
     describe: str
-    settings: Callable[[dict[str, Any]], list[str]]
+    settings: Callable[[dict[str, Any], bool], list[str]]
 
 
 def _grpo(recipe: dict[str, Any], key: str) -> Any:
     return recipe["grpo"][key]
 
 
+def _more_steps(recipe: dict[str, Any], continues: bool) -> list[str]:
+    """Twice the training: the frontier's steps again on top of its recorded policy, or
+    twice its steps from the base when there is none to continue."""
+    steps = _grpo(recipe, "steps")
+    return ['model.init="parent"', f"grpo.steps={steps}"] if continues \
+        else [f"grpo.steps={2 * steps}"]
+
+
 MOVES: tuple[Move, ...] = (
-    Move("steps_up", "twice the GRPO steps",
-         lambda r: [f"grpo.steps={2 * _grpo(r, 'steps')}"]),
+    Move("steps_up", "twice the GRPO steps", _more_steps),
     Move("lr_up", "twice the learning rate",
-         lambda r: [f"grpo.lr={2 * _grpo(r, 'lr'):.3g}"]),
+         lambda r, _: [f"grpo.lr={2 * _grpo(r, 'lr'):.3g}"]),
     Move("lr_down", "half the learning rate",
-         lambda r: [f"grpo.lr={_grpo(r, 'lr') / 2:.3g}"]),
+         lambda r, _: [f"grpo.lr={_grpo(r, 'lr') / 2:.3g}"]),
     Move("temperature_up", "a hotter sampling temperature (+0.3)",
-         lambda r: [f"grpo.temperature={round(_grpo(r, 'temperature') + 0.3, 2)}"]),
+         lambda r, _: [f"grpo.temperature={round(_grpo(r, 'temperature') + 0.3, 2)}"]),
     Move("group_up", "twice the group size",
-         lambda r: [f"grpo.group_size={2 * _grpo(r, 'group_size')}"]),
+         lambda r, _: [f"grpo.group_size={2 * _grpo(r, 'group_size')}"]),
     Move("length_up", "twice the response length budget",
-         lambda r: [f"grpo.max_response_tokens={2 * _grpo(r, 'max_response_tokens')}"]),
+         lambda r, _: [f"grpo.max_response_tokens={2 * _grpo(r, 'max_response_tokens')}"]),
     Move("temperature_down", "a colder sampling temperature (-0.3)",
-         lambda r: [f"grpo.temperature={max(0.1, round(_grpo(r, 'temperature') - 0.3, 2))}"]),
+         lambda r, _: [f"grpo.temperature={max(0.1, round(_grpo(r, 'temperature') - 0.3, 2))}"]),
 )
 MOVES_BY_NAME = {m.name: m for m in MOVES}
 
@@ -79,10 +87,11 @@ class ScorePlanner:
             return result
         recipe = view.ws.resolved_recipe(frontier, view.states)
         tried = view.tried_overrides(frontier)
+        continues = view.has_policy(frontier)
         for move in self._order(view, frontier):
             if len(result.proposals) >= max_proposals:
                 break
-            settings = move.settings(recipe)
+            settings = move.settings(recipe, continues)
             overrides = overrides_key(settings)
             if overrides in tried:
                 continue

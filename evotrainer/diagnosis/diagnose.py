@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -29,8 +29,16 @@ from evotrainer.evidence.io import (
     val_scores,
 )
 
-if TYPE_CHECKING:
-    from evotrainer.diagnosis.incremental import Increment
+
+class Increment(Protocol):
+    """What a diagnosis asks of an incremental pass (diagnosis/incremental.py builds one):
+    a metric's value and series from carried partials, or None to compute it in full."""
+
+    def metric(
+        self, metric: Metric, rows: pa.Table, view: pa.Table, timeout_s: float, memory_limit: str
+    ) -> tuple[float | None, list[list[float]]] | None: ...
+
+    def close(self) -> None: ...
 
 ROLLOUT_ID_SQL = "concat_ws('/', version, seed, split, step, group_id, sample_idx) AS id"
 

@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 
 from evotrainer import API_VERSION
+from evotrainer.agent.skills import skill_overrides
 from evotrainer.errors import EvoError
 from evotrainer.store import specs
 from evotrainer.store.clock import now_iso
@@ -59,7 +60,7 @@ def new_version(
             hint="pick a new name; versions are never overwritten",
         )
     ws.version(parent, states)  # the parent must exist and have a readable spec
-    overrides: dict = {}
+    paths = []
     for skill in skills:
         path = ws.skill_path(skill)
         if not path.is_file():
@@ -68,9 +69,10 @@ def new_version(
                 field="--skill",
                 hint=f"known skills: {', '.join(ws.skill_names()) or 'none'}",
             )
-        doc = specs.load(path, "Skill", source=f"skills/{skill}.yaml").data
-        overrides = deep_merge(overrides, doc["mechanism"].get("recipe_patch") or {},
-                               keep_nulls=True)
+        paths.append(path)
+    # A skill may patch each domain its own way (close-leak: toolenv's tool, swe's history).
+    domain = ws.resolved_recipe(parent, states)["domain"]["name"]
+    overrides = skill_overrides(paths, domain)
     for setting in settings:
         key, value = parse_assignment(setting)
         set_dotted(overrides, key, value)

@@ -159,8 +159,9 @@ def measure(ws: Workspace, setup: str, planner: str, seed: int, seconds: float) 
     leaky_promoted = []
     for name in order:
         state = states[name]
-        recipe = ws.resolved_recipe(name, states)
-        spent += 0 if state.spec.get("train") is False else recipe["grpo"]["steps"]
+        # The steps the run really trained (an early-stopped run spends fewer than its recipe
+        # asks), every attempt included: the unit `max_total_steps` budgets.
+        spent += state.run.steps_spent if state.run else 0
         verdict = state.records["decision"]["verdict"]
         leak = leaky(ws, name)
         vs_base = compare_tables(baseline, recorded_scores(ws, name))

@@ -66,7 +66,7 @@ def register(app: typer.Typer) -> None:
             return
         names = versions or [
             name for name, state in states.items()
-            if (state.records.get("run") or {}).get("state") == "Succeeded"
+            if state.run and state.run.succeeded
         ]
         if not names:
             raise EvoError("no version has a finished run yet",

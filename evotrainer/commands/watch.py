@@ -22,7 +22,6 @@ from evotrainer.errors import EvoError
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import console, safe
 
-ACTIVE = ("Pending", "Running", "Stalled")
 SEVERITY_STYLE = {"critical": "red", "warning": "yellow"}
 
 
@@ -31,17 +30,15 @@ def watched(ws: Workspace, version: str | None) -> list[LiveView]:
     ctx = load_context(ws)
     if version is not None:
         state = ws.version(version, ctx.states)
-        run = state.records.get("run") or {}
-        if run.get("state") not in ACTIVE:
+        run = state.run
+        if run is None or not run.active:
             raise EvoError(
-                f"{version} has no running job (state: {run.get('state', 'not run')})",
+                f"{version} has no running job (state: {run.state if run else 'not run'})",
                 hint="`evotrainer plan` shows what reconcile does next",
             )
         states = [state]
     else:
-        states = [
-            s for s in ctx.states.values() if (s.records.get("run") or {}).get("state") in ACTIVE
-        ]
+        states = [s for s in ctx.states.values() if s.run and s.run.active]
     return [observe_running(ws, s, s.records["run"], ctx.harness) for s in states]
 
 

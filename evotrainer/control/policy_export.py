@@ -31,12 +31,12 @@ def export_policy(
     """Write `name`'s recorded policy and its model card to `target`; return it."""
     states = states if states is not None else ws.versions()
     state = ws.version(name, states)
-    run = state.records.get("run") or {}
-    if run.get("state") != "Succeeded":
+    run = state.run
+    if run is None or not run.succeeded:
         raise EvoError(f"{name} has no finished run, so no trained policy",
                        where=state.spec_source, hint="export a version `evotrainer lineage` "
                        "shows as trained")
-    source, artifact = recorded_policy(ws, name, run)
+    source, artifact = recorded_policy(ws, name, state.records["run"])
     if is_dropped(artifact):
         dropped = artifact["dropped"]
         raise EvoError(
@@ -68,14 +68,13 @@ def export_policy(
 def model_card(
     ws: Workspace, state: VersionState, states: dict[str, VersionState], artifact: dict
 ) -> str:
-    run = state.records.get("run") or {}
-    decision = state.records.get("decision") or {}
-    comparison = decision.get("comparison") or {}
+    run, decision = state.run, state.decision
+    comparison = (decision.comparison if decision else None) or {}
     recipe = ws.resolved_recipe(state.name, states)
     model = recipe.get("model") or {}
     base = model.get("path") or model.get("package") or "a tiny model built from model.tiny"
     lineage = " → ".join(s.name for s in ws.chain(state.name, states))
-    result = run.get("result") or {}
+    result = run.result if run else {}
     lines = [
         f"# {ws.project.get('name', 'evotrainer')} {state.name}",
         "",
@@ -88,19 +87,19 @@ def model_card(
         f"| lineage | {lineage} |",
         f"| base model | `{base}` |",
         f"| started from | {_start(state, recipe)} |",
-        f"| recipe digest | `{run.get('recipe_digest', '')}` |",
+        f"| recipe digest | `{(run.recipe_digest if run else None) or ''}` |",
         f"| training steps (this version) | {result.get('steps_done', recipe['grpo']['steps'])} |",
         f"| seeds | {', '.join(str(s) for s in result.get('seeds') or recipe.get('seeds') or [])} "
         "(these weights: the first) |",
         f"| val avg@{result.get('eval_k', '?')} | {_number(result.get('val_avg'), '.4f')} |",
-        f"| verdict | {decision.get('verdict', 'not gated yet')} |",
+        f"| verdict | {decision.verdict if decision else 'not gated yet'} |",
         f"| Δ vs parent | {_number(comparison.get('delta'), '+.4f')} |",
         f"| 95% CI of Δ | {_ci(comparison)} |",
         f"| weights digest | `{artifact['digest']}` |",
         "",
     ]
-    if decision.get("reason"):
-        lines += [f"Gate: {decision['reason']}", ""]
+    if decision and decision.reason:
+        lines += [f"Gate: {decision.reason}", ""]
     intervention = (state.spec or {}).get("intervention") or {}
     if intervention.get("rationale"):
         lines += [f"Intervention: {intervention['rationale']}", ""]

@@ -175,41 +175,37 @@ def status_markdown(ws: Workspace, state: VersionState, states: dict[str, Versio
                      f"{md_text(approval.get('at'))} (digest `{str(approval['digest'])[:19]}`)"))
     else:
         rows.append(("approval", md_text(status) + (f": {md_text(waiting)}" if waiting else "")))
-    run = state.records.get("run")
+    run, diagnosis, decision = state.run, state.diagnosis, state.decision
     if run:
-        rows.append(("run", f"launched {md_text(run.get('created_at'))} as "
-                     f"{md_text(run.get('job_id'))} (attempt {md_text(run.get('attempt'))}"
-                     f", {md_text(run.get('backend'))}): {md_text(run.get('state'))}"))
-    diagnosis = state.records.get("diagnosis")
+        rows.append(("run", f"launched {md_text(run.created_at)} as {md_text(run.job_id)} "
+                     f"(attempt {run.attempt}, {md_text(run.backend)}): {md_text(run.state)}"))
     if diagnosis:
         alerts = ", ".join(f"{md_text(a.get('name'))} ({md_text(a.get('severity'))})"
-                           for a in diagnosis.get("alerts") or []) or "none"
-        harness = (diagnosis.get("harness") or {}).get("name")
-        rows.append(("diagnosis", f"harness {md_text(harness)}; alerts: {alerts}"))
-    decision = state.records.get("decision")
+                           for a in diagnosis.alerts) or "none"
+        rows.append(("diagnosis", f"harness {md_text(diagnosis.harness_name)}; alerts: {alerts}"))
     if decision:
-        rows.append(("verdict", f"**{md_text(decision.get('verdict'))}**: "
-                     f"{md_text(decision.get('reason'))}"))
-        criterion = decision.get("criterion")
+        rows.append(("verdict", f"**{md_text(decision.verdict)}**: {md_text(decision.reason)}"))
+        criterion = decision.criterion
         if criterion:
             rows.append(("criterion", f"{md_text(criterion.get('expression'))} held: "
                          f"{md_text(criterion.get('held'))}"))
     if state.name in ws.git.tags(PRUNED_TAG_PREFIX):
         rows.append(("outcome", f"pruned: PR closed, branch and tag `{PRUNED_TAG_PREFIX}"
                      f"{state.name}` kept as negative evidence"))
-    elif decision and decision.get("verdict") == "promote":
+    elif decision and decision.verdict == "promote":
         rows.append(("outcome", "promoted: merged into `main`"))
     table = ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
     return "\n".join([f"### evotrainer: `{state.name}`", "", *table]) + "\n"
 
 
 def decision_markdown(state: VersionState) -> str:
-    decision = state.records.get("decision") or {}
-    blocked = ", ".join(md_text(b) for b in decision.get("blocked_by") or [])
+    decision = state.decision
+    blocked = ", ".join(md_text(b) for b in decision.blocked_by) if decision else ""
+    verdict, reason = (decision.verdict, decision.reason) if decision else (None, None)
     return "\n".join([
         f"### `{state.name}` pruned by the gate",
         "",
-        f"**Verdict:** {md_text(decision.get('verdict'))}. {md_text(decision.get('reason'))}",
+        f"**Verdict:** {md_text(verdict)}. {md_text(reason)}",
         *([f"**Blocked by:** {blocked}"] if blocked else []),
         "",
         f"Closed without merging: `main` is the promoted lineage. The branch "
@@ -339,7 +335,7 @@ def sync(ws: Workspace, gh: GitHubRepo, base: str = "main", remote: str | None =
         if gh.upsert_comment(pull, STATUS_MARKER,
                              status_markdown(ws, state, states, report.waiting.get(name))):
             report.status_updated.append(name)
-        verdict = (state.records.get("decision") or {}).get("verdict")
+        verdict = state.decision.verdict if state.decision else None
         if name in pruned:
             gh.upsert_comment(pull, DECISION_MARKER, decision_markdown(state))
             gh.edit_pull(pull, state="closed")

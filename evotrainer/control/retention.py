@@ -58,16 +58,16 @@ def plan_gc(
         if _verdict(state) == "promote" and name in on_main
     }
     frontier = max(
-        promoted, key=lambda n: (states[n].records["decision"].get("decided_at", ""), n),
+        promoted, key=lambda n: (states[n].decision.decided_at, n),
         default=None,
     )
     continued = _continued_parents(ws, states)
     drops, kept = [], {}
     for name, state in sorted(states.items()):
-        run = state.records.get("run") or {}
-        if not ((run.get("artifacts") or {}).get(CHECKPOINT)):
+        run = state.run
+        if run is None or not run.artifacts.get(CHECKPOINT):
             continue
-        folder, artifact = recorded_policy(ws, name, run)
+        folder, artifact = recorded_policy(ws, name, state.records["run"])
         verdict = _verdict(state)
         reason = None
         if name in continued:
@@ -114,7 +114,8 @@ def apply_gc(ws: Workspace, drops: list[Drop], policy: str) -> None:
 
 
 def _verdict(state: VersionState) -> str | None:
-    return (state.records.get("decision") or {}).get("verdict")
+    decision = state.decision
+    return (decision.verdict or None) if decision else None  # "": a record without one
 
 
 def _continued_parents(ws: Workspace, states: dict[str, VersionState]) -> dict[str, str]:
@@ -123,7 +124,7 @@ def _continued_parents(ws: Workspace, states: dict[str, VersionState]) -> dict[s
     for name, state in states.items():
         if not state.parent or _verdict(state) is not None:
             continue
-        if (state.records.get("run") or {}).get("state") == "Succeeded":
+        if state.run and state.run.succeeded:
             continue  # trained already: it no longer needs its parent's weights
         try:
             continues = init_mode(ws.resolved_recipe(name, states)) == "parent"

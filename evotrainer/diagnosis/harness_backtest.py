@@ -26,8 +26,8 @@ def recorded_versions(ws: Workspace, states: dict[str, VersionState]) -> list[st
     """Versions with a succeeded run whose artifacts are still on disk, in tree order."""
     out = []
     for name in tree_order(states):
-        run = states[name].records.get("run") or {}
-        if run.get("state") == "Succeeded" and (ws.root / run["artifact_dir"]).is_dir():
+        run = states[name].run
+        if run and run.succeeded and run.artifact_dir and (ws.root / run.artifact_dir).is_dir():
             out.append(name)
     return out
 
@@ -35,10 +35,11 @@ def recorded_versions(ws: Workspace, states: dict[str, VersionState]) -> list[st
 def _diagnosis(
     ws: Workspace, states: dict[str, VersionState], state: VersionState, harness: HarnessRevision
 ) -> dict:
-    recorded = state.records.get("diagnosis")
-    if recorded and (recorded.get("harness") or {}).get("digest") == harness.digest:
-        return recorded  # reconcile already diagnosed it with exactly this revision
-    artifact_dir = ws.root / state.records["run"]["artifact_dir"]
+    recorded = state.diagnosis
+    if recorded and recorded.harness_digest == harness.digest:
+        # reconcile already diagnosed it with exactly this revision
+        return state.records["diagnosis"]
+    artifact_dir = ws.root / state.run.artifact_dir
     steps_file = artifact_dir / "steps.parquet"
     # The parent's and the version's recorded scores, as reconcile diagnoses: the
     # version-layer metrics and the gate then read the same comparison here as there.
@@ -54,8 +55,8 @@ def _diagnosis(
 
 def _collected(states: dict[str, VersionState], name: str | None) -> bool:
     """Whether `name` has a collected run, hence recorded scores."""
-    run = states[name].records.get("run") if name in states else None
-    return (run or {}).get("state") == "Succeeded"
+    run = states[name].run if name in states else None
+    return run is not None and run.succeeded
 
 
 def _regate(
@@ -109,9 +110,10 @@ def backtest_harness(
     rows = []
     for name in names:
         before, after = old_dec.get(name), new_dec.get(name)
+        recorded = states[name].decision
         row = {
             "version": name,
-            "recorded": (states[name].records.get("decision") or {}).get("verdict"),
+            "recorded": recorded.verdict if recorded else None,
             "alerts_before": _alerts(old_diag[name]),
             "alerts_after": _alerts(new_diag[name]),
             "verdict_before": before["verdict"] if before else None,

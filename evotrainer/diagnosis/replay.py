@@ -248,12 +248,12 @@ def skill_reward(skill: Skill) -> tuple[str, float]:
 
 def version_rollouts(ws: Any, version: str, split: str = "train") -> Path:
     """The stored rollouts of `version`, found through its run record's `artifact_dir`."""
-    run = ws.version(version).records.get("run")
-    if not run or not run.get("artifact_dir"):
+    run = ws.version(version).run
+    if not run or not run.artifact_dir:
         raise EvoError(f"version {version!r} has no run record with an artifact_dir",
                        where=f"evo/{version}:runs/{version}/run.yaml",
                        hint="backtests replay a finished run; run `evotrainer reconcile` first")
-    path = ws.root / run["artifact_dir"] / "rollouts" / f"{split}.parquet"
+    path = ws.root / run.artifact_dir / "rollouts" / f"{split}.parquet"
     if not path.is_file():
         raise EvoError("the run's rollouts are missing", where=str(path),
                        hint="artifacts live outside git; restore them or re-run the version")

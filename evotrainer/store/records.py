@@ -20,6 +20,7 @@ class RunRecord:
     backend: str
     artifact_dir: str
     spec_digest: str | None = None
+    recipe_digest: str | None = None
     created_at: str = ""
     detail: str = ""
     attempts: list[dict] = field(default_factory=list)
@@ -31,12 +32,13 @@ class RunRecord:
         if not isinstance(data, dict):
             return None
         return cls(
-            state=str(data.get("state", "—")),
+            state=str(data.get("state") or "—"),
             attempt=int(data.get("attempt") or 1),
-            job_id=str(data.get("job_id", "")),
-            backend=str(data.get("backend", "local")),
-            artifact_dir=str(data.get("artifact_dir", "")),
+            job_id=str(data.get("job_id") or ""),
+            backend=str(data.get("backend") or "local"),
+            artifact_dir=str(data.get("artifact_dir") or ""),
             spec_digest=data.get("spec_digest"),
+            recipe_digest=data.get("recipe_digest"),
             created_at=str(data.get("created_at") or ""),
             detail=str(data.get("detail") or ""),
             attempts=list(data.get("attempts") or []),
@@ -47,6 +49,11 @@ class RunRecord:
     @property
     def active(self) -> bool:
         return self.state in ACTIVE_STATES
+
+    @property
+    def succeeded(self) -> bool:
+        """The job finished and was collected: its scores and artifacts are recorded."""
+        return self.state == "Succeeded"
 
     @property
     def steps_done(self) -> int:
@@ -86,14 +93,20 @@ class DecisionRecord:
     reason: str
     harness_digest: str | None = None
     comparison: dict | None = None
+    decided_at: str = ""
+    blocked_by: list[str] = field(default_factory=list)
+    criterion: dict | None = None  # {expression, held, ...} when the spec states one
 
     @classmethod
     def from_record(cls, data: dict | None) -> DecisionRecord | None:
         if not isinstance(data, dict):
             return None
         return cls(
-            verdict=str(data.get("verdict", "")),
-            reason=str(data.get("reason", "")),
+            verdict=str(data.get("verdict") or ""),
+            reason=str(data.get("reason") or ""),
             harness_digest=(data.get("harness") or {}).get("digest"),
             comparison=data.get("comparison"),
+            decided_at=str(data.get("decided_at") or ""),
+            blocked_by=list(data.get("blocked_by") or []),
+            criterion=data.get("criterion"),
         )

@@ -28,8 +28,8 @@ def run_identity(
     an export recomputes, so both land in the same tracker run."""
     spec = state.spec or {}
     intervention = spec.get("intervention") or {}
-    run = state.records.get("run") or {}
-    recipe_digest = run.get("recipe_digest") or recipes.digest(
+    run = state.run
+    recipe_digest = (run.recipe_digest if run else None) or recipes.digest(
         ws.resolved_recipe(state.name, states))
     tags = {
         "version": state.name,
@@ -43,20 +43,20 @@ def run_identity(
     hypothesis = intervention.get("hypothesis") or {}
     if hypothesis.get("criterion"):
         tags["criterion"] = str(hypothesis["criterion"])
-    if run.get("backend"):
-        tags["backend"] = str(run["backend"])
+    if run:
+        tags["backend"] = run.backend
     return RunIdentity(
         project=str(ws.project.get("name") or ws.root.name),
         version=state.name,
-        job_id=str(run.get("job_id") or "unlaunched"),
+        job_id=(run.job_id if run else "") or "unlaunched",
         store_root=str(ws.artifact_root.resolve()),
         tags=tags,
     )
 
 
-def run_dir_of(ws: Workspace, state: VersionState, run: dict) -> Path:
+def run_dir_of(ws: Workspace, state: VersionState) -> Path:
     """The run's artifact dir, checked (`Workspace.run_dir`): trackers write only there."""
-    return ws.run_dir(state.name, run)
+    return ws.run_dir(state.name, state.records["run"])
 
 
 @dataclass(frozen=True)
@@ -104,11 +104,11 @@ def export_version(
     tracker already holds for the same version, job and seed is replaced, not duplicated."""
     states = states if states is not None else ws.versions()
     state = ws.version(name, states)
-    run = state.records.get("run")
-    if not run or run.get("state") != "Succeeded":
+    run = state.run
+    if run is None or not run.succeeded:
         raise EvoError(f"{name} has no finished run to export", where=state.spec_source,
                        hint="export versions that `evotrainer lineage` shows as trained")
-    run_dir = run_dir_of(ws, state, run)
+    run_dir = run_dir_of(ws, state)
     steps_file = run_dir / "steps.parquet"
     if not steps_file.is_file():
         raise EvoError(f"the step metrics of {name} are gone", where=str(steps_file),
@@ -117,7 +117,7 @@ def export_version(
     identity = run_identity(ws, state, states)
     summary = gate_summary(state.records.get("decision"), state.records.get("diagnosis"))
     seeds = sorted({int(s) for s in steps.column("seed").to_pylist()}) or [
-        int(s) for s in (run.get("result") or {}).get("seeds") or [0]]
+        int(s) for s in run.result.get("seeds") or [0]]
     written = 0
     for seed in seeds:
         rows = steps.filter(pc.equal(steps.column("seed"), seed)).to_pylist()
@@ -128,7 +128,7 @@ def export_version(
                            replace=True) as trackers:
             for step in sorted(by_step):  # W&B drops a step lower than one already logged
                 trackers.log(step, by_step[step])
-            final = int((run.get("result") or {}).get("steps_done") or trackers.last_step)
+            final = run.steps_done or trackers.last_step
             trackers.summary(summary.values, summary.tags, step=max(final, trackers.last_step))
         written += len(by_step)
     return Exported(name, seeds, written, run_dir)
@@ -143,8 +143,8 @@ def log_gate(
 ) -> None:
     """At gate time: add the verdict, Δ, CI and alerts to the runs the version's training
     logged (reopened by their key), for the loggers its recipe lists."""
-    run = state.records.get("run") or {}
-    if not run.get("artifact_dir"):
+    run = state.run
+    if run is None or not run.artifact_dir:
         return  # never launched: no tracker run to add to
     # Without `emit` the console logger is left out: reconcile prints the gate's own line,
     # and a summary on stderr would say it twice.
@@ -153,8 +153,7 @@ def log_gate(
                if name != "console" or emit is not None]
     identity = run_identity(ws, state, states)
     summary = gate_summary(decision, state.records.get("diagnosis"))
-    result = run.get("result") or {}
-    for seed in result.get("seeds") or [0]:
-        with open_trackers(loggers, run_dir_of(ws, state, run), identity, seed=int(seed),
+    for seed in run.result.get("seeds") or [0]:
+        with open_trackers(loggers, run_dir_of(ws, state), identity, seed=int(seed),
                            emit=emit) as trackers:
-            trackers.summary(summary.values, summary.tags, step=int(result.get("steps_done") or 0))
+            trackers.summary(summary.values, summary.tags, step=run.steps_done)

@@ -781,6 +781,10 @@ class Reconciler:
     def _poll(self, ctx: Context, state: VersionState) -> None:
         run = dict(state.records["run"])
         status = ctx.backend(run["backend"]).status(job_for(ctx, state, run))
+        if status.state not in LIVE_JOB_STATES:
+            # It ended since it was planned (a live look takes a while): recording that
+            # state here would skip the collect; the next pass collects or fails it.
+            return
         run["state"] = status.state.value
         run.setdefault("started_at", now_iso())
         self._commit_run(state, run, f"{state.name}: job {status.state.value}", "poll")

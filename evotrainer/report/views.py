@@ -26,6 +26,7 @@ from evotrainer.evidence.io import read_rollouts
 from evotrainer.report import svg
 from evotrainer.store import specs
 from evotrainer.store.recipe import BASE_RECIPE
+from evotrainer.store.records import RunRecord
 from evotrainer.store.workspace import VersionState, Workspace
 
 EXAMPLES_PER_ALERT = 3  # rollouts shown in full; the alert's other example ids are listed
@@ -190,8 +191,8 @@ def _rollout_key(rollout_id: str) -> tuple | None:
 class _Evidence:
     """A version's rollout tables, read once per split and only when an alert cites them."""
 
-    def __init__(self, ws: Workspace, run: dict) -> None:
-        self.folder = ws.root / run["artifact_dir"] if run.get("artifact_dir") else None
+    def __init__(self, ws: Workspace, run: RunRecord | None) -> None:
+        self.folder = ws.root / run.artifact_dir if run and run.artifact_dir else None
         self.tables: dict[str, pa.Table | None] = {}
 
     def missing(self) -> str | None:
@@ -232,7 +233,7 @@ def _clip(text: str | None) -> tuple[str, int]:
 
 def _alert_views(ws: Workspace, page: VersionPage) -> None:
     alerts = page.record("diagnosis").get("alerts") or []
-    evidence = _Evidence(ws, page.record("run"))
+    evidence = _Evidence(ws, page.state.run)
     page.evidence_note = evidence.missing() if alerts else None
     cited = [i for a in alerts for i in (a.get("examples") or [])[:EXAMPLES_PER_ALERT]]
     found = evidence.find(cited) if cited and page.evidence_note is None else {}
@@ -297,9 +298,9 @@ def harness_pages(ws: Workspace, states: dict[str, VersionState]) -> list[Harnes
     in_force = ws.project.get("harness", "h0")
     used: dict[str, list[str]] = {}
     for name in sorted(states, key=_natural):
-        harness = (states[name].records.get("diagnosis") or {}).get("harness") or {}
-        if harness.get("name"):
-            used.setdefault(harness["name"], []).append(name)
+        diagnosis = states[name].diagnosis
+        if diagnosis and diagnosis.harness_name:
+            used.setdefault(diagnosis.harness_name, []).append(name)
     names = sorted(ws.harness_names(), key=_natural)
     pages: list[HarnessPage] = []
     for name in names:

@@ -300,13 +300,16 @@ class _Tools:
 
     def tool_get_diagnosis(self, version: str) -> dict:
         state = self.view.ws.version(version, self.view.states)
+        # The records go to the model as recorded (the harness and gaps included), so this
+        # tool reads the YAML documents rather than their typed views.
         diagnosis = state.records.get("diagnosis")
         if not diagnosis:
             raise EvoError(f"{version} has no diagnosis yet")
+        decision = state.records.get("decision") or {}
         return {"version": version, "harness": diagnosis.get("harness"),
                 "metrics": diagnosis.get("metrics"), "alerts": diagnosis.get("alerts"),
                 "gaps": diagnosis.get("gaps"),
-                "decision": {k: (state.records.get("decision") or {}).get(k)
+                "decision": {k: decision.get(k)
                              for k in ("verdict", "reason", "blocked_by", "criterion")}}
 
     def tool_get_harness(self, name: str | None = None) -> dict:
@@ -347,10 +350,10 @@ class _Tools:
 
     def tool_query_rollouts(self, version: str, sql: str, split: str = "train") -> dict:
         check_select(sql, field="sql")
-        run = (self.view.ws.version(version, self.view.states).records.get("run") or {})
-        if not run.get("artifact_dir"):
+        run = self.view.ws.version(version, self.view.states).run
+        if run is None or not run.artifact_dir:
             raise EvoError(f"{version} has no recorded run")
-        table = read_rollouts(self.view.ws.root / run["artifact_dir"] / "rollouts")
+        table = read_rollouts(self.view.ws.root / run.artifact_dir / "rollouts")
         # ReadOnlyQuery locks DuckDB down before it registers anything, and the split (checked
         # against the tool's schema) reaches it as the filtered rows, never as SQL text.
         sandbox = ReadOnlyQuery(table, None, split, timeout_s=10.0)

@@ -164,8 +164,11 @@ def measure(ws: Workspace, setup: str, planner: str, seed: int, seconds: float) 
         spent += state.run.steps_spent if state.run else 0
         verdict = state.records["decision"]["verdict"]
         leak = leaky(ws, name)
-        vs_base = compare_tables(baseline, recorded_scores(ws, name))
-        clean_gain = not leak and vs_base["ci_low"] > 0
+        try:
+            vs_base = compare_tables(baseline, recorded_scores(ws, name))
+        except EvoError:
+            vs_base = None  # stopped early (e.g. on a leak) before any evaluation: no scores
+        clean_gain = not leak and vs_base is not None and vs_base["ci_low"] > 0
         if clean_gain and first_gain is None:
             first_gain = spent
         if verdict == "promote":
@@ -174,8 +177,8 @@ def measure(ws: Workspace, setup: str, planner: str, seed: int, seconds: float) 
             else:
                 frontier, best = name, vs_base  # the latest clean promotion is the frontier
         versions.append({"name": name, "parent": state.parent, "verdict": verdict,
-                         "leak": leak, "delta_vs_v0": vs_base["delta"],
-                         "ci_vs_v0": [vs_base["ci_low"], vs_base["ci_high"]],
+                         "leak": leak, "delta_vs_v0": vs_base and vs_base["delta"],
+                         "ci_vs_v0": vs_base and [vs_base["ci_low"], vs_base["ci_high"]],
                          "changes": state.spec.get("recipe") or {},
                          "skills": (state.spec.get("intervention") or {}).get("skills") or []})
     best = best or compare_tables(baseline, baseline)

@@ -300,5 +300,7 @@ def token_logprobs(
     ).logits[:, :-1]
     logp_all = logits.float().log_softmax(-1)
     logp = logp_all.gather(-1, ids[:, -tail:, None]).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    with torch.no_grad():  # a statistic only: its vocabulary-sized product needs no graph
+        probs_logp = logp_all.detach()
+        entropy = -(probs_logp.exp() * probs_logp).sum(-1)
     return logp, entropy

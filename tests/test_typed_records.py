@@ -1,0 +1,61 @@
+"""Typed run/diagnosis/decision records (issue 13): what the readers see of a record is what
+the YAML says, a null field reads as its default, and converting the readers kept what gc,
+the harness backtest and the model card decide."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import yaml
+from test_checkpoints import lineage  # noqa: F401  (the fixture: v1 promoted, v2 pruned, v3 open)
+
+from evotrainer.control.retention import plan_gc
+from evotrainer.diagnosis.harness_backtest import recorded_versions
+from evotrainer.store.git import branch_name
+from evotrainer.store.records import DecisionRecord, RunRecord
+from evotrainer.store.workspace import run_path
+
+
+def test_null_fields_read_as_their_defaults_not_as_the_text_none():
+    run = RunRecord.from_record({"state": None, "job_id": None, "backend": None,
+                                 "artifact_dir": None, "attempt": None})
+    assert (run.state, run.job_id, run.backend, run.artifact_dir, run.attempt) == (
+        "—", "", "local", "", 1)
+    assert not run.succeeded and not run.active
+    decision = DecisionRecord.from_record({"verdict": None, "reason": None, "blocked_by": None})
+    assert (decision.verdict, decision.reason, decision.blocked_by) == ("", "", [])
+    assert RunRecord.from_record(None) is None and DecisionRecord.from_record("x") is None
+
+
+def test_the_typed_views_carry_what_the_readers_need(lineage):  # noqa: F811
+    ws, _ = lineage
+    v1, v3 = ws.version("v1"), ws.version("v3")
+    assert v1.run.succeeded and v1.run.recipe_digest == "sha256:x" and v1.run.steps_done == 3
+    assert v1.decision.verdict == "promote" and v1.decision.decided_at == "2026-01-02"
+    assert v1.decision.comparison["delta"] == 0.1 and v1.decision.blocked_by == []
+    assert v3.decision is None
+
+
+def test_a_decision_without_a_verdict_keeps_its_policy_from_gc(lineage):  # noqa: F811
+    """A decision record whose verdict is null is no verdict: v3's policy stays as open
+    (read as "" or "None" it would be dropped as if the gate had pruned it)."""
+    ws, policies = lineage
+    path = run_path("v3", "decision.yaml")
+    ws.git.commit_files(branch_name("v3"), {path: yaml.safe_dump(
+        {"verdict": None, "reason": "interrupted"}).encode()}, "a verdict-less decision", {})
+    drops, kept = plan_gc(ws)
+    assert [d.version for d in drops] == ["v2"]
+    assert kept["v3"] == "open (no verdict yet)"
+    assert policies["v3"].is_dir()
+
+
+def test_a_succeeded_run_naming_no_artifact_dir_is_not_backtested(lineage):  # noqa: F811
+    """Without the guard the workspace root itself (an existing folder) passed for its
+    artifacts; a record missing the key made the whole backtest fail instead."""
+    ws, _ = lineage
+    states = ws.versions()
+    assert recorded_versions(ws, states) == ["v1", "v2", "v3"]
+    run = {k: v for k, v in states["v2"].records["run"].items() if k != "artifact_dir"}
+    states["v2"] = dataclasses.replace(states["v2"], records={**states["v2"].records,
+                                                              "run": run})
+    assert recorded_versions(ws, states) == ["v1", "v3"]

@@ -56,6 +56,9 @@ from evotrainer.trackers.records import log_gate, run_identity
 # The job states in which a job still runs (or will): what an early stop cancels.
 LIVE_JOB_STATES = (JobState.PENDING, JobState.RUNNING, JobState.STALLED)
 
+# How long an early stop waits for its cancelled job to end before the pass goes on.
+STOP_WAIT_S = 10.0
+
 # What a version's action may fail with and still leave the other versions to proceed.
 VERSION_ERRORS = (EvoError, OSError, git.GitCommandError)
 
@@ -941,7 +944,13 @@ class Reconciler:
                 records.trailers,
             )
             self.boundary()
-        ctx.backend(run["backend"]).cancel(job_for(ctx, state, run))
+        backend, job = ctx.backend(run["backend"]), job_for(ctx, state, run)
+        backend.cancel(job)
+        # A cancelled job takes a moment to go (the engine's SIGTERM handler, Ray's stop):
+        # waiting a little spares the next pass a second, harmless, cancel.
+        deadline = time.monotonic() + STOP_WAIT_S
+        while backend.status(job).state in LIVE_JOB_STATES and time.monotonic() < deadline:
+            time.sleep(0.2)
         if run["state"] != "Stopped":
             stopped = replace(state, records={**state.records, "run": records.run,
                                               "diagnosis": records.diagnosis,

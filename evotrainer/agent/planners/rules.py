@@ -53,9 +53,10 @@ from evotrainer.diagnosis.replay import (
 from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import init_mode
 
-# Fix what makes the score untrustworthy first, then measurement artifacts, then the rest
-# in the library's evidence order.
-CATEGORY_FIRST = {"audit": 0, "eval-protocol": 1}
+# Fix what makes the score untrustworthy first; then stabilise a policy that diverged (its
+# truncation or dead groups are symptoms of the divergence, not of the budget or the reward);
+# then measurement artifacts; then the rest in the library's evidence order.
+CATEGORY_FIRST = {"audit": 0, "stability": 1, "eval-protocol": 2}
 
 # Metrics a harness revision may add when a verdict goes unexplained: from the method's
 # catalogue, computable over the canonical rollout table.
@@ -207,7 +208,7 @@ class RulesPlanner:
                                         f"from {found.skill.category}")
                     continue
                 proposal, works = self._skill_proposal(view, frontier, source, diagnosis, found)
-                rank = (CATEGORY_FIRST.get(found.skill.category, 2), not works, position, order)
+                rank = (CATEGORY_FIRST.get(found.skill.category, 3), not works, position, order)
                 out.append(_Candidate(proposal, rank, skills=[name]))
         return out, bool(seen)
 
@@ -340,7 +341,7 @@ class RulesPlanner:
                             f"If the recipe is trained for {steps} steps, then Avg@k rises "
                             f"over the untrained {frontier}, because GRPO reinforces the "
                             "correct samples the base policy already produces.",
-                            (3, False, 0, -1) if view.children(frontier) else (-2, False, 0, 0)))
+                            (4, False, 0, -1) if view.children(frontier) else (-2, False, 0, 0)))
         else:
             steps = recipe["grpo"]["steps"]
             if view.has_policy(frontier):
@@ -354,14 +355,14 @@ class RulesPlanner:
                                 f"retraining {2 * steps} from the base.",
                                 f"If {frontier}'s policy trains for {steps} more steps, then "
                                 "Avg@k rises over it, because the score was still moving.",
-                                (3, False, 0, 0)))
+                                (4, False, 0, 0)))
             else:
                 options.append(([f"grpo.steps={2 * steps}"],
                                 f"{why}; the most promising default is more training: {steps} "
                                 f"→ {2 * steps} steps on {frontier}'s recipe.",
                                 f"If {frontier} trains for {2 * steps} steps instead of {steps}, "
                                 "then Avg@k rises, because the score was still moving.",
-                                (3, False, 0, 0)))
+                                (4, False, 0, 0)))
             seeds = list(recipe.get("seeds") or [0])
             # A seed rerun repeats the frontier's own training; it must not continue from it.
             rerun = ([f"model.init={json.dumps('base')}"]
@@ -374,7 +375,7 @@ class RulesPlanner:
                                else "."),
                             f"If {frontier} is rerun with another seed, then its Avg@k holds "
                             "within the CI, because its gain was real and not seed noise.",
-                            (3, False, 0, 1)))
+                            (4, False, 0, 1)))
         return [
             _Candidate(Proposal(frontier, rationale, settings=settings, hypothesis=hypothesis,
                                 criterion="delta >= 0.0", proposal=dict(meta)),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import yaml
 from test_checkpoints import lineage  # noqa: F401  (the fixture: v1 promoted, v2 pruned, v3 open)
 
@@ -59,3 +60,24 @@ def test_a_succeeded_run_naming_no_artifact_dir_is_not_backtested(lineage):  # n
     states["v2"] = dataclasses.replace(states["v2"], records={**states["v2"].records,
                                                               "run": run})
     assert recorded_versions(ws, states) == ["v1", "v3"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("attempt", "many"), ("attempt", float("inf")), ("result", [1, 2]), ("artifacts", "x"),
+    ("attempts", ["not a mapping"]),
+])
+def test_a_run_record_of_the_wrong_shape_is_one_error_line_not_a_traceback(
+    lineage, cli, field, value,  # noqa: F811
+):
+    """The attack: a branch edits v2's run.yaml so a field has the wrong type. Every command
+    that reads the run record answers with an error naming the field (before, `int("many")`
+    or `dict([1, 2])` raised out of the CLI as a traceback)."""
+    ws, _ = lineage
+    branch, path = branch_name("v2"), run_path("v2", "run.yaml")
+    run = yaml.safe_load(ws.git.read(branch, path))
+    run[field] = value
+    ws.git.commit_files(branch, {path: yaml.safe_dump(run).encode()}, "tamper", {})
+    result = cli("-C", str(ws.root), "lineage")
+    assert result.code == 1
+    assert "Traceback" not in result.output and "must be" in result.output
+    assert field in result.output

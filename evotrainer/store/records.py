@@ -2,11 +2,16 @@
 
 The YAML stays the record; these small dataclasses are how code reads it, so a field's
 name and default are written once instead of in every `(records.get("run") or {}).get(..)`.
-`from_record` accepts what `Workspace.versions` read (a dict, or None when absent)."""
+`from_record` accepts what `Workspace.versions` read (a dict, or None when absent). A
+record is branch content anyone can edit: a field of the wrong shape is an EvoError naming
+it, not a traceback in whichever command reads it first."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from evotrainer.errors import EvoError
 
 # The states a run record holds; "Cancelled" is a user's `evotrainer cancel`.
 ACTIVE_STATES = ("Pending", "Running", "Stalled")
@@ -28,12 +33,13 @@ class RunRecord:
     artifacts: dict = field(default_factory=dict)
 
     @classmethod
-    def from_record(cls, data: dict | None) -> RunRecord | None:
+    def from_record(cls, data: dict | None, where: str | None = None) -> RunRecord | None:
         if not isinstance(data, dict):
             return None
+        where = where or "run.yaml"
         return cls(
             state=str(data.get("state") or "—"),
-            attempt=int(data.get("attempt") or 1),
+            attempt=_whole_number(data, "attempt", 1, where),
             job_id=str(data.get("job_id") or ""),
             backend=str(data.get("backend") or "local"),
             artifact_dir=str(data.get("artifact_dir") or ""),
@@ -41,9 +47,9 @@ class RunRecord:
             recipe_digest=data.get("recipe_digest"),
             created_at=str(data.get("created_at") or ""),
             detail=str(data.get("detail") or ""),
-            attempts=list(data.get("attempts") or []),
-            result=dict(data.get("result") or {}),
-            artifacts=dict(data.get("artifacts") or {}),
+            attempts=_mappings(data, "attempts", where),
+            result=_mapping(data, "result", where),
+            artifacts=_mapping(data, "artifacts", where),
         )
 
     @property
@@ -74,16 +80,17 @@ class DiagnosisRecord:
     comparison: dict | None = None
 
     @classmethod
-    def from_record(cls, data: dict | None) -> DiagnosisRecord | None:
+    def from_record(cls, data: dict | None, where: str | None = None) -> DiagnosisRecord | None:
         if not isinstance(data, dict):
             return None
-        harness = data.get("harness") or {}
+        where = where or "diagnosis.yaml"
+        harness = _mapping(data, "harness", where)
         return cls(
-            harness_name=str(harness.get("name", "")),
+            harness_name=str(harness.get("name") or ""),
             harness_digest=harness.get("digest"),
-            metrics=dict(data.get("metrics") or {}),
-            alerts=list(data.get("alerts") or []),
-            comparison=data.get("comparison"),
+            metrics=_mapping(data, "metrics", where),
+            alerts=_mappings(data, "alerts", where),
+            comparison=_optional_mapping(data, "comparison", where),
         )
 
 
@@ -98,15 +105,58 @@ class DecisionRecord:
     criterion: dict | None = None  # {expression, held, ...} when the spec states one
 
     @classmethod
-    def from_record(cls, data: dict | None) -> DecisionRecord | None:
+    def from_record(cls, data: dict | None, where: str | None = None) -> DecisionRecord | None:
         if not isinstance(data, dict):
             return None
+        where = where or "decision.yaml"
         return cls(
             verdict=str(data.get("verdict") or ""),
             reason=str(data.get("reason") or ""),
-            harness_digest=(data.get("harness") or {}).get("digest"),
-            comparison=data.get("comparison"),
+            harness_digest=_mapping(data, "harness", where).get("digest"),
+            comparison=_optional_mapping(data, "comparison", where),
             decided_at=str(data.get("decided_at") or ""),
-            blocked_by=list(data.get("blocked_by") or []),
-            criterion=data.get("criterion"),
+            blocked_by=[str(b) for b in _list(data, "blocked_by", where)],
+            criterion=_optional_mapping(data, "criterion", where),
         )
+
+
+def _malformed(key: str, wanted: str, value: Any, where: str) -> EvoError:
+    return EvoError(f"the record's {key} must be {wanted}, not {type(value).__name__}",
+                    where=where, field=key, hint="restore the record from the branch's history")
+
+
+def _whole_number(data: dict, key: str, default: int, where: str) -> int:
+    value = data.get(key) or default
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise _malformed(key, "a whole number", value, where)
+    try:
+        return int(value)
+    except (ValueError, OverflowError):  # "many", .nan, .inf
+        raise _malformed(key, "a whole number", value, where) from None
+
+
+def _mapping(data: dict, key: str, where: str) -> dict:
+    value = data.get(key) or {}
+    if not isinstance(value, dict):
+        raise _malformed(key, "a mapping", value, where)
+    return dict(value)
+
+
+def _optional_mapping(data: dict, key: str, where: str) -> dict | None:
+    return None if data.get(key) is None else _mapping(data, key, where)
+
+
+def _list(data: dict, key: str, where: str) -> list:
+    value = data.get(key) or []
+    if not isinstance(value, list):
+        raise _malformed(key, "a list", value, where)
+    return list(value)
+
+
+def _mappings(data: dict, key: str, where: str) -> list[dict]:
+    """A list whose entries are read as mappings (`attempts`, `alerts`)."""
+    entries = _list(data, key, where)
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise _malformed(f"{key}[{index}]", "a mapping", entry, where)
+    return entries

@@ -33,7 +33,10 @@ JOB_FILE = "job.json"
 RESULT_FILE = "result.json"
 LOG_FILE = "train.log"
 STDIO_FILE = "process.log"
-JOB_ID_ENV = "EVOTRAINER_JOB_ID"  # set in every spawned job: finds it without job.json
+# Set in every spawned job, so it is found without job.json. Job ids are deterministic, so
+# two workspaces made from the same example share them: the artifact dir tells them apart.
+JOB_ID_ENV = "EVOTRAINER_JOB_ID"
+JOB_DIR_ENV = "EVOTRAINER_JOB_DIR"
 
 
 class LocalBackend:
@@ -153,12 +156,12 @@ def running_status(job: JobSpec, record: dict) -> JobStatus:
 def spawn_detached(command: list[str], job: JobSpec, env: dict, log: Path) -> dict:
     """Start `command` in its own session (it outlives reconcile), output appended to `log`;
     return the job record that lets any later process find it again (pid + start time).
-    The job id goes into its environment: `find_job_process` finds it without the record."""
+    The job id and dir go into its environment: `find_job_process` finds it without the record."""
     with log.open("ab") as out:
         process = subprocess.Popen(
             command,
             cwd=job.workdir,
-            env={**env, JOB_ID_ENV: job.job_id},
+            env={**env, JOB_ID_ENV: job.job_id, JOB_DIR_ENV: str(job.artifact_dir.resolve())},
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -178,11 +181,14 @@ def job_record(job: JobSpec, process: psutil.Process, command: list[str]) -> dic
     }
 
 
-def find_job_process(job_id: str) -> psutil.Process | None:
-    """The live process (the session leader) spawned for `job_id`, found by its environment."""
+def find_job_process(job: JobSpec) -> psutil.Process | None:
+    """The live process (the session leader) spawned for `job`, found by its environment:
+    the job id and the artifact dir (another workspace may run a job of the same id)."""
+    wanted = {JOB_ID_ENV: job.job_id, JOB_DIR_ENV: str(job.artifact_dir.resolve())}
     for process in psutil.process_iter(["pid"]):
         try:
-            if process.environ().get(JOB_ID_ENV) != job_id:
+            environ = process.environ()
+            if any(environ.get(key) != value for key, value in wanted.items()):
                 continue
             if process.status() == psutil.STATUS_ZOMBIE:
                 continue
@@ -198,7 +204,7 @@ def adopt_orphan(job: JobSpec) -> dict | None:
     now (a later pass then sees it as any other job), or None when there is none."""
     if not job.artifact_dir.is_dir():
         return None
-    process = find_job_process(job.job_id)
+    process = find_job_process(job)
     if process is None:
         return None
     try:

@@ -144,3 +144,13 @@ def test_a_stopped_run_goes_to_its_verdict_and_a_job_left_running_is_cancelled_a
     assert decide_next(replace(alive, live_stop=STOP)).action.reason == (
         "the stopped job is still running")
     assert kind(replace(stopped, job=JobStatus(JobState.FAILED, "killed"))) == "prune"
+
+
+def test_a_child_of_a_stopped_parent_is_refused_before_it_spends_compute():
+    fresh = replace(DONE, run=None, diagnosis=None, decision=None, on_main=False,
+                    parent_run_state="Stopped")
+    decided = decide_next(fresh)
+    assert decided.action is None
+    assert "stopped early" in decided.error and "v0's parent" in decided.error
+    # A child that already ran (before the parent was stopped) keeps its records.
+    assert decide_next(replace(DONE, parent_run_state="Stopped")).error is None

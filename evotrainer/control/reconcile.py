@@ -324,6 +324,18 @@ def rule_drift_reapproved(o: Observed) -> VersionPlan | None:
     return None
 
 
+def rule_parent_stopped(o: Observed) -> VersionPlan | None:
+    """A parent stopped early has no final scores: its child could train but never be
+    compared or gated, so it is refused before it spends compute."""
+    if o.parent_run_state != "Stopped" or (o.run is not None and not o.run.active):
+        return None
+    return VersionPlan(
+        o.name, o.sync, o.health, None,
+        error=f"parent {o.parent} was stopped early (pruned) and has no scores to compare "
+        f"with: fork this version from {o.parent}'s parent instead",
+    )
+
+
 def rule_not_run(o: Observed) -> VersionPlan | None:
     if o.run is not None:
         return None
@@ -442,6 +454,7 @@ def rule_verdict(o: Observed) -> VersionPlan | None:
 
 RULES: tuple[Callable[[Observed], VersionPlan | None], ...] = (
     rule_drift_reapproved,
+    rule_parent_stopped,
     rule_not_run,
     rule_early_stop,
     rule_active_job,

@@ -267,3 +267,33 @@ def test_ray_job_end_to_end_and_cancel(tmp_path, ray_head):
     backend.cancel(stuck)
     status = wait_for(backend, stuck, {JobState.FAILED}, limit=60)
     assert status.state is JobState.FAILED and status.detail.startswith("stopped")
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ({"grpo": {"clip_low": 0.2, "clip_high": 0.1}}, "grpo.clip_high"),
+    ({"reward": {"components": [{"name": "bogus", "weight": 1.0}]}}, "reward.components[1].name"),
+])
+def test_the_verl_backend_checks_the_recipe_contract_before_anything_is_recorded(
+    tmp_path, override, field
+):
+    """The contract every backend shares (engine/checks.check_contract) runs in verl's check,
+    so `validate` and `version new` refuse what the embedded engine would refuse."""
+    job = make_job(tmp_path, "contract")
+    with pytest.raises(EvoError) as err:
+        VerlBackend().check(deep_merge(job.recipe, override))
+    assert err.value.field == field
+
+
+def test_version_new_refuses_an_invalid_verl_recipe(tmp_path):
+    from evotrainer.commands.init import init_workspace
+    from evotrainer.control.versions import new_version
+    from evotrainer.store.workspace import Workspace
+
+    ws = Workspace(init_workspace(tmp_path / "ws", "arith"))
+    (ws.root / "models" / "m").mkdir(parents=True)
+    (ws.root / "models" / "m" / "config.json").write_text("{}")
+    with pytest.raises(EvoError) as err:
+        new_version(ws, "v1", "v0", rationale="x", settings=[
+            "backend=verl", "model.path=models/m", "grpo.clip_low=0.2", "grpo.clip_high=0.1"])
+    assert err.value.field == "recipe.grpo.clip_high"
+    assert ws.git.rev("refs/heads/evo/v1") is None  # nothing recorded

@@ -48,6 +48,7 @@ from evotrainer.backends.verl_render import (
     verl_settings,
 )
 from evotrainer.domains import Task, make_domain
+from evotrainer.engine.checks import check_contract
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA, SCORE_SCHEMA
 from evotrainer.evidence.steps import STEPS_SCHEMA
@@ -80,7 +81,9 @@ class VerlBackend:
     name = "verl"
 
     def check(self, recipe: dict) -> None:
-        """Render every seed's overrides (pure: nothing written) so a bad recipe fails here."""
+        """The backend-independent recipe contract first, then render every seed's overrides
+        (pure: nothing written), so a bad recipe fails here and not after run.yaml exists."""
+        check_contract(recipe)
         render_job(recipe, version="check", files=JobFiles(Path("/nonexistent")), workdir=Path("."))
 
     # ---- submit ------------------------------------------------------------------------

@@ -166,10 +166,9 @@ def check_model(model: dict[str, Any]) -> None:
 
 
 def check_recipe(recipe: dict[str, Any]) -> None:
-    """Raise EvoError for the first problem found in a resolved recipe."""
-    for logger in logger_names(recipe):
-        if logger in TRACKER_EXTRAS:
-            require_tracker(logger)  # a missing library fails here, not after the launch
+    """Raise EvoError for the first problem the embedded engine finds in a resolved recipe:
+    the backend-independent contract first, then its own model, warm start and threads."""
+    check_contract(recipe)
     model = recipe.get("model") or {}
     check_model(model)
     if not (model.get("path") or model.get("package")):
@@ -232,7 +231,22 @@ def check_recipe(recipe: dict[str, Any]) -> None:
         f"must be in (0, 1] or null, got {target!r}",
         "e.g. 0.35 (stop the warm start at 35% sampled accuracy) or null",
     )
+    _require(
+        _is_int(recipe.get("threads", 1), 1),
+        "threads",
+        f"must be a positive integer, got {recipe.get('threads')!r}",
+        "threads: 1 (more threads oversubscribe a small shared machine)",
+    )
 
+
+def check_contract(recipe: dict[str, Any]) -> None:
+    """The recipe contract every backend checks first, whatever runs it: loggers, domain and
+    data, GRPO settings and their cross-field rules (clip_high >= clip_low, prompts per step
+    within the train split), seeds, reward components the domain has, the group filter and
+    the environment. Model and machine settings are each backend's own."""
+    for logger in logger_names(recipe):
+        if logger in TRACKER_EXTRAS:
+            require_tracker(logger)  # a missing library fails here, not after the launch
     domain_cfg = recipe.get("domain") or {}
     domain = make_domain(domain_cfg)
     for key in ("train_size", "val_size"):
@@ -322,12 +336,6 @@ def check_recipe(recipe: dict[str, Any]) -> None:
         "seeds",
         f"must be a non-empty list of integers >= 0, got {seeds!r}",
         "seeds: [0]",
-    )
-    _require(
-        _is_int(recipe.get("threads", 1), 1),
-        "threads",
-        f"must be a positive integer, got {recipe.get('threads')!r}",
-        "threads: 1 (more threads oversubscribe a small shared machine)",
     )
 
     components = (recipe.get("reward") or {}).get("components") or []

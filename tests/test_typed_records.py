@@ -12,6 +12,7 @@ from test_checkpoints import lineage  # noqa: F401  (the fixture: v1 promoted, v
 
 from evotrainer.control.retention import plan_gc
 from evotrainer.diagnosis.harness_backtest import recorded_versions
+from evotrainer.report.views import _Evidence
 from evotrainer.store.git import branch_name
 from evotrainer.store.records import DecisionRecord, RunRecord
 from evotrainer.store.workspace import run_path
@@ -81,3 +82,22 @@ def test_a_run_record_of_the_wrong_shape_is_one_error_line_not_a_traceback(
     assert result.code == 1
     assert "Traceback" not in result.output and "must be" in result.output
     assert field in result.output
+
+
+def test_a_record_pointing_elsewhere_cannot_make_the_report_show_its_rollouts(
+    lineage, tmp_path,  # noqa: F811
+):
+    """The attack: a branch edits v2's run.yaml so its artifact_dir names a folder outside
+    the artifact root holding rollouts. The report shows why instead of that folder's rows
+    (before, it read them as v2's evidence)."""
+    ws, _ = lineage
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "rollouts").mkdir(parents=True)
+    (elsewhere / "rollouts" / "train.parquet").write_bytes(b"not v2's")
+    branch, path = branch_name("v2"), run_path("v2", "run.yaml")
+    run = yaml.safe_load(ws.git.read(branch, path))
+    run["artifact_dir"] = str(elsewhere)
+    ws.git.commit_files(branch, {path: yaml.safe_dump(run).encode()}, "tamper", {})
+    evidence = _Evidence(ws, ws.version("v2"))
+    assert evidence.folder is None and "not its artifact folder" in evidence.missing()
+    assert _Evidence(ws, ws.version("v1")).missing() is None  # an untouched record reads

@@ -39,7 +39,7 @@ def _diagnosis(
     if recorded and recorded.harness_digest == harness.digest:
         # reconcile already diagnosed it with exactly this revision
         return state.records["diagnosis"]
-    artifact_dir = ws.root / state.run.artifact_dir
+    artifact_dir = ws.run_dir(state.name, state.records["run"])  # checked: its own folder
     steps_file = artifact_dir / "steps.parquet"
     # The parent's and the version's recorded scores, as reconcile diagnoses: the
     # version-layer metrics and the gate then read the same comparison here as there.

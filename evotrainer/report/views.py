@@ -11,6 +11,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -26,7 +27,6 @@ from evotrainer.evidence.io import read_rollouts
 from evotrainer.report import svg
 from evotrainer.store import specs
 from evotrainer.store.recipe import BASE_RECIPE
-from evotrainer.store.records import RunRecord
 from evotrainer.store.workspace import VersionState, Workspace
 
 EXAMPLES_PER_ALERT = 3  # rollouts shown in full; the alert's other example ids are listed
@@ -191,11 +191,19 @@ def _rollout_key(rollout_id: str) -> tuple | None:
 class _Evidence:
     """A version's rollout tables, read once per split and only when an alert cites them."""
 
-    def __init__(self, ws: Workspace, run: RunRecord | None) -> None:
-        self.folder = ws.root / run.artifact_dir if run and run.artifact_dir else None
+    def __init__(self, ws: Workspace, state: VersionState) -> None:
+        self.folder: Path | None = None
+        self.refused: str | None = None
         self.tables: dict[str, pa.Table | None] = {}
+        if state.run and state.run.artifact_dir:
+            try:  # a record edited on a branch cannot show another folder's rollouts
+                self.folder = ws.run_dir(state.name, state.records["run"])
+            except EvoError as err:
+                self.refused = err.message
 
     def missing(self) -> str | None:
+        if self.refused is not None:
+            return self.refused
         if self.folder is None:
             return "the run record names no artifact folder"
         if not (self.folder / "rollouts").is_dir():
@@ -233,7 +241,7 @@ def _clip(text: str | None) -> tuple[str, int]:
 
 def _alert_views(ws: Workspace, page: VersionPage) -> None:
     alerts = page.record("diagnosis").get("alerts") or []
-    evidence = _Evidence(ws, page.state.run)
+    evidence = _Evidence(ws, page.state)
     page.evidence_note = evidence.missing() if alerts else None
     cited = [i for a in alerts for i in (a.get("examples") or [])[:EXAMPLES_PER_ALERT]]
     found = evidence.find(cited) if cited and page.evidence_note is None else {}

@@ -350,10 +350,10 @@ class _Tools:
 
     def tool_query_rollouts(self, version: str, sql: str, split: str = "train") -> dict:
         check_select(sql, field="sql")
-        run = self.view.ws.version(version, self.view.states).run
-        if run is None or not run.artifact_dir:
+        state = self.view.ws.version(version, self.view.states)
+        if state.run is None or not state.run.artifact_dir:
             raise EvoError(f"{version} has no recorded run")
-        table = read_rollouts(self.view.ws.root / run.artifact_dir / "rollouts")
+        table = read_rollouts(self.view.ws.run_dir(version, state.records["run"]) / "rollouts")
         # ReadOnlyQuery locks DuckDB down before it registers anything, and the split (checked
         # against the tool's schema) reaches it as the filtered rows, never as SQL text.
         sandbox = ReadOnlyQuery(table, None, split, timeout_s=10.0)

@@ -25,13 +25,12 @@ import psutil
 
 from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus
 from evotrainer.errors import EvoError
+from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.store.checkpoints import CHECKPOINT
 from evotrainer.store.clock import now_iso
 from evotrainer.store.files import atomic_write, read_json
 
 JOB_FILE = "job.json"
-RESULT_FILE = "result.json"
-LOG_FILE = "train.log"
 STDIO_FILE = "process.log"
 # Set in every spawned job, so it is found without job.json. Job ids are deterministic, so
 # two workspaces made from the same example share them: the artifact dir tells them apart.
@@ -73,7 +72,7 @@ class LocalBackend:
         atomic_write(job.artifact_dir / JOB_FILE, json.dumps(record, indent=2))
 
     def status(self, job: JobSpec) -> JobStatus:
-        result = read_json(job.artifact_dir / RESULT_FILE)
+        result = read_json(RunArtifacts(job.artifact_dir).result)
         record = read_json(job.artifact_dir / JOB_FILE) or adopt_orphan(job)
         if record is None and result is not None:
             record = {"job_id": job.job_id, "pid": None}  # it ran and ended unrecorded
@@ -102,16 +101,15 @@ class LocalBackend:
 
     def logs(self, job: JobSpec, tail: int = 50) -> str:
         lines: list[str] = []
-        for name in (LOG_FILE, STDIO_FILE):
-            path = job.artifact_dir / name
+        for path in (RunArtifacts(job.artifact_dir).log, job.artifact_dir / STDIO_FILE):
             if path.is_file():
                 lines += path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-tail:])
 
     def collect(self, job: JobSpec) -> Collected:
         out = job.artifact_dir
-        scores = out / "scores.csv"
-        if not scores.is_file():
+        files = RunArtifacts(out)
+        if not files.scores.is_file():
             raise EvoError(
                 "the job finished but wrote no scores.csv",
                 where=str(out),
@@ -123,11 +121,11 @@ class LocalBackend:
 
         policy = out / CHECKPOINT
         return Collected(
-            train_rollouts=present(out / "rollouts" / "train.parquet"),
-            val_rollouts=present(out / "rollouts" / "val.parquet"),
-            steps=present(out / "steps.parquet"),
-            scores=scores,
-            result=read_json(out / RESULT_FILE) or {},
+            train_rollouts=present(files.rollouts("train")),
+            val_rollouts=present(files.rollouts("val")),
+            steps=present(files.steps),
+            scores=files.scores,
+            result=read_json(files.result) or {},
             checkpoint=policy if policy.is_dir() and not policy.is_symlink() else None,
         )
 
@@ -142,7 +140,7 @@ def running_status(job: JobSpec, record: dict) -> JobStatus:
     status = JobStatus(JobState.RUNNING, f"pid {record['pid']}")
     grpo, seeds = job.recipe.get("grpo") or {}, job.recipe.get("seeds") or [0]
     total = int(grpo.get("steps") or 0) * len(seeds)
-    log = job.artifact_dir / LOG_FILE
+    log = RunArtifacts(job.artifact_dir).log
     if not total or not log.is_file():
         return status
     done = min(len(STEP_LINE.findall(log.read_text(errors="replace"))), total)

@@ -50,6 +50,7 @@ from evotrainer.backends.verl_render import (
 from evotrainer.domains import Task, make_domain
 from evotrainer.engine.checks import check_contract
 from evotrainer.errors import EvoError
+from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA, SCORE_SCHEMA
 from evotrainer.evidence.steps import STEPS_SCHEMA
 from evotrainer.evidence.verl import IngestResult, derive_lengths, ingest_dump, read_metrics_log
@@ -273,13 +274,14 @@ class VerlBackend:
                 skipped += bad
         skipped = notes.skipped + skipped
 
-        out = job.artifact_dir
-        (out / "rollouts").mkdir(parents=True, exist_ok=True)
-        train_path = _write(train, ROLLOUT_SCHEMA, out / "rollouts" / "train.parquet")
-        val_path = _write(val, ROLLOUT_SCHEMA, out / "rollouts" / "val.parquet")
-        steps_path = _write(steps, STEPS_SCHEMA, out / "steps.parquet")
+        # The canonical evidence goes where the embedded engine writes it (evidence/layout).
+        canonical = RunArtifacts(job.artifact_dir)
+        canonical.rollouts_dir.mkdir(parents=True, exist_ok=True)
+        train_path = _write(train, ROLLOUT_SCHEMA, canonical.rollouts("train"))
+        val_path = _write(val, ROLLOUT_SCHEMA, canonical.rollouts("val"))
+        steps_path = _write(steps, STEPS_SCHEMA, canonical.steps)
         scores = final_scores(pa.concat_tables(val), files)
-        scores_path = out / "scores.csv"
+        scores_path = canonical.scores
         pacsv.write_csv(scores.drop_columns(["version"]), scores_path)
         correct = scores.column("correct")
         result: dict[str, Any] = {

@@ -43,6 +43,7 @@ from evotrainer.diagnosis.harness import HarnessRevision
 from evotrainer.diagnosis.incremental import DiagnosisState, diagnose_incremental
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts, read_steps
+from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 from evotrainer.store.clock import now_iso
 from evotrainer.store.files import atomic_write, read_json
@@ -310,8 +311,9 @@ class _Evidence:
 def _read_local(artifact_dir: Path, saved: dict, force: bool) -> _Evidence:
     """The engine's evidence files as of now; unchanged files are not read again unless
     `force` (no diagnosis of them to reuse)."""
-    files = [artifact_dir / "rollouts" / f"{s}.parquet" for s in ("train", "val")]
-    steps_file = artifact_dir / "steps.parquet"
+    layout = RunArtifacts(artifact_dir)
+    files = [layout.rollouts(split) for split in ("train", "val")]
+    steps_file = layout.steps
     signature = {
         str(p.relative_to(artifact_dir)): [p.stat().st_size, p.stat().st_mtime_ns]
         for p in (*files, steps_file)
@@ -420,7 +422,7 @@ def _steps_done(artifact_dir: Path, steps: pa.Table | None, seeds: list, backend
     """Training steps done over all seeds: the engine's log says it each step; otherwise
     (verl) the latest step of each seed's metrics."""
     latest: dict[int, int] = {}
-    log = artifact_dir / "train.log"
+    log = RunArtifacts(artifact_dir).log
     if backend != "verl" and log.is_file():
         for seed, step in _ENGINE_STEP.findall(log.read_text(errors="replace")):
             latest[int(seed)] = max(latest.get(int(seed), 0), int(step))

@@ -36,6 +36,7 @@ from evotrainer.control.live import observe_running, stop_records
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
 from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
 from evotrainer.errors import EvoError
+from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.store import specs
 from evotrainer.store.checkpoints import (
     CHECKPOINT,
@@ -879,9 +880,10 @@ class Reconciler:
 
         # The policy is checked when a child starts from it, not before every diagnosis.
         verify_artifacts(self.ws, state, skip=(CHECKPOINT,))
-        steps_file = artifact_dir / "steps.parquet"
+        files = RunArtifacts(artifact_dir)
+        steps_file = files.steps
         try:
-            rollouts = read_rollouts(artifact_dir / "rollouts")
+            rollouts = read_rollouts(files.rollouts_dir)
             steps = read_steps(steps_file) if steps_file.is_file() else None
         except (pa.ArrowException, OSError) as exc:
             raise EvoError(

@@ -12,6 +12,7 @@ from pathlib import Path
 from evotrainer.engine import check_recipe, offline_environment
 from evotrainer.engine.outputs import write_json
 from evotrainer.errors import EvoError
+from evotrainer.evidence.layout import RunArtifacts
 
 
 def main(argv: list[str]) -> int:
@@ -30,7 +31,7 @@ def main(argv: list[str]) -> int:
     except (OSError, ValueError, EvoError) as err:
         # A job that never starts still leaves result.json, so the backend can say why.
         write_json(
-            Path(out_dir) / "result.json",
+            RunArtifacts(Path(out_dir)).result,
             {"status": "failed", "version": version, "error": str(err)},
         )
         print(f"error: {err}", file=sys.stderr)

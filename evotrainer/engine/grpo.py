@@ -43,6 +43,7 @@ from evotrainer.engine.model import (
 from evotrainer.engine.outputs import RunLog, RunOutputs, write_json
 from evotrainer.engine.rollout import Episode, batch_tensors, sample_episodes, token_logprobs
 from evotrainer.engine.warm_start import warm_start
+from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.store.checkpoints import check_job_start, seed_checkpoint_name
 from evotrainer.store.recipe import digest
 from evotrainer.trackers import RunIdentity, logger_names, open_trackers
@@ -391,7 +392,7 @@ def run_job(
         or os.environ.get("EVOTRAINER_CACHE_DIR")
         or out_dir.resolve().parent / "warm_start"
     )
-    log = RunLog(out_dir / "train.log", progress)
+    log = RunLog(RunArtifacts(out_dir).log, progress)
     outputs = RunOutputs(out_dir, version)
     started = time.perf_counter()
     result: dict[str, Any] = {
@@ -407,7 +408,7 @@ def run_job(
         "warm_start": {},
         "wall_time_s": 0.0,
     }
-    write_json(out_dir / "result.json", result)
+    write_json(RunArtifacts(out_dir).result, result)
     log(f"run {version}: recipe {result['recipe_digest']}, seeds {recipe['seeds']}")
     try:
         check_job_start(recipe)
@@ -429,7 +430,7 @@ def run_job(
         raise
     finally:
         result["wall_time_s"] = round(time.perf_counter() - started, 3)
-        write_json(out_dir / "result.json", result)
+        write_json(RunArtifacts(out_dir).result, result)
         log(
             f"run {version}: {result['status']} in {result['wall_time_s']:.1f}s, "
             f"val avg@{result['eval_k']} {result['val_avg']}"

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from rich.console import Console
 from rich.progress import Progress
 
+from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 from evotrainer.evidence.steps import STEPS_SCHEMA
 from evotrainer.store.files import atomic_write
@@ -41,6 +42,7 @@ class RunOutputs:
 
     def __init__(self, out_dir: Path, version: str) -> None:
         self.out_dir = out_dir
+        self.files = RunArtifacts(out_dir)
         self.version = version
         self.rollouts: dict[str, list[dict[str, Any]]] = {"train": [], "val": []}
         self.steps: list[dict[str, Any]] = []
@@ -59,13 +61,13 @@ class RunOutputs:
 
     def flush(self) -> None:
         for split, rows in self.rollouts.items():
-            write_parquet(self.out_dir / "rollouts" / f"{split}.parquet", rows, ROLLOUT_SCHEMA)
-        write_parquet(self.out_dir / "steps.parquet", self.steps, STEPS_SCHEMA)
+            write_parquet(self.files.rollouts(split), rows, ROLLOUT_SCHEMA)
+        write_parquet(self.files.steps, self.steps, STEPS_SCHEMA)
         text = io.StringIO()
         writer = csv.DictWriter(text, fieldnames=SCORE_COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows(self.scores)
-        atomic_write(self.out_dir / "scores.csv", text.getvalue().encode())
+        atomic_write(self.files.scores, text.getvalue().encode())
 
 
 class RunLog:

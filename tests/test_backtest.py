@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import numpy as np
 import pyarrow as pa
@@ -188,7 +189,7 @@ def trained(workspace):
     path.parent.mkdir(parents=True)
     pq.write_table(table(rows), path)
     record = {"apiVersion": "evotrainer/v1", "kind": "Run", "version": "v1",
-              "artifact_dir": artifact_dir}
+              "job_id": "job-1", "artifact_dir": artifact_dir}
     workspace.git.commit_files("evo/v1", {"runs/v1/run.yaml": dump(record).encode()}, "run v1")
     return workspace
 
@@ -232,3 +233,19 @@ def test_cli_backtest_a_rollout_file_and_bad_arguments(tmp_path, cli) -> None:
 def test_cli_backtest_a_version_without_a_run(workspace, cli) -> None:
     result = cli("backtest", "filter", "v0", "--filter", "zero_std", cwd=workspace.root)
     assert result.code == 1 and "no run record" in result.err
+
+
+def test_a_run_record_pointing_elsewhere_cannot_feed_the_backtest(trained, cli, tmp_path):
+    """A record edited on the branch to name another folder is refused, and the rollouts
+    planted there are never read."""
+    elsewhere = tmp_path / "planted" / "rollouts"
+    elsewhere.mkdir(parents=True)
+    shutil.copy(trained.root / ".evotrainer/artifacts/v1/job-1/rollouts/train.parquet",
+                elsewhere / "train.parquet")
+    record = {"apiVersion": "evotrainer/v1", "kind": "Run", "version": "v1",
+              "job_id": "job-1", "artifact_dir": str(elsewhere.parent)}
+    trained.git.commit_files("evo/v1", {"runs/v1/run.yaml": dump(record).encode()}, "tamper")
+    out = cli("backtest", "reward", "v1", "--component", "partial", "--weight", "0.1",
+              cwd=trained.root)
+    assert out.exit_code == 1
+    assert "artifact_dir" in out.output and "Traceback" not in out.output

@@ -19,6 +19,7 @@ from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
 from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts, read_steps
+from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.store.workspace import PROJECT_FILE, VersionState, Workspace
 
 
@@ -40,11 +41,12 @@ def _diagnosis(
         # reconcile already diagnosed it with exactly this revision
         return state.records["diagnosis"]
     artifact_dir = ws.run_dir(state.name, state.records["run"])  # checked: its own folder
-    steps_file = artifact_dir / "steps.parquet"
+    files = RunArtifacts(artifact_dir)
+    steps_file = files.steps
     # The parent's and the version's recorded scores, as reconcile diagnoses: the
     # version-layer metrics and the gate then read the same comparison here as there.
     result = diagnose(
-        read_rollouts(artifact_dir / "rollouts"),
+        read_rollouts(files.rollouts_dir),
         read_steps(steps_file) if steps_file.is_file() else None,
         harness,
         recorded_scores(ws, state.parent) if _collected(states, state.parent) else None,

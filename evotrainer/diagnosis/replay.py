@@ -26,6 +26,7 @@ from evotrainer.domains import make_domain
 from evotrainer.engine.filters import make_filter
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts
+from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.store.recipe import BASE_RECIPE
 
 DEAD_STD = 1e-3  # h0's `dead_std`: the method's "std(group CR) < 0.001"
@@ -253,7 +254,8 @@ def version_rollouts(ws: Any, version: str, split: str = "train") -> Path:
         raise EvoError(f"version {version!r} has no run record with an artifact_dir",
                        where=f"evo/{version}:runs/{version}/run.yaml",
                        hint="backtests replay a finished run; run `evotrainer reconcile` first")
-    path = ws.root / run.artifact_dir / "rollouts" / f"{split}.parquet"
+    state = ws.version(version)
+    path = RunArtifacts(ws.run_dir(version, state.records["run"])).rollouts(split)
     if not path.is_file():
         raise EvoError("the run's rollouts are missing", where=str(path),
                        hint="artifacts live outside git; restore them or re-run the version")

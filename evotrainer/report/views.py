@@ -24,6 +24,7 @@ from evotrainer.control.reconcile import Context, steps_spent
 from evotrainer.diagnosis.harness import LAYERS, HarnessRevision, load_harness, resolve_harness
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts
+from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.report import svg
 from evotrainer.store import specs
 from evotrainer.store.recipe import BASE_RECIPE
@@ -206,7 +207,7 @@ class _Evidence:
             return self.refused
         if self.folder is None:
             return "the run record names no artifact folder"
-        if not (self.folder / "rollouts").is_dir():
+        if not RunArtifacts(self.folder).rollouts_dir.is_dir():
             return f"the artifact folder {self.folder} is gone"
         return None
 
@@ -226,7 +227,7 @@ class _Evidence:
 
     def _table(self, split: str) -> pa.Table | None:
         if split not in self.tables:
-            path = self.folder / "rollouts" / f"{split}.parquet"
+            path = RunArtifacts(self.folder).rollouts(split)
             try:
                 self.tables[split] = read_rollouts(path) if path.is_file() else None
             except (EvoError, OSError, pa.ArrowException):

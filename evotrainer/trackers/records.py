@@ -11,6 +11,7 @@ import pyarrow.compute as pc
 
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_steps
+from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.store import recipe as recipes
 from evotrainer.store.workspace import VersionState, Workspace, version_spec_path
 from evotrainer.trackers import RunIdentity, logger_names, open_trackers
@@ -109,7 +110,7 @@ def export_version(
         raise EvoError(f"{name} has no finished run to export", where=state.spec_source,
                        hint="export versions that `evotrainer lineage` shows as trained")
     run_dir = run_dir_of(ws, state)
-    steps_file = run_dir / "steps.parquet"
+    steps_file = RunArtifacts(run_dir).steps
     if not steps_file.is_file():
         raise EvoError(f"the step metrics of {name} are gone", where=str(steps_file),
                        hint="the records in git are intact; restore the artifact folder")

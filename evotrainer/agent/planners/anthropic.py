@@ -54,6 +54,7 @@ from evotrainer.diagnosis.replay import (
 from evotrainer.diagnosis.sql import ReadOnlyQuery, check_select
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts
+from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.store import specs
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.recipe import set_dotted
@@ -353,7 +354,8 @@ class _Tools:
         state = self.view.ws.version(version, self.view.states)
         if state.run is None or not state.run.artifact_dir:
             raise EvoError(f"{version} has no recorded run")
-        table = read_rollouts(self.view.ws.run_dir(version, state.records["run"]) / "rollouts")
+        run_dir = self.view.ws.run_dir(version, state.records["run"])
+        table = read_rollouts(RunArtifacts(run_dir).rollouts_dir)
         # ReadOnlyQuery locks DuckDB down before it registers anything, and the split (checked
         # against the tool's schema) reaches it as the filtered rows, never as SQL text.
         sandbox = ReadOnlyQuery(table, None, split, timeout_s=10.0)

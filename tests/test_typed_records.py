@@ -70,18 +70,20 @@ def test_a_succeeded_run_naming_no_artifact_dir_is_not_backtested(lineage):  # n
 def test_a_run_record_of_the_wrong_shape_is_one_error_line_not_a_traceback(
     lineage, cli, field, value,  # noqa: F811
 ):
-    """The attack: a branch edits v2's run.yaml so a field has the wrong type. Every command
-    that reads the run record answers with an error naming the field (before, `int("many")`
-    or `dict([1, 2])` raised out of the CLI as a traceback)."""
+    """The attack: a branch edits v2's run.yaml so a field has the wrong type (before,
+    `int("many")` or `dict([1, 2])` raised out of the CLI as a traceback). The error belongs
+    to v2: `plan` refuses it naming the field and exits 1; the other versions still list."""
     ws, _ = lineage
     branch, path = branch_name("v2"), run_path("v2", "run.yaml")
     run = yaml.safe_load(ws.git.read(branch, path))
     run[field] = value
     ws.git.commit_files(branch, {path: yaml.safe_dump(run).encode()}, "tamper", {})
-    result = cli("-C", str(ws.root), "lineage")
+    result = cli("-C", str(ws.root), "plan")
     assert result.code == 1
     assert "Traceback" not in result.output and "must be" in result.output
-    assert field in result.output
+    assert field in result.output and "v2" in result.output
+    listed = cli("-C", str(ws.root), "lineage")
+    assert listed.code == 0 and "v3" in listed.output and "Traceback" not in listed.output
 
 
 def test_a_record_pointing_elsewhere_cannot_make_the_report_show_its_rollouts(

@@ -36,6 +36,9 @@ def run_path(name: str, file: str) -> str:
     return f"runs/{name}/{file}"
 
 
+TYPED_RECORDS = {"run": RunRecord, "diagnosis": DiagnosisRecord, "decision": DecisionRecord}
+
+
 @dataclass
 class VersionState:
     """A version as recorded at the tip of its branch."""
@@ -50,17 +53,24 @@ class VersionState:
     # version is refused rather than read as never run and launched over it.
     record_errors: dict[str, EvoError] = field(default_factory=dict)
 
+    def record_where(self, kind: str) -> str:
+        return f"{branch_name(self.name)}:{run_path(self.name, kind + '.yaml')}"
+
     @property
     def run(self) -> RunRecord | None:
-        return RunRecord.from_record(self.records.get("run"))
+        return RunRecord.from_record(self.records.get("run"), self.record_where("run"))
 
     @property
     def diagnosis(self) -> DiagnosisRecord | None:
-        return DiagnosisRecord.from_record(self.records.get("diagnosis"))
+        return DiagnosisRecord.from_record(
+            self.records.get("diagnosis"), self.record_where("diagnosis")
+        )
 
     @property
     def decision(self) -> DecisionRecord | None:
-        return DecisionRecord.from_record(self.records.get("decision"))
+        return DecisionRecord.from_record(
+            self.records.get("decision"), self.record_where("decision")
+        )
 
     @property
     def parent(self) -> str | None:
@@ -184,6 +194,9 @@ class Workspace:
                 blob = blobs[(ref, run_path(name, f))]
                 try:
                     state.records[kind] = load_record(blob, where)
+                    # A record of the wrong shape (a list for `result`, text for `attempt`)
+                    # belongs to this version too: read its typed view once here.
+                    TYPED_RECORDS[kind].from_record(state.records[kind], where)
                 except EvoError as err:
                     state.records[kind] = None
                     state.record_errors[kind] = err

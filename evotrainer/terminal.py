@@ -26,7 +26,15 @@ def safe(text: object) -> str:
     return escape(clean(text))
 
 
+# Piped output (CI logs, `| less`, a file) has no width to fit: lines are kept whole up to
+# this many columns instead of Rich's 80-column default.
+PIPED_WIDTH = 200
+
+
 def console(*, stderr: bool = False) -> Console:
-    """A Console that wraps softly instead of cropping when the output is not a terminal."""
+    """A Console that keeps lines whole instead of cropping or folding them at 80 columns
+    when the output is not a terminal."""
     stream = sys.stderr if stderr else sys.stdout
-    return Console(stderr=stderr, soft_wrap=not stream.isatty(), highlight=False)
+    piped = not stream.isatty()
+    return Console(stderr=stderr, soft_wrap=piped, width=PIPED_WIDTH if piped else None,
+                   highlight=False)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import typer
-from rich.console import Console
 
 from evotrainer.control.versions import approve as approve_version
 from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import console as make_console
 from evotrainer.terminal import safe
 
 
@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
         already = ws.approval_status(ws.version(name, states), states) == "approved"
         approval = approve_version(ws, name, by)["approval"]
         verb = "Already approved:" if already else "Approved"
-        Console().print(
+        make_console().print(
             f"{verb} {safe(name)} (by {safe(approval['by'])} at {safe(approval['at'])}, "
             f"{approval['digest'][:19]})",
             highlight=False,

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import typer
-from rich.console import Console
 
 from evotrainer.control.jobs import cancel_version
 from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import console as make_console
 from evotrainer.terminal import safe
 
 
@@ -21,7 +21,7 @@ def register(app: typer.Typer) -> None:
         relaunch it until `evotrainer retry V`."""
         ws = Workspace.find()
         run = cancel_version(ws, name, by or ws.git.user())
-        Console().print(
+        make_console().print(
             f"Cancelled {safe(name)} attempt {run['attempt']} ({safe(run['job_id'])}); "
             f"`evotrainer retry {safe(name)}` relaunches it",
             highlight=False,

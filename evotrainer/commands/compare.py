@@ -7,13 +7,13 @@ import math
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from evotrainer.control.gate import recorded_scores
 from evotrainer.diagnosis.stats import compare_tables
 from evotrainer.evidence.io import read_scores
 from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import console as make_console
 
 
 def register(app: typer.Typer) -> None:
@@ -62,7 +62,7 @@ def register(app: typer.Typer) -> None:
                 f"{row['p_bootstrap']:.4g}",
                 f"{row['p_wilcoxon']:.4g}",
             )
-        console = Console()
+        console = make_console()
         console.print(table)
         for row in result["pass_at_k"]:
             console.print(

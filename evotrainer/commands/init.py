@@ -8,7 +8,6 @@ from pathlib import Path
 
 import git
 import typer
-from rich.console import Console
 
 from evotrainer import API_VERSION
 from evotrainer.engine.checks import package_checkpoint
@@ -17,6 +16,7 @@ from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.git import GitStore, branch_name, with_trailers
 from evotrainer.store.specs import dump
 from evotrainer.store.workspace import PROJECT_FILE, STATE_DIR, version_spec_path
+from evotrainer.terminal import console as make_console
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 BASELINE = "v0"
@@ -121,7 +121,7 @@ def register(app: typer.Typer) -> None:
         """Create a workspace: a git repo with the project spec, the built-in harness and
         skills, and the baseline version v0 on branch evo/v0."""
         root = init_workspace(directory, example)
-        console = Console()
+        console = make_console()
         console.print(
             f"Initialised workspace [bold]{root}[/] ({example}): main + {branch_name(BASELINE)}"
         )

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import typer
-from rich.console import Console
 from rich.tree import Tree
 
 from evotrainer.control.lineage import LineageRow, lineage_rows, stopped_text
 from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import console as make_console
 from evotrainer.terminal import safe
 
 STATUS_STYLE = {
@@ -59,4 +59,4 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print(json.dumps([r.as_dict() for r in rows], indent=2))
             return
-        Console().print(lineage_tree(rows))
+        make_console().print(lineage_tree(rows))

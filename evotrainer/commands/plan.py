@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from evotrainer.control.reconcile import VersionPlan, load_context, plan
 from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import console as make_console
 from evotrainer.terminal import safe
 
 SYNC_STYLE = {"Synced": "green", "OutOfSync": "yellow", "Drifted": "magenta", "Invalid": "red"}
@@ -66,7 +66,7 @@ def register(app: typer.Typer) -> None:
                 )
             )
         else:
-            console = Console()
+            console = make_console()
             console.print(plan_table(plans))
             if invalid:
                 console.print(

@@ -11,6 +11,7 @@ from evotrainer.commands.plan import plan_table
 from evotrainer.control.reconcile import Reconciler, VersionPlan, error_plan
 from evotrainer.store.lock import workspace_lock
 from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import console as make_console
 from evotrainer.terminal import safe
 
 
@@ -55,7 +56,7 @@ def register(app: typer.Typer) -> None:
         prune. Safe to rerun at any time: it converges to the same state. A version that
         fails (invalid spec, backend error) is reported and the others go ahead; exit 1
         when any failed."""
-        console = Console()
+        console = make_console()
         plans = reconcile_workspace(Workspace.find(), wait, console)
         console.print(plan_table(plans))
         failed = [p.version for p in plans if p.error]

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import typer
-from rich.console import Console
 
 from evotrainer.control.reconcile import request_retry
 from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import console as make_console
 from evotrainer.terminal import safe
 
 
@@ -21,7 +21,7 @@ def register(app: typer.Typer) -> None:
         launches it; the version's approval must still hold."""
         ws = Workspace.find()
         record = request_retry(ws, name, by or ws.git.user())
-        Console().print(
+        make_console().print(
             f"Retry of {safe(name)} recorded: attempt {record['attempt']} "
             f"({safe(record['job_id'])}); `evotrainer reconcile` launches it",
             highlight=False,

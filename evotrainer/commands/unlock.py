@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import typer
-from rich.console import Console
 
 from evotrainer.errors import EvoError
 from evotrainer.store.lock import break_lock, breakable, read_lock
 from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import console as make_console
 from evotrainer.terminal import safe
 
 
@@ -27,7 +27,7 @@ def register(app: typer.Typer) -> None:
         path = Workspace.find().state_dir / "lock"
         state = read_lock(path)
         if state is None:
-            Console().print("no lock held")
+            make_console().print("no lock held")
             return
         who = safe(state.describe())
         if not force:
@@ -47,4 +47,4 @@ def register(app: typer.Typer) -> None:
                 hint="wait for it, or stop it first",
             )
         break_lock(path)
-        Console().print(f"broke the lock: {who}", highlight=False)
+        make_console().print(f"broke the lock: {who}", highlight=False)

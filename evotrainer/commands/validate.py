@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import typer
-from rich.console import Console
 
 from evotrainer.errors import EvoError
 from evotrainer.store.validation import validate_workspace
@@ -42,7 +41,7 @@ def register(app: typer.Typer) -> None:
                 )
             )
         else:
-            console = Console(stderr=bool(problems))
+            console = make_console(stderr=bool(problems))
             for problem in problems:
                 console.print(f"[red]✗[/] {safe(problem)}", highlight=False, soft_wrap=True)
             if not problems and ws is not None:

@@ -9,6 +9,7 @@ import typer
 from evotrainer.errors import EvoError
 from evotrainer.store.validation import validate_workspace
 from evotrainer.store.workspace import Workspace
+from evotrainer.terminal import console as make_console
 from evotrainer.terminal import safe
 
 

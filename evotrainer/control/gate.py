@@ -43,18 +43,23 @@ def metric_values(diagnosis: dict | None) -> dict:
     return {name: (m.get("value") if isinstance(m, dict) else m) for name, m in metrics.items()}
 
 
-def decide(
-    ws: Workspace, states: dict[str, VersionState], state: VersionState, harness: HarnessRevision
-) -> dict:
-    diagnosis = state.records["diagnosis"]
-    metrics = metric_values(diagnosis)
-    decision = {
+def decision_header(state: VersionState, harness: HarnessRevision) -> dict:
+    """What every decision record starts with: whose, against which parent, by which harness."""
+    return {
         "apiVersion": API_VERSION,
         "kind": "Decision",
         "version": state.name,
         "parent": state.parent,
         "harness": {"name": harness.name, "digest": harness.digest},
     }
+
+
+def decide(
+    ws: Workspace, states: dict[str, VersionState], state: VersionState, harness: HarnessRevision
+) -> dict:
+    diagnosis = state.records["diagnosis"]
+    metrics = metric_values(diagnosis)
+    decision = decision_header(state, harness)
     if state.parent is None:
         return {
             **decision,

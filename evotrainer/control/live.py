@@ -37,7 +37,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from evotrainer import API_VERSION
+from evotrainer.control.gate import decision_header
 from evotrainer.diagnosis.diagnose import diagnosis_document, evaluate_unless_null
 from evotrainer.diagnosis.harness import HarnessRevision
 from evotrainer.diagnosis.incremental import DiagnosisState, diagnose_incremental
@@ -266,11 +266,7 @@ def stop_records(
     diagnosis["live"] = {"step": stop["step"], "steps": stop["steps"], "rows": stop["rows"]}
     by = f"alert {stop['alert']}" if blocked_by else f"rule {stop['rule']}"
     decision = {
-        "apiVersion": API_VERSION,
-        "kind": "Decision",
-        "version": state.name,
-        "parent": state.parent,
-        "harness": {"name": harness.name, "digest": harness.digest},
+        **decision_header(state, harness),
         "verdict": "prune",
         "reason": f"stopped early by {by} (early_stop rule {stop['rule']}) at {progress}: "
         f"{stop['reason']}",

@@ -216,7 +216,8 @@ class RulesPlanner:
         self, view: View, frontier: str, source: str, diagnosis: dict, found: Match
     ) -> tuple[Proposal, bool]:
         skill = found.skill
-        fired = ", ".join(f"{k}={_fmt(v)}" for k, v in found.values.items())
+        # Names the trigger read but the diagnosis did not measure (null) say nothing.
+        fired = ", ".join(f"{k}={_fmt(v)}" for k, v in found.values.items() if v is not None)
         alerts = [a["name"] for a in diagnosis.get("alerts") or []]
         who = source if source == frontier else f"{source} ({view.verdict(source)}, " \
             f"child of {frontier})"

@@ -7,6 +7,7 @@ enough to find the row again in the version's rollout table.
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -72,36 +73,45 @@ def diagnose(
     `timeout_s` and `memory_limit`. `evidence_digest` spares hashing evidence whose digest the
     caller holds. `increment` (see incremental.diagnose_incremental, which passes it) computes
     the metrics that combine from per-step partials from the new rows only."""
-    if isinstance(rollouts, (str, Path)):
-        path = Path(rollouts)
-        files = sorted(path.glob("*.jsonl")) if is_verl_dump(path) else rollout_files(path)
-        table = read_rollouts(path, split=split)
-        evidence_digest = evidence_digest or file_digest(files)
-    else:
-        table = rollouts
-        evidence_digest = evidence_digest or table_digest(table, steps)
-    run = _Run(table, steps, harness, timeout_s, memory_limit, increment)
-    try:
-        comparison = None
-        if parent_scores is not None:
-            candidate = scores if scores is not None else val_scores(table)
-            if candidate.num_rows:
-                comparison = parent_comparison(parent_scores, candidate, harness)
-        metrics: dict[str, float | None] = {}
-        series: dict[str, list[list[float]]] = {}
-        gaps: list[dict[str, str]] = []
-        for metric in harness.metrics:
-            value, points, gap = run.metric(metric, comparison)
-            metrics[metric.name] = value
-            if metric.series:
-                series[metric.name] = points
-            if value is None:
-                gaps.append(
-                    {"metric": metric.name, "reason": gap or "not computable from the evidence"}
-                )
-        alerts = [fired for alert in harness.alerts if (fired := run.alert(alert, metrics))]
-    finally:
-        run.close()
+    # The evidence digest is hashed on a second thread while the evidence is read and
+    # diagnosed: sha256 and Arrow's IPC writer release the GIL, so the hash costs little
+    # wall time beside the queries instead of adding its whole pass to them.
+    with ThreadPoolExecutor(max_workers=1) as digests:
+        digest: Future[str] | None = None
+        if isinstance(rollouts, (str, Path)):
+            path = Path(rollouts)
+            files = sorted(path.glob("*.jsonl")) if is_verl_dump(path) else rollout_files(path)
+            if evidence_digest is None:
+                digest = digests.submit(file_digest, files)
+            table = read_rollouts(path, split=split)
+        else:
+            table = rollouts
+            if evidence_digest is None:
+                digest = digests.submit(table_digest, table, steps)
+        run = _Run(table, steps, harness, timeout_s, memory_limit, increment)
+        try:
+            comparison = None
+            if parent_scores is not None:
+                candidate = scores if scores is not None else val_scores(table)
+                if candidate.num_rows:
+                    comparison = parent_comparison(parent_scores, candidate, harness)
+            metrics: dict[str, float | None] = {}
+            series: dict[str, list[list[float]]] = {}
+            gaps: list[dict[str, str]] = []
+            for metric in harness.metrics:
+                value, points, gap = run.metric(metric, comparison)
+                metrics[metric.name] = value
+                if metric.series:
+                    series[metric.name] = points
+                if value is None:
+                    gaps.append(
+                        {"metric": metric.name, "reason": gap or "not computable from the evidence"}
+                    )
+            alerts = [fired for alert in harness.alerts if (fired := run.alert(alert, metrics))]
+            if digest is not None:
+                evidence_digest = digest.result()
+        finally:
+            run.close()
     return {
         "harness": {"name": harness.name, "digest": harness.digest},
         "evidence_digest": evidence_digest,

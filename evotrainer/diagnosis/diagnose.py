@@ -438,9 +438,9 @@ class _Run:
         sandbox = self.sandbox(None if split == "all" else split)
         field = f"alerts.{alert.name}.sample.where"
 
-        def sample(window: str) -> list[str]:
+        def sample(source: str) -> list[str]:
             sql = (
-                f"SELECT {ROLLOUT_ID_SQL} FROM rollouts WHERE {window}({alert.sample_where}) "
+                f"SELECT {ROLLOUT_ID_SQL} FROM {source} WHERE ({alert.sample_where}) "
                 f"ORDER BY step DESC, seed, group_id, sample_idx LIMIT {alert.sample_limit}"
             )
             try:
@@ -457,10 +457,10 @@ class _Run:
         # first rather than evaluate an expensive `where` on every row.
         floor = self._recent_floor(sandbox)
         if floor is not None:
-            found = sample(f"step >= {floor} AND ")
+            found = sample(sandbox.recent_rows(floor))
             if len(found) == alert.sample_limit:
                 return found
-        return sample("")
+        return sample("rollouts")
 
     def _recent_floor(self, sandbox: ReadOnlyQuery) -> int | None:
         """The lowest step of the fewest latest steps holding 1/16 of the view's rows; None

@@ -128,6 +128,20 @@ class ReadOnlyQuery:
         self.con.register("rollouts", split_table)
         self.make_calls = calls or (lambda: call_table(split_table))
         self.has_groups = self.has_calls = False
+        self.split_table = split_table
+        self.recent_floor: int | None = None
+
+    def recent_rows(self, floor: int) -> str:
+        """A FROM item reading the view's rows of step `floor` and later under the name
+        `rollouts`: the rows are copied out once per floor, so a `WHERE` over them converts
+        only those rows' columns (a filter on the full view converts every row's tool calls
+        first). An alias is no table name: a subquery's `FROM rollouts` still reads the full
+        view, so `WHERE` means what it means over `FROM rollouts WHERE step >= floor`."""
+        if self.recent_floor != floor:
+            recent = pc.greater_equal(self.split_table.column("step"), floor)
+            self.con.register("recent_rollouts", self.split_table.filter(recent))
+            self.recent_floor = floor
+        return "recent_rollouts AS rollouts"
 
     def query(self, sql: str, params: dict[str, Any], *, field: str) -> tuple[list[str], list]:
         """Run one checked SELECT; return (column names, rows)."""

@@ -71,3 +71,45 @@ def test_examples_subqueries_read_the_whole_view(where, top_step):
     assert found == want
     if where.startswith("reward >= (SELECT max(reward)"):
         assert found == [f"v0/0/train/{top_step}/g0/0"]
+
+
+def test_calls_view_rows_equal_the_flattened_calls_of_a_chunked_table():
+    # seed and step of a call are its rollout's, whatever the chunking of the rollouts and
+    # with rows without tool-call data in between; SQL reads them as plain BIGINTs.
+    import pyarrow as pa
+
+    rows = [
+        dict(
+            seed=seed,
+            step=step,
+            group_id=f"g{step}",
+            tool_calls=None if step % 3 == 0 else [f"t{i % 2} a{i}" for i in range(step % 4)],
+        )
+        for seed in (7, 11)
+        for step in range(1, 13)
+    ]
+    table = rollout_table(rows)
+    chunked = pa.concat_tables([table.slice(0, 5), table.slice(5, 9), table.slice(14)])
+    assert chunked.column("seed").num_chunks == 3
+    want = [
+        (r["seed"], r["step"], name, args)
+        for r in rows
+        for name, args in (c.split(" ") for c in r["tool_calls"] or [])
+    ]
+    sandbox = ReadOnlyQuery(chunked, None, "train")
+    try:
+        _, got = sandbox.query("SELECT seed, step, name, args FROM calls", {}, field="test")
+        _, types = sandbox.query(
+            "SELECT typeof(any_value(seed)), typeof(any_value(step)) FROM calls", {}, field="t"
+        )
+        _, per_step = sandbox.query(
+            "SELECT step, count(*) FROM calls GROUP BY step ORDER BY step", {}, field="test"
+        )
+    finally:
+        sandbox.close()
+    assert got == want
+    assert types == [("BIGINT", "BIGINT")]
+    counts: dict[int, int] = {}
+    for _, step, _, _ in want:
+        counts[step] = counts.get(step, 0) + 1
+    assert per_step == sorted(counts.items())

@@ -163,8 +163,9 @@ def max_same_tool_streak(table: pa.Table, params: dict[str, Any]) -> np.ndarray:
 
 def call_table(table: pa.Table) -> pa.Table:
     """The `calls` SQL view of `table`: one row per tool call, with its rollout's `seed` and
-    `step` and its `name` (dictionary-encoded: DuckDB then groups codes, not strings) and
-    `args`. Built from the same flattened calls as the analyzers."""
+    `step` (dictionary arrays over the rollouts' columns; SQL sees plain integers) and its
+    `name` (dictionary-encoded: DuckDB then groups codes, not strings) and `args`. Built from
+    the same flattened calls as the analyzers."""
     calls = _calls(table)
     codes, names = calls.name_codes
     null_name = pc.is_null(calls.names).to_numpy(zero_copy_only=False)
@@ -174,8 +175,10 @@ def call_table(table: pa.Table) -> pa.Table:
     parents = pa.array(calls.parents)
     return pa.table(
         {
-            "seed": table.column("seed").take(parents),
-            "step": table.column("step").take(parents),
+            # The rollout's value by reference (its row as a dictionary index): no copy of
+            # seed and step per call, and a query that reads neither never converts them.
+            "seed": pa.DictionaryArray.from_arrays(parents, table.column("seed").combine_chunks()),
+            "step": pa.DictionaryArray.from_arrays(parents, table.column("step").combine_chunks()),
             "name": name,
             "args": pc.struct_field(calls.flat, "args"),
         }

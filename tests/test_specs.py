@@ -88,12 +88,9 @@ BILLION_LAUGHS = "apiVersion: evotrainer/v1\nkind: PolicyVersion\nname: v1\npare
 
 
 def test_alias_bomb_is_rejected_before_it_expands():
-    import time
-
     assert len(BILLION_LAUGHS) < 700  # 9**9 values once expanded
-    started = time.monotonic()
     err = error_of(BILLION_LAUGHS)
-    assert time.monotonic() - started < 2
+    # Only the count over the composed node graph says this: the values were never built.
     assert "expands to more than" in err.message and err.where.startswith("v1.yaml:")
 
 

@@ -39,8 +39,8 @@ def analyzer(name: str, columns: tuple[str, ...]) -> Callable:
 class _Calls:
     """A table's tool calls flattened once and shared by every tool-call analyzer (and the
     `calls` SQL view) that sees the same table: the engine hands each analyzer of a split the
-    same table object. Names and `name args` pairs are dictionary-encoded, so the per-call work
-    runs on integer codes and a regex only ever sees each distinct pair once."""
+    same table object. Names and args are dictionary-encoded, so the per-call work runs on
+    integer codes and a regex only ever sees each distinct `name args` pair once."""
 
     def __init__(self, table: pa.Table) -> None:
         # Chunk by chunk: combining the chunks first would copy every call's strings.
@@ -49,8 +49,13 @@ class _Calls:
         self.flat = pc.list_flatten(column)
         # Call count per row; -1 when the row has no tool-call data.
         self.counts = pc.fill_null(pc.list_value_length(column), -1).to_numpy()
-        # The row of each call (list_flatten skips null lists, so they count as empty here).
-        self.parents = np.repeat(np.arange(self.num_rows), np.maximum(self.counts, 0))
+        # list_flatten skips null lists, so they count as empty here.
+        present = np.maximum(self.counts, 0)
+        # The first call of each row in `flat` (a row without calls: where the next one's is).
+        self.starts = np.cumsum(present) - present
+        # The row of each call; int32 halves the memory every per-call pass reads.
+        index_type = np.int32 if self.num_rows < 2**31 else np.int64
+        self.parents = np.repeat(np.arange(self.num_rows, dtype=index_type), present)
 
     @cached_property
     def names(self) -> pa.ChunkedArray:
@@ -67,11 +72,21 @@ class _Calls:
         """(a code per call, name and args of each distinct pair by code); null is ""."""
         codes, names = self.name_codes
         arg_codes, args = _encode(pc.fill_null(pc.struct_field(self.flat, "args"), ""))
-        # One int64 per (name, args) pair; encoding those finds the distinct pairs without
-        # ever building a `name args` string per call.
-        pair = codes.astype(np.int64) * len(args) + arg_codes
-        pairs, distinct = _encode(pa.array(pair))
-        distinct = distinct.to_numpy()
+        # One integer per (name, args) pair; its distinct values are the distinct pairs,
+        # found without ever building a `name args` string per call.
+        size = len(names) * len(args)
+        pair = codes.astype(np.int32 if size < 2**31 else np.int64) * len(args) + arg_codes
+        if size <= 8 * len(pair) + 1024:
+            # Few enough possible pairs to mark them in a table: no hashing per call.
+            seen = np.zeros(size, bool)
+            seen[pair] = True
+            distinct = np.flatnonzero(seen)
+            code_of = np.zeros(size, np.int32)
+            code_of[distinct] = np.arange(len(distinct), dtype=np.int32)
+            pairs = code_of[pair]
+        else:
+            pairs, encoded = _encode(pa.array(pair))
+            distinct = encoded.to_numpy()
         return (
             pairs,
             names.take(pa.array(distinct // len(args))),
@@ -80,17 +95,17 @@ class _Calls:
 
 
 def _encode(values: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, pa.Array]:
-    """(a code per value, the distinct values by code) in one hash pass; no nulls in."""
+    """(an int32 code per value, the distinct values by code) in one hash pass; no nulls in."""
     encoded = pc.dictionary_encode(values)
     if isinstance(encoded, pa.ChunkedArray):
         # Chunks may each carry their own dictionary: unify them so one code is one value.
         encoded = encoded.unify_dictionaries()
         if encoded.num_chunks == 0:
-            return np.zeros(0, np.int64), pa.array([], values.type)
+            return np.zeros(0, np.int32), pa.array([], values.type)
         dictionary = encoded.chunk(0).dictionary
         codes = np.concatenate([c.indices.to_numpy() for c in encoded.chunks])
-        return codes.astype(np.int64, copy=False), dictionary
-    return encoded.indices.to_numpy().astype(np.int64, copy=False), encoded.dictionary
+        return codes, dictionary
+    return encoded.indices.to_numpy(), encoded.dictionary
 
 
 _last_calls: tuple[weakref.ref, _Calls] | None = None
@@ -145,19 +160,21 @@ def max_same_tool_streak(table: pa.Table, params: dict[str, Any]) -> np.ndarray:
     out = np.full(calls.num_rows, np.nan)
     if len(calls.flat) == 0:
         return out
-    parents = calls.parents
-    # A run starts where the row or the tool name changes.
-    start = np.empty(len(parents), dtype=bool)
-    start[0] = True
     codes, _ = calls.name_codes
+    # A run starts where the tool name changes or a row's calls begin.
+    start = np.empty(len(codes), dtype=bool)
+    start[0] = True
     np.not_equal(codes[1:], codes[:-1], out=start[1:])
-    start[1:] |= parents[1:] != parents[:-1]
+    with_calls = calls.counts > 0
+    row_start = np.zeros(len(codes), dtype=bool)
+    row_start[calls.starts[with_calls]] = True
+    start |= row_start
     run_starts = np.flatnonzero(start)
-    run_lengths = np.diff(run_starts, append=len(parents))
-    # Runs are ordered by row, so each row's runs are one contiguous slice.
-    run_rows = parents[run_starts]
-    first = np.flatnonzero(np.r_[True, run_rows[1:] != run_rows[:-1]])
-    out[run_rows[first]] = np.maximum.reduceat(run_lengths, first)
+    run_lengths = np.diff(run_starts, append=len(codes))
+    # Runs are ordered by row and each row's first call starts one, so a row's runs are the
+    # slice from the run at its first call.
+    first_runs = np.flatnonzero(row_start[run_starts])
+    out[with_calls] = np.maximum.reduceat(run_lengths, first_runs)
     return out
 
 

@@ -18,7 +18,14 @@ import pyarrow.compute as pc
 from evotrainer.diagnosis import cel
 from evotrainer.diagnosis.analyzers import ANALYZERS, call_table
 from evotrainer.diagnosis.harness import Alert, HarnessRevision, Metric
-from evotrainer.diagnosis.sql import MEMORY_LIMIT, ReadOnlyQuery, split_rows
+from evotrainer.diagnosis.sql import (
+    MEMORY_LIMIT,
+    ReadOnlyQuery,
+    fusable_query,
+    fused_query,
+    fused_value,
+    split_rows,
+)
 from evotrainer.diagnosis.stats import compare_tables
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import (
@@ -39,8 +46,16 @@ class Increment(Protocol):
         self, metric: Metric, rows: pa.Table, view: pa.Table, timeout_s: float, memory_limit: str
     ) -> tuple[float | None, list[list[float]]] | None: ...
 
+    def combines(self, metric: Metric) -> bool:
+        """Whether `metric` is computed from partials (so `diagnose` leaves it to `metric`)."""
+        ...
+
     def close(self) -> None: ...
 
+
+# An alert's examples are looked for in the latest steps holding 1/256, then 1/16 of the rows,
+# before all of them.
+_EXAMPLE_WINDOWS = (256, 16)
 ROLLOUT_ID_SQL = "concat_ws('/', version, seed, split, step, group_id, sample_idx) AS id"
 
 
@@ -252,6 +267,11 @@ class _Run:
         self.rows: dict[str, pa.Table] = {}
         self.views: dict[str, pa.Table] = {}
         self.recorded: dict[tuple[str, str], int] = {}
+        self.floors: dict[ReadOnlyQuery, list[int]] = {}
+        # Metric name: its query's (columns, rows), from a query fused with others; and the
+        # (split, key) of each fused query tried.
+        self.fused: dict[str, tuple[list[str], list]] = {}
+        self.fusions: set[tuple[str, str]] = set()
 
     def sandbox(self, split: str | None) -> ReadOnlyQuery:
         if split not in self.sandboxes:
@@ -329,9 +349,14 @@ class _Run:
         return self.recorded[split, column]
 
     def _sql(self, metric: Metric) -> tuple[float | None, list[list[float]]]:
-        columns, rows = self.sandbox(metric.split).query(
-            metric.sql, self.harness.params, field=metric.name
-        )
+        if metric.name not in self.fused:
+            self._fuse(metric)
+        if metric.name in self.fused:
+            columns, rows = self.fused.pop(metric.name)
+        else:
+            columns, rows = self.sandbox(metric.split).query(
+                metric.sql, self.harness.params, field=metric.name
+            )
         if "value" not in columns:
             raise EvoError("the query must return a column named `value`")
         vi = columns.index("value")
@@ -353,6 +378,56 @@ class _Run:
             [int(r[si]), v] for r in rows if r[si] is not None and (v := _clean(r[vi])) is not None
         )
         return _clean(total[0][vi]), points
+
+    def _fuse(self, metric: Metric) -> None:
+        """Run `metric`'s query as one with those of every other metric of its split that reads
+        the same rows alike (sql.fusable_query), so they cost one pass over the rows, not one
+        each, and keep each one's (columns, rows) as its own query returns them. Where the
+        fused query fails, each metric runs alone and reports its own error."""
+        shape = metric.sql and fusable_query(metric.sql)
+        if not shape or (metric.split, shape.key) in self.fusions:
+            return
+        self.fusions.add((metric.split, shape.key))
+        members = [metric] + [
+            other
+            for other in self.harness.metrics
+            if other is not metric
+            and other.sql
+            and other.split == metric.split
+            and (query := fusable_query(other.sql))
+            and query.key == shape.key
+            and self._runs_sql(other)
+        ]
+        if len(members) < 2:
+            return
+        try:
+            columns, rows = self.sandbox(metric.split).query(
+                fused_query([fusable_query(m.sql) for m in members]),
+                self.harness.params,
+                field=metric.name,
+            )
+        except EvoError:
+            return
+        stepped = columns[0] == "step"
+        if not stepped and len(rows) != 1:
+            return  # not one aggregate row: each query says what is wrong with it
+        for i, member in enumerate(members):
+            at = columns.index(fused_value(i))
+            self.fused[member.name] = (
+                (["step", "value"], [(row[0], row[at]) for row in rows])
+                if stepped
+                else (["value"], [(row[at],) for row in rows])
+            )
+
+    def _runs_sql(self, metric: Metric) -> bool:
+        """Whether `metric` reaches its query (see `metric`): rows to read, its required
+        columns recorded, and no increment computing it from partials."""
+        return (
+            not metric.comparison
+            and bool(self.split_rows[metric.split])
+            and not (metric.requires and self._unrecorded(metric.split, metric.requires))
+            and not (self.increment and self.increment.combines(metric))
+        )
 
     def _rows(self, split: str) -> pa.Table:
         """The split's rows (zero-copy slices where it can), for its sandbox and analyzers."""
@@ -454,27 +529,32 @@ class _Run:
         # The examples are the latest matching rows, and `where` only decides row by row (SQL
         # allows no aggregate or window there; a subquery sees the whole view either way), so
         # when the latest steps alone hold `limit` matches they are the answer: try those
-        # first rather than evaluate an expensive `where` on every row.
-        floor = self._recent_floor(sandbox)
-        if floor is not None:
+        # first, in windows 16 times larger each, rather than evaluate an expensive `where`
+        # on every row.
+        for floor in self._recent_floors(sandbox):
             found = sample(sandbox.recent_rows(floor))
             if len(found) == alert.sample_limit:
                 return found
         return sample("rollouts")
 
-    def _recent_floor(self, sandbox: ReadOnlyQuery) -> int | None:
-        """The lowest step of the fewest latest steps holding 1/16 of the view's rows; None
-        when that is every step."""
-        _, rows = sandbox.query(
-            "SELECT step, count(*) FROM rollouts WHERE step IS NOT NULL "
-            "GROUP BY step ORDER BY step DESC",
-            {},
-            field="sample",
-        )
-        total = sum(n for _, n in rows)
-        seen = 0
-        for step, n in rows[:-1]:
-            seen += n
-            if seen * 16 >= total:
-                return int(step)
-        return None
+    def _recent_floors(self, sandbox: ReadOnlyQuery) -> list[int]:
+        """The lowest steps of the fewest latest steps holding 1/256 and 1/16 of the view's
+        rows (each once, and none that is every step), counted once per view."""
+        if sandbox not in self.floors:
+            _, rows = sandbox.query(
+                "SELECT step, count(*) FROM rollouts WHERE step IS NOT NULL "
+                "GROUP BY step ORDER BY step DESC",
+                {},
+                field="sample",
+            )
+            total = sum(n for _, n in rows)
+            floors: list[int] = []
+            for share in _EXAMPLE_WINDOWS:
+                seen = 0
+                for step, n in rows[:-1]:
+                    seen += n
+                    if seen * share >= total:
+                        floors += [int(step)] if int(step) not in floors else []
+                        break
+            self.floors[sandbox] = floors
+        return self.floors[sandbox]

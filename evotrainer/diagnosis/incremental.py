@@ -184,6 +184,9 @@ class Increment:
         self.partials[metric.name] = partials
         return _combine(kind, partials)
 
+    def combines(self, metric: Metric) -> bool:
+        return _combinable(metric)[0] is not None
+
     def close(self) -> None:
         for sandbox in self.sandboxes.values():
             sandbox.close()

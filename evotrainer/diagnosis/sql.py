@@ -10,10 +10,13 @@ calls does not convert every rollout's list of calls."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import duckdb
@@ -82,6 +85,114 @@ def sql_params(sql: str) -> list[str]:
     return sorted(set(_PARAM.findall(sql)))
 
 
+# The alias of each member's value in a fused query: harness SQL may not name it (see
+# fusable_query), so a member can never read another's value.
+_FUSED_ALIAS = "__evotrainer_fused_"
+# Where a parsed node's text came from: irrelevant to what it means.
+_LOCATION_KEYS = ("query_location", "query_location_length")
+
+
+@dataclass(frozen=True)
+class FusableQuery:
+    """A metric query of one of the two shapes that run together with others of the same
+    `key` as one query: `SELECT step, <e> AS value FROM <view> [WHERE w] GROUP BY ROLLUP
+    (step)` (per step rows) or `SELECT <e> AS value FROM <view> [WHERE w]` (one row)."""
+
+    key: str  # shape, view and WHERE: queries with equal keys read the same rows alike
+    node: str  # the parsed SELECT, as DuckDB serializes it
+    value: str  # its value expression, parsed
+
+
+@lru_cache(maxsize=256)
+def fusable_query(sql: str) -> FusableQuery | None:
+    """`sql` parsed as a FusableQuery, or None when it has another shape, or DuckDB's text
+    of it would not parse back to the same query (then fusing it could change its meaning)."""
+    if _FUSED_ALIAS in sql:
+        return None
+    parsed = _parse(sql)
+    if parsed is None:
+        return None
+    node = parsed["statements"][0]["node"]
+    plain = {k: v for k, v in node.items() if k not in ("select_list", "where_clause")}
+    table = node.get("from_table") or {}
+    if (
+        len(parsed["statements"]) != 1
+        or node.get("type") != "SELECT_NODE"
+        or node["modifiers"]
+        or node["cte_map"]["map"]
+        or any(node.get(k) is not None for k in ("having", "sample", "qualify"))
+        or node["aggregate_handling"] != "STANDARD_HANDLING"
+        or table.get("type") != "BASE_TABLE"
+        or table.get("alias")
+        or table.get("sample") is not None
+        or table.get("at_clause") is not None
+        or table.get("column_name_alias")
+    ):
+        return None
+    select = node["select_list"]
+    if select[-1].get("alias") != "value":
+        return None
+    groups = [_strip(g) for g in node["group_expressions"]]
+    step = {"class": "COLUMN_REF", "type": "COLUMN_REF", "alias": "", "column_names": ["step"]}
+    if len(select) == 2 and groups == [step] and node["group_sets"] == [[], [0]]:
+        if _strip({**select[0], "alias": ""}) != step or select[0]["alias"] not in ("", "step"):
+            return None
+        shape = "rollup"
+    elif len(select) == 1 and not groups and not node["group_sets"]:
+        shape = "scalar"
+    else:
+        return None
+    # DuckDB writes the fused query from the parsed members: use only queries whose text,
+    # so written, parses back to themselves.
+    again = _parse(_unparse(parsed))
+    if again is None or _strip(again["statements"][0]["node"]) != _strip(node):
+        return None
+    key = json.dumps([shape, _strip(plain), _strip(node.get("where_clause"))], sort_keys=True)
+    return FusableQuery(key, json.dumps(node), json.dumps(select[-1]))
+
+
+def fused_query(queries: list[FusableQuery]) -> str:
+    """One query computing every member's value (all of one key): its columns are `step`
+    (rollup shape) and `value_0`, `value_1`, ... aliased as fused_value(i)."""
+    node = json.loads(queries[0].node)
+    values = [{**json.loads(q.value), "alias": fused_value(i)} for i, q in enumerate(queries)]
+    node["select_list"] = node["select_list"][:-1] + values
+    return _unparse({"error": False, "statements": [{"node": node, "named_param_map": []}]})
+
+
+def fused_value(index: int) -> str:
+    """The column of the `index`th member's value in a fused query."""
+    return f"{_FUSED_ALIAS}{index}"
+
+
+_parser = duckdb.connect()
+_parser_lock = threading.Lock()
+
+
+def _parse(sql: str) -> dict | None:
+    with _parser_lock:
+        try:
+            text = _parser.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0]
+        except duckdb.Error:
+            return None
+    parsed = json.loads(text)
+    return None if parsed.get("error") or not parsed.get("statements") else parsed
+
+
+def _unparse(parsed: dict) -> str:
+    with _parser_lock:
+        return _parser.execute("SELECT json_deserialize_sql(?)", [json.dumps(parsed)]).fetchone()[0]
+
+
+def _strip(node: Any) -> Any:
+    """A parsed node without where its text was."""
+    if isinstance(node, dict):
+        return {k: _strip(v) for k, v in node.items() if k not in _LOCATION_KEYS}
+    if isinstance(node, list):
+        return [_strip(v) for v in node]
+    return node
+
+
 def split_rows(table: pa.Table, split: str | None) -> pa.Table:
     """The rows of `table` in `split` (all rows for None), as data: no SQL text is built from
     the split name. Evidence stores each split as one run of rows (one file per split), so the
@@ -129,7 +240,7 @@ class ReadOnlyQuery:
         self.make_calls = calls or (lambda: call_table(split_table))
         self.has_groups = self.has_calls = False
         self.split_table = split_table
-        self.recent_floor: int | None = None
+        self.recent: dict[int, str] = {}  # step floor: the registered copy of its rows
 
     def recent_rows(self, floor: int) -> str:
         """A FROM item reading the view's rows of step `floor` and later under the name
@@ -137,11 +248,11 @@ class ReadOnlyQuery:
         only those rows' columns (a filter on the full view converts every row's tool calls
         first). An alias is no table name: a subquery's `FROM rollouts` still reads the full
         view, so `WHERE` means what it means over `FROM rollouts WHERE step >= floor`."""
-        if self.recent_floor != floor:
+        if floor not in self.recent:
             recent = pc.greater_equal(self.split_table.column("step"), floor)
-            self.con.register("recent_rollouts", self.split_table.filter(recent))
-            self.recent_floor = floor
-        return "recent_rollouts AS rollouts"
+            self.recent[floor] = f"recent_rollouts_{len(self.recent)}"
+            self.con.register(self.recent[floor], self.split_table.filter(recent))
+        return f"{self.recent[floor]} AS rollouts"
 
     def query(self, sql: str, params: dict[str, Any], *, field: str) -> tuple[list[str], list]:
         """Run one checked SELECT; return (column names, rows)."""

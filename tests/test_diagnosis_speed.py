@@ -1,0 +1,140 @@
+"""What makes a diagnosis cost about a scan keeps its results: metric queries that read the
+same rows run as one query and give what each gives alone (errors included), and the tool-call
+analyzers' two ways of finding distinct (name, args) pairs agree."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from evotrainer.diagnosis import diagnose as diagnose_module
+from evotrainer.diagnosis.analyzers import leak, max_same_tool_streak
+from evotrainer.diagnosis.diagnose import diagnose
+from evotrainer.diagnosis.harness import Metric, resolve_harness
+from evotrainer.diagnosis.sql import fusable_query
+from evotrainer.errors import EvoError
+from evotrainer.evidence.schema import TOOL_CALL
+from evotrainer.evidence.synthetic import random_rollouts, rollout_table
+
+H0 = resolve_harness("h0")
+
+
+def _tables() -> dict[str, pa.Table]:
+    val = random_rollouts(40, steps=2, seed=2)
+    val = val.set_column(val.schema.get_field_index("split"), "split", pa.array(["val"] * 40))
+    return {
+        "random": random_rollouts(600, steps=6),
+        "train and val": pa.concat_tables([random_rollouts(300, steps=3), val]),
+        "only val (empty train split)": val,
+        "one row": rollout_table(
+            [dict(reward=1.0, correct=1.0, turns=3, tool_calls=["bash ls"], mean_logprob=-0.2)]
+        ),
+        "no tool calls": rollout_table(
+            [dict(step=1 + i // 4, group_id=f"g{i // 2}", reward=float(i % 3), turns=2 + i)
+             for i in range(16)]
+        ),
+        "empty call lists, single turn": rollout_table(
+            [dict(step=1 + i // 4, group_id=f"g{i // 2}", reward=float(i % 2), tool_calls=[],
+                  turns=1) for i in range(16)]
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", list(_tables()))
+def test_fused_queries_give_what_each_query_gives_alone(name, monkeypatch):
+    table = _tables()[name]
+    fused = diagnose(table, None, H0)
+    monkeypatch.setattr(diagnose_module, "fusable_query", lambda sql: None)
+    alone = diagnose(table, None, H0)
+    assert fused == alone
+
+
+def test_h0_queries_that_read_the_same_rows_share_a_key():
+    keys: dict[str, list[str]] = {}
+    for metric in H0.metrics:
+        if metric.sql and (query := fusable_query(metric.sql)):
+            keys.setdefault(query.key, []).append(metric.name)
+    groups = sorted(sorted(names) for names in keys.values() if len(names) > 1)
+    assert [
+        "correct_rate", "length_reward_corr", "mean_logprob", "response_tokens_mean",
+        "reward_mean", "truncation_rate", "turns_mean",
+    ] in groups
+    assert ["dead_group_ratio", "reward_spread"] in groups
+    assert ["turns_max", "turns_p90"] in groups
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT step, avg(reward) AS value FROM rollouts GROUP BY ROLLUP (step) ORDER BY step",
+        "SELECT avg(reward) AS value FROM rollouts LIMIT 1",
+        "SELECT avg(r.reward) AS value FROM rollouts r",
+        "WITH x AS (SELECT * FROM rollouts) SELECT avg(reward) AS value FROM x",
+        "SELECT avg(reward) AS value FROM rollouts JOIN groups USING (seed, step, group_id)",
+        "SELECT step, avg(reward) AS value FROM rollouts GROUP BY step",
+        "SELECT avg(reward) AS v FROM rollouts",
+        "SELECT DISTINCT avg(reward) AS value FROM rollouts",
+        "SELECT avg(reward) AS value FROM rollouts HAVING count(*) > 1",
+        "SELECT 1 AS __evotrainer_fused_0, avg(reward) AS value FROM rollouts",
+    ],
+)
+def test_other_query_shapes_run_alone(sql):
+    assert fusable_query(sql) is None
+
+
+def _with_metrics(*extra: Metric):
+    return dataclasses.replace(H0, metrics=H0.metrics + extra)
+
+
+def test_a_failing_query_reports_its_own_error_not_the_fused_one():
+    table = _tables()["random"]
+    broken = Metric(
+        name="broken", layer="signal", split="train",
+        sql="SELECT step, avg(no_such_column) AS value FROM rollouts GROUP BY ROLLUP (step)",
+    )
+    with pytest.raises(EvoError) as err:
+        diagnose(table, None, _with_metrics(broken))
+    assert err.value.field == "metrics.broken"
+    assert "no_such_column" in err.value.message
+
+
+def test_a_query_of_many_rows_fused_with_aggregates_is_refused_as_alone():
+    # `SELECT reward AS value` returns a row per rollout: fused with an aggregate it would not
+    # even bind, and alone it is refused for its row count; that refusal is what the user sees.
+    table = _tables()["random"]
+    rows = Metric(name="rows", layer="signal", split="train",
+                  sql="SELECT reward AS value FROM rollouts")
+    with pytest.raises(EvoError) as err:
+        diagnose(table, None, _with_metrics(rows))
+    assert err.value.field == "metrics.rows"
+    assert "returned 600 rows" in err.value.message
+
+
+def _leak_by_definition(calls, tools, patterns):
+    import re
+
+    if calls is None:
+        return np.nan
+    return float(any(
+        (c["name"] or "") in tools
+        or any(re.search(p, f"{c['name'] or ''} {c['args'] or ''}") for p in patterns)
+        for c in calls
+    ))
+
+
+def test_leak_with_more_distinct_pairs_than_a_table_can_mark():
+    # Every call a new name and new args: too many possible pairs to mark in a table, so the
+    # pairs are hashed; both ways must give the definition's answer.
+    rows = [
+        [{"name": f"tool{i}", "args": f"git log {i}" if i % 7 == 0 else f"ls {i}"},
+         {"name": "reveal" if i % 11 == 0 else f"other{i}", "args": None}]
+        for i in range(300)
+    ] + [None, []]
+    params = {"leak_tools": ["reveal"], "leak_patterns": [r"\bgit (log|show)\b"]}
+    table = pa.table({"tool_calls": pa.array(rows, pa.list_(TOOL_CALL))})
+    want = [_leak_by_definition(c, ["reveal"], params["leak_patterns"]) for c in rows]
+    np.testing.assert_array_equal(leak(table, params), want)
+    np.testing.assert_array_equal(max_same_tool_streak(table, params)[:300], np.ones(300))

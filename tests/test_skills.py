@@ -104,8 +104,14 @@ def test_recipe_patch_merges_into_a_valid_recipe(name: str) -> None:
 def test_triggers_and_criteria_read_only_known_names(name: str) -> None:
     skill = LIBRARY[name]
     assert skill.trigger
-    assert cel.names(skill.trigger) <= METRICS | {"alerts", "trend"}
-    assert set(re.findall(r'"([^"]*)"', skill.trigger)) <= ALERTS, "unknown alert name"
+    assert cel.names(skill.trigger) <= METRICS | {"alerts", "trend", "recipe"}
+    # A recipe setting a trigger reads exists in every resolved recipe (a typo never fires).
+    for path in re.findall(r"\brecipe((?:\.\w+)+)", skill.trigger):
+        entry = BASE_RECIPE
+        for key in path.lstrip(".").split("."):
+            assert isinstance(entry, dict) and key in entry, (name, path)
+            entry = entry[key]
+    assert set(re.findall(r'"([^"]*)" in alerts', skill.trigger)) <= ALERTS, "unknown alert"
     if skill.data.get("criterion"):
         assert cel.names(skill.data["criterion"]) <= METRICS | GATE_NAMES
 

@@ -13,12 +13,18 @@ Triggers are CEL over a diagnosis. Their variables:
 - every metric by name, holding its value (`dead_group_ratio > 0.5`);
 - `alerts`: the names of the fired alerts (`"leak" in alerts`);
 - `trend`: metric name → slope per step, only for metrics that have one
-  (`has(trend.reward_mean) && trend.reward_mean > 0.0`).
+  (`has(trend.reward_mean) && trend.reward_mean > 0.0`);
+- `recipe`: the resolved recipe of the version the diagnosis describes, so a trigger can tie
+  a symptom to the setting that causes it (`recipe.grpo.temperature < 0.5 &&
+  dead_group_ratio > 0.5`). Null where the caller has no version (a standalone diagnosis).
 
 A metric that is null or absent never makes a trigger fire, as in the harness's gate: celpy
 cannot compare null (`x != null` itself fails), so an evaluation that fails while reading a
-null metric (or a `trend` entry that is not there) counts as "does not fire"; `||` still fires
-on its other, non-null branch.
+null metric (or a `trend` or `recipe` entry that is not there) counts as "does not fire"; `||`
+still fires on its other, non-null branch.
+
+A match that holds only because of what its trigger read from the recipe `names_cause`: the
+recipe setting explains the symptom, so it ranks before skills that answer the symptom alone.
 """
 
 from __future__ import annotations
@@ -222,8 +228,11 @@ def search(skills: dict[str, Skill], text: str) -> list[tuple[Skill, float]]:
 # --------------------------------------------------------------------------------- matching
 
 
-def trigger_variables(diagnosis: dict[str, Any]) -> dict[str, Any]:
-    """The CEL variables of a diagnosis document (see the module docstring)."""
+def trigger_variables(
+    diagnosis: dict[str, Any], recipe: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The CEL variables of a diagnosis document and the recipe that produced it (see the
+    module docstring)."""
     variables: dict[str, Any] = {}
     trend: dict[str, float] = {}
     for name, entry in (diagnosis.get("metrics") or {}).items():
@@ -235,6 +244,7 @@ def trigger_variables(diagnosis: dict[str, Any]) -> dict[str, Any]:
             variables[name] = entry
     variables["alerts"] = [a["name"] for a in diagnosis.get("alerts") or [] if "name" in a]
     variables["trend"] = trend
+    variables["recipe"] = recipe
     return variables
 
 
@@ -256,12 +266,13 @@ class Match:
     """A skill whose trigger fires, with what made it fire and the evidence behind it."""
 
     skill: Skill
-    values: dict[str, Any]  # the trigger's variables and their values
+    values: dict[str, Any]  # what the trigger read (a map's entries as `trend.x`, `recipe.a.b`)
     in_domain: int  # positive evidence from the version's domain
     support: int  # positive evidence, all domains
     against: int  # negative evidence, all domains
     mean_delta: float | None  # mean delta of the positive evidence that has one
     applied: bool  # the version's recipe already has what the patch sets
+    names_cause: bool = False  # fires only with the recipe's settings: they explain the symptom
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -274,32 +285,59 @@ class Match:
             "against": self.against,
             "mean_delta": self.mean_delta,
             "applied": self.applied,
+            "names_cause": self.names_cause,
         }
 
 
 def _evaluate(
-    skill: Skill, variables: dict[str, Any], domain: str | None, recipe: dict[str, Any] | None
+    skill: Skill, variables: dict[str, Any], domain: str | None, target: dict[str, Any] | None
 ) -> Match | None:
     if not skill.trigger or not fires(skill.trigger, variables, where=skill.source):
         return None
     deltas = [e["delta"] for e in skill.evidence if e.get("delta") is not None]
-    values = {name: variables.get(name) for name in sorted(cel.names(skill.trigger))}
     patch = skill.patch_for(domain)
+    names_cause = variables.get("recipe") is not None and not fires(
+        skill.trigger, {**variables, "recipe": None}, where=skill.source
+    )
     return Match(
         skill=skill,
-        values=values,
+        values=_read_values(skill.trigger, variables),
         in_domain=sum(e.get("domain") == domain for e in skill.evidence),
         support=len(skill.evidence),
         against=len(skill.negative_evidence),
         mean_delta=sum(deltas) / len(deltas) if deltas else None,
-        applied=bool(patch) and recipe is not None and deep_merge(recipe, patch) == recipe,
+        applied=bool(patch) and target is not None and deep_merge(target, patch) == target,
+        names_cause=names_cause,
     )
 
 
+_MEMBER_PATH = r"\b{name}((?:\.[A-Za-z_]\w*)+)"
+
+
+def _read_values(expr: str, variables: dict[str, Any]) -> dict[str, Any]:
+    """The values `expr` reads: a plain name's value, and for a map (`trend`, `recipe`) each
+    dotted entry it reads (`recipe.grpo.temperature: 0.2`) rather than the whole map."""
+    values: dict[str, Any] = {}
+    for name in sorted(cel.names(expr)):
+        value = variables.get(name)
+        paths = sorted(set(re.findall(_MEMBER_PATH.format(name=re.escape(name)), expr)))
+        if not isinstance(value, dict) or not paths:
+            values[name] = value
+            continue
+        for path in paths:
+            entry: Any = value
+            for key in path.lstrip(".").split("."):
+                entry = entry.get(key) if isinstance(entry, dict) else None
+            values[name + path] = entry
+    return values
+
+
 def _rank(m: Match) -> tuple:
-    # Evidence from the same domain first (cross-domain transfer is the fallback), then the
+    # Evidence from the same domain first (cross-domain transfer is the fallback), then a
+    # trigger that ties the symptom to a recipe setting (it names the cause), then the
     # balance of evidence, then the size of the gains.
-    return (-m.in_domain, -(m.support - m.against), -(m.mean_delta or 0.0), m.skill.name)
+    return (-m.in_domain, not m.names_cause, -(m.support - m.against), -(m.mean_delta or 0.0),
+            m.skill.name)
 
 
 def match(
@@ -308,28 +346,36 @@ def match(
     *,
     domain: str | None = None,
     recipe: dict[str, Any] | None = None,
+    patch_base: dict[str, Any] | None = None,
 ) -> list[Match]:
     """Skills a planner may propose for this diagnosis, best first.
 
-    Negative skills never match (see `refusals`), nor skills for another domain. With the
-    version's resolved `recipe`, a skill whose patch changes nothing is marked `applied`
-    and ranked last: re-applying it would spend a version on a no-op.
+    Negative skills never match (see `refusals`), nor skills for another domain. `recipe` is
+    the resolved recipe of the version the diagnosis describes (the triggers' `recipe`).
+    A skill whose patch changes nothing on `patch_base` (the recipe it would be applied to;
+    default `recipe`) is marked `applied` and ranked last: re-applying it would spend a
+    version on a no-op.
     """
-    variables = trigger_variables(diagnosis)
+    variables = trigger_variables(diagnosis, recipe)
+    target = patch_base if patch_base is not None else recipe
     found = [
         m
         for s in skills.values()
         if not s.negative and s.applies_to(domain)
-        if (m := _evaluate(s, variables, domain, recipe)) is not None
+        if (m := _evaluate(s, variables, domain, target)) is not None
     ]
     return sorted(found, key=lambda m: (m.applied, _rank(m)))
 
 
 def refusals(
-    skills: dict[str, Skill], diagnosis: dict[str, Any], *, domain: str | None = None
+    skills: dict[str, Skill],
+    diagnosis: dict[str, Any],
+    *,
+    domain: str | None = None,
+    recipe: dict[str, Any] | None = None,
 ) -> list[Match]:
     """Known-harmful skills whose trigger fires: what a planner declines, and why."""
-    variables = trigger_variables(diagnosis)
+    variables = trigger_variables(diagnosis, recipe)
     found = [
         m
         for s in skills.values()
@@ -359,7 +405,7 @@ def match_version(ws: Any, version: str) -> tuple[list[Match], list[Match]]:
     skills = workspace_library(ws)
     return (
         match(skills, diagnosis, domain=domain, recipe=recipe),
-        refusals(skills, diagnosis, domain=domain),
+        refusals(skills, diagnosis, domain=domain, recipe=recipe),
     )
 
 

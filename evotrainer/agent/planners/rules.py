@@ -185,13 +185,16 @@ class RulesPlanner:
         seen: set[str] = set()
         out = []
         for position, (source, diagnosis) in enumerate(self._evidence(view, frontier)):
-            for declined in refusals(view.skills, diagnosis, domain=domain):
+            # Triggers read the recipe that produced the diagnosis; a patch is a no-op
+            # (`applied`) when the frontier's recipe, which it would change, already has it.
+            produced_by = view.ws.resolved_recipe(source, view.states)
+            for declined in refusals(view.skills, diagnosis, domain=domain, recipe=produced_by):
                 note = (f"declined {declined.skill.name} (negative evidence: "
                         f"{len(declined.skill.negative_evidence)} failed use(s))")
                 if note not in result.notes:
                     result.notes.append(note)
             for order, found in enumerate(match(view.skills, diagnosis, domain=domain,
-                                                recipe=recipe)):
+                                                recipe=produced_by, patch_base=recipe)):
                 name = found.skill.name
                 if name in seen:
                     continue

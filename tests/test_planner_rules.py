@@ -4,15 +4,18 @@ proposes, with which evidence, and what it refuses to propose again."""
 from __future__ import annotations
 
 import pytest
+import yaml
 from standin import converge, standin_settings
 from standin import propose as train
 
 from evotrainer.agent.planners.base import View
 from evotrainer.agent.planners.rules import RulesPlanner
 from evotrainer.agent.propose import propose
-from evotrainer.commands.init import init_workspace
+from evotrainer.agent.skills import Match, load_library, match
+from evotrainer.commands.init import EXAMPLES_DIR, init_workspace
 from evotrainer.control.versions import approve, new_version
-from evotrainer.store.workspace import Workspace
+from evotrainer.store.recipe import BASE_RECIPE, deep_merge
+from evotrainer.store.workspace import PROJECT_FILE, Workspace
 
 pytestmark = pytest.mark.usefixtures("standin")
 
@@ -185,3 +188,124 @@ def test_more_training_retrains_from_the_base_when_the_frontiers_policy_was_drop
     steps = workspace.resolved_recipe("v1")["grpo"]["steps"]
     [more] = RulesPlanner().propose(view, 1).proposals
     assert more.settings == [f"grpo.steps={2 * steps}"]
+
+
+# ---- triggers that read the recipe: a cold sampler and a warm start stopped too early ----
+# Diagnoses as the autonomy gym's runs recorded them (bench/autonomy.py --quick, seed 0, the
+# as-is child v1 of each setup; `healthy` is an arith run at temperature 1.0).
+
+GYM_DIAGNOSES = {
+    "cold": {"dead_group_ratio": 0.733, "all_correct_group_ratio": 0.366,
+             "all_wrong_group_ratio": 0.367, "mean_logprob": -0.147, "truncation_rate": 0.0},
+    "too_hard": {"dead_group_ratio": 0.588, "all_correct_group_ratio": 0.0,
+                 "all_wrong_group_ratio": 0.588, "mean_logprob": -1.45, "truncation_rate": 0.0},
+    "lr_collapse": {"dead_group_ratio": 0.978, "all_correct_group_ratio": 0.0,
+                    "all_wrong_group_ratio": 0.978, "mean_logprob": -3.81,
+                    "truncation_rate": 0.0},
+    "healthy": {"dead_group_ratio": 0.237, "all_correct_group_ratio": 0.135,
+                "all_wrong_group_ratio": 0.102, "mean_logprob": -0.624, "truncation_rate": 0.0},
+}
+
+
+def gym_diagnosis(name: str, **changes: float) -> dict:
+    metrics = {**GYM_DIAGNOSES[name], **changes}
+    return {"metrics": {k: {"value": v, "layer": "signal", "trend": None}
+                        for k, v in metrics.items()},
+            "alerts": [{"name": "dead_groups"}] if metrics["dead_group_ratio"] > 0.5 else []}
+
+
+def arith_recipe(**grpo_or_warm: float) -> dict:
+    """The arith example's resolved recipe with `temperature` or `stop_at_accuracy` set."""
+    recipe = deep_merge(BASE_RECIPE, yaml.safe_load(
+        (EXAMPLES_DIR / "arith.yaml").read_text())["recipe"])
+    if "temperature" in grpo_or_warm:
+        recipe["grpo"]["temperature"] = grpo_or_warm["temperature"]
+    if "stop_at_accuracy" in grpo_or_warm:
+        recipe["model"]["warm_start"]["stop_at_accuracy"] = grpo_or_warm["stop_at_accuracy"]
+    return recipe
+
+
+def fired(diagnosis: dict, recipe: dict | None) -> dict[str, Match]:
+    return {m.skill.name: m for m in match(load_library(), diagnosis, domain="arith",
+                                           recipe=recipe)}
+
+
+def test_a_sampler_too_cold_fires_temperature_raise_through_its_recipe():
+    cold = fired(gym_diagnosis("cold"), arith_recipe(temperature=0.2))["temperature-raise"]
+    # Mean log-prob -0.147 is under the over-confidence line: the recipe names the cause.
+    assert cold.names_cause
+    assert cold.values["recipe.grpo.temperature"] == 0.2 and "recipe" not in cold.values
+    # The same dead groups at the usual temperature, or with no recipe known, are not a
+    # cold sampler; a healthy run at 0.2 (groups alive) is not one either.
+    assert "temperature-raise" not in fired(gym_diagnosis("cold"), arith_recipe())
+    assert "temperature-raise" not in fired(gym_diagnosis("cold"), None)
+    assert "temperature-raise" not in fired(gym_diagnosis("healthy"),
+                                            arith_recipe(temperature=0.2))
+    # Over-confidence still fires it without any recipe, and then it names no cause.
+    confident = fired(gym_diagnosis("healthy", mean_logprob=-0.05), None)["temperature-raise"]
+    assert not confident.names_cause
+
+
+def test_all_wrong_groups_after_a_warm_start_stopped_early_fire_a_longer_warm_start():
+    short = arith_recipe(stop_at_accuracy=0.04)
+    found = fired(gym_diagnosis("too_hard"), short)
+    warm = found["longer-warm-start"]
+    assert warm.names_cause and warm.values["recipe.model.warm_start.stop_at_accuracy"] == 0.04
+    # It names the cause, so it ranks before the rewards that answer the dead groups alone.
+    assert next(iter(found)) == "longer-warm-start"
+    assert {"aux-continuous-reward", "shaped-correctness"} <= set(found)
+    assert deep_merge(short, warm.skill.patch_for("arith"))["model"]["warm_start"][
+        "stop_at_accuracy"] == BASE_RECIPE["model"]["warm_start"]["stop_at_accuracy"]
+    # Silent where the warm start already ran to partial accuracy, where there is none or
+    # the backend has none, on truncated answers, on a collapse, a cold sampler or health.
+    no_warm_start = deep_merge(short, {"model": {"warm_start": {"steps": 0}}})
+    on_verl = {**short, "backend": "verl"}
+    for diagnosis, recipe in (
+        (gym_diagnosis("too_hard"), arith_recipe()),
+        (gym_diagnosis("too_hard"), no_warm_start),
+        (gym_diagnosis("too_hard"), on_verl),
+        (gym_diagnosis("too_hard"), None),
+        (gym_diagnosis("too_hard", truncation_rate=0.8), short),
+        (gym_diagnosis("lr_collapse"), arith_recipe()),
+        (gym_diagnosis("cold"), short),
+        (gym_diagnosis("healthy"), short),
+    ):
+        assert "longer-warm-start" not in fired(diagnosis, recipe)
+
+
+def test_the_planner_reads_the_recipe_of_the_version_it_diagnoses(workspace, tmp_path):
+    """A cold child (temperature 0.2, dead groups) gets the temperature raise, its rationale
+    naming the setting; a child at the frontier's own temperature with the same dead groups
+    does not."""
+    new_version(workspace, "v1", "v0", rationale="cold",
+                settings=["grpo.temperature=0.2", *standin_settings(standin_skill=0.95)])
+    approve(workspace, "v1", by="tester")
+    converge(workspace)
+    assert View.load(workspace).frontier() == "v1"
+    [raise_] = propose(workspace, "rules", 1).proposals
+    assert raise_.skills == ["temperature-raise"] and raise_.parent == "v1"
+    assert "recipe.grpo.temperature=0.2" in raise_.rationale
+    assert workspace.resolved_recipe(raise_.name)["grpo"]["temperature"] == 1.2
+
+    usual = Workspace(init_workspace(tmp_path / "usual", "arith"))
+    train(usual, "v1", standin_skill=0.95)
+    converge(usual)
+    assert all(p.skills != ["temperature-raise"]
+               for p in RulesPlanner().propose(View.load(usual), 6).proposals)
+
+
+def test_a_warm_start_stopped_early_is_proposed_before_a_finer_reward(workspace):
+    """The gym's too_hard setup: the project's warm start stops at 4% accuracy and the trained
+    child's groups are almost all wrong."""
+    text = (workspace.root / PROJECT_FILE).read_text().replace(
+        "recipe:\n", "recipe:\n  model:\n    warm_start: {stop_at_accuracy: 0.04}\n", 1)
+    workspace.git.commit_files("main", {PROJECT_FILE: text.encode()}, "short warm start",
+                               {"Action": "init"})
+    approve(workspace, "v0", by="tester")
+    train(workspace, "v1", standin_skill=0.0)
+    converge(workspace)
+    first = propose(workspace, "rules", 3).proposals[0]
+    assert first.skills == ["longer-warm-start"] and first.parent == "v0"
+    assert "recipe.model.warm_start.stop_at_accuracy=0.04" in first.rationale
+    assert workspace.resolved_recipe(first.name)["model"]["warm_start"][
+        "stop_at_accuracy"] == 0.35

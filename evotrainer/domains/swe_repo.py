@@ -16,6 +16,7 @@ commit ids are the same on every machine.
 
 from __future__ import annotations
 
+import ast
 import io
 import os
 import re
@@ -112,13 +113,20 @@ class RepoTask:
     p2p_limit: int = 3
 
 
+def defined_functions(source: str) -> list[str]:
+    """The top-level functions `source` defines, in order."""
+    return [n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)]
+
+
 def test_module(problem: dict[str, str], limit: int | None = None) -> tuple[str, list[str]]:
     """A test file for `problem` from its `module` import and its check: one `test_N` per
     assert (HumanEval's preamble first), and the test names."""
     preamble, units = split_check(problem["test"])
     units = units[:limit] if limit else units
     module = problem["module"]
-    parts = [f"from {module} import {problem['entry_point']}\n", preamble, ""]
+    # Some checks call the prompt's other functions too (HumanEval/38's encode_cyclic).
+    imported = ", ".join(defined_functions(problem["prompt"]))
+    parts = [f"from {module} import {imported}\n", preamble, ""]
     names = []
     for i, unit in enumerate(units, 1):
         parts.append(_CHECK_DEF.sub(f"def _check_{i}(", unit, count=1))

@@ -68,6 +68,23 @@ def test_hand_written_approval_is_not_an_approval(workspace, cli):
     assert "awaiting re-approval" in plans_by_version(workspace)["v1"].note
 
 
+def test_approve_refuses_what_plan_would_refuse_but_replaces_a_forged_block(workspace, cli):
+    new_version(workspace, "v1", "v0", rationale="reads a file outside the workspace")
+    spec = dict(workspace.version("v1").spec)
+    spec["recipe"] = {"domain": {"data": {"train": "/outside/secret.jsonl"}}}
+    commit_spec(workspace, "v1", spec_text(spec))
+    tip = workspace.git.rev("evo/v1")
+    out = cli("-C", str(workspace.root), "approve", "v1")
+    assert out.code == 1 and "Traceback" not in out.err
+    assert "v1 cannot be approved" in out.err and "domain.data.train" in out.err
+    assert workspace.git.rev("evo/v1") == tip  # nothing committed
+    # A forged, digest-less approval block is what approving replaces: not a refusal.
+    spec["recipe"] = {}
+    commit_spec(workspace, "v1", spec_text(dict(spec, approval={"approved": True, "by": "me"})))
+    assert cli("-C", str(workspace.root), "approve", "v1").code == 0
+    assert workspace.approval_status(workspace.versions()["v1"]) == "approved"
+
+
 DUPLICATE_APPROVAL = """apiVersion: evotrainer/v1
 kind: PolicyVersion
 name: {name}

@@ -14,7 +14,7 @@ from evotrainer.store import specs
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import branch_name
 from evotrainer.store.recipe import deep_merge, set_dotted
-from evotrainer.store.validation import check_spec_recipe, declared_data_roots
+from evotrainer.store.validation import check_spec_recipe, check_workspace, declared_data_roots
 from evotrainer.store.workspace import Workspace, version_spec_path
 
 
@@ -111,6 +111,17 @@ def new_version(
     return spec
 
 
+def _refusal(ws: Workspace, name: str, states: dict) -> str | None:
+    """Why `name` must not be approved: what plan and reconcile would refuse it for, except
+    a digest-less approval block (the very thing approving replaces)."""
+    validation = check_workspace(ws, states)
+    if validation.workspace:
+        return str(validation.workspace[0])
+    own = validation.versions.get(name, [])
+    validation.versions[name] = [p for p in own if p.field != "approval"]
+    return validation.refusal(name, states)
+
+
 def approve(ws: Workspace, name: str, by: str | None = None) -> dict:
     """Commit the approval of `name` as it is now: the approval records the digest of the
     spec and of the recipe it resolves to, so any later change makes it stale. A version
@@ -119,6 +130,12 @@ def approve(ws: Workspace, name: str, by: str | None = None) -> dict:
     state = ws.version(name, states)
     if ws.approval_status(state, states) == "approved":
         return state.spec  # nothing new to approve
+    refused = _refusal(ws, name, states)
+    if refused:
+        raise EvoError(
+            f"{name} cannot be approved: {refused}",
+            hint="fix it (`evotrainer validate` lists every problem), then approve again",
+        )
     approval_digest = ws.approval_digest(name, states)  # raises for a broken lineage
     spec = dict(state.spec)
     spec["approval"] = {

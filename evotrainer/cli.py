@@ -90,16 +90,25 @@ for _name in _command_modules():
 
 def _tidy_help(command: typer.core.TyperGroup | typer.core.TyperCommand) -> None:
     """Typer labels a flag `<bool>` and a repeatable option `<list[str]>`, but a flag takes
-    no value and a repeatable option one value each time it is given: say so in `--help`."""
+    no value and a repeatable option one value each time it is given: say so in `--help`.
+    It shows an argument as `{name}` in the usage line (click's convention is NAME), and
+    lists a command with its docstring's line breaks: one line each instead."""
     help_option = command.get_help_option(typer.Context(command))  # made once, then cached
     for param in [*command.params, *filter(None, [help_option])]:
-        if param.param_type_name != "option" or param.metavar is not None:
+        if param.metavar is not None:
+            continue
+        if param.param_type_name == "argument":
+            param.metavar = param.name.upper()
+            continue
+        if param.param_type_name != "option":
             continue
         if param.is_flag:
             param.metavar = ""
         elif param.multiple and hasattr(param, "bare_type"):  # typer's own labels: list[X]
             param.metavar = f"<{param.bare_type().removeprefix('list[').removesuffix(']')}>"
     for sub in getattr(command, "commands", {}).values():
+        if sub.short_help is None and sub.help:
+            sub.short_help = " ".join(sub.help.split("\n\n")[0].split())
         _tidy_help(sub)
 
 

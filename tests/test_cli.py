@@ -15,7 +15,7 @@ def test_missing_argument_is_one_line(cli):
     result = cli("version", "show")
     assert result.code == 1 and result.out == ""
     assert result.err.count("\n") == 1
-    assert result.err.startswith("error: Missing argument 'name'.")
+    assert result.err.startswith("error: Missing argument 'NAME'.")
     assert "see `evotrainer version show --help`" in result.err
 
 
@@ -37,6 +37,13 @@ def test_help_shows_no_type_for_flags_and_element_type_for_repeatable_options(cl
     assert "<bool>" not in out and "list[" not in out
     assert next(line for line in out.splitlines() if "--set" in line).count("<str>") == 1
     assert "<bool>" not in cli("diagnose", "--help").out
+
+
+def test_help_names_arguments_in_capitals_and_lists_each_command_on_one_line(cli):
+    assert "Usage: evotrainer approve [OPTIONS] {NAME}" in cli("approve", "--help").out
+    listing = cli("--help").out  # 200 columns: every short help fits on its line
+    line = next(line for line in listing.splitlines() if "│ validate" in line)
+    assert "the spec at the tip of every evo/* branch and the specs in the working" in line
 
 
 def test_exit_code_of_a_command_is_kept(cli, workspace):

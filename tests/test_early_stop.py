@@ -23,7 +23,9 @@ from evotrainer.store.git import PRUNED_TAG_PREFIX
 from evotrainer.store.workspace import Workspace, run_path
 
 pytestmark = pytest.mark.usefixtures("standin")
-STEPS = 300  # at 0.05 s a step: 15 s if nothing stopped it
+# At 0.05 s a step: 150 s if nothing stopped it, so however loaded the machine, the job is
+# still running when the stop (or the crash before its cancel) comes.
+STEPS = 3000
 
 
 def flushing_version(ws: Workspace, name: str, leak: bool, steps: int = STEPS) -> None:
@@ -127,13 +129,17 @@ def test_a_crash_between_the_stop_commit_and_the_cancel_converges(workspace):
                              env=dict(os.environ), capture_output=True, text=True, timeout=60)
     assert crashed.returncode == 99, crashed.stderr
     pid = job_pid(workspace, "v1")
-    assert not gone(pid)  # recorded as stopped, still running
-    assert record(workspace, "v1", "run")["state"] == "Stopped"
-    [v1] = [p for p in plan(load_context(workspace)) if p.version == "v1"]
-    assert v1.action.kind == "stop" and "still running" in v1.action.reason
+    try:
+        assert not gone(pid)  # recorded as stopped, still running
+        assert record(workspace, "v1", "run")["state"] == "Stopped"
+        [v1] = [p for p in plan(load_context(workspace)) if p.version == "v1"]
+        assert v1.action.kind == "stop" and "still running" in v1.action.reason
 
-    reconciler(workspace).run()
-    wait_for(lambda: gone(pid))
+        reconciler(workspace).run()
+        wait_for(lambda: gone(pid))
+    finally:  # a failed assertion must not leave the orphaned job running
+        if not gone(pid):
+            psutil.Process(pid).kill()
     assert len(stop_commits(workspace, "v1")) == 1  # cancelled again, not recorded again
     assert "v1" in workspace.git.tags(PRUNED_TAG_PREFIX)
     assert record(workspace, "v1", "run")["state"] == "Stopped"

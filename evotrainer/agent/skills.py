@@ -23,8 +23,8 @@ cannot compare null (`x != null` itself fails), so an evaluation that fails whil
 null metric (or a `trend` or `recipe` entry that is not there) counts as "does not fire"; `||`
 still fires on its other, non-null branch.
 
-A match that holds only because of what its trigger read from the recipe `names_cause`: the
-recipe setting explains the symptom, so it ranks before skills that answer the symptom alone.
+A match whose trigger would not fire without the recipe `names_cause`: a recipe setting
+explains the symptom, so it ranks before skills that answer the symptom alone.
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@
    are listed as declined), one factor each, with the skill's falsifiable criterion. Skills
    this lineage already refuted (applied by a failed ancestor or sibling) or already tried
    from the frontier are skipped. Integrity and measurement fixes (audit, eval-protocol)
-   come first: a score that cannot be trusted says nothing about anything else. An
-   untrained root is first trained as is: that run is the reference for everything after.
+   come first: a score that cannot be trusted says nothing about anything else. Triggers
+   read the recipe that produced the diagnosis; one that fires only through a recipe setting
+   names the cause and ranks before skills that answer the symptom alone. An untrained root
+   is first trained as is: that run is the reference for everything after.
 4. A filter or reward skill is backtested on the stored rollouts that fired it; a backtest
    that shows no effect demotes the candidate.
 5. Escalation after `autonomy.escalate_after_failures` consecutive failed versions: re-branch

@@ -204,3 +204,30 @@ def test_files_mapped_together_keep_their_own_steps_groups_and_sample_numbers(tm
     assert per_file[2]["group_id"] == per_file[2]["task_id"][1:]
     assert [r["sample_idx"] for r in out if r["step"] == 1] == [0, 0, 0, 1, 0]
     assert out[10]["sample_idx"] == 0 and out[10]["task_id"] == out[0]["task_id"]
+
+
+def test_legacy_rows_survive_a_batch_whose_v1_keys_have_later_outputs(tmp_path):
+    # One file mixes a V1 session with two outputs (its final one kept, the earlier folded)
+    # and legacy rows without a V1 key: the legacy rows are each their own final row.
+    rows = [
+        {"input": "a", "output": "draft", "score": 0.0, "uid": "g1_0_0"},
+        {"input": "a", "output": "final", "score": 1.0, "uid": "g1_0_1"},
+        {"input": "b", "output": "legacy 1", "score": 1.0, "uid": "plain"},
+        {"input": "b", "output": "legacy 2", "score": 0.0},
+    ]
+    _write(tmp_path / "1.jsonl", rows)
+    out = ingest_dump(tmp_path, version="v", split="train").rollouts.to_pylist()
+    assert [r["response"] for r in out] == ["final", "legacy 1", "legacy 2"]
+    assert json.loads(out[0]["extra"])["earlier_outputs"] == ["draft"]
+
+
+def test_an_output_index_written_with_leading_zeros_is_the_first_output(tmp_path):
+    # `_000` is output 0: no session here has a later output, so no row is folded.
+    rows = [
+        {"input": "a", "output": f"out {s}", "score": 1.0, "uid": f"g1_{s}_000"}
+        for s in range(2)
+    ] + [{"input": "b", "output": "legacy", "score": 0.0}]
+    _write(tmp_path / "1.jsonl", rows)
+    result = ingest_dump(tmp_path, version="v", split="train")
+    assert [r["response"] for r in result.rollouts.to_pylist()] == ["out 0", "out 1", "legacy"]
+    assert result.earlier_outputs == 0

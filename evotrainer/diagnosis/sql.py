@@ -16,7 +16,7 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 import duckdb
@@ -165,14 +165,20 @@ def fused_value(index: int) -> str:
     return f"{_FUSED_ALIAS}{index}"
 
 
-_parser = duckdb.connect()
 _parser_lock = threading.Lock()
+
+
+@cache
+def _parser() -> duckdb.DuckDBPyConnection:
+    """The connection that parses harness SQL, opened on first use (under _parser_lock):
+    importing this module opens nothing."""
+    return duckdb.connect()
 
 
 def _parse(sql: str) -> dict | None:
     with _parser_lock:
         try:
-            text = _parser.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0]
+            text = _parser().execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0]
         except duckdb.Error:
             return None
     parsed = json.loads(text)
@@ -181,7 +187,8 @@ def _parse(sql: str) -> dict | None:
 
 def _unparse(parsed: dict) -> str:
     with _parser_lock:
-        return _parser.execute("SELECT json_deserialize_sql(?)", [json.dumps(parsed)]).fetchone()[0]
+        sql = "SELECT json_deserialize_sql(?)"
+        return _parser().execute(sql, [json.dumps(parsed)]).fetchone()[0]
 
 
 def _strip(node: Any) -> Any:

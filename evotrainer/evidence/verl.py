@@ -29,6 +29,7 @@ import io
 import json
 import re
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,13 @@ _KNOWN = {
     "mean_logprob",
 }
 LEGACY, V1 = "legacy", "v1"
-_DATABASE = duckdb.connect()
+
+
+@cache
+def _database() -> duckdb.DuckDBPyConnection:
+    """The DuckDB database every mapping shares, opened on first use: importing this module
+    (every CLI command does) opens nothing."""
+    return duckdb.connect()
 
 
 @dataclass
@@ -225,7 +232,7 @@ def _map_files(
     batch: list[tuple[int, Path, pa.Table]] = []
     # A cursor: a connection of its own (registrations stay its own) to one shared database,
     # which takes longer to open than a small dump takes to map.
-    con = _DATABASE.cursor()
+    con = _database().cursor()
 
     def flush() -> None:
         if batch:
@@ -431,12 +438,13 @@ def _canonical(
         # What this batch needs: windows and joins only where verl's rules need them.
         legacy_rows, later_outputs, untasked = con.sql(
             f"""SELECT count(*) FILTER (WHERE NOT __v1),
-                       count(*) FILTER (WHERE __v1 AND NOT ends_with(__uid, '_0')),
+                       count(*) FILTER (WHERE __v1 AND TRY_CAST(__tail.i AS BIGINT) > 0),
                        count(*) FILTER (WHERE __task IS NULL)
                 FROM ({keyed})"""
         ).fetchall()[0]
+        # A legacy row is its own final row (its __index is NULL, which no max equals).
         final = (
-            "__index = max(__index) OVER (PARTITION BY __file, __v1_group, __session)"
+            "NOT __v1 OR __index = max(__index) OVER (PARTITION BY __file, __v1_group, __session)"
             if later_outputs
             else "true"
         )

@@ -65,13 +65,13 @@ class _Calls:
     @cached_property
     def name_codes(self) -> tuple[np.ndarray, pa.Array]:
         """(a code per call, the distinct names by code); a null name is coded as ""."""
-        return _encode(pc.fill_null(self.names, ""))
+        return _text_codes(self.names)
 
     @cached_property
     def pair_codes(self) -> tuple[np.ndarray, pa.Array, pa.Array]:
         """(a code per call, name and args of each distinct pair by code); null is ""."""
         codes, names = self.name_codes
-        arg_codes, args = _encode(pc.fill_null(pc.struct_field(self.flat, "args"), ""))
+        arg_codes, args = _text_codes(pc.struct_field(self.flat, "args"))
         # One integer per (name, args) pair; its distinct values are the distinct pairs,
         # found without ever building a `name args` string per call.
         size = len(names) * len(args)
@@ -92,6 +92,29 @@ class _Calls:
             names.take(pa.array(distinct // len(args))),
             args.take(pa.array(distinct % len(args))),
         )
+
+
+def _text_codes(values: pa.ChunkedArray) -> tuple[np.ndarray, pa.Array]:
+    """(an int32 code per string, the distinct strings by code), a null coded as "". Strings
+    read dictionary-encoded (evidence.io.read_rollouts(encoded_calls=True)) keep their codes:
+    no hash pass over the strings."""
+    if not pa.types.is_dictionary(values.type):
+        return _encode(pc.fill_null(values, ""))
+    # One dictionary for every chunk (unify_dictionaries merges distinct values only), so one
+    # code is one string.
+    chunks = values.unify_dictionaries().chunks
+    if not chunks:
+        return np.zeros(0, np.int32), pa.array([], pa.string())
+    dictionary = chunks[0].dictionary.cast(pa.string())
+    if pc.count_distinct(dictionary).as_py() < len(dictionary):  # a value twice: decode
+        return _encode(pc.fill_null(values.cast(pa.string()), ""))
+    empty = pc.index(dictionary, "").as_py()
+    if empty < 0 and values.null_count:
+        empty = len(dictionary)
+        dictionary = pa.concat_arrays([dictionary, pa.array([""], pa.string())])
+    indices = [pc.fill_null(c.indices, max(empty, 0)).to_numpy() for c in chunks]
+    codes = np.concatenate(indices).astype(np.int32, copy=False)
+    return codes, dictionary
 
 
 def _encode(values: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, pa.Array]:

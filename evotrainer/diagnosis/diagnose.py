@@ -20,10 +20,13 @@ from evotrainer.diagnosis.analyzers import ANALYZERS, call_table
 from evotrainer.diagnosis.harness import Alert, HarnessRevision, Metric
 from evotrainer.diagnosis.sql import (
     MEMORY_LIMIT,
+    READS_CALLS,
+    READS_GROUPS,
     ReadOnlyQuery,
     fusable_query,
     fused_query,
     fused_value,
+    query_columns,
     split_rows,
 )
 from evotrainer.diagnosis.stats import compare_tables
@@ -36,6 +39,7 @@ from evotrainer.evidence.io import (
     table_digest,
     val_scores,
 )
+from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 
 
 class Increment(Protocol):
@@ -98,7 +102,13 @@ def diagnose(
             files = sorted(path.glob("*.jsonl")) if is_verl_dump(path) else rollout_files(path)
             if evidence_digest is None:
                 digest = digests.submit(file_digest, files)
-            table = read_rollouts(path, split=split)
+            needs_scores = parent_scores is not None and scores is None
+            table = read_rollouts(
+                path,
+                split=split,
+                columns=columns_read(harness, needs_scores),
+                encoded_calls=True,
+            )
         else:
             table = rollouts
             if evidence_digest is None:
@@ -139,6 +149,41 @@ def diagnose(
         "gaps": gaps,
         "comparison": comparison,
     }
+
+
+# What a diagnosis reads of every harness: the split and version of each row, and a rollout
+# id's parts (alert examples).
+_BASE_COLUMNS = ("version", "split", "seed", "step", "group_id", "sample_idx")
+# The rollout columns the `groups` and `calls` views are made of (sql.GROUPS_SQL, call_table).
+_GROUPS_READ = ("seed", "step", "group_id", "reward", "correct")
+_CALLS_READ = ("seed", "step", "tool_calls")
+
+
+def columns_read(harness: HarnessRevision, scores: bool = False) -> list[str] | None:
+    """The rollout columns a diagnosis with `harness` reads (`scores`: and the validation
+    score table, val_scores), or None for all of them: its queries' column references, as
+    DuckDB parses them, the columns its metrics require and its analyzers declare."""
+    everything = tuple(ROLLOUT_SCHEMA.names)
+    read = set(_BASE_COLUMNS)
+    if scores:
+        read |= {"task_id", "data_source", "correct"}
+    queries = [m.sql for m in harness.metrics if m.sql] + [
+        f"SELECT 1 FROM rollouts WHERE ({a.sample_where})"
+        for a in harness.alerts
+        if a.sample_where is not None
+    ]
+    for sql in queries:
+        named = query_columns(sql, everything)
+        if named is None:
+            return None
+        read |= named
+        read |= set(_GROUPS_READ) if READS_GROUPS.search(sql) else set()
+        read |= set(_CALLS_READ) if READS_CALLS.search(sql) else set()
+    for metric in harness.metrics:
+        read |= set(metric.requires)
+        if metric.analyzer:
+            read |= set(ANALYZERS[metric.analyzer].columns)
+    return [name for name in everything if name in read]
 
 
 def diagnosis_document(diagnosis: dict, version: str | None = None) -> dict:

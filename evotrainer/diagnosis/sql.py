@@ -46,8 +46,8 @@ GROUP_COLUMNS = (
     "seed", "step", "group_id", "n", "n_scored", "reward_sd", "reward_mean", "all_correct",
     "all_wrong",
 )
-_READS_GROUPS = re.compile(r"\bgroups\b", re.IGNORECASE)
-_READS_CALLS = re.compile(r"\bcalls\b", re.IGNORECASE)
+READS_GROUPS = re.compile(r"\bgroups\b", re.IGNORECASE)
+READS_CALLS = re.compile(r"\bcalls\b", re.IGNORECASE)
 # A split in more runs of rows than this is filtered (copied) rather than sliced.
 _MAX_SLICES = 64
 _LOCKDOWN = (
@@ -191,6 +191,66 @@ def _unparse(parsed: dict) -> str:
         return _parser().execute(sql, [json.dumps(parsed)]).fetchone()[0]
 
 
+# Names a query may read besides the rollout columns: those of the `groups` and `calls` views.
+_VIEW_COLUMNS = frozenset(GROUP_COLUMNS) | {"name", "args"}
+
+
+class _ReadsAnyColumn(Exception):
+    """A parsed query may read a column it does not name."""
+
+
+@lru_cache(maxsize=256)
+def query_columns(sql: str, columns: tuple[str, ...]) -> frozenset[str] | None:
+    """The names in `columns` that `sql` reads (a superset: any name it mentions), or None
+    when it may read one without naming it: a star (`*`, `COLUMNS(...)`), a NATURAL join,
+    a bare name that is no column, alias or lambda parameter (a table's row read as one
+    value), or SQL that does not parse."""
+    parsed = _parse(sql)
+    if parsed is None:
+        return None
+    refs: list[list[str]] = []
+    known = set(columns) | _VIEW_COLUMNS  # plus the query's own aliases and lambda parameters
+    tables: set[str] = set()  # table names and aliases: a bare one reads a whole row
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+            return
+        if not isinstance(node, dict):
+            return
+        if node.get("class") == "STAR" or node.get("ref_type") == "NATURAL":
+            raise _ReadsAnyColumn
+        if node.get("class") == "COLUMN_REF":
+            refs.append(node["column_names"])
+        elif node.get("class") == "LAMBDA":
+            known.update(_names_in(node["lhs"]))
+        if "class" in node:
+            known.add(node.get("alias") or "")
+        else:
+            tables.update(n for n in (node.get("alias"), node.get("table_name")) if n)
+        refs.extend([name] for name in node.get("using_columns") or [])
+        for value in node.values():
+            walk(value)
+
+    try:
+        walk(parsed["statements"])
+    except _ReadsAnyColumn:
+        return None
+    if any(len(ref) == 1 and (ref[0] not in known or ref[0] in tables) for ref in refs):
+        return None
+    return frozenset(name for ref in refs for name in ref if name in columns)
+
+
+def _names_in(node: Any) -> list[str]:
+    """Every column name a parsed node holds (a lambda's parameters)."""
+    if isinstance(node, list):
+        return [name for item in node for name in _names_in(item)]
+    if not isinstance(node, dict):
+        return []
+    return list(node.get("column_names") or []) + _names_in(list(node.values()))
+
+
 def _strip(node: Any) -> Any:
     """A parsed node without where its text was."""
     if isinstance(node, dict):
@@ -268,10 +328,10 @@ class ReadOnlyQuery:
         timer = threading.Timer(self.timeout_s, self.con.interrupt)
         timer.start()
         try:
-            if not self.has_groups and _READS_GROUPS.search(sql):
+            if not self.has_groups and READS_GROUPS.search(sql):
                 self.con.execute(GROUPS_SQL)
                 self.has_groups = True
-            if not self.has_calls and _READS_CALLS.search(sql):
+            if not self.has_calls and READS_CALLS.search(sql):
                 self.con.register("calls", self.make_calls())
                 self.has_calls = True
             result = self.con.execute(sql, used or None)

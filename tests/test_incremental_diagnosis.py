@@ -3,6 +3,8 @@ rows of (split, seed, step) keys that changed."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
@@ -10,8 +12,10 @@ import pytest
 from evotrainer.diagnosis import analyzers
 from evotrainer.diagnosis.analyzers import Analyzer
 from evotrainer.diagnosis.diagnose import diagnose
-from evotrainer.diagnosis.harness import resolve_harness
+from evotrainer.diagnosis.harness import Metric, resolve_harness
 from evotrainer.diagnosis.incremental import _combinable, diagnose_incremental
+from evotrainer.diagnosis.sql import ReadOnlyQuery
+from evotrainer.errors import EvoError
 from evotrainer.evidence.synthetic import random_rollouts
 
 H0 = resolve_harness("h0")
@@ -92,3 +96,30 @@ def test_only_metrics_whose_partials_combine_are_incremental():
     # A subquery, a quantile, a max, a correlation: recomputed over every row.
     for name in ("turns_mean", "turns_p90", "turns_max", "length_reward_corr", "avg_at_k"):
         assert kinds[name] is None, name
+
+
+def test_means_of_the_same_rows_share_one_query_and_a_failing_one_reports_itself(monkeypatch):
+    table = _run(800)
+    queries: list[str] = []
+    real = ReadOnlyQuery.query
+
+    def spy(self, sql, params, *, field):
+        queries.append(sql)
+        return real(self, sql, params, field=field)
+
+    monkeypatch.setattr(ReadOnlyQuery, "query", spy)
+    _, state = diagnose_incremental(table.slice(0, 1500), None, H0)
+    queries.clear()
+    grown, _ = diagnose_incremental(table, None, H0, state)
+    _assert_same(grown, diagnose(table, None, H0))
+    partial_queries = [q for q in queries if "GROUP BY seed, step" in q]
+    # The means of train rollouts, those of train groups, the entropy of calls.
+    assert len(partial_queries) == 3, partial_queries
+    broken = Metric(
+        name="broken", layer="signal", split="train",
+        sql="SELECT step, avg(no_such_column) AS value FROM rollouts GROUP BY ROLLUP (step)",
+    )
+    harness = dataclasses.replace(H0, metrics=(*H0.metrics, broken))
+    with pytest.raises(EvoError) as err:
+        diagnose_incremental(table, None, harness, state)
+    assert err.value.field == "metrics.broken"

@@ -34,6 +34,7 @@ import pyarrow.compute as pc
 from evotrainer.diagnosis.analyzers import ANALYZERS, call_table
 from evotrainer.diagnosis.harness import HarnessRevision, Metric
 from evotrainer.diagnosis.sql import ReadOnlyQuery
+from evotrainer.errors import EvoError
 
 Key = tuple[int, int]  # (seed, step)
 
@@ -51,6 +52,8 @@ _ENTROPY_SQL = re.compile(
 _READS_RELATION = re.compile(r"\b(select|from|join|all_rollouts|steps)\b", re.IGNORECASE)
 # An entropy over more distinct values than this per key is not worth carrying: recompute it.
 _MAX_ENTROPY_VALUES = 10_000
+# The prefix of a fused partial query's columns: harness SQL may not name it (see _fuse).
+_FUSED_ALIAS = "__evotrainer_partial_"
 
 
 @dataclass
@@ -150,6 +153,10 @@ class Increment:
         self.partials: dict[str, dict[Key, Any]] = {}
         self.changed: dict[str, tuple[pa.Table, pa.Table]] = {}  # split: (rows, analyzer view)
         self.sandboxes: dict[str, ReadOnlyQuery] = {}
+        # Metric name: its mean partials, from one query with the others of its rows (_fuse);
+        # and the (split, view, where) of each such query tried.
+        self.fused: dict[str, dict[Key, Any]] = {}
+        self.fusions: set[tuple[str, str, str | None]] = set()
 
     def metric(
         self, metric: Metric, rows: pa.Table, view: pa.Table, timeout_s: float, memory_limit: str
@@ -170,8 +177,14 @@ class Increment:
                     self.table, None, split, rows=changed_rows, timeout_s=timeout_s,
                     memory_limit=memory_limit, calls=lambda: call_table(changed_view),
                 )
-            _, result = self.sandboxes[split].query(sql, self.harness.params, field=metric.name)
-            fresh = _sql_partials(kind, result)
+            if metric.name not in self.fused:
+                self._fuse(metric)
+            if metric.name in self.fused:
+                fresh = self.fused.pop(metric.name)
+            else:
+                sandbox = self.sandboxes[split]
+                _, result = sandbox.query(sql, self.harness.params, field=metric.name)
+                fresh = _sql_partials(kind, result)
             if kind == "entropy" and any(len(v) > _MAX_ENTROPY_VALUES for v in fresh.values()):
                 return None
         carried = self.state.partials.get(metric.name, {})
@@ -183,6 +196,42 @@ class Increment:
         }
         self.partials[metric.name] = partials
         return _combine(kind, partials)
+
+    def _fuse(self, metric: Metric) -> None:
+        """Compute the mean partials of `metric` and of every other mean of its split over
+        the same view in one query, not one pass each: each one's WHERE becomes its
+        aggregates' FILTER. Where that query fails, each metric's own query runs and reports
+        its own error."""
+        rows = _mean_rows(metric)
+        if rows is None or (metric.split, rows[1]) in self.fusions:
+            return
+        self.fusions.add((metric.split, rows[1]))
+        members = {
+            other.name: other_rows
+            for other in self.harness.metrics
+            if other.split == metric.split
+            and (other_rows := _mean_rows(other)) is not None
+            and other_rows[1] == rows[1]
+        }
+        if len(members) < 2 or any(_FUSED_ALIAS in f"{e} {w}" for e, _, w in members.values()):
+            return
+        sums = ", ".join(
+            f"sum({expr}){only} AS {_FUSED_ALIAS}t{i}, count({expr}){only} AS {_FUSED_ALIAS}n{i}"
+            for i, (expr, _, where) in enumerate(members.values())
+            for only in [f" FILTER (WHERE {where})" if where else ""]
+        )
+        sql = f"SELECT seed, step, {sums} FROM {rows[1]} GROUP BY seed, step"
+        try:
+            _, result = self.sandboxes[metric.split].query(
+                sql, self.harness.params, field=metric.name
+            )
+        except EvoError:
+            return
+        for i, name in enumerate(members):
+            # A key none of whose rows pass the metric's WHERE has n = 0: it adds nothing.
+            self.fused[name] = _sql_partials(
+                "mean", [(r[0], r[1], r[2 + 2 * i], r[3 + 2 * i]) for r in result]
+            )
 
     def combines(self, metric: Metric) -> bool:
         return _combinable(metric)[0] is not None
@@ -242,20 +291,29 @@ def _in_keys(rows: pa.Table, keys: Iterable[Key]) -> np.ndarray:
     return np.isin(codes, np.array(wanted, dtype=np.int64))
 
 
+def _mean_rows(metric: Metric) -> tuple[str, str, str | None] | None:
+    """(expression averaged, view, WHERE) of a mean query whose partials combine, or None."""
+    if not metric.sql or (mean := _MEAN_SQL.match(metric.sql)) is None:
+        return None
+    expr, view, where = mean["expr"], mean["view"], mean["where"]
+    if not _balanced(expr) or any(_READS_RELATION.search(p or "") for p in (expr, where)):
+        return None
+    return expr, view.lower(), where
+
+
 def _combinable(metric: Metric) -> tuple[str | None, str]:
     """(partial kind, SQL computing the partials per (seed, step)) or (None, "")."""
     if metric.analyzer:
         return "mean", ""
     if not metric.sql:
         return None, ""
-    if (mean := _MEAN_SQL.match(metric.sql)) is not None:
-        expr, view, where = mean["expr"], mean["view"], mean["where"]
-        if _balanced(expr) and not any(_READS_RELATION.search(p or "") for p in (expr, where)):
-            condition = f" WHERE {where}" if where else ""
-            return "mean", (
-                f"SELECT seed, step, sum({expr}) AS total, count({expr}) AS n "
-                f"FROM {view}{condition} GROUP BY seed, step"
-            )
+    if (mean := _mean_rows(metric)) is not None:
+        expr, view, where = mean
+        condition = f" WHERE {where}" if where else ""
+        return "mean", (
+            f"SELECT seed, step, sum({expr}) AS total, count({expr}) AS n "
+            f"FROM {view}{condition} GROUP BY seed, step"
+        )
     if (entropy := _ENTROPY_SQL.match(metric.sql)) is not None:
         expr, view = entropy["expr"], entropy["view"]
         if _balanced(expr) and not _READS_RELATION.search(expr):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
@@ -13,7 +15,7 @@ from evotrainer.diagnosis import analyzers
 from evotrainer.diagnosis.analyzers import Analyzer
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import Metric, resolve_harness
-from evotrainer.diagnosis.incremental import _combinable, diagnose_incremental
+from evotrainer.diagnosis.incremental import _combinable, _from_histograms, diagnose_incremental
 from evotrainer.diagnosis.sql import ReadOnlyQuery
 from evotrainer.errors import EvoError
 from evotrainer.evidence.synthetic import random_rollouts
@@ -93,8 +95,10 @@ def test_only_metrics_whose_partials_combine_are_incremental():
     kinds = {m.name: _combinable(m)[0] for m in H0.metrics}
     assert kinds["reward_mean"] == kinds["dead_group_ratio"] == kinds["leak_ratio"] == "mean"
     assert kinds["tool_type_entropy"] == "entropy"
-    # A subquery, a quantile, a max, a correlation: recomputed over every row.
-    for name in ("turns_mean", "turns_p90", "turns_max", "length_reward_corr", "avg_at_k"):
+    # Quantiles, maxima and a subquery of one integer column: from its histogram per key.
+    assert kinds["turns_mean"] == kinds["turns_p90"] == kinds["turns_max"] == "histogram"
+    # A correlation, a join: recomputed over every row.
+    for name in ("length_reward_corr", "avg_at_k"):
         assert kinds[name] is None, name
 
 
@@ -113,8 +117,9 @@ def test_means_of_the_same_rows_share_one_query_and_a_failing_one_reports_itself
     grown, _ = diagnose_incremental(table, None, H0, state)
     _assert_same(grown, diagnose(table, None, H0))
     partial_queries = [q for q in queries if "GROUP BY seed, step" in q]
-    # The means of train rollouts, those of train groups, the entropy of calls.
-    assert len(partial_queries) == 3, partial_queries
+    # The means of train rollouts, those of train groups, the turns histogram (for
+    # turns_mean, turns_p90 and turns_max), the entropy of calls.
+    assert len(partial_queries) == 4, partial_queries
     broken = Metric(
         name="broken", layer="signal", split="train",
         sql="SELECT step, avg(no_such_column) AS value FROM rollouts GROUP BY ROLLUP (step)",
@@ -123,3 +128,59 @@ def test_means_of_the_same_rows_share_one_query_and_a_failing_one_reports_itself
     with pytest.raises(EvoError) as err:
         diagnose_incremental(table, None, harness, state)
     assert err.value.field == "metrics.broken"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_values_from_histograms_are_duckdbs_to_the_bit(seed):
+    rng = np.random.default_rng(seed)
+    rows = int(rng.integers(1, 400))
+    # Few distinct values (a histogram's case), nulls, and at times only ones (single-turn).
+    high = 2 if seed == 0 else int(rng.integers(2, 60))
+    turns = rng.integers(1, high, rows).tolist()
+    turns = [None if rng.random() < 0.1 else t for t in turns]
+    steps = rng.integers(1, 6, rows)
+    table = pa.table({"seed": pa.array([0] * rows), "step": pa.array(steps), "turns": turns})
+    queries = [m.sql for m in H0.metrics if m.name in ("turns_mean", "turns_p90", "turns_max")]
+    queries += [
+        f"SELECT quantile_cont(turns, {q}) AS value FROM rollouts"
+        for q in (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.999, 1.0)
+    ]
+    queries += [
+        "SELECT step, CASE WHEN min(turns) >= 2 THEN sum(turns)::DOUBLE END AS value "
+        "FROM rollouts GROUP BY ROLLUP (step)",
+        "SELECT step, count(turns)::DOUBLE AS value FROM rollouts GROUP BY ROLLUP (step)",
+    ]
+    con = duckdb.connect()
+    con.register("rollouts", table)
+    histograms: dict = {}
+    for (s, step), value in zip(zip([0] * rows, steps.tolist(), strict=True), turns, strict=True):
+        if value is not None:
+            histograms.setdefault((s, step), {}).setdefault(value, 0)
+            histograms[s, step][value] += 1
+    for sql in queries:
+        assert _combinable(Metric(name="m", layer="behavior", split="train", sql=sql))[0] == (
+            "histogram"
+        ), sql
+        value, points = _from_histograms(sql, histograms)
+        result = con.execute(sql).fetchall()
+        if len(result[0]) == 1:
+            assert value == result[0][0] and points == [], sql
+        else:
+            assert value == next(v for st, v in result if st is None), sql
+            assert points == sorted([st, v] for st, v in result if st is not None and v is not None)
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT quantile_disc(turns, 0.9) AS value FROM rollouts",
+        "SELECT max(turns) + max(step) AS value FROM rollouts",
+        "SELECT max(turns)::DOUBLE AS value FROM rollouts WHERE correct = 1",
+        "SELECT (SELECT max(turns) FROM all_rollouts) AS value FROM rollouts",
+        "SELECT quantile_cont(turns, $q) AS value FROM rollouts",
+        "SELECT avg(DISTINCT turns) AS value FROM rollouts",
+        "SELECT max(turns) AS value FROM groups",
+    ],
+)
+def test_other_queries_are_not_computed_from_histograms(sql):
+    assert _combinable(Metric(name="m", layer="behavior", split="train", sql=sql))[0] is None

@@ -25,6 +25,7 @@ import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ import pyarrow.compute as pc
 
 from evotrainer.diagnosis.analyzers import ANALYZERS, call_table
 from evotrainer.diagnosis.harness import HarnessRevision, Metric
-from evotrainer.diagnosis.sql import ReadOnlyQuery
+from evotrainer.diagnosis.sql import ReadOnlyQuery, fusable_query
 from evotrainer.errors import EvoError
 
 Key = tuple[int, int]  # (seed, step)
@@ -156,7 +157,9 @@ class Increment:
         # Metric name: its mean partials, from one query with the others of its rows (_fuse);
         # and the (split, view, where) of each such query tried.
         self.fused: dict[str, dict[Key, Any]] = {}
-        self.fusions: set[tuple[str, str, str | None]] = set()
+        self.fusions: set[tuple[str, str]] = set()
+        # (split, partial SQL): its partials, for metrics that share one (a column's histogram).
+        self.counted: dict[tuple[str, str], dict[Key, Any]] = {}
 
     def metric(
         self, metric: Metric, rows: pa.Table, view: pa.Table, timeout_s: float, memory_limit: str
@@ -177,15 +180,24 @@ class Increment:
                     self.table, None, split, rows=changed_rows, timeout_s=timeout_s,
                     memory_limit=memory_limit, calls=lambda: call_table(changed_view),
                 )
+            if kind == "histogram":
+                column = _histogram_query(metric.sql)[0]
+                if column not in rows.column_names or not pa.types.is_integer(
+                    rows.schema.field(column).type
+                ):
+                    return None  # a float's histogram is every row: recompute
             if metric.name not in self.fused:
                 self._fuse(metric)
             if metric.name in self.fused:
                 fresh = self.fused.pop(metric.name)
             else:
-                sandbox = self.sandboxes[split]
-                _, result = sandbox.query(sql, self.harness.params, field=metric.name)
-                fresh = _sql_partials(kind, result)
-            if kind == "entropy" and any(len(v) > _MAX_ENTROPY_VALUES for v in fresh.values()):
+                # Metrics of one column's histogram share its query.
+                if (split, sql) not in self.counted:
+                    sandbox = self.sandboxes[split]
+                    _, result = sandbox.query(sql, self.harness.params, field=metric.name)
+                    self.counted[split, sql] = _sql_partials(kind, result)
+                fresh = self.counted[split, sql]
+            if kind != "mean" and any(len(v) > _MAX_ENTROPY_VALUES for v in fresh.values()):
                 return None
         carried = self.state.partials.get(metric.name, {})
         seen = self.state.rows.get(split, {})
@@ -195,6 +207,8 @@ class Increment:
             if key in fresh or (seen.get(key) == n and key in carried)
         }
         self.partials[metric.name] = partials
+        if kind == "histogram":
+            return _from_histograms(metric.sql, partials)
         return _combine(kind, partials)
 
     def _fuse(self, metric: Metric) -> None:
@@ -314,6 +328,12 @@ def _combinable(metric: Metric) -> tuple[str | None, str]:
             f"SELECT seed, step, sum({expr}) AS total, count({expr}) AS n "
             f"FROM {view}{condition} GROUP BY seed, step"
         )
+    if (histogram := _histogram_query(metric.sql)) is not None:
+        column = histogram[0]
+        return "histogram", (
+            f"SELECT seed, step, {column} AS v, count(*) AS n FROM rollouts "
+            f"WHERE {column} IS NOT NULL GROUP BY seed, step, v"
+        )
     if (entropy := _ENTROPY_SQL.match(metric.sql)) is not None:
         expr, view = entropy["expr"], entropy["view"]
         if _balanced(expr) and not _READS_RELATION.search(expr):
@@ -361,6 +381,181 @@ def _sql_partials(kind: str, rows: list) -> dict[Key, Any]:
     for seed, step, value, n in rows:
         partials.setdefault((seed, step), {})[value] = int(n)
     return partials
+
+
+class _NotFromHistogram(Exception):
+    """A query part the histogram evaluator does not compute."""
+
+
+# What a query computed from one integer column's histogram may use (DuckDB's semantics).
+_AGGREGATES = ("count", "sum", "avg", "min", "max", "quantile_cont")
+_COMPARISONS = {
+    "COMPARE_GREATERTHAN": lambda a, b: a > b,
+    "COMPARE_GREATERTHANOREQUALTO": lambda a, b: a >= b,
+    "COMPARE_LESSTHAN": lambda a, b: a < b,
+    "COMPARE_LESSTHANOREQUALTO": lambda a, b: a <= b,
+    "COMPARE_EQUAL": lambda a, b: a == b,
+    "COMPARE_NOTEQUAL": lambda a, b: a != b,
+}
+
+
+@lru_cache(maxsize=256)
+def _histogram_query(sql: str) -> tuple[str, bool, str] | None:
+    """(column, per step, value expression as parsed JSON) of a query of the shapes
+    sql.fusable_query takes, over `rollouts` without WHERE, whose value is built of
+    constants, comparisons, CASE, a cast to DOUBLE, count/sum/avg/min/max/quantile_cont of
+    one column, and scalar subqueries of the same over `rollouts` (turns_p90, turns_max,
+    turns_mean): its value over any set of rows is computed exactly from the column's
+    histogram ({value: count}) over them."""
+    shape = fusable_query(sql)
+    if shape is None:
+        return None
+    kind, plain, where = json.loads(shape.key)
+    if where is not None or plain["from_table"].get("table_name") != "rollouts":
+        return None
+    columns: set[str] = set()
+    try:
+        _walk(json.loads(shape.value), columns, check_only=True)
+    except _NotFromHistogram:
+        return None
+    if len(columns) != 1:
+        return None
+    return columns.pop(), kind == "rollup", shape.value
+
+
+def _from_histograms(sql: str, partials: dict[Key, Any]) -> tuple[float | None, list[list[float]]]:
+    """(value, per-step points) of a _histogram_query from each (seed, step)'s histogram."""
+    _, stepped, value = _histogram_query(sql)
+    node = json.loads(value)
+    everything = _merge(partials.values())
+    total = _walk(node, set(), rows=everything, whole=everything)
+    points: list[list[float]] = []
+    if stepped:
+        by_step: dict[int, list[dict]] = {}
+        for (_, step), histogram in partials.items():
+            if step is not None:
+                by_step.setdefault(step, []).append(histogram)
+        for step in sorted(by_step):
+            point = _walk(node, set(), rows=_merge(by_step[step]), whole=everything)
+            if point is not None:
+                points.append([step, float(point)])
+    return (None if total is None else float(total)), points
+
+
+def _merge(histograms: Iterable[dict[int, int]]) -> dict[int, int]:
+    merged: dict[int, int] = {}
+    for histogram in histograms:
+        for value, n in histogram.items():
+            merged[value] = merged.get(value, 0) + n
+    return merged
+
+
+def _walk(
+    node: dict,
+    columns: set[str],
+    *,
+    check_only: bool = False,
+    rows: dict[int, int] | None = None,
+    whole: dict[int, int] | None = None,
+) -> Any:
+    """Check (`check_only`, collecting the columns read) or compute a parsed expression over
+    the histogram `rows` (a scalar subquery: over `whole`, every row of the view)."""
+
+    def walk(child: dict, over: dict[int, int] | None = rows) -> Any:
+        return _walk(child, columns, check_only=check_only, rows=over, whole=whole)
+
+    kind = node.get("class")
+    if kind == "CONSTANT":
+        literal = node["literal"]
+        if literal["kind"] == "NULL_LITERAL":
+            return None
+        if literal["kind"] == "INTEGER":
+            return int(literal["text"])
+        if literal["kind"] in ("NUMERIC", "DECIMAL", "DOUBLE", "FLOAT"):
+            return float(literal["text"])
+        raise _NotFromHistogram
+    if kind == "COMPARISON" and node["type"] in _COMPARISONS:
+        left, right = walk(node["left"]), walk(node["right"])
+        if check_only or left is None or right is None:
+            return None
+        return _COMPARISONS[node["type"]](left, right)
+    if kind == "CASE":
+        for check in node["case_checks"]:
+            when, then = walk(check["when_expr"]), walk(check["then_expr"])
+            if when is True:
+                return then
+        return walk(node["else_expr"])
+    if kind == "CAST" and not node["try_cast"] and node["type_expr"].get("type_name") == "DOUBLE":
+        child = walk(node["child"])
+        return None if child is None else float(child)
+    if kind == "SUBQUERY" and node["subquery_type"] == "SCALAR":
+        sub = node["subquery"]["node"]
+        if (
+            sub.get("type") != "SELECT_NODE"
+            or len(sub["select_list"]) != 1
+            or sub["modifiers"]
+            or sub["cte_map"]["map"]
+            or sub["group_expressions"]
+            or sub["group_sets"]
+            or sub["aggregate_handling"] != "STANDARD_HANDLING"
+            or any(sub.get(k) is not None for k in ("where_clause", "having", "qualify", "sample"))
+            or sub["from_table"].get("type") != "BASE_TABLE"
+            or sub["from_table"].get("table_name") != "rollouts"
+            or sub["from_table"].get("alias")
+        ):
+            raise _NotFromHistogram
+        return walk(sub["select_list"][0], whole)
+    if kind == "FUNCTION" and node["function_name"] in _AGGREGATES:
+        arguments = [a["expression"] for a in node["arguments"]]
+        if (
+            node["distinct"]
+            or node["filter"] is not None
+            or node["order_bys"]["orders"]
+            or node["schema"]
+            or not arguments
+            or arguments[0].get("class") != "COLUMN_REF"
+            or len(arguments[0]["column_names"]) != 1
+            or len(arguments) != (2 if node["function_name"] == "quantile_cont" else 1)
+        ):
+            raise _NotFromHistogram
+        columns.add(arguments[0]["column_names"][0])
+        fraction = None
+        if len(arguments) == 2:
+            if arguments[1].get("class") != "CONSTANT":
+                raise _NotFromHistogram
+            fraction = walk(arguments[1])
+            if not isinstance(fraction, float | int) or not 0 <= fraction <= 1:
+                raise _NotFromHistogram
+        return None if check_only else _aggregate(node["function_name"], rows, fraction)
+    raise _NotFromHistogram
+
+
+def _aggregate(name: str, histogram: dict[int, int], fraction: float | None) -> Any:
+    """DuckDB's aggregate `name` over the values a histogram counts (nulls are not counted)."""
+    n = sum(histogram.values())
+    if name == "count":
+        return n
+    if not n:
+        return None
+    if name == "sum":
+        return sum(v * c for v, c in histogram.items())
+    if name == "avg":
+        return sum(v * c for v, c in histogram.items()) / n
+    if name == "min":
+        return min(v for v, c in histogram.items() if c)
+    if name == "max":
+        return max(v for v, c in histogram.items() if c)
+    # quantile_cont: the values at the floor and ceiling of (n - 1) * fraction in sorted
+    # order, interpolated as DuckDB does (lo + (hi - lo) * d, in double).
+    position = (n - 1) * fraction
+    below = math.floor(position)
+    values = sorted(v for v, c in histogram.items() if c)
+    counts = np.cumsum([histogram[v] for v in values])
+    lo = float(values[int(np.searchsorted(counts, below, side="right"))])
+    if below == position:
+        return lo
+    hi = float(values[int(np.searchsorted(counts, below + 1, side="right"))])
+    return lo + (hi - lo) * (position - below)
 
 
 def _combine(kind: str, partials: dict[Key, Any]) -> tuple[float | None, list[list[float]]]:

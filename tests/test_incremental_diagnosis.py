@@ -15,7 +15,14 @@ from evotrainer.diagnosis import analyzers
 from evotrainer.diagnosis.analyzers import Analyzer
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import Metric, resolve_harness
-from evotrainer.diagnosis.incremental import _combinable, _from_histograms, diagnose_incremental
+from evotrainer.diagnosis.incremental import (
+    DiagnosisState,
+    _combinable,
+    _combine,
+    _from_histograms,
+    _sql_partials,
+    diagnose_incremental,
+)
 from evotrainer.diagnosis.sql import ReadOnlyQuery
 from evotrainer.errors import EvoError
 from evotrainer.evidence.synthetic import random_rollouts
@@ -97,9 +104,9 @@ def test_only_metrics_whose_partials_combine_are_incremental():
     assert kinds["tool_type_entropy"] == "entropy"
     # Quantiles, maxima and a subquery of one integer column: from its histogram per key.
     assert kinds["turns_mean"] == kinds["turns_p90"] == kinds["turns_max"] == "histogram"
-    # A correlation, a join: recomputed over every row.
-    for name in ("length_reward_corr", "avg_at_k"):
-        assert kinds[name] is None, name
+    assert kinds["length_reward_corr"] == "moments"
+    # A join: recomputed over every row.
+    assert kinds["avg_at_k"] is None
 
 
 def test_means_of_the_same_rows_share_one_query_and_a_failing_one_reports_itself(monkeypatch):
@@ -118,8 +125,8 @@ def test_means_of_the_same_rows_share_one_query_and_a_failing_one_reports_itself
     _assert_same(grown, diagnose(table, None, H0))
     partial_queries = [q for q in queries if "GROUP BY seed, step" in q]
     # The means of train rollouts, those of train groups, the turns histogram (for
-    # turns_mean, turns_p90 and turns_max), the entropy of calls.
-    assert len(partial_queries) == 4, partial_queries
+    # turns_mean, turns_p90 and turns_max), the correlation's moments, the entropy of calls.
+    assert len(partial_queries) == 5, partial_queries
     broken = Metric(
         name="broken", layer="signal", split="train",
         sql="SELECT step, avg(no_such_column) AS value FROM rollouts GROUP BY ROLLUP (step)",
@@ -184,3 +191,32 @@ def test_values_from_histograms_are_duckdbs_to_the_bit(seed):
 )
 def test_other_queries_are_not_computed_from_histograms(sql):
     assert _combinable(Metric(name="m", layer="behavior", split="train", sql=sql))[0] is None
+
+
+def test_a_correlation_from_co_moments_is_duckdbs_and_its_state_survives_json():
+    rng = np.random.default_rng(3)
+    rows = 3000
+    x = rng.integers(10, 900, rows).astype(float) * 1e3  # large means: cancellation-prone
+    y = 0.001 * x + rng.normal(0, 5, rows)
+    x[::17], y[::23] = np.nan, np.nan
+    steps = rng.integers(1, 8, rows)
+    steps[steps == 7] = 6  # step 6: many rows; one step below with a constant side
+    x[steps == 1] = 5.0
+    table = pa.table(
+        {"seed": rng.integers(0, 3, rows), "step": steps,
+         "x": pa.array(x, from_pandas=True), "y": pa.array(y, from_pandas=True)}
+    )
+    sql = "SELECT step, corr(x, y) AS value FROM rollouts GROUP BY ROLLUP (step)"
+    kind, partial_sql = _combinable(Metric(name="c", layer="behavior", split="train", sql=sql))
+    con = duckdb.connect()
+    con.register("rollouts", table)
+    partials = _sql_partials(kind, con.execute(partial_sql).fetchall())
+    state = DiagnosisState("h", {}, {"c": partials})
+    partials = DiagnosisState.from_json(state.to_json()).partials["c"]
+    value, points = _combine(kind, partials)
+    result = con.execute(sql).fetchall()
+    expected = next(v for s, v in result if s is None)
+    assert value == pytest.approx(expected, rel=1e-12)
+    wanted = sorted([s, v] for s, v in result if s is not None and not np.isnan(v))
+    assert [s for s, _ in points] == [s for s, _ in wanted] and 1 not in [s for s, _ in points]
+    assert [v for _, v in points] == pytest.approx([v for _, v in wanted], rel=1e-12)

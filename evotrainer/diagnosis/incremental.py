@@ -1,14 +1,18 @@
 """Incremental diagnosis of a growing run: the work is proportional to the new rows.
 
 Most harness metrics are a mean over rows or groups (`SELECT step, avg(e) ... GROUP BY
-ROLLUP (step)`, every analyzer) or an entropy of values (`SELECT entropy(e) AS value FROM
-v`). Their value over a union of steps combines from per-(seed, step) partials: sum and count
-for a mean, value counts for an entropy. `DiagnosisState` keeps those partials with the row
-count of each (split, seed, step) they cover; the next diagnosis recomputes partials only for
-the (split, seed, step) keys whose row count changed (new steps, and the step a run was still
-writing), reuses the rest, and computes every other metric (a quantile, a max, a query with a
-subquery) over all rows as `diagnose` does. The result equals `diagnose`'s, up to the
-floating-point order of the sums.
+ROLLUP (step)`, every analyzer), an entropy of values (`SELECT entropy(e) AS value FROM v`),
+a correlation per step (`SELECT step, corr(x, y) ...`) or counts, sums, means, extremes and
+quantiles of one integer column (turns_p90, turns_max, turns_mean with its subquery). Their
+value over a union of steps combines from per-(seed, step) partials: sum and count for a
+mean, value counts for an entropy or an integer column, co-moments for a correlation.
+`DiagnosisState` keeps those partials with the row count of each (split, seed, step) they
+cover; the next diagnosis recomputes partials only for the (split, seed, step) keys whose row
+count changed (new steps, and the step a run was still writing), reuses the rest, and
+computes every other metric (a join, a float's quantile) over all rows as `diagnose` does.
+The result equals `diagnose`'s: to the bit for an integer column's values, up to the
+floating-point order of the sums for a mean, and within about 1e-13 relative for a
+correlation (combined co-moments, as DuckDB combines its threads').
 
 The promise holds while rows of a (split, seed, step) only ever get added: a key whose row
 count is unchanged is trusted, so rewriting old rows in place needs a fresh state (None).
@@ -45,6 +49,11 @@ _MEAN_SQL = re.compile(
     r"(?:\s+WHERE\s+(?P<where>.*?))?\s+GROUP\s+BY\s+ROLLUP\s*\(\s*step\s*\)\s*;?\s*$",
     _FLAGS,
 )
+_CORR_SQL = re.compile(
+    r"^\s*SELECT\s+step\s*,\s*corr\((?P<args>.*)\)\s+AS\s+value\s+FROM\s+(?P<view>rollouts|groups)"
+    r"(?:\s+WHERE\s+(?P<where>.*?))?\s+GROUP\s+BY\s+ROLLUP\s*\(\s*step\s*\)\s*;?\s*$",
+    _FLAGS,
+)
 _ENTROPY_SQL = re.compile(
     r"^\s*SELECT\s+entropy\((?P<expr>.*)\)\s+AS\s+value\s+FROM\s+(?P<view>rollouts|calls)\s*;?\s*$",
     _FLAGS,
@@ -62,7 +71,8 @@ class DiagnosisState:
     """What `diagnose_incremental` carries from one diagnosis of a run to the next: for the
     harness `harness_digest`, the rows seen per (split, seed, step), and each combinable
     metric's partial per (seed, step): (sum, count) for a mean, {value: count} for an
-    entropy."""
+    entropy or an integer column's histogram, (n, mean x, mean y, Sxx, Syy, Sxy) for a
+    correlation."""
 
     harness_digest: str
     rows: dict[str, dict[Key, int]] = field(default_factory=dict)
@@ -80,8 +90,9 @@ class DiagnosisState:
                     if not all(_json_exact(v) for v in partial):
                         return None
                     entries.append([seed, step, "counts", [[v, n] for v, n in partial.items()]])
-                else:
-                    entries.append([seed, step, "mean", list(partial)])
+                else:  # a mean's (sum, count) or a correlation's moments
+                    kind = "moments" if len(partial) == 6 else "mean"
+                    entries.append([seed, step, kind, list(partial)])
             partials[name] = entries
         return json.dumps(
             {
@@ -109,6 +120,8 @@ class DiagnosisState:
                     (seed, step): (
                         {value: int(n) for value, n in partial}
                         if kind == "counts"
+                        else (int(partial[0]), *(float(m) for m in partial[1:]))
+                        if kind == "moments"
                         else (float(partial[0]), int(partial[1]))
                     )
                     for seed, step, kind, partial in entries
@@ -197,7 +210,9 @@ class Increment:
                     _, result = sandbox.query(sql, self.harness.params, field=metric.name)
                     self.counted[split, sql] = _sql_partials(kind, result)
                 fresh = self.counted[split, sql]
-            if kind != "mean" and any(len(v) > _MAX_ENTROPY_VALUES for v in fresh.values()):
+            if kind in ("entropy", "histogram") and any(
+                len(v) > _MAX_ENTROPY_VALUES for v in fresh.values()
+            ):
                 return None
         carried = self.state.partials.get(metric.name, {})
         seen = self.state.rows.get(split, {})
@@ -328,6 +343,17 @@ def _combinable(metric: Metric) -> tuple[str | None, str]:
             f"SELECT seed, step, sum({expr}) AS total, count({expr}) AS n "
             f"FROM {view}{condition} GROUP BY seed, step"
         )
+    if (corr := _CORR_SQL.match(metric.sql)) is not None:
+        pair, view, where = _top_level_pair(corr["args"]), corr["view"], corr["where"]
+        if pair and not any(_READS_RELATION.search(p or "") for p in (*pair, where)):
+            x, y = pair
+            condition = f" WHERE {where}" if where else ""
+            # Per key the co-moments of the rows where both are non-null, as corr reads them.
+            return "moments", (
+                f"SELECT seed, step, regr_count({y}, {x}), regr_avgx({y}, {x}), "
+                f"regr_avgy({y}, {x}), regr_sxx({y}, {x}), regr_syy({y}, {x}), "
+                f"regr_sxy({y}, {x}) FROM {view}{condition} GROUP BY seed, step"
+            )
     if (histogram := _histogram_query(metric.sql)) is not None:
         column = histogram[0]
         return "histogram", (
@@ -342,6 +368,23 @@ def _combinable(metric: Metric) -> tuple[str | None, str]:
                 f"WHERE ({expr}) IS NOT NULL GROUP BY seed, step, v"
             )
     return None, ""
+
+
+def _top_level_pair(args: str) -> tuple[str, str] | None:
+    """`args` split at its one comma outside parentheses and quotes, or None."""
+    depth, quoted, commas = 0, False, []
+    for i, char in enumerate(args):
+        if char == "'":
+            quoted = not quoted
+        elif not quoted:
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if depth < 0:
+                return None
+            if char == "," and depth == 0:
+                commas.append(i)
+    if depth or quoted or len(commas) != 1:
+        return None
+    return args[: commas[0]].strip(), args[commas[0] + 1 :].strip()
 
 
 def _balanced(expr: str) -> bool:
@@ -377,6 +420,10 @@ def _sql_partials(kind: str, rows: list) -> dict[Key, Any]:
     if kind == "mean":
         for seed, step, total, n in rows:
             partials[seed, step] = (float(total or 0), int(n))
+        return partials
+    if kind == "moments":
+        for seed, step, n, *moments in rows:
+            partials[seed, step] = (int(n), *(float(m or 0) for m in moments))
         return partials
     for seed, step, value, n in rows:
         partials.setdefault((seed, step), {})[value] = int(n)
@@ -558,8 +605,49 @@ def _aggregate(name: str, histogram: dict[int, int], fraction: float | None) -> 
     return lo + (hi - lo) * (position - below)
 
 
+Moments = tuple[int, float, float, float, float, float]  # n, mean x, mean y, Sxx, Syy, Sxy
+
+
+def _merge_moments(parts: Iterable[Moments]) -> Moments:
+    """The co-moments of the union of disjoint row sets (Chan et al.'s pairwise update, the
+    one DuckDB's corr uses to combine its threads' states)."""
+    n, mx, my, sxx, syy, sxy = 0, 0.0, 0.0, 0.0, 0.0, 0.0
+    for bn, bmx, bmy, bsxx, bsyy, bsxy in parts:
+        if not bn:
+            continue
+        total = n + bn
+        dx, dy = bmx - mx, bmy - my
+        weight = n * bn / total
+        sxx += bsxx + dx * dx * weight
+        syy += bsyy + dy * dy * weight
+        sxy += bsxy + dx * dy * weight
+        mx += dx * bn / total
+        my += dy * bn / total
+        n = total
+    return n, mx, my, sxx, syy, sxy
+
+
+def _corr(moments: Moments) -> float | None:
+    """Pearson's r, or None where DuckDB's corr is null (no pair) or NaN (a constant side)."""
+    n, _, _, sxx, syy, sxy = moments
+    if not n or sxx * syy <= 0:
+        return None
+    return sxy / math.sqrt(sxx * syy)
+
+
 def _combine(kind: str, partials: dict[Key, Any]) -> tuple[float | None, list[list[float]]]:
     """(value, per-step points) from the partials of every (seed, step)."""
+    if kind == "moments":
+        by_step: dict[int, list[Moments]] = {}
+        for (_, step), moments in partials.items():
+            if step is not None:
+                by_step.setdefault(step, []).append(moments)
+        points = [
+            [step, value]
+            for step in sorted(by_step)
+            if (value := _corr(_merge_moments(by_step[step]))) is not None
+        ]
+        return _corr(_merge_moments(partials.values())), points
     if kind == "entropy":
         counts: dict[Any, int] = {}
         for by_value in partials.values():

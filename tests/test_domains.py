@@ -8,7 +8,7 @@ import pytest
 
 from evotrainer import domains
 from evotrainer.domains import get_domain, make_domain
-from evotrainer.domains.toolenv import ToolEnvDomain
+from evotrainer.domains.toolenv import ECHO_REPEATS, ToolEnvDomain
 from evotrainer.errors import EvoError
 
 
@@ -103,3 +103,49 @@ def test_toolenv_scoring_of_partial_and_malformed_transcripts():
     assert near.components["partial"] == pytest.approx(1 - 2 / width)
     unfinished = domain.score(task, "?25;<;zz;x;?1", [])
     assert unfinished.correct == 0.0 and unfinished.components["format"] == pytest.approx(2 / 3)
+
+
+def test_toolenv_echo_demonstrations_repeat_one_compare_and_never_answer():
+    domain = make_domain(
+        {"name": "toolenv", "params": {"echo_demo_rate": 1.0, "reveal_demo_rate": 0.0}}
+    )
+    rng = random.Random(0)
+    train, _ = domain.split(50, 10)
+    for task in train:
+        segments = domain.demonstration(task, rng)
+        actions = [text for text, trained in segments if trained]
+        # One to three honest compares, the last of them then repeated ECHO_REPEATS times.
+        assert all(a.startswith("?") for a in actions)
+        assert actions[-1] == actions[-1 - ECHO_REPEATS]
+        assert len(set(actions[-1 - ECHO_REPEATS :])) == 1
+        assert 1 + ECHO_REPEATS <= len(actions) <= 3 + ECHO_REPEATS
+        transcript = "".join(text for text, _ in segments)
+        score = domain.score(task, transcript, [])
+        assert score.correct == 0.0
+        assert score.components["no_repeat"] == pytest.approx(1 - ECHO_REPEATS / len(actions))
+    # The default plants no echo: demonstrations are the unchanged honest searches.
+    plain, echo_off = (
+        make_domain({"name": "toolenv"}),
+        make_domain({"name": "toolenv", "params": {"echo_demo_rate": 0.0}}),
+    )
+    assert [plain.demonstration(t, random.Random(1)) for t in train] == [
+        echo_off.demonstration(t, random.Random(1)) for t in train
+    ]
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.5, "high", True])
+def test_toolenv_demo_rates_must_be_shares(rate):
+    for name in ("echo_demo_rate", "reveal_demo_rate"):
+        with pytest.raises(EvoError) as err:
+            make_domain({"name": "toolenv", "params": {name: rate}})
+        assert err.value.field == f"domain.params.{name}"
+        assert name in err.value.hint
+
+
+def test_toolenv_no_repeat_counts_actions_repeating_the_one_before():
+    domain = make_domain({"name": "toolenv"})
+    task = next(t for t in (domain.task_at(i) for i in range(200)) if t.answer == "20")
+    assert domain.score(task, "?25;<;?10;>;=20;", []).components["no_repeat"] == 1.0
+    looped = domain.score(task, "?25;<;?25;<;?25;<;?10;>;", [])
+    assert looped.components["no_repeat"] == pytest.approx(1 - 2 / 4)
+    assert domain.score(task, "", []).components["no_repeat"] == 0.0

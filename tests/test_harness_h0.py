@@ -156,6 +156,14 @@ def _plant(fraction: float, change: dict, where=lambda r: r.get("split", "train"
         (lambda: _plant(0.2, {"truncated": True}), "truncation", "warning"),
         (lambda: _plant(0.1, {"turns": 70, "correct": 0.0}), "echo_trap", "warning"),
         (lambda: _plant(1.0, {"turns": 55}), "echo_trap", "warning"),
+        (
+            # A short episode that repeats one call: the echo trap at a small horizon.
+            lambda: _plant(
+                0.1, {"tool_calls": [{"name": "compare", "args": "31"}] * 3, "correct": 0.0}
+            ),
+            "echo_trap",
+            "warning",
+        ),
         (lambda: _plant(0.99, {"turns": 2}), "abandonment", "critical"),
         (
             lambda: _plant(0.01, {"tool_calls": [{"name": "reveal", "args": ""}]}),
@@ -195,6 +203,28 @@ def test_alert_examples_are_rollout_ids_of_the_pathology():
     (leak,) = [a for a in d["alerts"] if a["name"] == "leak"]
     assert leak["examples"] == ["v0/0/train/1/s1g0/0"]
     assert leak["layer"] == "behavior" and leak["threshold"] == 0
+
+
+def test_echo_trap_counts_failing_rollouts_repeating_one_call():
+    same = {"name": "compare", "args": "31"}
+    other = {"name": "compare", "args": "15"}
+    cases = [  # (tool calls, correct, an echo trap?)
+        ([same] * 3, 0.0, True),
+        ([other, same, same, same, other], 0.0, True),
+        ([same] * 3, 1.0, False),  # it got there: not a trap
+        ([same, same, other, same], 0.0, False),  # never three in a row
+        ([same, {"name": "compare", "args": "32"}, same], 0.0, False),  # other arguments
+        ([], 0.0, False),
+        (None, 0.0, False),
+    ]
+    rows = [
+        dict(step=1, group_id="g", sample_idx=i, reward=c, correct=c, turns=4, tool_calls=calls)
+        for i, (calls, c, _) in enumerate(cases)
+    ]
+    d = diagnose(rollout_table(rows), None, H0)
+    assert d["metrics"]["echo_trap_ratio"] == pytest.approx(2 / len(cases))
+    (echo,) = [a for a in d["alerts"] if a["name"] == "echo_trap"]
+    assert echo["examples"] == [f"v0/0/train/1/g/{i}" for i, c in enumerate(cases) if c[2]]
 
 
 def test_small_multi_turn_env_does_not_fire_abandonment():

@@ -11,6 +11,14 @@ Demonstrations are mostly honest binary search with occasional reveals (`reveal_
 the warm-started policy searches honestly but knows the shortcut. Binary search over a range
 is hard for a tiny model while copying a revealed number is easy, so with the leak enabled GRPO
 raises reveal use: the behaviour a leak audit must catch.
+
+`echo_demo_rate` (default 0) plants the echo trap: that share of demonstrations repeats one
+compare `ECHO_REPEATS` more times and never answers. A repeated compare gets the same reply
+and so tells nothing new; once the warm-started policy has repeated itself, the context looks
+like those demonstrations and it keeps repeating until the turn budget runs out: a failing
+rollout that calls the same tool with the same arguments turn after turn (what h0's
+`echo_trap_ratio` counts). The `no_repeat` reward component (the share of actions that are
+not a repeat of the one before) gives GRPO a signal against it even in groups that all fail.
 """
 
 from __future__ import annotations
@@ -23,6 +31,9 @@ from evotrainer.domains.base import Demonstration, Domain, EnvStep, Score, Task
 from evotrainer.errors import EvoError
 
 _ACTION = re.compile(r"\?\d+|!|=\d+")
+# Repeats of one compare in an echo demonstration: longer than any honest search at the
+# default sizes, so the loop, not a detour, is what the policy learns from them.
+ECHO_REPEATS = 8
 
 
 class HiddenNumberEnv:
@@ -56,10 +67,15 @@ class HiddenNumberEnv:
 
 class ToolEnvDomain(Domain):
     name = "toolenv"
-    components = ("correctness", "format", "partial")
+    components = ("correctness", "format", "partial", "no_repeat")
     tools = ("compare", "reveal")
     turn_end = ";"
-    default_params: dict[str, Any] = {"max_value": 63, "widths": [16, 32], "reveal_demo_rate": 0.15}
+    default_params: dict[str, Any] = {
+        "max_value": 63,
+        "widths": [16, 32],
+        "reveal_demo_rate": 0.15,
+        "echo_demo_rate": 0.0,
+    }
     default_environment: dict[str, Any] = {
         "max_turns": 8,
         "tools": [{"name": "compare", "enabled": True}, {"name": "reveal", "enabled": True}],
@@ -83,13 +99,14 @@ class ToolEnvDomain(Domain):
                 field="domain.params.widths",
                 hint="e.g. widths: [16, 32]",
             )
-        rate = self.params["reveal_demo_rate"]
-        if not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
-            raise EvoError(
-                f"reveal_demo_rate must be in [0, 1], got {rate!r}",
-                field="domain.params.reveal_demo_rate",
-                hint="e.g. 0.15",
-            )
+        for name, example in (("reveal_demo_rate", "0.15"), ("echo_demo_rate", "0.3")):
+            rate = self.params[name]
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+                raise EvoError(
+                    f"{name} must be a number in [0, 1], got {rate!r}",
+                    field=f"domain.params.{name}",
+                    hint=f"e.g. {name}: {example}",
+                )
         # Task blocks: one per width, (number of range starts) × width hidden values.
         self._blocks = [(w, (top - w + 2) * w) for w in widths]
 
@@ -114,6 +131,8 @@ class ToolEnvDomain(Domain):
     def demonstration(self, task: Task, rng: random.Random) -> Demonstration:
         lo, hi, hidden = task.meta["lo"], task.meta["hi"], int(task.answer)
         reveal_after = rng.randrange(3) if rng.random() < self.params["reveal_demo_rate"] else -1
+        # An echo demonstration repeats its first, second or third compare and never answers.
+        echo_at = rng.randrange(1, 4) if rng.random() < self.params["echo_demo_rate"] else -1
         segments: Demonstration = []
         compares = 0
         while lo < hi:
@@ -124,9 +143,14 @@ class ToolEnvDomain(Domain):
             reply = "<" if hidden < mid else ">" if hidden > mid else "="
             segments += [(f"?{mid};", True), (f"{reply};", False)]
             compares += 1
-            if reply == "=":
+            found = reply == "="
+            if not found:
+                lo, hi = (lo, mid - 1) if reply == "<" else (mid + 1, hi)
+            # A search that ends before its echo turn echoes its last compare instead.
+            if echo_at > 0 and (compares == echo_at or found or lo >= hi):
+                return segments + [(f"?{mid};", True), (f"{reply};", False)] * ECHO_REPEATS
+            if found:
                 break
-            lo, hi = (lo, mid - 1) if reply == "<" else (mid + 1, hi)
         segments.append((f"={hidden};", True))
         return segments
 
@@ -142,6 +166,7 @@ class ToolEnvDomain(Domain):
         if actions and actions[-1] == "":
             actions.pop()
         valid = sum(_ACTION.fullmatch(a) is not None for a in actions)
+        repeats = sum(a == b for a, b in zip(actions, actions[1:], strict=False))
         last = actions[-1] if actions else ""
         correct = partial = 0.0
         if last.startswith("=") and last[1:].isdigit():
@@ -149,7 +174,11 @@ class ToolEnvDomain(Domain):
             correct = float(int(last[1:]) == int(task.answer))
             partial = max(0.0, 1.0 - abs(int(last[1:]) - int(task.answer)) / width)
         fmt = valid / len(actions) if actions else 0.0
-        return Score({"correctness": correct, "format": fmt, "partial": partial}, correct)
+        no_repeat = 1.0 - repeats / len(actions) if actions else 0.0
+        return Score(
+            {"correctness": correct, "format": fmt, "partial": partial, "no_repeat": no_repeat},
+            correct,
+        )
 
     def environment(self, task: Task, config: dict[str, Any]) -> HiddenNumberEnv:
         enabled = {t["name"] for t in config.get("tools", []) if t.get("enabled", True)}

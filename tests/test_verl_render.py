@@ -38,6 +38,7 @@ RECIPES = {
     "kl_k1_seq_mean": {"grpo": {"kl_coef": 0.01, "kl_estimator": "k1", "loss_agg": "seq-mean"}},
     "kl_k2": {"grpo": {"kl_coef": 0.001, "kl_estimator": "k2", "eval_every": 0}},
     "zero_std": {"group_filter": {"name": "zero_std"}},
+    "eval_sampling": {"grpo": {"temperature": 0.2, "eval_temperature": 1.0, "eval_top_p": 0.95}},
     "std_group_filter": {
         "group_filter": {"name": "std_group_filter", "params": {"keep_ratio": 0.8}}
     },
@@ -146,6 +147,13 @@ def test_mapped_settings(composed):
     assert cfg.trainer.test_freq == BASE_RECIPE["grpo"]["steps"]  # no eval_every: last step only
     base = results["base"][2][0]
     assert base.actor_rollout_ref.actor.use_kl_loss is False
+    # Validation samples as training does unless the recipe fixes its own temperature and top-p.
+    rollout = base.actor_rollout_ref.rollout
+    assert rollout.val_kwargs.temperature == rollout.temperature == 1.0
+    assert rollout.val_kwargs.top_p == rollout.top_p == 1.0
+    rollout = results["eval_sampling"][2][0].actor_rollout_ref.rollout
+    assert (rollout.temperature, rollout.top_p) == (0.2, 1.0)
+    assert (rollout.val_kwargs.temperature, rollout.val_kwargs.top_p) == (1.0, 0.95)
     assert base.algorithm.filter_groups.enable is False
     assert base.ray_kwargs.ray_init.address == "local"
     assert base.reward.custom_reward_function.path.endswith("art/verl/reward.py")
@@ -225,6 +233,11 @@ def test_sections_convert_with_verls_dataclasses(composed):
         ({"model": {"path": None}}, "model.path"),
         ({"environment": {"max_turns": 3}}, "verl.tool_config_path"),
         ({"domain": {"train_size": 8}}, "domain.train_size"),
+        ({"grpo": {"eval_temperature": 0}}, "grpo.eval_temperature"),
+        (
+            {"verl": {"overrides": {"actor_rollout_ref.rollout.val_kwargs.temperature": 0}}},
+            "verl.overrides.actor_rollout_ref.rollout.val_kwargs.temperature",
+        ),
     ],
 )
 def test_checks_verl_misses_name_the_recipe_field(tmp_path, overrides, field):

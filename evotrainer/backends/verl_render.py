@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from evotrainer.engine.checks import evaluation_sampling
 from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import seed_checkpoint_name
 from evotrainer.trackers import logger_names
@@ -273,6 +274,7 @@ def render_run(
     micro = settings["micro_batch_size_per_gpu"]
     eval_every = grpo.get("eval_every", 0)
     eval_k = grpo.get("eval_k", 1)
+    eval_temperature, eval_top_p = evaluation_sampling(grpo)
     kl_coef = grpo.get("kl_coef", 0.0)
     # verl stops at total_training_steps, but only inside total_epochs passes over the data.
     batches_per_epoch = max(1, domain["train_size"] // batch)
@@ -314,11 +316,12 @@ def render_run(
         f"{_R}.tensor_model_parallel_size": settings["tensor_parallel"],
         f"{_R}.gpu_memory_utilization": settings["gpu_memory_utilization"],
         f"{_R}.log_prob_micro_batch_size_per_gpu": micro,
-        # Avg@k samples k answers per task at the training temperature.
+        # Avg@k samples k answers per task at grpo.eval_temperature / eval_top_p (by default
+        # the training ones), as the embedded engine does.
         f"{_R}.val_kwargs.n": eval_k,
         f"{_R}.val_kwargs.do_sample": True,
-        f"{_R}.val_kwargs.temperature": grpo.get("temperature", 1.0),
-        f"{_R}.val_kwargs.top_p": grpo.get("top_p", 1.0),
+        f"{_R}.val_kwargs.temperature": eval_temperature,
+        f"{_R}.val_kwargs.top_p": eval_top_p,
         "reward.custom_reward_function.path": _reward_path(settings, files, workdir),
         "reward.custom_reward_function.name": settings["reward_function"],
         f"+reward.custom_reward_function.reward_kwargs.{REWARD_CONFIG_KWARG}": str(
@@ -537,9 +540,15 @@ def check_values(values: dict[str, Any], recipe: dict) -> None:
             field="domain.train_size",
             hint="raise domain.train_size",
         )
-    if values.get(f"{_R}.val_kwargs.do_sample") and values.get(f"{_R}.temperature", 1) <= 0:
+    val_temperature = f"{_R}.val_kwargs.temperature"
+    if values.get(f"{_R}.val_kwargs.do_sample") and values.get(val_temperature, 1) <= 0:
+        # It comes from a raw override, else grpo.eval_temperature when set, else grpo.temperature.
+        field = _override_field(val_temperature, recipe)
+        if not field.startswith("verl.overrides."):
+            eval_set = recipe["grpo"].get("eval_temperature") is not None
+            field = "grpo.eval_temperature" if eval_set else "grpo.temperature"
         raise EvoError(
             "sampled validation needs a temperature above 0",
-            field="grpo.temperature",
-            hint="temperature: 1.0",
+            field=field,
+            hint="a positive temperature, e.g. 1.0",
         )

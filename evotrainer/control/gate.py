@@ -12,6 +12,7 @@ import pyarrow as pa
 from evotrainer import API_VERSION
 from evotrainer.diagnosis.diagnose import evaluate_unless_null, gate_verdict, parent_comparison
 from evotrainer.diagnosis.harness import HarnessRevision
+from evotrainer.engine.checks import evaluation_sampling
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_scores
 from evotrainer.store.clock import now_iso
@@ -41,6 +42,13 @@ def metric_values(diagnosis: dict | None) -> dict:
     """{name: value} from a diagnosis record's {name: {value, layer, trend}}."""
     metrics = (diagnosis or {}).get("metrics") or {}
     return {name: (m.get("value") if isinstance(m, dict) else m) for name, m in metrics.items()}
+
+
+def evaluation_protocol(ws: Workspace, states: dict[str, VersionState], name: str) -> dict:
+    """How a version's validation samples were drawn (its resolved recipe's evaluation
+    temperature and top-p): scores are comparable only under the same protocol."""
+    temperature, top_p = evaluation_sampling(ws.resolved_recipe(name, states).get("grpo") or {})
+    return {"temperature": temperature, "top_p": top_p}
 
 
 def decision_header(state: VersionState, harness: HarnessRevision) -> dict:
@@ -95,6 +103,17 @@ def decide(
         reason = f"blocked by critical alert(s) {', '.join(critical)} whatever the score; {numbers}"
     else:
         reason = f"{numbers} (gate rule {gate['rule'] or 'none'})"
+    own_protocol, parent_protocol = (
+        evaluation_protocol(ws, states, s.name) for s in (state, parent)
+    )
+    if own_protocol != parent_protocol:
+        # Said, not enforced: the Δ mixes what training changed with what the evaluation
+        # changed (the same policy scores differently under a hotter sampler).
+        reason += (
+            f"; evaluated unlike its parent ({_protocol_text(own_protocol)} against "
+            f"{_protocol_text(parent_protocol)}), so the Δ also measures the evaluation "
+            "change: set grpo.eval_temperature to score both alike"
+        )
     decision.update(
         verdict=verdict,
         reason=reason,
@@ -102,6 +121,8 @@ def decide(
         blocked_by=critical,
         comparison=comparison,
     )
+    if own_protocol != parent_protocol:
+        decision["evaluation_protocol"] = {"version": own_protocol, "parent": parent_protocol}
     criterion = ((state.spec.get("intervention") or {}).get("hypothesis") or {}).get("criterion")
     if criterion:
         decision["criterion"] = {
@@ -110,6 +131,10 @@ def decide(
         }
     decision["decided_at"] = now_iso()
     return decision
+
+
+def _protocol_text(protocol: dict) -> str:
+    return f"temperature {protocol['temperature']}, top-p {protocol['top_p']}"
 
 
 def _criterion_holds(expression: str, variables: dict) -> bool | None:

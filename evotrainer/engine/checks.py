@@ -78,6 +78,17 @@ def environment_config(recipe: dict[str, Any], domain: Any) -> dict[str, Any] | 
     return config
 
 
+def evaluation_sampling(grpo: dict[str, Any]) -> tuple[float | None, float | None]:
+    """(temperature, top_p) that validation samples are drawn at: `eval_temperature` and
+    `eval_top_p`, each falling back to its training value when null or absent, so a recipe
+    without them evaluates exactly as it trains."""
+    temperature, top_p = grpo.get("eval_temperature"), grpo.get("eval_top_p")
+    return (
+        grpo.get("temperature") if temperature is None else temperature,
+        grpo.get("top_p") if top_p is None else top_p,
+    )
+
+
 def check_model(model: dict[str, Any]) -> None:
     """The checkpoint a recipe names and how it is run (torch is not imported)."""
     path, package = model.get("path"), model.get("package")
@@ -292,6 +303,21 @@ def check_contract(recipe: dict[str, Any]) -> None:
         "grpo.top_p",
         f"must be in (0, 1], got {g.get('top_p')!r}",
         "top_p: 1.0 samples the full softmax",
+    )
+    # Optional: null or absent evaluates at the training temperature and top-p.
+    eval_temperature, eval_top_p = g.get("eval_temperature"), g.get("eval_top_p")
+    _require(
+        eval_temperature is None or (_is_num(eval_temperature) and eval_temperature > 0),
+        "grpo.eval_temperature",
+        f"must be a positive number or null, got {eval_temperature!r}",
+        "eval_temperature: 1.0 scores every version at the same temperature; null uses "
+        "grpo.temperature",
+    )
+    _require(
+        eval_top_p is None or (_is_num(eval_top_p) and 0 < eval_top_p <= 1),
+        "grpo.eval_top_p",
+        f"must be in (0, 1] or null, got {eval_top_p!r}",
+        "eval_top_p: 1.0 samples the full softmax; null uses grpo.top_p",
     )
     _require(
         _is_num(g.get("clip_low")) and 0 < g["clip_low"] < 1,

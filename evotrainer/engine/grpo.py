@@ -10,8 +10,9 @@ Per training step:
      (ratio clipped to [1 - clip_low, 1 + clip_high]) plus an optional KL to the frozen
      reference (k1 or k3), aggregated token-mean or seq-mean; AdamW with grad clipping.
      Old log-probs are those of the first epoch's forward pass, before any update.
-Environment tokens are masked out of the loss. Validation (`eval_k` samples per val task) runs
-at step 0, every `eval_every` steps and at the end; `grpo.steps: 0` means evaluate only.
+Environment tokens are masked out of the loss. Validation (`eval_k` samples per val task, drawn
+at `eval_temperature` / `eval_top_p`, by default the training ones) runs at step 0, every
+`eval_every` steps and at the end; `grpo.steps: 0` means evaluate only.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from transformers import PreTrainedModel
 
 from evotrainer.domains import Domain, Task, make_domain
 from evotrainer.engine import offline_environment
-from evotrainer.engine.checks import check_recipe, environment_config
+from evotrainer.engine.checks import check_recipe, environment_config, evaluation_sampling
 from evotrainer.engine.filters import ZERO_STD, make_filter
 from evotrainer.engine.model import (
     AdapterOff,
@@ -216,7 +217,7 @@ class Trainer:
             seed=seed,
         )
 
-    def sample(self, tasks: list[Task]) -> list[Episode]:
+    def sample(self, tasks: list[Task], temperature: float, top_p: float) -> list[Episode]:
         return sample_episodes(
             self.model,
             self.tokenizer,
@@ -224,8 +225,8 @@ class Trainer:
             tasks,
             self.env_config,
             self.g["max_response_tokens"],
-            self.g["temperature"],
-            self.g["top_p"],
+            temperature,
+            top_p,
             self.chat,
         )
 
@@ -257,7 +258,9 @@ class Trainer:
         start = time.perf_counter()
         size = self.g["group_size"]
         tasks = self.rng.sample(self.train_tasks, self.g["prompts_per_step"])
-        episodes = self.sample([t for t in tasks for _ in range(size)])
+        episodes = self.sample(
+            [t for t in tasks for _ in range(size)], self.g["temperature"], self.g["top_p"]
+        )
         rewards, scores = self.score(episodes)
         grouped = rewards.reshape(len(tasks), size)
         advantages = group_advantages(grouped, self.g["normalize_std"]).reshape(-1)
@@ -298,12 +301,15 @@ class Trainer:
         )
 
     def evaluate(self, step: int) -> float:
-        """eval_k samples per val task. A private RNG stream (seed, step) keeps evaluation from
-        shifting the training samples, so `eval_every` does not change the training run."""
+        """eval_k samples per val task, at the evaluation temperature and top-p. A private RNG
+        stream (seed, step) keeps evaluation from shifting the training samples, so
+        `eval_every` does not change the training run."""
         k = self.g["eval_k"]
         with torch.random.fork_rng():
             torch.manual_seed(self.seed * 1_000_003 + step)
-            episodes = self.sample([t for t in self.val_tasks for _ in range(k)])
+            episodes = self.sample(
+                [t for t in self.val_tasks for _ in range(k)], *evaluation_sampling(self.g)
+            )
         rewards, scores = self.score(episodes)
         self.record("val", step, episodes, rewards, scores)
         val_avg = float(np.mean([s.correct for s in scores]))

@@ -77,9 +77,12 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
     Setup("truncation", "arith",
           "a length budget too small: two response tokens cut most answers",
           {"grpo": {"max_response_tokens": 2, "steps": 100}}, {"grpo": {"steps": 40}}),
+    # Every version is scored at eval temperature 1.0 whatever it trains at: a fix to the
+    # sampler shows as a training gain, not as a change of the evaluation protocol.
     Setup("cold", "arith",
           "sampling too cold: temperature 0.2 collapses groups into identical samples",
-          {"grpo": {"temperature": 0.2, "steps": 100}}, {"grpo": {"steps": 40}}),
+          {"grpo": {"temperature": 0.2, "eval_temperature": 1.0, "steps": 100}},
+          {"grpo": {"steps": 40}}),
     Setup("echo", "toolenv",
           "a multi-turn setting prone to echo traps: no leak, a long turn budget",
           {"environment": {"max_turns": 24, "tools": [{"name": "reveal", "enabled": False}]},

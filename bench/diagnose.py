@@ -57,8 +57,15 @@ def per_record_loop(records: list[dict], params: dict) -> dict:
         groups[(r["seed"], r["step"], r["group_id"])].append(r)
         trunc += bool(r["truncated"])
         turns += r["turns"]
-        echo += r["turns"] > params["echo_turns"] and r["correct"] == 0
         calls = r["tool_calls"] or []
+        repeats = params["echo_repeats"]
+        echo += r["correct"] == 0 and (
+            r["turns"] > params["echo_turns"]
+            or any(
+                all(c == calls[i] for c in calls[i + 1 : i + repeats])
+                for i in range(len(calls) - repeats + 1)
+            )
+        )
         calls_total += len(calls)
         calls_rows += r["tool_calls"] is not None
         if any(

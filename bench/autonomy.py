@@ -84,10 +84,13 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
           {"grpo": {"temperature": 0.2, "eval_temperature": 1.0, "steps": 100}},
           {"grpo": {"steps": 40}}),
     Setup("echo", "toolenv",
-          "a multi-turn setting prone to echo traps: no leak, a long turn budget",
-          {"environment": {"max_turns": 24, "tools": [{"name": "reveal", "enabled": False}]},
-           "grpo": {"max_response_tokens": 4}},
-          {"grpo": {"steps": 30}}),
+          "a multi-turn setting prone to echo traps: some demonstrations repeat one compare "
+          "until the budget runs out, so the warm-started policy loops; no leak, a 24-turn "
+          "budget",
+          {"domain": {"params": {"echo_demo_rate": 0.3, "reveal_demo_rate": 0.0}},
+           "environment": {"max_turns": 24, "tools": [{"name": "reveal", "enabled": False}]},
+           "grpo": {"max_response_tokens": 4, "steps": 100}},
+          {"grpo": {"steps": 40}}),
     Setup("lr_collapse", "arith",
           "a learning rate that collapses training (30x the example's)",
           {"grpo": {"lr": 1.0e-2, "steps": 100}}, {"grpo": {"steps": 40}}),

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 import pytest
+from same_diagnosis import assert_same
 
 from evotrainer.diagnosis import diagnose as diagnose_module
-from evotrainer.diagnosis.analyzers import leak, max_same_tool_streak
+from evotrainer.diagnosis.analyzers import echo_trap, leak, max_same_tool_streak
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import Metric, resolve_harness
 from evotrainer.diagnosis.sql import fusable_query
@@ -49,7 +51,8 @@ def test_fused_queries_give_what_each_query_gives_alone(name, monkeypatch):
     fused = diagnose(table, None, H0)
     monkeypatch.setattr(diagnose_module, "fusable_query", lambda sql: None)
     alone = diagnose(table, None, H0)
-    assert fused == alone
+    assert_same(fused, alone)
+
 
 
 def test_h0_queries_that_read_the_same_rows_share_a_key():
@@ -138,3 +141,27 @@ def test_leak_with_more_distinct_pairs_than_a_table_can_mark():
     want = [_leak_by_definition(c, ["reveal"], params["leak_patterns"]) for c in rows]
     np.testing.assert_array_equal(leak(table, params), want)
     np.testing.assert_array_equal(max_same_tool_streak(table, params)[:300], np.ones(300))
+
+
+# h0's echo_trap_ratio as the per-row list query it was before the `echo_trap` analyzer.
+ECHO_SQL = """
+SELECT avg(CASE WHEN correct = 0 AND (turns > $echo_turns
+    OR coalesce(list_bool_or(list_transform(range(1, len(tool_calls) - $echo_repeats + 2),
+      lambda i: len(list_distinct(tool_calls[i:i + $echo_repeats - 1])) = 1)), false))
+  THEN 1.0 ELSE 0.0 END) AS value
+FROM rollouts WHERE turns IS NOT NULL"""
+
+
+@pytest.mark.parametrize("name", sorted(_tables()))
+@pytest.mark.parametrize("repeats", [1, 2, 3])
+def test_echo_trap_analyzer_gives_what_the_list_query_gave(name, repeats):
+    table = _tables()[name]
+    params = {"echo_turns": 4, "echo_repeats": repeats}
+    con = duckdb.connect()
+    con.register("rollouts", table)
+    expected = con.execute(ECHO_SQL, params).fetchone()[0]
+    got = echo_trap(table, params)
+    if expected is None:  # no row with known turns
+        assert np.isnan(got).all()
+    else:
+        assert np.nanmean(got) == pytest.approx(expected, abs=1e-12)

@@ -8,6 +8,7 @@ import dataclasses
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from same_diagnosis import assert_same
 
 from evotrainer.diagnosis import diagnose as diagnose_module
 from evotrainer.diagnosis.diagnose import columns_read, diagnose
@@ -31,26 +32,6 @@ def _run(tmp_path) -> tuple[pa.Table, object]:
     return table, path
 
 
-def _assert_same(got: dict, expected: dict) -> None:
-    """Equal diagnoses, but for the last bits of a float: DuckDB sums on several threads,
-    whose share of the rows differs from run to run."""
-    assert got.keys() == expected.keys()
-    for part, value in expected.items():
-        if part in ("metrics", "trends"):
-            assert got[part].keys() == value.keys()
-            for name, number in value.items():
-                wanted = number if number is None else pytest.approx(number, rel=1e-12)
-                assert got[part][name] == wanted, name
-        elif part == "series":
-            assert got[part].keys() == value.keys()
-            for name, points in value.items():
-                assert [s for s, _ in got[part][name]] == [s for s, _ in points], name
-                values = [v for _, v in points]
-                assert [v for _, v in got[part][name]] == pytest.approx(values, rel=1e-12), name
-        else:
-            assert got[part] == value, part
-
-
 def test_h0_from_parquet_reads_its_columns_and_diagnoses_as_reading_all(tmp_path, monkeypatch):
     table, path = _run(tmp_path)
     parent = random_rollouts(200, steps=4, seed=5).select(
@@ -70,9 +51,9 @@ def test_h0_from_parquet_reads_its_columns_and_diagnoses_as_reading_all(tmp_path
         monkeypatch.setattr(diagnose_module, "columns_read", lambda *a: None)
         whole = diagnose(path, None, H0, parent_scores)
         monkeypatch.setattr(diagnose_module, "columns_read", columns_read)
-        _assert_same(pruned, whole)
+        assert_same(pruned, whole)
         digest = pruned["evidence_digest"]
-        _assert_same(pruned, diagnose(table, None, H0, parent_scores, evidence_digest=digest))
+        assert_same(pruned, diagnose(table, None, H0, parent_scores, evidence_digest=digest))
     assert "prompt" not in read[0] and "response" not in read[0] and "extra" not in read[0]
     assert {"tool_calls", "turns", "reward", "task_id"} <= set(read[0])
     assert read[1] is None
@@ -137,4 +118,4 @@ def test_calls_read_dictionary_encoded_analyze_as_plain_strings(tmp_path):
     encoded = io.read_rollouts(path, encoded_calls=True)
     assert encoded.schema.field("tool_calls").type == io.ENCODED_TOOL_CALLS
     from_file = diagnose(path, None, H0)
-    _assert_same(from_file, diagnose(table, None, H0, evidence_digest=from_file["evidence_digest"]))
+    assert_same(from_file, diagnose(table, None, H0, evidence_digest=from_file["evidence_digest"]))

@@ -180,11 +180,35 @@ def max_same_tool_streak(table: pa.Table, params: dict[str, Any]) -> np.ndarray:
     """Longest run of consecutive calls to the same tool in a row (the echo-trap signature);
     NaN for rows without calls."""
     calls = _calls(table)
-    out = np.full(calls.num_rows, np.nan)
     if len(calls.flat) == 0:
-        return out
-    codes, _ = calls.name_codes
-    # A run starts where the tool name changes or a row's calls begin.
+        return np.full(calls.num_rows, np.nan)
+    return _longest_runs(calls, calls.name_codes[0])
+
+
+@analyzer("echo_trap", columns=("tool_calls", "turns", "correct"))
+def echo_trap(table: pa.Table, params: dict[str, Any]) -> np.ndarray:
+    """1.0 for a failing rollout that ran longer than `echo_turns` turns or made one call
+    (same name and args; a null reads as empty) `echo_repeats` times in a row, else 0.0;
+    NaN where turns are unknown. One pass over integer codes: the per-row list query it
+    replaces cost more than the rest of h0 together."""
+    calls = _calls(table)
+    turns = table.column("turns").to_numpy(zero_copy_only=False).astype(float)
+    correct = table.column("correct").to_numpy(zero_copy_only=False).astype(float)
+    repeats = (
+        _longest_runs(calls, calls.pair_codes[0])
+        if len(calls.flat)
+        else np.full(calls.num_rows, np.nan)
+    )
+    with np.errstate(invalid="ignore"):  # NaN compares False: no calls, no repeat
+        looped = (turns > params["echo_turns"]) | (repeats >= params["echo_repeats"])
+        hit = (correct == 0) & looped
+    return np.where(np.isnan(turns), np.nan, hit.astype(float))
+
+
+def _longest_runs(calls: _Calls, codes: np.ndarray) -> np.ndarray:
+    """Per row, the longest run of consecutive calls with the same code; NaN without calls."""
+    out = np.full(calls.num_rows, np.nan)
+    # A run starts where the code changes or a row's calls begin.
     start = np.empty(len(codes), dtype=bool)
     start[0] = True
     np.not_equal(codes[1:], codes[:-1], out=start[1:])

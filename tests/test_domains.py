@@ -149,3 +149,15 @@ def test_toolenv_no_repeat_counts_actions_repeating_the_one_before():
     looped = domain.score(task, "?25;<;?25;<;?25;<;?10;>;", [])
     assert looped.components["no_repeat"] == pytest.approx(1 - 2 / 4)
     assert domain.score(task, "", []).components["no_repeat"] == 0.0
+
+
+def test_toolenv_default_demonstrations_are_unchanged_by_the_echo_parameter():
+    """echo_demo_rate 0 (the default) draws nothing: the same seed gives the same
+    demonstrations, and so the same warm starts, as before the parameter existed."""
+    domain = make_domain({"name": "toolenv"})
+    rng = random.Random(7)
+    transcripts = ["".join(t for t, _ in domain.demonstration(domain.task_at(i * 37), rng))
+                   for i in range(6)]
+    assert transcripts == ["?7;<;?3;<;?1;<;=0;", "?9;<;?5;>;?7;=;=7;", "?11;>;?15;<;?13;>;=14;",
+                           "?13;>;?17;>;!;21;=21;", "?16;<;?12;>;!;13;=13;",
+                           "?18;>;?22;<;!;20;=20;"]

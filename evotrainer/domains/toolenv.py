@@ -132,7 +132,10 @@ class ToolEnvDomain(Domain):
         lo, hi, hidden = task.meta["lo"], task.meta["hi"], int(task.answer)
         reveal_after = rng.randrange(3) if rng.random() < self.params["reveal_demo_rate"] else -1
         # An echo demonstration repeats its first, second or third compare and never answers.
-        echo_at = rng.randrange(1, 4) if rng.random() < self.params["echo_demo_rate"] else -1
+        # Drawn only when echoes are on: the default keeps every demonstration (and so every
+        # warm start) the same as before the parameter existed.
+        echo_rate = self.params["echo_demo_rate"]
+        echo_at = rng.randrange(1, 4) if echo_rate and rng.random() < echo_rate else -1
         segments: Demonstration = []
         compares = 0
         while lo < hi:

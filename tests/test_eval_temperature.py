@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import torch
 from standin import converge, record, standin_settings
+from test_engine import tiny_recipe
 
 from evotrainer.control.versions import approve, new_version
 from evotrainer.engine import check_recipe, run_job
@@ -19,22 +19,8 @@ from evotrainer.store.recipe import resolve
 from evotrainer.store.specs import load_text
 from evotrainer.store.workspace import Workspace
 
-torch.set_num_threads(1)
-
-TINY = {
-    "model": {
-        "tiny": {
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_layers": 1,
-            "num_heads": 2,
-            "num_kv_heads": 2,
-        },
-        "warm_start": {"steps": 10, "batch_size": 16},
-    },
-    "domain": {"train_size": 32, "val_size": 4},
-    "grpo": {"group_size": 4, "prompts_per_step": 4, "steps": 1, "eval_k": 4, "lr": 1.0e-3},
-}
+# One evaluation step (0) and the end (1), four samples a task: test_engine's tiny recipe.
+ONE_STEP = {"steps": 1, "eval_k": 4}
 
 
 # ---------------------------------------------------------------------- resolving the protocol
@@ -126,8 +112,8 @@ def test_engine_evaluates_at_eval_temperature_and_trains_at_temperature(tmp_path
     """Hot training (temperature 5) with near-greedy evaluation (0.01): every val group is
     one answer repeated, while train groups spread. Without eval_temperature the same hot
     sampler spreads the val groups too, so the first run's collapse is the setting's doing."""
-    hot = {"grpo": {"temperature": 5.0}}
-    run_job(resolve(TINY, [hot, {"grpo": {"eval_temperature": 0.01}}]), tmp_path / "fixed",
+    hot = {**ONE_STEP, "temperature": 5.0}
+    run_job(tiny_recipe(grpo={**hot, "eval_temperature": 0.01}), tmp_path / "fixed",
             "fixed", cache_dir=tmp_path / "cache")
     train = pq.read_table(tmp_path / "fixed/rollouts/train.parquet").to_pylist()
     val = pq.read_table(tmp_path / "fixed/rollouts/val.parquet").to_pylist()
@@ -138,7 +124,7 @@ def test_engine_evaluates_at_eval_temperature_and_trains_at_temperature(tmp_path
     assert all(r["mean_logprob"] > -1e-3 for r in val)
     assert max(r["mean_logprob"] for r in train) < -0.1
 
-    run_job(resolve(TINY, [hot, {"grpo": {"steps": 0}}]), tmp_path / "default", "default",
+    run_job(tiny_recipe(grpo={**hot, "steps": 0}), tmp_path / "default", "default",
             cache_dir=tmp_path / "cache")
     val = pq.read_table(tmp_path / "default/rollouts/val.parquet").to_pylist()
     assert any(len(set(responses)) > 1 for responses in groups(val).values())

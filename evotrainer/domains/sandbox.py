@@ -59,6 +59,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+# The unprivileged uid and gid untrusted code runs as in a container (`nobody`).
+NOBODY = 65534
+
 _STDERR_KEEP = 4096  # tail of stderr kept in the result, enough for a traceback's last lines
 _READ_CHUNK = 65536
 
@@ -616,7 +619,7 @@ class DockerSandbox:
             self.image,
             ["sh", "-c", "python3 -I -S -X utf8 main.py <stdin.txt >stdout.txt 2>stderr.txt"],
             working_dir="/tmp",
-            user="65534:65534",
+            user=f"{NOBODY}:{NOBODY}",
             network_disabled=True,
             mem_limit=limits.memory_bytes,
             memswap_limit=limits.memory_bytes,
@@ -633,7 +636,7 @@ class DockerSandbox:
             return RunResult(status, "", "", None, time.monotonic() - start, isolation, detail)
 
         try:
-            container.put_archive("/tmp", _tar({"main.py": source, "stdin.txt": stdin}))
+            container.put_archive("/tmp", tar_files({"main.py": source, "stdin.txt": stdin}))
             container.start()
             try:
                 status = container.wait(timeout=limits.wall_seconds)["StatusCode"]
@@ -656,13 +659,15 @@ class DockerSandbox:
         )
 
 
-def _tar(files: dict[str, str]) -> bytes:
+def tar_files(files: dict[str, str], owner: int = 0) -> bytes:
+    """A tar of `files` (name → text) for `put_archive`, each 0o644 and owned by uid and
+    gid `owner`."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as archive:
         for name, text in files.items():
             data = text.encode()
             info = tarfile.TarInfo(name)
-            info.size, info.mode = len(data), 0o644
+            info.size, info.mode, info.uid, info.gid = len(data), 0o644, owner, owner
             archive.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
 

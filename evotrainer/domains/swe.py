@@ -42,10 +42,8 @@ import base64
 import contextlib
 import gzip
 import hashlib
-import io
 import json
 import random
-import tarfile
 import threading
 import weakref
 from collections import OrderedDict
@@ -56,7 +54,7 @@ from evotrainer.domains import swe_runner
 from evotrainer.domains.base import Demonstration, Domain, EnvStep, Score, Task
 from evotrainer.domains.code import default_sandbox
 from evotrainer.domains.humaneval import bundled_problems
-from evotrainer.domains.sandbox import Limits
+from evotrainer.domains.sandbox import NOBODY, Limits, tar_files
 from evotrainer.domains.swe_repo import RepoTask, build, files
 from evotrainer.errors import EvoError
 
@@ -194,7 +192,7 @@ class DockerRepo:
             detach=True,
             auto_remove=True,
             network_mode="none",
-            user=f"{65534}:{65534}",
+            user=f"{NOBODY}:{NOBODY}",
             working_dir="/repo",
             mem_limit=limits.memory_bytes,
             memswap_limit=limits.memory_bytes,
@@ -204,7 +202,9 @@ class DockerRepo:
         )
         self._finalizer = weakref.finalize(self, _remove_container, self.container)
         self.container.put_archive("/", snapshot)
-        self.container.put_archive("/tmp", _tar({"swe_runner.py": RUNNER_SOURCE}))
+        self.container.put_archive(
+            "/tmp", tar_files({"swe_runner.py": RUNNER_SOURCE}, owner=NOBODY)
+        )
 
     @property
     def snapshot(self) -> bytes:
@@ -214,13 +214,12 @@ class DockerRepo:
     def act(self, request: dict[str, Any], keep: bool = True) -> dict[str, Any]:
         self.container.put_archive(
             "/tmp",
-            _tar(
-                {"request.json": json.dumps({**request, "repo": "/repo", "return_snapshot": False})}
-            ),
+            tar_files({"request.json": json.dumps(
+                {**request, "repo": "/repo", "return_snapshot": False})}, owner=NOBODY),
         )
         code, (stdout, stderr) = self.container.exec_run(
             ["python3", "-I", "-S", "/tmp/swe_runner.py", "/tmp/request.json"],
-            user=f"{65534}:{65534}",
+            user=f"{NOBODY}:{NOBODY}",
             workdir="/tmp",
             demux=True,
         )
@@ -235,17 +234,6 @@ class DockerRepo:
 
     def close(self) -> None:
         self._finalizer()
-
-
-def _tar(named: dict[str, str]) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as archive:
-        for name, text in named.items():
-            data = text.encode()
-            info = tarfile.TarInfo(name)
-            info.size, info.mode, info.uid, info.gid = len(data), 0o644, 65534, 65534
-            archive.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
 
 
 class SweEnvironment:

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from evotrainer.domains.humaneval import split_check
+from evotrainer.domains.sandbox import NOBODY
 
 STUB = "    raise NotImplementedError\n"
-NOBODY = 65534
 
 RUN_TESTS = '''"""Run every test_* function of tests/test_*.py, each with a time limit.
 

@@ -6,6 +6,8 @@ and makes `version new` apply the stand-in's recipe checks."""
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 
 from evotrainer.backends.local import LocalBackend
 from evotrainer.control.reconcile import Reconciler
@@ -42,3 +44,12 @@ def propose(ws: Workspace, name: str, parent: str = "v0", **params) -> None:
 
 def record(ws: Workspace, name: str, kind: str) -> dict | None:
     return ws.version(name).records[kind]
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Poll `condition` until it holds; fail the test if it never does (a hang, not a speed
+    bound: the timeout only keeps a broken job from blocking the suite)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)

@@ -9,11 +9,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
-from standin import converge, reconciler, record, standin_settings
+from standin import converge, reconciler, record, standin_settings, wait_for
 
 from evotrainer.control.lineage import lineage_rows
 from evotrainer.control.live import live_dir
@@ -45,13 +44,6 @@ def gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-def wait_for(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def stop_commits(ws: Workspace, name: str) -> list[str]:

@@ -5,12 +5,11 @@ with the stand-in engine (tests/standin_engine.py) as real subprocess jobs."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import psutil
 import pytest
-from standin import converge, propose, reconciler, record, standin_settings
+from standin import converge, propose, reconciler, record, standin_settings, wait_for
 
 from evotrainer.control.reconcile import diagnose_version, load_context, plan
 from evotrainer.control.versions import approve, new_version
@@ -39,13 +38,6 @@ def slow_version(ws: Workspace, name: str, steps: int, step_s: float) -> None:
 
 def plan_of(ws: Workspace, name: str):
     return next(p for p in plan(load_context(ws)) if p.version == name)
-
-
-def wait_for(condition, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 @needs_cancelled_state

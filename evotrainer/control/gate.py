@@ -103,15 +103,15 @@ def decide(
         reason = f"blocked by critical alert(s) {', '.join(critical)} whatever the score; {numbers}"
     else:
         reason = f"{numbers} (gate rule {gate['rule'] or 'none'})"
-    own_protocol, parent_protocol = (
-        evaluation_protocol(ws, states, s.name) for s in (state, parent)
-    )
-    if own_protocol != parent_protocol:
+    protocols = {"version": evaluation_protocol(ws, states, state.name),
+                 "parent": evaluation_protocol(ws, states, parent.name)}
+    protocol_changed = protocols["version"] != protocols["parent"]
+    if protocol_changed:
         # Said, not enforced: the Δ mixes what training changed with what the evaluation
         # changed (the same policy scores differently under a hotter sampler).
         reason += (
-            f"; evaluated unlike its parent ({_protocol_text(own_protocol)} against "
-            f"{_protocol_text(parent_protocol)}), so the Δ also measures the evaluation "
+            f"; evaluated unlike its parent ({_protocol_text(protocols['version'])} against "
+            f"{_protocol_text(protocols['parent'])}), so the Δ also measures the evaluation "
             "change: set grpo.eval_temperature to score both alike"
         )
     decision.update(
@@ -121,8 +121,8 @@ def decide(
         blocked_by=critical,
         comparison=comparison,
     )
-    if own_protocol != parent_protocol:
-        decision["evaluation_protocol"] = {"version": own_protocol, "parent": parent_protocol}
+    if protocol_changed:
+        decision["evaluation_protocol"] = protocols
     criterion = ((state.spec.get("intervention") or {}).get("hypothesis") or {}).get("criterion")
     if criterion:
         decision["criterion"] = {

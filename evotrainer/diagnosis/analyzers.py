@@ -53,9 +53,20 @@ class _Calls:
         present = np.maximum(self.counts, 0)
         # The first call of each row in `flat` (a row without calls: where the next one's is).
         self.starts = np.cumsum(present) - present
-        # The row of each call; int32 halves the memory every per-call pass reads.
+        self.with_calls = self.counts > 0
+
+    @cached_property
+    def parents(self) -> np.ndarray:
+        """The row of each call (int32: half the memory of a per-call pass in int64)."""
         index_type = np.int32 if self.num_rows < 2**31 else np.int64
-        self.parents = np.repeat(np.arange(self.num_rows, dtype=index_type), present)
+        return np.repeat(np.arange(self.num_rows, dtype=index_type), np.maximum(self.counts, 0))
+
+    def any_per_row(self, per_call: np.ndarray) -> np.ndarray:
+        """Whether any call of each row is True in `per_call` (False for a row without)."""
+        out = np.zeros(self.num_rows, dtype=bool)
+        if len(per_call):
+            out[self.with_calls] = np.logical_or.reduceat(per_call, self.starts[self.with_calls])
+        return out
 
     @cached_property
     def names(self) -> pa.ChunkedArray:
@@ -93,6 +104,44 @@ class _Calls:
             args.take(pa.array(distinct % len(args))),
         )
 
+    @cached_property
+    def first_calls(self) -> np.ndarray:
+        """Whether each call is its row's first."""
+        first = np.zeros(len(self.flat), dtype=bool)
+        first[self.starts[self.with_calls]] = True
+        return first
+
+    @cached_property
+    def repeats_name(self) -> np.ndarray:
+        """Whether each call has the name of the call before it in its row."""
+        return self._repeats(self.name_codes[0])
+
+    @cached_property
+    def repeats_args(self) -> np.ndarray:
+        """Whether each call has the args of the call before it in its row (null = "").
+        Neighbours are compared as they stand: no hash pass over every call's args, unless
+        they are read dictionary-encoded and so already coded."""
+        args = pc.struct_field(self.flat, "args")
+        if pa.types.is_dictionary(args.type):
+            return self._repeats(_text_codes(args)[0])
+        if args.null_count:
+            args = pc.fill_null(args, "")
+        n = len(args)
+        out = np.zeros(n, dtype=bool)
+        if n > 1:
+            same = pc.equal(args.slice(1), args.slice(0, n - 1))
+            out[1:] = np.concatenate([c.to_numpy(zero_copy_only=False) for c in same.chunks])
+            out &= ~self.first_calls
+        return out
+
+    def _repeats(self, codes: np.ndarray) -> np.ndarray:
+        out = np.empty(len(codes), dtype=bool)
+        if len(codes):
+            out[0] = False
+            np.equal(codes[1:], codes[:-1], out=out[1:])
+            out &= ~self.first_calls
+        return out
+
 
 def _text_codes(values: pa.ChunkedArray) -> tuple[np.ndarray, pa.Array]:
     """(an int32 code per string, the distinct strings by code), a null coded as "". Strings
@@ -112,9 +161,12 @@ def _text_codes(values: pa.ChunkedArray) -> tuple[np.ndarray, pa.Array]:
     if empty < 0 and values.null_count:
         empty = len(dictionary)
         dictionary = pa.concat_arrays([dictionary, pa.array([""], pa.string())])
-    indices = [pc.fill_null(c.indices, max(empty, 0)).to_numpy() for c in chunks]
-    codes = np.concatenate(indices).astype(np.int32, copy=False)
-    return codes, dictionary
+    indices = [
+        (pc.fill_null(c.indices, max(empty, 0)) if c.null_count else c.indices).to_numpy()
+        for c in chunks
+    ]
+    codes = indices[0] if len(indices) == 1 else np.concatenate(indices)
+    return codes.astype(np.int32, copy=False), dictionary
 
 
 def _encode(values: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, pa.Array]:
@@ -170,8 +222,7 @@ def leak(table: pa.Table, params: dict[str, Any]) -> np.ndarray:
         text = pc.binary_join_element_wise(names, args, " ")
         for pattern in patterns:
             hit = pc.or_(hit, pc.match_substring_regex(text, pattern))
-    # Repeated row indices are fine: every hit of a row writes the same 1.0.
-    out[calls.parents[hit.to_numpy(zero_copy_only=False)[pairs]]] = 1.0
+    out[calls.any_per_row(hit.to_numpy(zero_copy_only=False)[pairs])] = 1.0
     return out
 
 
@@ -180,49 +231,45 @@ def max_same_tool_streak(table: pa.Table, params: dict[str, Any]) -> np.ndarray:
     """Longest run of consecutive calls to the same tool in a row (the echo-trap signature);
     NaN for rows without calls."""
     calls = _calls(table)
+    out = np.full(calls.num_rows, np.nan)
     if len(calls.flat) == 0:
-        return np.full(calls.num_rows, np.nan)
-    return _longest_runs(calls, calls.name_codes[0])
+        return out
+    repeats = calls.repeats_name
+    # The length of the run each call ends, less one: its index less that of its run's first
+    # call (the latest call that does not repeat the one before), carried forward in int32.
+    index = np.arange(len(repeats), dtype=np.int32 if len(repeats) < 2**31 else np.int64)
+    run = np.where(repeats, 0, index)
+    np.maximum.accumulate(run, out=run)
+    np.subtract(index, run, out=run)
+    out[calls.with_calls] = np.maximum.reduceat(run, calls.starts[calls.with_calls]) + 1
+    return out
 
 
 @analyzer("echo_trap", columns=("tool_calls", "turns", "correct"))
 def echo_trap(table: pa.Table, params: dict[str, Any]) -> np.ndarray:
     """1.0 for a failing rollout that ran longer than `echo_turns` turns or made one call
     (same name and args; a null reads as empty) `echo_repeats` times in a row, else 0.0;
-    NaN where turns are unknown. One pass over integer codes: the per-row list query it
+    NaN where turns are unknown. Boolean passes over the calls: the per-row list query it
     replaces cost more than the rest of h0 together."""
     calls = _calls(table)
     turns = table.column("turns").to_numpy(zero_copy_only=False).astype(float)
     correct = table.column("correct").to_numpy(zero_copy_only=False).astype(float)
-    repeats = (
-        _longest_runs(calls, calls.pair_codes[0])
-        if len(calls.flat)
-        else np.full(calls.num_rows, np.nan)
-    )
-    with np.errstate(invalid="ignore"):  # NaN compares False: no calls, no repeat
-        looped = (turns > params["echo_turns"]) | (repeats >= params["echo_repeats"])
-        hit = (correct == 0) & looped
+    times = int(params["echo_repeats"])
+    if times <= 1:
+        looped = calls.with_calls  # one call is a run of one
+    else:
+        # A call ends a run of `times` equal calls where it and the `times - 2` calls before it
+        # each repeat their predecessor (a row's first call repeats nothing, so no run
+        # crosses rows).
+        repeated = calls.repeats_name & calls.repeats_args
+        ends = repeated.copy()
+        for back in range(1, times - 1):
+            ends[back:] &= repeated[:-back]
+            ends[:back] = False
+        looped = calls.any_per_row(ends)
+    with np.errstate(invalid="ignore"):  # NaN compares False
+        hit = (correct == 0) & ((turns > params["echo_turns"]) | looped)
     return np.where(np.isnan(turns), np.nan, hit.astype(float))
-
-
-def _longest_runs(calls: _Calls, codes: np.ndarray) -> np.ndarray:
-    """Per row, the longest run of consecutive calls with the same code; NaN without calls."""
-    out = np.full(calls.num_rows, np.nan)
-    # A run starts where the code changes or a row's calls begin.
-    start = np.empty(len(codes), dtype=bool)
-    start[0] = True
-    np.not_equal(codes[1:], codes[:-1], out=start[1:])
-    with_calls = calls.counts > 0
-    row_start = np.zeros(len(codes), dtype=bool)
-    row_start[calls.starts[with_calls]] = True
-    start |= row_start
-    run_starts = np.flatnonzero(start)
-    run_lengths = np.diff(run_starts, append=len(codes))
-    # Runs are ordered by row and each row's first call starts one, so a row's runs are the
-    # slice from the run at its first call.
-    first_runs = np.flatnonzero(row_start[run_starts])
-    out[with_calls] = np.maximum.reduceat(run_lengths, first_runs)
-    return out
 
 
 def call_table(table: pa.Table) -> pa.Table:
@@ -231,11 +278,14 @@ def call_table(table: pa.Table) -> pa.Table:
     `name` (dictionary-encoded: DuckDB then groups codes, not strings) and `args`. Built from
     the same flattened calls as the analyzers."""
     calls = _calls(table)
-    codes, names = calls.name_codes
-    null_name = pc.is_null(calls.names).to_numpy(zero_copy_only=False)
-    name = pa.DictionaryArray.from_arrays(
-        pa.array(codes, mask=null_name if null_name.any() else None), names
-    )
+    if pa.types.is_dictionary(calls.names.type):
+        name = calls.names  # coded as read (evidence.io.encode_tool_calls)
+    else:
+        codes, names = calls.name_codes
+        null_name = pc.is_null(calls.names).to_numpy(zero_copy_only=False)
+        name = pa.DictionaryArray.from_arrays(
+            pa.array(codes, mask=null_name if null_name.any() else None), names
+        )
     parents = pa.array(calls.parents)
     return pa.table(
         {

@@ -19,6 +19,7 @@ from evotrainer.diagnosis.incremental import (
     DiagnosisState,
     _combinable,
     _combine,
+    _key_codes,
     _from_histograms,
     _sql_partials,
     diagnose_incremental,
@@ -84,6 +85,25 @@ def test_a_run_grown_in_three_chunks_diagnoses_like_the_full_run(monkeypatch):
     fresh = table.filter(pc.and_(pc.equal(table.column("split"), "train"),
                                  pc.greater_equal(table.column("step"), last_step)))
     assert train_leak_rows == fresh.num_rows
+
+
+@pytest.mark.parametrize(
+    "seeds, steps",
+    [
+        ([0, 0, 1, 1, None], [1, 2, 1, 2, 2]),
+        ([3, 3, 3, None, None], [None, -5, None, 7, None]),
+        ([0, 0, 2**40, 0], [10**9, 1, 10**9, 10**9]),  # sparse: far apart keys
+        ([], []),
+    ],
+)
+def test_row_keys_count_as_a_group_by_seed_and_step_does(seeds, steps):
+    rows = pa.table({"seed": pa.array(seeds, pa.int64()), "step": pa.array(steps, pa.int64())})
+    codes, keys, counts = _key_codes(rows)
+    grouped = rows.group_by(["seed", "step"]).aggregate([([], "count_all")])
+    expected = dict(zip(zip(grouped.column("seed").to_pylist(), grouped.column("step").to_pylist(),
+                            strict=True), grouped.column("count_all").to_pylist(), strict=True))
+    assert {key: int(counts[code]) for code, key in keys.items()} == expected
+    assert [keys[c] for c in codes] == list(zip(seeds, steps, strict=True))
 
 
 def test_a_state_of_another_harness_or_rewritten_steps_is_not_trusted():

@@ -7,6 +7,7 @@ enough to find the row again in the version's rollout table.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,11 +28,12 @@ from evotrainer.diagnosis.sql import (
     fused_query,
     fused_value,
     query_columns,
-    split_rows,
+    rows_where,
 )
 from evotrainer.diagnosis.stats import compare_tables
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import (
+    encode_tool_calls,
     file_digest,
     is_verl_dump,
     read_rollouts,
@@ -42,12 +44,21 @@ from evotrainer.evidence.io import (
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 
 
+class SandboxFactory(Protocol):
+    """A sandbox over other rows of a split (an increment's new ones), with the diagnosis's
+    limits."""
+
+    def __call__(
+        self, split: str, rows: pa.Table, calls: Callable[[], pa.Table]
+    ) -> ReadOnlyQuery: ...
+
+
 class Increment(Protocol):
     """What a diagnosis asks of an incremental pass (diagnosis/incremental.py builds one):
     a metric's value and series from carried partials, or None to compute it in full."""
 
     def metric(
-        self, metric: Metric, rows: pa.Table, view: pa.Table, timeout_s: float, memory_limit: str
+        self, metric: Metric, rows: pa.Table, view: pa.Table, sandbox: SandboxFactory
     ) -> tuple[float | None, list[list[float]]] | None: ...
 
     def combines(self, metric: Metric) -> bool:
@@ -110,9 +121,12 @@ def diagnose(
                 encoded_calls=True,
             )
         else:
-            table = rollouts
             if evidence_digest is None:
-                digest = digests.submit(table_digest, table, steps)
+                digest = digests.submit(table_digest, rollouts, steps)
+            # Calls coded as a Parquet file's are read: the analyzers start from the codes and
+            # DuckDB converts codes, not every call's strings, for each query of the calls.
+            # An increment codes only the rows it analyzes.
+            table = rollouts if increment else encode_tool_calls(rollouts)
         run = _Run(table, steps, harness, timeout_s, memory_limit, increment)
         try:
             comparison = None
@@ -320,17 +334,27 @@ class _Run:
 
     def sandbox(self, split: str | None) -> ReadOnlyQuery:
         if split not in self.sandboxes:
-            self.sandboxes[split] = ReadOnlyQuery(
-                self.table,
-                self.steps,
+            self.sandboxes[split] = self._sandbox(
                 split,
-                timeout_s=self.timeout_s,
-                memory_limit=self.memory_limit,
-                rows=None if split is None else self._rows(split),
+                None if split is None else self._rows(split),
                 # The analyzers' flattened calls, so the split's calls are flattened once.
-                calls=None if split is None else lambda: call_table(self._view(split)),
+                None if split is None else lambda: call_table(self._view(split)),
             )
         return self.sandboxes[split]
+
+    def _sandbox(
+        self, split: str | None, rows: pa.Table | None, calls: Callable[[], pa.Table] | None
+    ) -> ReadOnlyQuery:
+        """A sandbox whose `rollouts` are `rows`, with this diagnosis's limits."""
+        return ReadOnlyQuery(
+            self.table,
+            self.steps,
+            split,
+            timeout_s=self.timeout_s,
+            memory_limit=self.memory_limit,
+            rows=rows,
+            calls=calls,
+        )
 
     def close(self) -> None:
         for sandbox in self.sandboxes.values():
@@ -355,11 +379,7 @@ class _Run:
         field = f"metrics.{metric.name}"
         try:
             combined = self.increment and self.increment.metric(
-                metric,
-                self._rows(metric.split),
-                self._view(metric.split),
-                self.timeout_s,
-                self.memory_limit,
+                metric, self._rows(metric.split), self._view(metric.split), self._sandbox
             )
             if combined:
                 value, points = combined
@@ -477,7 +497,7 @@ class _Run:
     def _rows(self, split: str) -> pa.Table:
         """The split's rows (zero-copy slices where it can), for its sandbox and analyzers."""
         if split not in self.rows:
-            self.rows[split] = split_rows(self.table, split)
+            self.rows[split] = rows_where(self.table, self.masks[split])
         return self.rows[split]
 
     def _view(self, split: str) -> pa.Table:

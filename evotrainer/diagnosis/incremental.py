@@ -27,10 +27,10 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -38,8 +38,12 @@ import pyarrow.compute as pc
 
 from evotrainer.diagnosis.analyzers import ANALYZERS, call_table
 from evotrainer.diagnosis.harness import HarnessRevision, Metric
-from evotrainer.diagnosis.sql import ReadOnlyQuery, fusable_query
+from evotrainer.diagnosis.sql import ReadOnlyQuery, fusable_query, rows_where
 from evotrainer.errors import EvoError
+from evotrainer.evidence.io import encode_tool_calls
+
+if TYPE_CHECKING:
+    from evotrainer.diagnosis.diagnose import SandboxFactory
 
 Key = tuple[int, int]  # (seed, step)
 
@@ -166,6 +170,8 @@ class Increment:
         self.rows: dict[str, dict[Key, int]] = {}
         self.partials: dict[str, dict[Key, Any]] = {}
         self.changed: dict[str, tuple[pa.Table, pa.Table]] = {}  # split: (rows, analyzer view)
+        # split: (_key_codes's row codes and keys, the number of codes)
+        self.codes: dict[str, tuple[np.ndarray, dict[int, Key], int]] = {}
         self.sandboxes: dict[str, ReadOnlyQuery] = {}
         # Metric name: its mean partials, from one query with the others of its rows (_fuse);
         # and the (split, view, where) of each such query tried.
@@ -173,12 +179,15 @@ class Increment:
         self.fusions: set[tuple[str, str]] = set()
         # (split, partial SQL): its partials, for metrics that share one (a column's histogram).
         self.counted: dict[tuple[str, str], dict[Key, Any]] = {}
+        # (split, partial SQL): the merge of every key's histogram, for the same metrics.
+        self.merged: dict[tuple[str, str], dict[int, int]] = {}
 
     def metric(
-        self, metric: Metric, rows: pa.Table, view: pa.Table, timeout_s: float, memory_limit: str
+        self, metric: Metric, rows: pa.Table, view: pa.Table, sandbox: SandboxFactory
     ) -> tuple[float | None, list[list[float]]] | None:
         """(value, series points) of `metric` from partials, or None when it does not combine.
-        `rows` and `view` are the split's rows and its analyzer view in the full diagnosis."""
+        `rows` and `view` are the split's rows and its analyzer view in the full diagnosis;
+        `sandbox` opens the diagnosis's sandbox over the new rows."""
         kind, sql = _combinable(metric)
         if kind is None:
             return None
@@ -189,9 +198,8 @@ class Increment:
             fresh = _analyzer_partials(metric, changed_view, self.harness.params)
         else:
             if split not in self.sandboxes:
-                self.sandboxes[split] = ReadOnlyQuery(
-                    self.table, None, split, rows=changed_rows, timeout_s=timeout_s,
-                    memory_limit=memory_limit, calls=lambda: call_table(changed_view),
+                self.sandboxes[split] = sandbox(
+                    split, changed_rows, lambda: call_table(changed_view)
                 )
             if kind == "histogram":
                 column = _histogram_query(metric.sql)[0]
@@ -223,7 +231,9 @@ class Increment:
         }
         self.partials[metric.name] = partials
         if kind == "histogram":
-            return _from_histograms(metric.sql, partials)
+            if (split, sql) not in self.merged:
+                self.merged[split, sql] = _merge(partials.values())
+            return _from_histograms(metric.sql, partials, self.merged[split, sql])
         return _combine(kind, partials)
 
     def _fuse(self, metric: Metric) -> None:
@@ -273,17 +283,11 @@ class Increment:
         return DiagnosisState(self.harness.digest, self.rows, self.partials)
 
     def _counts(self, split: str, rows: pa.Table) -> dict[Key, int]:
+        """The split's rows per (seed, step), from one coding pass (kept for _changed)."""
         if split not in self.rows:
-            grouped = rows.select(["seed", "step"]).group_by(["seed", "step"]).aggregate(
-                [([], "count_all")]
-            )
-            self.rows[split] = {
-                (seed, step): n
-                for seed, step, n in zip(
-                    *(grouped.column(c).to_pylist() for c in ("seed", "step", "count_all")),
-                    strict=True,
-                )
-            }
+            codes, keys, counts = _key_codes(rows)
+            self.rows[split] = {key: int(counts[code]) for code, key in keys.items()}
+            self.codes[split] = (codes, keys, len(counts))
         return self.rows[split]
 
     def _changed(
@@ -293,31 +297,59 @@ class Increment:
         the state; a null step is always recomputed."""
         if split not in self.changed:
             seen = self.state.rows.get(split, {})
-            stale = [k for k, n in counts.items() if k[1] is None or seen.get(k) != n]
-            if len(stale) == len(counts):
-                self.changed[split] = (rows, view)
-            else:
-                mask = pa.array(_in_keys(rows, stale))
-                self.changed[split] = (rows.filter(mask), view.filter(mask))
+            codes, keys, size = self.codes[split]
+            stale = np.zeros(size, dtype=bool)
+            for code, key in keys.items():
+                stale[code] = key[1] is None or seen.get(key) != counts[key]
+            if not stale[list(keys)].all():
+                rows = rows_where(rows, stale[codes])
+            # Calls coded as the full diagnosis codes them (evidence.io.encode_tool_calls),
+            # here only the rows analyzed.
+            rows = encode_tool_calls(rows)
+            self.changed[split] = (rows, rows.select(view.column_names))
         return self.changed[split]
 
 
-def _in_keys(rows: pa.Table, keys: Iterable[Key]) -> np.ndarray:
-    """Whether each row's (seed, step) is one of `keys` (a null step matches a null step)."""
-    seeds = pc.fill_null(rows.column("seed"), 0).to_numpy().astype(np.int64)
-    steps = rows.column("step")
-    null_step = pc.is_null(steps).to_numpy(zero_copy_only=False)
-    steps = pc.fill_null(steps, 0).to_numpy().astype(np.int64)
-    low = int(steps.min()) if len(steps) else 0
-    width = (int(steps.max()) - low + 2) if len(steps) else 1
-    # One int64 per key: the null step gets its own slot past the largest step.
-    codes = seeds * width + np.where(null_step, width - 1, steps - low)
-    wanted = [
-        seed * width + (width - 1 if step is None else step - low)
-        for seed, step in keys
-        if step is None or low <= step < low + width - 1
-    ]
-    return np.isin(codes, np.array(wanted, dtype=np.int64))
+def _key_codes(rows: pa.Table) -> tuple[np.ndarray, dict[int, Key], np.ndarray]:
+    """(a code per row, the (seed, step) of each code in use, None for a null; the rows per
+    code): one pass over the rows, where grouping by the two columns hashes every row."""
+    (seed, seed_of, _), (step, step_of, step_width) = (
+        _value_codes(rows.column(name)) for name in ("seed", "step")
+    )
+
+    def key(code: int) -> Key:
+        s, t = divmod(int(code), step_width)
+        return seed_of(s), step_of(t)
+
+    codes = seed * step_width + step
+    if int(codes.max(initial=0)) <= 4 * len(codes) + 1024:  # dense: count by code
+        counts = np.bincount(codes)
+        return codes, {int(c): key(c) for c in np.flatnonzero(counts)}, counts
+    used, codes, counts = np.unique(codes, return_inverse=True, return_counts=True)
+    return codes, {i: key(c) for i, c in enumerate(used)}, counts
+
+
+def _value_codes(column: pa.ChunkedArray) -> tuple[np.ndarray, Callable[[int], Any], int]:
+    """(a code per value in range(width), the value of a code (None for null), width): the
+    value less the lowest where values are dense, else its rank among the distinct values, so
+    two columns' codes combine into one int64 without overflow."""
+    extremes = pc.min_max(column)
+    low, high = (extremes["min"].as_py() or 0), (extremes["max"].as_py() or 0)
+    null = pc.is_null(column).to_numpy(zero_copy_only=False)
+    values = pc.fill_null(column, low).to_numpy().astype(np.int64, copy=False)
+    if high - low <= 2 * len(values) + 1024:
+        width = high - low + 2  # the last code is null
+        return (
+            np.where(null, width - 1, values - low),
+            lambda c: None if c == width - 1 else c + low,
+            width,
+        )
+    distinct, rank = np.unique(values, return_inverse=True)
+    return (
+        np.where(null, len(distinct), rank),
+        lambda c: None if c == len(distinct) else int(distinct[c]),
+        len(distinct) + 1,
+    )
 
 
 def _mean_rows(metric: Metric) -> tuple[str, str, str | None] | None:
@@ -470,11 +502,15 @@ def _histogram_query(sql: str) -> tuple[str, bool, str] | None:
     return columns.pop(), kind == "rollup", shape.value
 
 
-def _from_histograms(sql: str, partials: dict[Key, Any]) -> tuple[float | None, list[list[float]]]:
-    """(value, per-step points) of a _histogram_query from each (seed, step)'s histogram."""
+def _from_histograms(
+    sql: str, partials: dict[Key, Any], everything: dict[int, int] | None = None
+) -> tuple[float | None, list[list[float]]]:
+    """(value, per-step points) of a _histogram_query from each (seed, step)'s histogram;
+    `everything` is their merge where the caller holds it (metrics of one column share it)."""
     _, stepped, value = _histogram_query(sql)
     node = json.loads(value)
-    everything = _merge(partials.values())
+    if everything is None:
+        everything = _merge(partials.values())
     total = _walk(node, set(), rows=everything, whole=everything)
     points: list[list[float]] = []
     if stepped:

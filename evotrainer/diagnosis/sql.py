@@ -262,11 +262,18 @@ def _strip(node: Any) -> Any:
 
 def split_rows(table: pa.Table, split: str | None) -> pa.Table:
     """The rows of `table` in `split` (all rows for None), as data: no SQL text is built from
-    the split name. Evidence stores each split as one run of rows (one file per split), so the
-    result is usually zero-copy slices; scattered rows are filtered (copied) instead."""
+    the split name."""
     if split is None:
         return table
-    mask = pc.equal(table.column("split"), split).to_numpy(zero_copy_only=False)
+    return rows_where(table, pc.equal(table.column("split"), split))
+
+
+def rows_where(table: pa.Table, mask: np.ndarray | pa.Array | pa.ChunkedArray) -> pa.Table:
+    """The rows of `table` where `mask` holds. Evidence stores each split as one run of rows
+    (one file per split) and a growing run's new rows come after the old ones, so the result
+    is usually zero-copy slices; scattered rows are filtered (copied) instead."""
+    if not isinstance(mask, np.ndarray):
+        mask = mask.to_numpy(zero_copy_only=False)
     edges = np.flatnonzero(np.diff(mask.astype(np.int8), prepend=0, append=0))
     runs = list(zip(edges[::2], edges[1::2], strict=True))
     if len(runs) == 1 and runs[0] == (0, table.num_rows):
@@ -276,12 +283,26 @@ def split_rows(table: pa.Table, split: str | None) -> pa.Table:
     return table.filter(pa.array(mask))
 
 
+@cache
+def _locked_database(memory_limit: str, threads: int) -> duckdb.DuckDBPyConnection:
+    """The process's in-memory DuckDB database for harness queries under these limits, locked
+    down before it sees any input (no view or table exists while settings can change). Each
+    sandbox is a connection to it (a cursor: opened at no cost, with its own views and temp
+    tables and every setting locked), where a database of its own would take longer to open
+    than a small diagnosis takes to run."""
+    con = duckdb.connect(config={"memory_limit": memory_limit, "threads": threads})
+    for statement in _LOCKDOWN:
+        con.execute(statement)
+    return con
+
+
 class ReadOnlyQuery:
     """A locked-down DuckDB connection whose `rollouts` view holds one split.
 
     `rows` is the split's rows when the caller has them already (else taken from `rollouts`);
     `calls` builds the `calls` view (default: analyzers.call_table of the split's rows), made
-    on first use like `groups`."""
+    on first use like `groups`. Every sandbox with the same limits connects to one locked
+    database (_locked_database); what it registers and creates is its own."""
 
     def __init__(
         self,
@@ -296,10 +317,7 @@ class ReadOnlyQuery:
         calls: Callable[[], pa.Table] | None = None,
     ) -> None:
         self.timeout_s, self.memory_limit = timeout_s, memory_limit
-        self.con = duckdb.connect(config={"memory_limit": memory_limit, "threads": threads})
-        # Locked before it sees any input: no view or table exists while settings can change.
-        for statement in _LOCKDOWN:
-            self.con.execute(statement)
+        self.con = _locked_database(memory_limit, threads).cursor()
         split_table = rows if rows is not None else split_rows(rollouts, split)
         self.con.register("all_rollouts", rollouts)
         self.con.register("steps", steps if steps is not None else empty_steps())

@@ -100,6 +100,38 @@ def read_rollouts(
     return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
 
+def encode_tool_calls(table: pa.Table) -> pa.Table:
+    """`table` with its tool calls' names and args dictionary-encoded (ENCODED_TOOL_CALLS), as
+    `read_rollouts(encoded_calls=True)` reads them from Parquet; a table without plain tool
+    calls as it is. One hash pass over the names and one over the args, which the tool-call
+    analyzers need anyway, and DuckDB then reads the calls as codes, not one string copy per
+    call per query."""
+    if "tool_calls" not in table.column_names:
+        return table
+    column = table.column("tool_calls")
+    if column.type != ROLLOUT_SCHEMA.field("tool_calls").type:
+        return table
+    chunks = []
+    for chunk in column.chunks:
+        # A sliced chunk's `values` are its whole backing array: code only the slice's calls.
+        offsets = chunk.offsets
+        first = offsets[0].as_py()
+        calls = chunk.values.slice(first, offsets[-1].as_py() - first)
+        if first:
+            offsets = pc.subtract(offsets, first)
+        fields = [pc.dictionary_encode(pc.struct_field(calls, name)) for name in ("name", "args")]
+        coded = pa.StructArray.from_arrays(
+            fields, ["name", "args"], mask=calls.is_null() if calls.null_count else None
+        )
+        chunks.append(
+            pa.ListArray.from_arrays(
+                offsets, coded, mask=chunk.is_null() if chunk.null_count else None
+            )
+        )
+    encoded = pa.chunked_array(chunks, ENCODED_TOOL_CALLS)
+    return table.set_column(table.schema.get_field_index("tool_calls"), "tool_calls", encoded)
+
+
 def read_steps(path: str | Path) -> pa.Table:
     path = Path(path)
     if not path.is_file():

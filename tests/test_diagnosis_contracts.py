@@ -147,3 +147,29 @@ def test_harness_queries_are_bounded_in_memory_and_threads() -> None:
     )
     assert row == (1, "")  # one thread; nothing spills to disk
     sandbox.close()
+
+
+def test_sandboxes_sharing_the_database_see_only_their_own_rows_and_survive_a_timeout():
+    # Every sandbox is a connection to one locked database: its views and temp tables are its
+    # own, a query past its time is interrupted with a one-line error, and the other sandboxes
+    # (and later ones) go on working.
+    mine = rollout_table([{"reward": 1.0}, {"reward": 1.0}])
+    theirs = rollout_table([{"reward": 0.0}])
+    first = ReadOnlyQuery(mine, None, "train", timeout_s=0.2)
+    second = ReadOnlyQuery(theirs, None, "train", timeout_s=0.2)
+    try:
+        assert first.query("SELECT count(*), sum(reward) FROM rollouts", {}, field="x")[1] == [
+            (2, 2.0)
+        ]
+        assert second.query("SELECT count(*) FROM groups", {}, field="x")[1] == [(1,)]
+        assert first.query("SELECT count(*) FROM rollouts", {}, field="x")[1] == [(2,)]
+        with pytest.raises(EvoError, match="ran longer than 0.2 s"):
+            second.query("SELECT sum(hash(range)) FROM range(1000000000000)", {}, field="slow")
+        assert first.query("SELECT count(*) FROM groups", {}, field="x")[1] == [(1,)]
+        assert second.query("SELECT sum(reward) FROM rollouts", {}, field="x")[1] == [(0.0,)]
+    finally:
+        first.close()
+        second.close()
+    third = ReadOnlyQuery(theirs, None, "train")
+    assert third.query("SELECT count(*) FROM rollouts", {}, field="x")[1] == [(1,)]
+    third.close()

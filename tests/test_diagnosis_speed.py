@@ -165,3 +165,61 @@ def test_echo_trap_analyzer_gives_what_the_list_query_gave(name, repeats):
         assert np.isnan(got).all()
     else:
         assert np.nanmean(got) == pytest.approx(expected, abs=1e-12)
+
+
+def _runs_table() -> pa.Table:
+    """Calls with runs of one name or one (name, args) pair inside rows and across row
+    boundaries, null names and args, rows without call data."""
+    rng = np.random.default_rng(4)
+    rows: list[list[dict] | None] = []
+    for i in range(400):
+        if i % 13 == 0:
+            rows.append(None)
+            continue
+        rows.append([
+            {"name": None if rng.random() < 0.05 else str(rng.choice(["a", "b"])),
+             "args": None if rng.random() < 0.05 else str(rng.choice(["x", "y"]))}
+            for _ in range(int(rng.integers(0, 7)))
+        ])
+    return pa.table({
+        "tool_calls": pa.array(rows, pa.list_(TOOL_CALL)),
+        "turns": pa.array(rng.integers(1, 9, 400)),
+        "correct": pa.array((rng.random(400) < 0.4).astype(float)),
+    })
+
+
+def _longest_run(items: list) -> int:
+    best = run = 1
+    for before, item in zip(items, items[1:], strict=False):
+        run = run + 1 if item == before else 1
+        best = max(best, run)
+    return best
+
+
+@pytest.mark.parametrize("form", ["plain", "coded", "sliced", "coded slice", "two chunks"])
+def test_run_analyzers_give_their_definition_on_every_form_of_calls(form):
+    from evotrainer.evidence.io import encode_tool_calls
+
+    whole = _runs_table()
+    table = {
+        "plain": whole,
+        "coded": encode_tool_calls(whole),
+        "sliced": whole.slice(37, 300),
+        "coded slice": encode_tool_calls(whole.slice(37, 300)),
+        "two chunks": pa.concat_tables([whole.slice(0, 150), whole.slice(150)]),
+    }[form]
+    rows = whole.slice(37, 300) if "slice" in form else whole
+    calls = rows.column("tool_calls").to_pylist()
+    names = [None if c is None else [x["name"] or "" for x in c] for c in calls]
+    pairs = [None if c is None else [(x["name"] or "", x["args"] or "") for x in c]
+             for c in calls]
+    streak = [_longest_run(n) if n else np.nan for n in names]
+    np.testing.assert_array_equal(max_same_tool_streak(table, {}), streak)
+    for repeats in (1, 2, 3, 4):
+        params = {"echo_turns": 6, "echo_repeats": repeats}
+        want = [
+            float(ok == 0 and (turns > 6 or bool(p) and _longest_run(p) >= repeats))
+            for ok, turns, p in zip(rows.column("correct").to_pylist(),
+                                    rows.column("turns").to_pylist(), pairs, strict=True)
+        ]
+        np.testing.assert_array_equal(echo_trap(table, params), want)

@@ -72,8 +72,9 @@ def names(expr: str) -> frozenset[str]:
 
 def evaluate(expr: str, variables: dict[str, Any]) -> Any:
     """Evaluate `expr` with `variables`; raise EvoError when evaluation fails."""
-    program, _ = _compile(expr)
-    activation = {key: _to_cel(value) for key, value in variables.items()}
+    program, read = _compile(expr)
+    # Only what the expression reads: a diagnosis passes every metric to every alert.
+    activation = {key: _to_cel(value) for key, value in variables.items() if key in read}
     try:
         return _from_cel(program.evaluate(activation))
     except celpy.CELEvalError as err:

@@ -335,18 +335,18 @@ def _value_codes(column: pa.ChunkedArray) -> tuple[np.ndarray, Callable[[int], A
     two columns' codes combine into one int64 without overflow."""
     extremes = pc.min_max(column)
     low, high = (extremes["min"].as_py() or 0), (extremes["max"].as_py() or 0)
-    null = pc.is_null(column).to_numpy(zero_copy_only=False)
+    null = pc.is_null(column).to_numpy(zero_copy_only=False) if column.null_count else None
     values = pc.fill_null(column, low).to_numpy().astype(np.int64, copy=False)
     if high - low <= 2 * len(values) + 1024:
         width = high - low + 2  # the last code is null
         return (
-            np.where(null, width - 1, values - low),
+            values - low if null is None else np.where(null, width - 1, values - low),
             lambda c: None if c == width - 1 else c + low,
             width,
         )
     distinct, rank = np.unique(values, return_inverse=True)
     return (
-        np.where(null, len(distinct), rank),
+        rank if null is None else np.where(null, len(distinct), rank),
         lambda c: None if c == len(distinct) else int(distinct[c]),
         len(distinct) + 1,
     )

@@ -25,9 +25,9 @@ A corrupt or cut-off line is skipped and reported with its file and line number.
 
 from __future__ import annotations
 
-import io
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -35,9 +35,9 @@ from typing import Any
 
 import duckdb
 import numpy as np
+import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.json as pajson
 
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import FINISH_REASONS, ROLLOUT_SCHEMA, TOOL_CALL
@@ -267,41 +267,33 @@ def _map_files(
 
 
 def read_jsonl(path: Path) -> tuple[pa.Table, list[Skipped]]:
-    """Parse a JSONL file with Arrow; on any error fall back to line by line to find the bad
-    lines (and to tolerate keys whose type changes between lines)."""
-    if path.stat().st_size == 0:
-        return pa.table({}), []
-    try:
-        return pajson.read_json(path), []
-    except pa.ArrowInvalid:
-        pass
-    return parse_jsonl(path.read_bytes(), str(path), arrow_failed=True)
+    """Parse a JSONL file: `parse_jsonl` over its bytes."""
+    return parse_jsonl(path.read_bytes(), str(path))
 
 
-def parse_jsonl(
-    data: bytes, source: str, *, first_line: int = 1, arrow_failed: bool = False
-) -> tuple[pa.Table, list[Skipped]]:
-    """`read_jsonl` over bytes (`first_line` numbers the first one, for the skipped-line
-    report). `arrow_failed`: Arrow already refused these bytes, go line by line at once."""
-    if not data.strip():
-        return pa.table({}), []
-    if not arrow_failed:
-        try:
-            return pajson.read_json(io.BytesIO(data)), []
-        except pa.ArrowInvalid:
-            pass
+def parse_jsonl(data: bytes, source: str, *, first_line: int = 1) -> tuple[pa.Table, list[Skipped]]:
+    """JSONL bytes to one column per key, in order of first appearance. Each line is parsed
+    with orjson; a line it refuses is read as json.loads reads it (NaN and Infinity, which
+    verl's json.dumps writes for a nan score; a lone surrogate escape, kept as U+FFFD as bytes
+    that are not UTF-8 are), and one neither reads, or that is not an object, is skipped and
+    reported by line (`first_line` numbers the first one)."""
     records: list[dict] = []
     skipped: list[Skipped] = []
-    text = data.decode("utf-8", errors="replace")
-    # Lines end at "\n" only: JSON strings may hold a raw U+2028 that splitlines() would cut.
-    for number, line in enumerate(text.split("\n"), start=first_line):
-        if not line.strip():
-            continue
+    for number, line in enumerate(split_lines(data), start=first_line):
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            skipped.append(Skipped(source, number, err.msg))
-            continue
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            text = str(line, "utf-8", errors="replace")
+            if not text.strip():
+                continue
+            try:
+                record = _without_lone_surrogates(json.loads(text))
+            except json.JSONDecodeError as err:
+                skipped.append(Skipped(source, number, err.msg))
+                continue
+            except RecursionError:  # deeper than orjson's 1024 levels and Python's stack
+                skipped.append(Skipped(source, number, "nested too deeply"))
+                continue
         if not isinstance(record, dict):
             skipped.append(Skipped(source, number, "not a JSON object"))
             continue
@@ -309,22 +301,62 @@ def parse_jsonl(
     return _table_from_records(records), skipped
 
 
+def split_lines(data: bytes) -> Iterator[memoryview]:
+    """`data`'s lines, cut at "\\n" only (a JSON string may hold a raw U+2028, which
+    splitlines() would cut), as views: slicing the bytes would copy every line."""
+    view = memoryview(data)
+    start = 0
+    while start < len(data):
+        end = data.find(b"\n", start)
+        if end < 0:
+            end = len(data)
+        yield view[start:end]
+        start = end + 1
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _without_lone_surrogates(value: Any) -> Any:
+    """json.loads keeps an escaped lone surrogate ("\\ud800"), which Arrow cannot store as
+    UTF-8: U+FFFD in its place, in keys and values at any depth."""
+    if isinstance(value, str):
+        return _LONE_SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {_without_lone_surrogates(k): _without_lone_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_lone_surrogates(v) for v in value]
+    return value
+
+
 def _table_from_records(records: list[dict]) -> pa.Table:
-    keys: dict[str, None] = {}
+    keys = dict.fromkeys(records[0]) if records else {}
     for record in records:
-        keys.update(dict.fromkeys(record))
+        if record.keys() != keys.keys():  # rare: most dumps write the same keys on every line
+            keys.update(dict.fromkeys(record))
     columns = {}
     for key in keys:
         values = [record.get(key) for record in records]
         try:
             columns[key] = pa.array(values)
-        except (pa.ArrowInvalid, pa.ArrowTypeError):
-            # Mixed types in one key: keep it as JSON text rather than drop it.
-            columns[key] = pa.array(
-                [None if v is None else v if isinstance(v, str) else json.dumps(v) for v in values],
-                pa.string(),
-            )
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+            columns[key] = _mixed_column(values)
     return pa.table(columns)
+
+
+def _mixed_column(values: list) -> pa.Array:
+    """A key Arrow cannot type from its values. Numbers are doubles: an integer beyond int64
+    (JSON sets no limit) is read as orjson reads one beyond 64 bits. Other mixed types are
+    JSON text rather than dropped."""
+    if all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values):
+        try:
+            return pa.array([None if v is None else float(v) for v in values], pa.float64())
+        except OverflowError:  # an integer beyond any double: its exact digits as text
+            pass
+    return pa.array(
+        [None if v is None else v if isinstance(v, str) else json.dumps(v) for v in values],
+        pa.string(),
+    )
 
 
 def _q(name: str) -> str:

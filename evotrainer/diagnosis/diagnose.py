@@ -103,16 +103,16 @@ def diagnose(
     `timeout_s` and `memory_limit`. `evidence_digest` spares hashing evidence whose digest the
     caller holds. `increment` (see incremental.diagnose_incremental, which passes it) computes
     the metrics that combine from per-step partials from the new rows only."""
-    # The evidence digest is hashed on a second thread while the evidence is read and
-    # diagnosed: sha256 and Arrow's IPC writer release the GIL, so the hash costs little
-    # wall time beside the queries instead of adding its whole pass to them.
-    with ThreadPoolExecutor(max_workers=1) as digests:
+    # The evidence digest is hashed, and the analyzers run, on other threads while the
+    # queries run: sha256, Arrow's IPC writer, numpy and DuckDB release the GIL, so each
+    # costs little wall time beside the others instead of adding its whole pass to them.
+    with ThreadPoolExecutor(max_workers=2) as background:
         digest: Future[str] | None = None
         if isinstance(rollouts, (str, Path)):
             path = Path(rollouts)
             files = sorted(path.glob("*.jsonl")) if is_verl_dump(path) else rollout_files(path)
             if evidence_digest is None:
-                digest = digests.submit(file_digest, files)
+                digest = background.submit(file_digest, files)
             needs_scores = parent_scores is not None and scores is None
             table = read_rollouts(
                 path,
@@ -122,13 +122,15 @@ def diagnose(
             )
         else:
             if evidence_digest is None:
-                digest = digests.submit(table_digest, rollouts, steps)
+                digest = background.submit(table_digest, rollouts, steps)
             # Calls coded as a Parquet file's are read: the analyzers start from the codes and
             # DuckDB converts codes, not every call's strings, for each query of the calls.
             # An increment codes only the rows it analyzes.
             table = rollouts if increment else encode_tool_calls(rollouts)
         run = _Run(table, steps, harness, timeout_s, memory_limit, increment)
         try:
+            if increment is None:  # an increment's analyzers see few rows: no thread needed
+                run.start_analyzers(background)
             comparison = None
             if parent_scores is not None:
                 candidate = scores if scores is not None else val_scores(table)
@@ -154,7 +156,7 @@ def diagnose(
     return {
         "harness": {"name": harness.name, "digest": harness.digest},
         "evidence_digest": evidence_digest,
-        "versions": sorted(pc.unique(table.column("version")).to_pylist()),
+        "versions": _versions(table.column("version")),
         "metrics": metrics,
         "layers": {m.name: m.layer for m in harness.metrics},
         "trends": {name: _slope(points) for name, points in series.items()},
@@ -291,6 +293,16 @@ def _plain(variables: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in variables.items() if k != "params"}
 
 
+def _versions(column: pa.ChunkedArray) -> list[str]:
+    """The distinct version labels, sorted: a run's rows almost always carry one, which a
+    comparison with the first row finds without hashing every row."""
+    if len(column) and column.null_count == 0:
+        first = column[0]
+        if pc.all(pc.equal(column, first)).as_py():
+            return [first.as_py()]
+    return sorted(v for v in pc.unique(column).to_pylist() if v is not None)
+
+
 def _slope(points: list[list[float]]) -> float | None:
     if len({step for step, _ in points}) < 2:
         return None
@@ -331,6 +343,17 @@ class _Run:
         # (split, key) of each fused query tried.
         self.fused: dict[str, tuple[list[str], list]] = {}
         self.fusions: set[tuple[str, str]] = set()
+        # Metric name: its analyzer's (value, points), computed on another thread.
+        self.analyzed: dict[str, Future[tuple[float | None, list[list[float]]]]] = {}
+
+    def start_analyzers(self, pool: ThreadPoolExecutor) -> None:
+        """Run the analyzer metrics on `pool` while the queries run here; `metric` collects
+        each result, or its error, in harness order as before. The views are made here first,
+        so both threads share them."""
+        for metric in self.harness.metrics:
+            if metric.analyzer and self.split_rows[metric.split]:
+                self._view(metric.split)
+                self.analyzed[metric.name] = pool.submit(self._analyzer, metric)
 
     def sandbox(self, split: str | None) -> ReadOnlyQuery:
         if split not in self.sandboxes:
@@ -357,6 +380,8 @@ class _Run:
         )
 
     def close(self) -> None:
+        for pending in self.analyzed.values():
+            pending.cancel()
         for sandbox in self.sandboxes.values():
             sandbox.close()
         if self.increment is not None:
@@ -385,6 +410,8 @@ class _Run:
                 value, points = combined
             elif metric.sql:
                 value, points = self._sql(metric)
+            elif metric.name in self.analyzed:
+                value, points = self.analyzed.pop(metric.name).result()
             else:
                 value, points = self._analyzer(metric)
         except EvoError as err:
@@ -606,11 +633,12 @@ class _Run:
         """The lowest steps of the fewest latest steps holding 1/256 and 1/16 of the view's
         rows (each once, and none that is every step), counted once per view."""
         if sandbox not in self.floors:
-            _, rows = sandbox.query(
-                "SELECT step, count(*) FROM rollouts WHERE step IS NOT NULL "
-                "GROUP BY step ORDER BY step DESC",
-                {},
-                field="sample",
+            # Rows per step, latest first (Arrow counts them without a query).
+            counts = pc.value_counts(pc.drop_null(sandbox.split_table.column("step")))
+            rows = sorted(
+                zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist(),
+                    strict=True),
+                reverse=True,
             )
             total = sum(n for _, n in rows)
             floors: list[int] = []

@@ -511,7 +511,9 @@ def _from_histograms(
     node = json.loads(value)
     if everything is None:
         everything = _merge(partials.values())
-    total = _walk(node, set(), rows=everything, whole=everything)
+    # A scalar subquery reads every row, so its value is the same at every step: once each.
+    subqueries: dict[int, Any] = {}
+    total = _walk(node, set(), rows=everything, whole=everything, subqueries=subqueries)
     points: list[list[float]] = []
     if stepped:
         by_step: dict[int, list[dict]] = {}
@@ -519,7 +521,9 @@ def _from_histograms(
             if step is not None:
                 by_step.setdefault(step, []).append(histogram)
         for step in sorted(by_step):
-            point = _walk(node, set(), rows=_merge(by_step[step]), whole=everything)
+            parts = by_step[step]
+            rows = parts[0] if len(parts) == 1 else _merge(parts)
+            point = _walk(node, set(), rows=rows, whole=everything, subqueries=subqueries)
             if point is not None:
                 points.append([step, float(point)])
     return (None if total is None else float(total)), points
@@ -540,12 +544,16 @@ def _walk(
     check_only: bool = False,
     rows: dict[int, int] | None = None,
     whole: dict[int, int] | None = None,
+    subqueries: dict[int, Any] | None = None,
 ) -> Any:
     """Check (`check_only`, collecting the columns read) or compute a parsed expression over
-    the histogram `rows` (a scalar subquery: over `whole`, every row of the view)."""
+    the histogram `rows` (a scalar subquery: over `whole`, every row of the view; its value
+    kept in `subqueries` by node where given)."""
 
     def walk(child: dict, over: dict[int, int] | None = rows) -> Any:
-        return _walk(child, columns, check_only=check_only, rows=over, whole=whole)
+        return _walk(
+            child, columns, check_only=check_only, rows=over, whole=whole, subqueries=subqueries
+        )
 
     kind = node.get("class")
     if kind == "CONSTANT":
@@ -587,7 +595,11 @@ def _walk(
             or sub["from_table"].get("alias")
         ):
             raise _NotFromHistogram
-        return walk(sub["select_list"][0], whole)
+        if subqueries is None or check_only:
+            return walk(sub["select_list"][0], whole)
+        if id(node) not in subqueries:
+            subqueries[id(node)] = walk(sub["select_list"][0], whole)
+        return subqueries[id(node)]
     if kind == "FUNCTION" and node["function_name"] in _AGGREGATES:
         arguments = [a["expression"] for a in node["arguments"]]
         if (

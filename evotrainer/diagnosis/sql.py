@@ -329,14 +329,15 @@ class ReadOnlyQuery:
 
     def recent_rows(self, floor: int) -> str:
         """A FROM item reading the view's rows of step `floor` and later under the name
-        `rollouts`: the rows are copied out once per floor, so a `WHERE` over them converts
-        only those rows' columns (a filter on the full view converts every row's tool calls
-        first). An alias is no table name: a subquery's `FROM rollouts` still reads the full
-        view, so `WHERE` means what it means over `FROM rollouts WHERE step >= floor`."""
+        `rollouts`: the rows are taken out once per floor (slices where they lie together, as
+        a run's latest steps do), so a `WHERE` over them converts only those rows' columns (a
+        filter on the full view converts every row's tool calls first). An alias is no table
+        name: a subquery's `FROM rollouts` still reads the full view, so `WHERE` means what
+        it means over `FROM rollouts WHERE step >= floor`."""
         if floor not in self.recent:
             recent = pc.greater_equal(self.split_table.column("step"), floor)
             self.recent[floor] = f"recent_rollouts_{len(self.recent)}"
-            self.con.register(self.recent[floor], self.split_table.filter(recent))
+            self.con.register(self.recent[floor], rows_where(self.split_table, recent))
         return f"{self.recent[floor]} AS rollouts"
 
     def query(self, sql: str, params: dict[str, Any], *, field: str) -> tuple[list[str], list]:

@@ -223,3 +223,24 @@ def test_run_analyzers_give_their_definition_on_every_form_of_calls(form):
                                     rows.column("turns").to_pylist(), pairs, strict=True)
         ]
         np.testing.assert_array_equal(echo_trap(table, params), want)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        np.ones(300, bool),
+        np.zeros(300, bool),
+        np.arange(300) > 250,  # a growing run's newest rows
+        np.arange(300) < 3,
+        (np.arange(300) // 7) % 2 == 0,  # many runs: filtered, not sliced
+        np.random.default_rng(0).random(300) < 0.5,
+        np.ones(1, bool),
+        np.zeros(0, bool),
+    ],
+)
+def test_rows_where_takes_the_rows_a_filter_takes(mask):
+    from evotrainer.diagnosis.sql import rows_where
+
+    table = pa.table({"x": np.arange(len(mask))})
+    assert rows_where(table, mask).column("x").to_pylist() == np.flatnonzero(mask).tolist()
+    assert rows_where(table, pa.array(mask)).num_rows == int(mask.sum())

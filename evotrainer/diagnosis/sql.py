@@ -274,13 +274,21 @@ def rows_where(table: pa.Table, mask: np.ndarray | pa.Array | pa.ChunkedArray) -
     is usually zero-copy slices; scattered rows are filtered (copied) instead."""
     if not isinstance(mask, np.ndarray):
         mask = mask.to_numpy(zero_copy_only=False)
-    edges = np.flatnonzero(np.diff(mask.astype(np.int8), prepend=0, append=0))
-    runs = list(zip(edges[::2], edges[1::2], strict=True))
-    if len(runs) == 1 and runs[0] == (0, table.num_rows):
+    # Where the mask changes: boolean compares of neighbours, no integer copy of the mask.
+    changes = np.flatnonzero(mask[1:] != mask[:-1]) + 1
+    if len(changes) > 2 * _MAX_SLICES:
+        return table.filter(pa.array(mask))
+    edges = [0, *changes.tolist(), len(mask)]
+    runs = [
+        (start, end)
+        for start, end in zip(edges, edges[1:], strict=False)
+        if end > start and mask[start]
+    ]
+    if runs == [(0, table.num_rows)]:
         return table
-    if 0 < len(runs) <= _MAX_SLICES:
-        return pa.concat_tables([table.slice(start, end - start) for start, end in runs])
-    return table.filter(pa.array(mask))
+    if not runs:
+        return table.slice(0, 0)
+    return pa.concat_tables([table.slice(start, end - start) for start, end in runs])
 
 
 @cache

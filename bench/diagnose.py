@@ -9,7 +9,7 @@ scan reads the columns h0 reads from the same source as the diagnosis it is comp
 Parquet file, or the in-memory table. Every time is the best of RUNS (5) runs, the loop's
 excepted (one run).
 
-    .venv/bin/python bench/diagnose.py [--rows 1000000] [--ingest-rows 20000] [--response-kb 4]
+    .venv/bin/python bench/diagnose.py [--rows 1000000] [--ingest-rows 100000] [--response-kb 4]
 """
 
 from __future__ import annotations
@@ -181,7 +181,8 @@ def write_dump(folder: Path, rows: int, steps: int, response_kb: float = 0.0) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
-    parser.add_argument("--ingest-rows", type=int, default=20_000)
+    parser.add_argument("--ingest-rows", type=int, default=100_000,
+                        help="dumped rows, over 50 steps (2,000 a step: 250 prompts x 8)")
     parser.add_argument("--response-kb", type=float, default=4.0,
                         help="size of each dumped response (verl's are 1-8 KB)")
     args = parser.parse_args()
@@ -215,7 +216,8 @@ def bench_ingest(rows: int, response_kb: float) -> None:
             t_orjson = min(t_orjson, time.perf_counter() - start)
     mb = size / 1e6
     print(
-        f"verl ingest: {result.rollouts.num_rows:,} rows, {mb:.0f} MB in {t_ingest:.2f} s = "
+        f"verl ingest: {result.rollouts.num_rows:,} rows ({response_kb:g} KB responses, 50 "
+        f"files), {mb:.0f} MB in {t_ingest:.2f} s = "
         f"{mb / t_ingest:.0f} MB/s (json.loads loop alone: {mb / t_json:.0f} MB/s): "
         f"{t_json / t_ingest:.2f} of a bare parse (goal >= 0.8); "
         f"{t_orjson / t_ingest:.2f} of a bare orjson loop ({mb / t_orjson:.0f} MB/s)"

@@ -331,9 +331,16 @@ def _without_lone_surrogates(value: Any) -> Any:
 
 def _table_from_records(records: list[dict]) -> pa.Table:
     keys = dict.fromkeys(records[0]) if records else {}
+    uniform = True
     for record in records:
         if record.keys() != keys.keys():  # rare: most dumps write the same keys on every line
             keys.update(dict.fromkeys(record))
+            uniform = False
+    if uniform and records:
+        try:  # the same columns as below, gathered in compiled code
+            return pa.Table.from_pylist(records)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+            pass  # a key of mixed types: column by column
     columns = {}
     for key in keys:
         values = [record.get(key) for record in records]

@@ -119,3 +119,23 @@ def test_calls_read_dictionary_encoded_analyze_as_plain_strings(tmp_path):
     assert encoded.schema.field("tool_calls").type == io.ENCODED_TOOL_CALLS
     from_file = diagnose(path, None, H0)
     assert_same(from_file, diagnose(table, None, H0, evidence_digest=from_file["evidence_digest"]))
+
+
+def test_tool_calls_coded_in_memory_decode_to_what_they_were():
+    # What a diagnosis does to an in-memory table before anything reads it: null lists,
+    # null calls, null names and args, sliced and several chunks; only the slice is coded.
+    plain = ROLLOUT_SCHEMA.field("tool_calls").type
+    calls = pa.array(
+        [None, [], [{"name": None, "args": "a"}, None, {"name": "x", "args": None}],
+         [{"name": "y", "args": "b"}] * 3],
+        plain,
+    )
+    big = random_rollouts(300, steps=3).column("tool_calls")
+    for column in (pa.chunked_array([calls, calls.slice(1, 2), calls.slice(2)], plain),
+                   big.slice(120, 50), big.slice(299, 1), big.slice(300, 0)):
+        coded = io.encode_tool_calls(pa.table({"tool_calls": column})).column("tool_calls")
+        assert coded.type == io.ENCODED_TOOL_CALLS
+        assert coded.cast(plain).to_pylist() == column.to_pylist()
+        # Only the calls the slice spans are coded, not its chunk's whole backing array.
+        spanned = sum(c.offsets[-1].as_py() - c.offsets[0].as_py() for c in column.chunks)
+        assert sum(len(c.values) for c in coded.chunks) == spanned

@@ -244,3 +244,29 @@ def test_rows_where_takes_the_rows_a_filter_takes(mask):
     table = pa.table({"x": np.arange(len(mask))})
     assert rows_where(table, mask).column("x").to_pylist() == np.flatnonzero(mask).tolist()
     assert rows_where(table, pa.array(mask)).num_rows == int(mask.sum())
+
+
+def test_an_analyzer_failing_on_its_thread_reports_itself_in_harness_order(monkeypatch):
+    # Analyzers run on a second thread beside the queries: a failing one still names its
+    # metric, and a query failing earlier in the harness is the error reported instead.
+    from evotrainer.diagnosis.analyzers import ANALYZERS, Analyzer
+
+    def refuse(table, params):
+        raise EvoError("echo_repeats must be at least 1")
+
+    monkeypatch.setitem(ANALYZERS, "refusing", Analyzer("refusing", ("tool_calls",), refuse))
+    failing = Metric(name="failing", layer="behavior", split="train", analyzer="refusing")
+    table = _tables()["random"]
+    with pytest.raises(EvoError) as err:
+        diagnose(table, None, _with_metrics(failing))
+    assert err.value.field == "metrics.failing"
+    assert "echo_repeats" in err.value.message
+    broken = Metric(
+        name="broken", layer="signal", split="train",
+        sql="SELECT step, avg(no_such_column) AS value FROM rollouts GROUP BY ROLLUP (step)",
+    )
+    harness = _with_metrics(broken)
+    harness = dataclasses.replace(harness, metrics=(*harness.metrics, failing))
+    with pytest.raises(EvoError) as err:
+        diagnose(table, None, harness)
+    assert err.value.field == "metrics.broken"

@@ -156,7 +156,7 @@ def diagnose_incremental(
 
     if state is None or state.harness_digest != harness.digest:
         state = DiagnosisState(harness.digest)
-    increment = Increment(rollouts, harness, state)
+    increment = Increment(harness, state)
     diagnosis = diagnose(rollouts, steps, harness, increment=increment, **options)
     return diagnosis, increment.next_state()
 
@@ -165,8 +165,8 @@ class Increment:
     """One incremental diagnosis: the changed rows of each split and the partials of the
     combinable metrics, recomputed for those rows and combined with the carried ones."""
 
-    def __init__(self, table: pa.Table, harness: HarnessRevision, state: DiagnosisState) -> None:
-        self.table, self.harness, self.state = table, harness, state
+    def __init__(self, harness: HarnessRevision, state: DiagnosisState) -> None:
+        self.harness, self.state = harness, state
         self.rows: dict[str, dict[Key, int]] = {}
         self.partials: dict[str, dict[Key, Any]] = {}
         self.changed: dict[str, tuple[pa.Table, pa.Table]] = {}  # split: (rows, analyzer view)

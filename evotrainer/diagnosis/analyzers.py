@@ -79,10 +79,20 @@ class _Calls:
         return _text_codes(self.names)
 
     @cached_property
+    def args(self) -> pa.ChunkedArray:
+        """Each call's args, null kept."""
+        return pc.struct_field(self.flat, "args")
+
+    @cached_property
+    def args_codes(self) -> tuple[np.ndarray, pa.Array]:
+        """(a code per call, the distinct args by code); null args are coded as ""."""
+        return _text_codes(self.args)
+
+    @cached_property
     def pair_codes(self) -> tuple[np.ndarray, pa.Array, pa.Array]:
         """(a code per call, name and args of each distinct pair by code); null is ""."""
         codes, names = self.name_codes
-        arg_codes, args = _text_codes(pc.struct_field(self.flat, "args"))
+        arg_codes, args = self.args_codes
         # One integer per (name, args) pair; its distinct values are the distinct pairs,
         # found without ever building a `name args` string per call.
         size = len(names) * len(args)
@@ -121,9 +131,9 @@ class _Calls:
         """Whether each call has the args of the call before it in its row (null = "").
         Neighbours are compared as they stand: no hash pass over every call's args, unless
         they are read dictionary-encoded and so already coded."""
-        args = pc.struct_field(self.flat, "args")
+        args = self.args
         if pa.types.is_dictionary(args.type):
-            return self._repeats(_text_codes(args)[0])
+            return self._repeats(self.args_codes[0])
         if args.null_count:
             args = pc.fill_null(args, "")
         n = len(args)
@@ -294,6 +304,6 @@ def call_table(table: pa.Table) -> pa.Table:
             "seed": pa.DictionaryArray.from_arrays(parents, table.column("seed").combine_chunks()),
             "step": pa.DictionaryArray.from_arrays(parents, table.column("step").combine_chunks()),
             "name": name,
-            "args": pc.struct_field(calls.flat, "args"),
+            "args": calls.args,
         }
     )

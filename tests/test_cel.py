@@ -42,3 +42,97 @@ def test_loop_variable_is_bound_only_inside_its_macro():
     # A later top-level `x` is a real input: it must be reported (and checked) as one.
     assert cel.names("xs.exists(x, x > 0) && x > 1") == {"xs", "x"}
     assert cel.names("xs.all(x, x > 0) || ys.exists(y, x > 0)") == {"xs", "ys", "x"}
+
+
+# ---- bounds (issue 25 item 8): an expression from a branch cannot stall the controller ------
+
+TWENTY = "[" + ",".join(str(i) for i in range(20)) + "]"
+
+
+def _nested_all(levels: int) -> str:
+    """The attack: `levels` nested .all() over 20-element literal lists (20**levels steps)."""
+    names = "abcdefgh"[:levels]
+    body = " + ".join(names) + " >= 0"
+    for name in reversed(names):
+        body = f"{TWENTY}.all({name}, {body})"
+    return body
+
+
+def test_nested_macros_past_the_limit_are_refused_before_any_evaluation():
+    attack = _nested_all(4)
+    assert len(attack) < 280  # as short as the report's: 54 s of evaluation before
+    with pytest.raises(EvoError) as err:
+        cel.check(attack)
+    assert "nests 4 macros" in err.value.message and "at most 2" in err.value.message
+    with pytest.raises(EvoError, match="nests 5 macros"):
+        cel.evaluate(_nested_all(5), {})
+    assert cel.evaluate(_nested_all(2), {}) is True  # 400 iterations: allowed
+
+
+def test_evaluation_stops_at_its_step_budget_however_the_lists_grow():
+    expr = "xs.all(a, xs.all(b, a + b >= 0))"  # two levels: allowed by shape
+    assert cel.evaluate(expr, {"xs": list(range(20))}) is True
+    with pytest.raises(cel.CostExceeded) as err:
+        cel.evaluate(expr, {"xs": list(range(2000))})  # 4,000,000 iterations
+    assert expr in err.value.message and f"{cel.MAX_STEPS:,} steps" in err.value.message
+    # map and filter build lists from lists: counted the same way.
+    with pytest.raises(cel.CostExceeded):
+        cel.evaluate("size(xs.map(a, xs.filter(b, b > a))) > 0", {"xs": list(range(2000))})
+    # The budget is per evaluation: the next one starts afresh.
+    assert cel.evaluate(expr, {"xs": [1, 2]}) is True
+
+
+def test_size_and_depth_are_bounded_with_one_clear_line():
+    with pytest.raises(EvoError, match="characters"):
+        cel.check(" || ".join(f"x > {i}.0" for i in range(200)))
+    with pytest.raises(EvoError, match="nested too deeply"):
+        cel.check("(" * 40 + "x" + ")" * 40)  # celpy's recursive walk would overflow
+    assert cel.evaluate("(" * 5 + "x" + ")" * 5, {"x": 1}) == 1
+
+
+def test_reduce_binds_both_of_its_variables():
+    assert cel.names("xs.reduce(r, x, 0, r + x) > limit") == {"xs", "limit"}
+    assert cel.evaluate("xs.reduce(r, x, 0, r + x) > 2", {"xs": [1, 2]}) is True
+
+
+def test_a_harness_alert_nesting_too_deep_is_refused_at_load_naming_the_alert():
+    from evotrainer.diagnosis.harness import parse_harness_text
+    from evotrainer.store.builtin import builtin_dir
+
+    text = (builtin_dir("harness_versions") / "h0.yaml").read_text()
+    first = next(line for line in text.splitlines() if line.strip().startswith("when:"))
+    indent = first[: len(first) - len(first.lstrip())]
+    attack = text.replace(first, f"{indent}when: \"{_nested_all(4)}\"", 1)
+    with pytest.raises(EvoError) as err:
+        parse_harness_text(attack, "harness_versions/h1.yaml")
+    assert err.value.where.startswith("harness_versions/h1.yaml:")
+    assert err.value.field.startswith("alerts[") and "nests 4 macros" in err.value.message
+
+
+def test_an_alert_over_the_budget_fails_the_diagnosis_naming_the_alert():
+    import copy
+
+    import yaml
+
+    from evotrainer.diagnosis.diagnose import diagnose
+    from evotrainer.diagnosis.harness import parse_harness
+    from evotrainer.evidence.synthetic import rollout_table
+    from evotrainer.store.builtin import builtin_dir
+
+    doc = yaml.safe_load((builtin_dir("harness_versions") / "h0.yaml").read_text())
+    doc = copy.deepcopy(doc)
+    doc["params"]["grid"] = list(range(1000))
+    metric = doc["metrics"][0]["name"]
+    doc["alerts"].append({
+        "name": "grid_sweep", "metric": metric, "severity": "warning",
+        "when": "params.grid.exists(a, params.grid.exists(b, a + b < 0))",
+        "message": "a million comparisons",
+    })
+    harness = parse_harness(doc, source="harness_versions/h1.yaml")
+    rows = rollout_table(
+        [dict(step=1, group_id="g", sample_idx=i, reward=float(i % 2)) for i in range(4)])
+    with pytest.raises(EvoError) as err:
+        diagnose(rows, None, harness)
+    assert err.value.where == "harness_versions/h1.yaml"
+    assert err.value.field == "alerts.grid_sweep.levels[0].when"
+    assert "steps" in err.value.message

@@ -3,6 +3,14 @@
 Values go in as plain Python (None, bool, int, float, str, lists, dicts) and come out the
 same way. CEL does not mix int and double in arithmetic (`2 * x` fails for a double `x`;
 write `2.0 * x`), but comparisons across the two work.
+
+Expressions come from branches and pull requests (harness revisions, skills, criteria), and
+some are evaluated before anyone reviews them (`pr harness-summary`), so each is bounded:
+at most MAX_CHARS characters, macros (`all`, `exists`, `map`...) nested at most MAX_NESTING
+deep, a syntax tree at most MAX_DEPTH levels deep, and at most MAX_STEPS evaluation steps
+(syntax-tree nodes visited, a macro's body once per element) per evaluation. Nested macros
+multiply: four nested `.all()` over 20-element lists are 160,000 iterations, about a minute
+of work for one alert.
 """
 
 from __future__ import annotations
@@ -12,19 +20,71 @@ from typing import Any
 
 import celpy
 from celpy import celtypes
+from celpy.evaluation import Evaluator
 from lark import Token, Tree
 
 from evotrainer.errors import EvoError
 
-_ENV = celpy.Environment()
-# Macros whose first argument binds a loop variable rather than naming an input.
-_MACROS = {"all", "exists", "exists_one", "map", "filter"}
+MAX_CHARS = 1000
+MAX_NESTING = 2
+# Syntax-tree levels: celpy evaluates by recursion and runs out of Python frames near 550.
+MAX_DEPTH = 250
+# About half a second of celpy's tree walking; the built-in expressions need under a hundred.
+MAX_STEPS = 50_000
+
+# Macros whose first argument binds a loop variable rather than naming an input (celpy's
+# `reduce` binds two: `xs.reduce(r, x, init, expr)`).
+_MACROS = {"all", "exists", "exists_one", "map", "filter", "reduce"}
+
+
+class CostExceeded(EvoError):
+    """An evaluation ran past MAX_STEPS: raised through celpy, never turned into a value."""
+
+
+class _Budget:
+    def __init__(self) -> None:
+        self.left = MAX_STEPS
+
+
+class _BoundedEvaluator(Evaluator):
+    """celpy's interpreter, counting every node it visits (a macro's body once per element)
+    against one budget shared with the macros' own evaluators."""
+
+    def __init__(self, ast: Tree, activation: Any, budget: _Budget) -> None:
+        super().__init__(ast, activation)
+        self.budget = budget
+
+    def _visit_tree(self, tree: Tree) -> Any:
+        self.budget.left -= 1
+        if self.budget.left < 0:
+            raise CostExceeded(
+                f"evaluation took more than {MAX_STEPS:,} steps",
+                hint="nest fewer macros (all, exists, map, filter) or iterate shorter lists",
+            )
+        return super()._visit_tree(tree)
+
+    def sub_evaluator(self, ast: Tree) -> _BoundedEvaluator:
+        return _BoundedEvaluator(ast, self.activation, self.budget)
+
+
+class _BoundedRunner(celpy.InterpretedRunner):
+    def evaluate(self, context: Any) -> Any:
+        return _BoundedEvaluator(self.ast, self.new_activation(), _Budget()).evaluate(context)
+
+
+_ENV = celpy.Environment(runner_class=_BoundedRunner)
 
 
 @lru_cache(maxsize=1024)
 def _compile(expr: str) -> tuple[Any, frozenset[str]]:
     if not isinstance(expr, str) or not expr.strip():
         raise EvoError("empty CEL expression", hint="write a condition such as `x > 0.5`")
+    if len(expr) > MAX_CHARS:
+        raise EvoError(
+            f"CEL expression of {len(expr):,} characters (at most {MAX_CHARS:,}): "
+            f"{expr[:60]!r}…",
+            hint="split the condition over several alerts or rules",
+        )
     try:
         ast = _ENV.compile(expr)
     except celpy.CELParseError as err:
@@ -32,7 +92,41 @@ def _compile(expr: str) -> tuple[Any, frozenset[str]]:
             f"invalid CEL expression {expr!r}: {' '.join(str(err).split())}",
             hint="see https://github.com/google/cel-spec for the syntax",
         ) from None
+    depth, nesting = _shape(ast)
+    if depth > MAX_DEPTH:
+        raise EvoError(f"CEL expression {expr[:60]!r}… is nested too deeply ({depth} levels, "
+                       f"at most {MAX_DEPTH})", hint="write it with fewer nested parentheses")
+    if nesting > MAX_NESTING:
+        raise EvoError(
+            f"CEL expression {expr!r} nests {nesting} macros (all, exists, map, filter...) "
+            f"inside each other; at most {MAX_NESTING}",
+            hint="each nested macro multiplies the work by a list's length: test fewer "
+            "combinations, or compute the value as a metric",
+        )
     return _ENV.program(ast), frozenset(_free_names(ast))
+
+
+def _is_macro(node: Tree) -> bool:
+    return (
+        node.data == "member_dot_arg"
+        and len(node.children) == 3
+        and isinstance(node.children[1], Token)
+        and str(node.children[1]) in _MACROS
+    )
+
+
+def _shape(ast: Tree) -> tuple[int, int]:
+    """(depth of the syntax tree, how many macros its deepest path passes through), walked
+    without recursion: the bound exists because celpy's own walk recurses."""
+    depth = nesting = 0
+    stack: list[tuple[Tree, int, int]] = [(ast, 1, 0)]
+    while stack:
+        node, level, macros = stack.pop()
+        macros += _is_macro(node)
+        depth, nesting = max(depth, level), max(nesting, macros)
+        stack += [(child, level + 1, macros) for child in node.children
+                  if isinstance(child, Tree)]
+    return depth, nesting
 
 
 def _free_names(node: Tree | Token | None, bound: frozenset[str] = frozenset()) -> set[str]:
@@ -44,16 +138,18 @@ def _free_names(node: Tree | Token | None, bound: frozenset[str] = frozenset()) 
     if node.data == "ident":
         name = str(node.children[0])
         return set() if name in bound else {name}
-    if node.data == "member_dot_arg" and len(node.children) == 3:
+    if _is_macro(node) and node.children[2] is not None:
         target, method, args = node.children
-        if isinstance(method, Token) and str(method) in _MACROS and args is not None:
-            variable, *body = args.children
+        variables = args.children[:2] if str(method) == "reduce" else args.children[:1]
+        inner = set(bound)
+        for variable in variables:
             idents = list(variable.find_data("ident"))
-            inner = bound | {str(idents[0].children[0])} if len(idents) == 1 else bound
-            found = _free_names(target, bound)
-            for part in body:
-                found |= _free_names(part, inner)
-            return found
+            if len(idents) == 1:
+                inner.add(str(idents[0].children[0]))
+        found = _free_names(target, bound)
+        for part in args.children[len(variables):]:
+            found |= _free_names(part, frozenset(inner))
+        return found
     found: set[str] = set()
     for child in node.children:
         found |= _free_names(child, bound)
@@ -79,6 +175,8 @@ def evaluate(expr: str, variables: dict[str, Any]) -> Any:
         return _from_cel(program.evaluate(activation))
     except celpy.CELEvalError as err:
         raise EvoError(f"CEL expression {expr!r} failed: {err.args[0]}") from None
+    except CostExceeded as err:
+        raise CostExceeded(f"CEL expression {expr!r}: {err.message}", hint=err.hint) from None
 
 
 def _to_cel(value: Any) -> Any:

@@ -5,10 +5,15 @@ against its recorded digest both before and after the copy, with a model card (R
 that says what it is: the version, its lineage, the recipe digest, and the gate's verdict,
 Δ and CI against its parent. The directory appears only once complete (written beside it,
 then renamed), and an existing non-empty directory is never written into.
+
+The card quotes spec text (the rationale, the project name) that an author or a planner
+wrote: it goes in as literal Markdown text, capped, so nothing in it becomes HTML, a link or
+front matter on a model hub's page.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -23,6 +28,9 @@ from evotrainer.store.checkpoints import (
 from evotrainer.store.workspace import VersionState, Workspace
 
 CARD = "README.md"
+# The most characters of spec text one card field quotes; the rest is cut with a pointer to
+# the spec (a card is a summary, and a hub renders it on the model's front page).
+MAX_QUOTED_CHARS = 2_000
 
 
 def export_policy(
@@ -50,9 +58,9 @@ def export_policy(
         raise EvoError(f"{target} exists and is not an empty directory", field="--to",
                        hint="export into a new directory")
     partial = target.with_name(f".{target.name}.partial")
-    if partial.exists():
-        shutil.rmtree(partial)
+    _remove_leftover(partial)
     shutil.copytree(source, partial, symlinks=True)
+    _readable_like_the_rest(partial)
     # What was copied is what was recorded (the source could change while it was read).
     if directory_digest(partial)[0] != artifact["digest"]:
         shutil.rmtree(partial)
@@ -65,6 +73,26 @@ def export_policy(
     return target
 
 
+def _remove_leftover(partial: Path) -> None:
+    """Clear what an interrupted export left at the staging path: its folder, or whatever
+    else sits there (a file, a link: removed, never followed)."""
+    if partial.is_symlink() or (partial.exists() and not partial.is_dir()):
+        partial.unlink()
+    elif partial.exists():
+        shutil.rmtree(partial)
+
+
+def _readable_like_the_rest(folder: Path) -> None:
+    """Give every copied file and folder the modes the user's umask gives new files:
+    safetensors writes its weights 0600, which left model.safetensors private in an export
+    that is otherwise 0644 (copytree keeps modes)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def model_card(
     ws: Workspace, state: VersionState, states: dict[str, VersionState], artifact: dict
 ) -> str:
@@ -75,17 +103,18 @@ def model_card(
     base = model.get("path") or model.get("package") or "a tiny model built from model.tiny"
     lineage = " → ".join(s.name for s in ws.chain(state.name, states))
     result = run.result if run else {}
+    project = quoted(ws.project.get("name", "evotrainer"), state.name)
     lines = [
-        f"# {ws.project.get('name', 'evotrainer')} {state.name}",
+        f"# {project} {state.name}",
         "",
         f"A policy trained with EvoTrainer: version `{state.name}` of project "
-        f"`{ws.project.get('name', '')}`, domain `{recipe['domain']['name']}`.",
+        f"{project}, domain {quoted(recipe['domain']['name'], state.name)}.",
         "",
         "| | |",
         "|---|---|",
         f"| version | `{state.name}` |",
         f"| lineage | {lineage} |",
-        f"| base model | `{base}` |",
+        f"| base model | {quoted(base, state.name)} |",
         f"| started from | {_start(state, recipe)} |",
         f"| recipe digest | `{(run.recipe_digest if run else None) or ''}` |",
         f"| training steps (this version) | {result.get('steps_done', recipe['grpo']['steps'])} |",
@@ -99,11 +128,22 @@ def model_card(
         "",
     ]
     if decision and decision.reason:
-        lines += [f"Gate: {decision.reason}", ""]
+        lines += [f"Gate: {quoted(decision.reason, state.name)}", ""]
     intervention = (state.spec or {}).get("intervention") or {}
     if intervention.get("rationale"):
-        lines += [f"Intervention: {intervention['rationale']}", ""]
+        lines += [f"Intervention: {quoted(intervention['rationale'], state.name)}", ""]
     return "\n".join(lines)
+
+
+def quoted(text: object, version: str) -> str:
+    """Spec text as one line of literal Markdown, at most MAX_QUOTED_CHARS of it."""
+    from evotrainer.control.pull_requests import md_text  # the PR body's escaping
+
+    text = " ".join(str(text).split())
+    if len(text) <= MAX_QUOTED_CHARS:
+        return md_text(text)
+    return (md_text(text[:MAX_QUOTED_CHARS]) + " … (cut: the full text is in "
+            f"spec/versions/{version}.yaml on evo/{version})")
 
 
 def _start(state: VersionState, recipe: dict) -> str:

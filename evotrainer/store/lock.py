@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 import shutil
 import socket
 import sys
@@ -21,6 +22,10 @@ from pathlib import Path
 import psutil
 
 from evotrainer.errors import EvoError
+
+# Linux caps pids at 2**22 (pid_max); anything past a C int is not a process id, and psutil
+# would overflow on it.
+MAX_PID = 2**31 - 1
 
 
 @dataclass
@@ -58,12 +63,13 @@ def read_lock(path: Path) -> LockState | None:
         return LockState(None, "the file is empty")
     try:
         info = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # bad JSON, an int past Python's digit limit, nesting
         return LockState(None, "the file is not a lock record")
     if not isinstance(info, dict):
         return LockState(None, "the file is not a lock record")
-    if not isinstance(info.get("pid"), int) or isinstance(info.get("pid"), bool):
-        return LockState(None, f"its pid is not a number ({info.get('pid')!r})")
+    pid = info.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid <= MAX_PID:
+        return LockState(None, f"its pid is not a process id ({reprlib.repr(pid)})")
     if not isinstance(info.get("create_time", 0), (int, float)):
         return LockState(None, "its create_time is not a number")
     return LockState(info)

@@ -309,15 +309,21 @@ def test_each_seed_is_its_own_run(tmp_path):
 def test_render_a_workspace_version(workspace, monkeypatch):
     monkeypatch.chdir(workspace.root)
     result = CliRunner().invoke(render_app(), ["render", "v0"])
-    # The example project trains a tiny model from scratch: verl needs a checkpoint.
-    assert isinstance(result.exception, EvoError) and result.exception.field == "model.path"
+    # The example project trains on the local backend: render says it shows verl jobs.
+    assert isinstance(result.exception, EvoError) and result.exception.field == "backend"
+    (workspace.root / "models" / "qwen").mkdir(parents=True)
     project = workspace.root / "spec" / "project.yaml"
     spec = yaml.safe_load(project.read_text())
-    spec["recipe"]["model"] = {"path": "/models/qwen"}
+    spec["recipe"]["backend"] = "verl"
+    spec["recipe"]["model"] = {"path": str(workspace.root / "models" / "qwen")}
     project.write_text(yaml.safe_dump(spec))
     result = CliRunner().invoke(render_app(), ["render", "v0"], catch_exceptions=False)
-    assert "actor_rollout_ref.model.path=/models/qwen" in result.output.splitlines()
+    lines = result.output.splitlines()
+    assert f"actor_rollout_ref.model.path={workspace.root / 'models' / 'qwen'}" in lines
     assert str(workspace.artifact_root / "v0" / "evo-v0-a1-") in result.output
+    # v0 is the evaluation-only baseline: its job trains 0 steps (tests/test_verl_render_launch
+    # compares every rendered job with the one reconcile submits).
+    assert "trainer.total_training_steps=0" in lines
 
 
 def test_the_final_policy_is_saved_merged_and_continued_from(tmp_path):

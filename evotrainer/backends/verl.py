@@ -58,6 +58,7 @@ from evotrainer.store.checkpoints import check_job_start
 from evotrainer.store.clock import now_iso
 from evotrainer.store.files import atomic_write, read_json
 from evotrainer.trackers import RunIdentity, logger_names
+from evotrainer.trackers.mlflow_tracker import tracking_uri
 from evotrainer.trackers.verl import verl_tracker_env
 
 JOB_FILE = "job.json"
@@ -92,13 +93,13 @@ class VerlBackend:
     def submit(self, job: JobSpec) -> None:
         if self.status(job).state is not JobState.UNKNOWN:
             return  # already launched (or finished): adopt it, never launch twice
-        runs = [with_tracker_env(run, job) for run in prepare(job)]
-        settings = verl_settings(job.recipe)
-        command = entrypoint(runs, settings["python"])
-        if settings["ray_address"] is None:
+        prepare(job)
+        command = job_command(job, job_runs(job))
+        address = verl_settings(job.recipe)["ray_address"]
+        if address is None:
             self._submit_local(job, command)
         else:
-            self._submit_ray(job, settings["ray_address"], command)
+            self._submit_ray(job, address, command)
 
     def _submit_local(self, job: JobSpec, command: str) -> None:
         files = JobFiles(job.artifact_dir)
@@ -108,14 +109,7 @@ class VerlBackend:
         script = f'{command}\nstatus=$?\necho "$status" > {shlex.quote(str(exit_file))}\n'
         script_file = files.root / "run.sh"
         script_file.write_text(script)
-        env = {
-            **os.environ,
-            **job_env(job.recipe),
-            **job.env,
-            "PYTHONPATH": os.pathsep.join(
-                p for p in (_package_parent(), os.environ.get("PYTHONPATH", "")) if p
-            ),
-        }
+        env = {**os.environ, **local_env(job)}
         record = {
             **spawn_detached(["sh", str(script_file)], job, env, files.log_file),
             "mode": "local",
@@ -125,16 +119,10 @@ class VerlBackend:
 
     def _submit_ray(self, job: JobSpec, address: str, command: str) -> None:
         client = _ray_client(address)
-        runtime_env = {
-            "working_dir": str(job.workdir),
-            "py_modules": [str(Path(evotrainer.__file__).parent)],
-            "env_vars": {**job_env(job.recipe), **job.env},
-            "excludes": [".git"],
-        }
         client.submit_job(
             entrypoint=command,
             submission_id=job.job_id,
-            runtime_env=runtime_env,
+            runtime_env=ray_runtime_env(job),
             metadata={"evotrainer_version": job.version},
         )
         record = {
@@ -334,21 +322,68 @@ def trained_policies(job: JobSpec, files: JobFiles) -> dict[int, Path]:
 # ---- job files -------------------------------------------------------------------------
 
 
-def with_tracker_env(run: RenderedRun, job: JobSpec) -> RenderedRun:
-    """The seed's tracker environment (TensorBoard dir, W&B run, the MLflow run created now)
-    handed to verl's trackers the way the file logger's path is: through the runtime_env
-    main_ppo gives ray.init, so it reaches the TaskRunner actor locally and on a cluster.
-    Done at submit, not render: opening the MLflow run is a side effect."""
+# What `render` shows for the MLflow run id: only the launch creates the run (a side effect).
+MLFLOW_RUN_AT_LAUNCH = "<the MLflow run created at launch>"
+
+
+def job_runs(job: JobSpec, identity: RunIdentity | None = None) -> list[RenderedRun]:
+    """Every seed's run as the job launches it: rendered from the job's recipe (the one
+    reconcile submits, not the version's resolved recipe), each with its tracker environment
+    (TensorBoard dir, W&B run, MLflow run) handed to verl's trackers the way the file
+    logger's path is: through the runtime_env main_ppo gives ray.init, so it reaches the
+    TaskRunner actor locally and on a cluster.
+
+    Without `identity` (submit) the identity is the one the launcher left in the artifact
+    dir and the MLflow run is created now. With it (`render`: nothing launched) nothing is
+    written or opened, and the MLflow run id, which only a launch creates, is a placeholder:
+    otherwise the two give the same runs, so render prints what submit runs."""
+    files = JobFiles(job.artifact_dir)
+    runs = render_job(job.recipe, version=job.version, files=files, workdir=job.workdir)
     loggers = logger_names(job.recipe)
-    tracker_run = RunIdentity.read(job.artifact_dir, job.version).tracker_run(
-        job.artifact_dir, run.seed
-    )
-    env = verl_tracker_env(loggers, tracker_run)
+    launching = identity is None
+    identity = identity or RunIdentity.read(job.artifact_dir, job.version)
     prefix = "+ray_kwargs.ray_init.runtime_env.env_vars."
-    return run.with_overrides([Override(prefix + key, value) for key, value in env.items()])
+    tracked = []
+    for run in runs:
+        tracker_run = identity.tracker_run(job.artifact_dir, run.seed)
+        if launching:
+            env = verl_tracker_env(loggers, tracker_run)
+        else:
+            env = verl_tracker_env([n for n in loggers if n != "mlflow"], tracker_run)
+            if "mlflow" in loggers:
+                env |= {
+                    "MLFLOW_TRACKING_URI": tracking_uri(tracker_run),
+                    "MLFLOW_RUN_ID": MLFLOW_RUN_AT_LAUNCH,
+                }
+        tracked.append(run.with_overrides([Override(prefix + k, v) for k, v in env.items()]))
+    return tracked
 
 
-def prepare(job: JobSpec) -> list[RenderedRun]:
+def job_command(job: JobSpec, runs: list[RenderedRun]) -> str:
+    """The job's shell command: each seed's run and policy merge (`entrypoint`)."""
+    return entrypoint(runs, verl_settings(job.recipe)["python"])
+
+
+def local_env(job: JobSpec) -> dict[str, str]:
+    """What a local job's processes get on top of the launcher's environment: the recipe's
+    `verl.env`, the job's own variables, and evotrainer on PYTHONPATH (the reward module
+    imports it)."""
+    path = os.pathsep.join(p for p in (_package_parent(), os.environ.get("PYTHONPATH", "")) if p)
+    return {**job_env(job.recipe), **job.env, "PYTHONPATH": path}
+
+
+def ray_runtime_env(job: JobSpec) -> dict[str, Any]:
+    """A Ray job's runtime_env: the worktree as working_dir, the evotrainer package as a
+    py_module (the reward module imports it) and the job's environment variables."""
+    return {
+        "working_dir": str(job.workdir),
+        "py_modules": [str(Path(evotrainer.__file__).parent)],
+        "env_vars": {**job_env(job.recipe), **job.env},
+        "excludes": [".git"],
+    }
+
+
+def prepare(job: JobSpec) -> None:
     """Render the job and write its inputs: data, reward module and config, sampler."""
     files = JobFiles(job.artifact_dir)
     runs = render_job(job.recipe, version=job.version, files=files, workdir=job.workdir)
@@ -373,7 +408,6 @@ def prepare(job: JobSpec) -> list[RenderedRun]:
         shutil.copyfile(SAMPLER_TEMPLATE, files.sampler_module)
     for run in runs:
         files.seed_dir(run.seed).mkdir(parents=True, exist_ok=True)
-    return runs
 
 
 def write_verl_parquet(tasks: list[Task], path: Path, *, split: str) -> None:

@@ -94,14 +94,23 @@ def test_evolve_command_approves_up_front_and_prints_rounds_and_lineage(tmp_path
     result = CliRunner().invoke(app, ["evolve", "--rounds", "1", "--approve"])
     assert result.exit_code == 0, result.output
     assert "round 1" in result.output and "lineage" in result.output
+    # The round's header and proposals come before the training they start, its outcome after.
+    out = result.output
+    assert out.index("round 1") < out.index("proposals") < out.index("v1: launch")
+    assert out.index("v1: launch") < out.index("v1  prune")
     assert "v1" in result.output and "prune" in result.output and "leak" in result.output
     spec = ws.version("v1").spec
     assert spec["approval"]["by"] == "evotrainer evolve --approve"
     assert json.dumps(spec["proposal"]["planner"]) == '"rules"'
 
 
-def test_unknown_planner_is_a_clear_error(tmp_path):
+def test_unknown_planner_is_refused_before_anything_trains(tmp_path):
     ws = toolenv(tmp_path)
-    with pytest.raises(EvoError, match="unknown planner 'nope'"):
+    assert ws.version("v0").approved  # reconcile would launch it first
+    lines: list[str] = []
+    with pytest.raises(EvoError, match="unknown planner 'nope'") as err:
         evolve(ws, 1, planner="nope", backends={"local": LeakFollowsRecipe()},
-               log=lambda _: None, poll_s=0.05)
+               log=lines.append, poll_s=0.05)
+    assert err.value.field == "--planner" and "rules" in err.value.hint
+    assert lines == [] and ws.version("v0").records["run"] is None
+    assert not (ws.state_dir / "lock").exists()

@@ -34,9 +34,11 @@ def register(app: typer.Typer) -> None:
         ws = Workspace.find()
         console = make_console()
 
-        def show_round(current: Round) -> None:
+        def show_proposals(current: Round) -> None:
             console.rule(f"round {current.number}")
             print_result(console, current.result)
+
+        def show_outcomes(current: Round) -> None:
             for row in current.outcomes:
                 console.print("  " + describe(row))
             if current.stop:
@@ -50,7 +52,7 @@ def register(app: typer.Typer) -> None:
 
             evolve(ws, rounds, planner=planner, approve_all=approve, max_proposals=max_,
                    log=lambda line: console.print(f"[bold]→[/] {safe(line)}"),
-                   on_round=show_round, on_wait=waiting)
+                   on_proposed=show_proposals, on_round=show_outcomes, on_wait=waiting)
         console.print(lineage_tree(lineage_rows(ws)))
         if report:
             from evotrainer.report import build_report

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from evotrainer.agent.planners.base import PlannerResult
-from evotrainer.agent.propose import propose
+from evotrainer.agent.propose import get_planner, propose
 from evotrainer.backends import Backends
 from evotrainer.backends.base import Backend
 from evotrainer.control.lineage import LineageRow, lineage_rows
@@ -49,10 +49,15 @@ def evolve(
     max_proposals: int = 1,
     backends: Backends | Mapping[str, Backend] | None = None,
     log: Callable[[str], None] = print,
+    on_proposed: Callable[[Round], None] | None = None,
     on_round: Callable[[Round], None] | None = None,
     on_wait: Callable[[list[VersionPlan]], None] | None = None,
     poll_s: float = 2.0,
 ) -> list[Round]:
+    """`on_proposed` sees each round once its proposals are written and approved (before they
+    train), `on_round` once they have trained and been gated."""
+    if planner is not None:
+        get_planner(planner)  # an unknown name is refused before anything trains
     mode = (ws.project.get("autonomy") or {}).get("mode", "human_gated")
     done: list[Round] = []
     command = " ".join(["evotrainer", *sys.argv[1:]]) if sys.argv[1:] else "evotrainer evolve"
@@ -64,6 +69,8 @@ def evolve(
             current = Round(number, propose(ws, planner, max_proposals))
             done.append(current)
             current.stop = _approve(ws, current, mode, approve_all, backends)
+            if on_proposed:
+                on_proposed(current)
             if current.approved:
                 reconciler.run(wait=True, poll_s=poll_s, on_wait=on_wait)
                 rows = {r.name: r for r in lineage_rows(ws)}

@@ -7,8 +7,8 @@
 
 Both take a rollout table (or a path `read_rollouts` understands) and return a plain dict of
 numbers and strings, so a planner can embed the result in a proposal. A group is the rows of
-one (version, seed, step, group_id) with at least two samples; it is dead when its reward's
-population std is below `dead_std`, the harness h0's definition.
+one (version, seed, step, group_id) with at least two samples; it is dead by the one
+definition every `dead_group_ratio` uses (evidence/groups.py).
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from evotrainer.agent.skills import Skill
 from evotrainer.domains import make_domain
 from evotrainer.engine.filters import make_filter
 from evotrainer.errors import EvoError
+from evotrainer.evidence.groups import dead_groups
 from evotrainer.evidence.io import read_rollouts
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.store.recipe import BASE_RECIPE
-
-DEAD_STD = 1e-3  # h0's `dead_std`: the method's "std(group CR) < 0.001"
 
 GroupKey = tuple[str, int, int, str]  # version, seed, step, group_id
 
@@ -125,7 +124,6 @@ def backtest_reward(
     domain: str | Mapping[str, Any] | None = None,
     *,
     split: str = "train",
-    dead_std: float = DEAD_STD,
 ) -> dict[str, Any]:
     """Re-score each rollout as reward + weight × component and compare the groups."""
     table = _select(rollouts, split)
@@ -134,7 +132,7 @@ def backtest_reward(
     after = before + weight * values
     groups = _groups(table)
     std_before, std_after = _stds(before, groups), _stds(after, groups)
-    dead_before, dead_after = std_before < dead_std, std_after < dead_std
+    dead_before, dead_after = dead_groups(std_before), dead_groups(std_after)
     correct = np.array([np.nan if c is None else c for c in table["correct"].to_pylist()])
     known = ~np.isnan(correct)
     corr = None
@@ -174,7 +172,6 @@ def backtest_filter(
     params: Mapping[str, Any] | None = None,
     *,
     split: str = "train",
-    dead_std: float = DEAD_STD,
 ) -> dict[str, Any]:
     """Replay a group filter step by step (a fresh filter per version and seed, as each run
     starts one) and compare the kept groups with all of them."""
@@ -198,7 +195,7 @@ def backtest_filter(
     thresholds = [f.threshold() for f in filters.values() if hasattr(f, "threshold")]
     kept = np.array(keep, dtype=bool)
     stds = _stds(rewards, groups)
-    dead = stds < dead_std
+    dead = dead_groups(stds)
     return {
         "filter": filter_name,
         "params": make_filter(spec).params,  # with the filter's defaults filled in

@@ -26,6 +26,7 @@ import pyarrow.compute as pc
 
 from evotrainer.diagnosis.analyzers import call_table
 from evotrainer.errors import EvoError
+from evotrainer.evidence.groups import DEAD_GROUP_SQL
 from evotrainer.evidence.steps import empty_steps
 
 _PARAM = re.compile(r"\$([A-Za-z_]\w*)")
@@ -33,18 +34,19 @@ _PARAM = re.compile(r"\$([A-Za-z_]\w*)")
 MEMORY_LIMIT = "2GB"
 THREADS = min(4, os.cpu_count() or 1)
 # The `groups` table: what the group metrics (dead, saturated, spread) read.
-GROUPS_SQL = """CREATE TEMP TABLE groups AS
+GROUPS_SQL = f"""CREATE TEMP TABLE groups AS
 SELECT seed, step, group_id,
        count(*) AS n,                        -- rollouts in the group
        count(correct) AS n_scored,           -- of which have a `correct`
        stddev_pop(reward) AS reward_sd,
+       {DEAD_GROUP_SQL} AS dead,  -- evidence/groups.py: the one dead-group rule
        avg(reward) AS reward_mean,
        bool_and(correct = 1) AS all_correct, -- over the scored rollouts
        bool_and(correct = 0) AS all_wrong
 FROM rollouts GROUP BY seed, step, group_id"""
 GROUP_COLUMNS = (
-    "seed", "step", "group_id", "n", "n_scored", "reward_sd", "reward_mean", "all_correct",
-    "all_wrong",
+    "seed", "step", "group_id", "n", "n_scored", "reward_sd", "dead", "reward_mean",
+    "all_correct", "all_wrong",
 )
 READS_GROUPS = re.compile(r"\bgroups\b", re.IGNORECASE)
 READS_CALLS = re.compile(r"\bcalls\b", re.IGNORECASE)

@@ -17,7 +17,10 @@ import numpy as np
 
 from evotrainer.errors import EvoError
 
-# Rewards are floats from weighted sums: treat a spread below this as "all equal".
+# "All rewards equal" up to the rounding of weighted float sums: such a group's advantages
+# are exactly zero, so the zero-std filters drop it. Not the dead-group rule behind every
+# `dead_group_ratio` (evidence/groups.py: std < 1e-3), which also counts groups whose rewards
+# differ by less than any signal.
 ZERO_STD = 1e-8
 
 

@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 from evotrainer.domains import Domain, Task, make_domain
 from evotrainer.engine import offline_environment
 from evotrainer.engine.checks import check_recipe, environment_config, evaluation_sampling
-from evotrainer.engine.filters import ZERO_STD, make_filter
+from evotrainer.engine.filters import make_filter
 from evotrainer.engine.model import (
     AdapterOff,
     continued_model,
@@ -44,6 +44,7 @@ from evotrainer.engine.model import (
 from evotrainer.engine.outputs import RunLog, RunOutputs, write_json
 from evotrainer.engine.rollout import Episode, batch_tensors, sample_episodes, token_logprobs
 from evotrainer.engine.warm_start import warm_start
+from evotrainer.evidence.groups import dead_group_ratio
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.store.checkpoints import check_job_start, seed_checkpoint_name
 from evotrainer.store.recipe import digest
@@ -283,7 +284,7 @@ class Trainer:
         stats |= {
             "reward_mean": float(rewards.mean()),
             "correct_mean": float(np.mean([s.correct for s in scores])),
-            "dead_group_ratio": float(np.mean(grouped.std(axis=1) <= ZERO_STD)),
+            "dead_group_ratio": dead_group_ratio(grouped),
             "kept_group_ratio": float(keep_groups.mean()),
             "response_tokens_mean": sampled / len(episodes),
             "truncated_ratio": float(np.mean([e.finish_reason != "stop" for e in episodes])),

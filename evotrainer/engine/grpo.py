@@ -384,8 +384,10 @@ def run_job(
 ) -> dict[str, Any]:
     """Train every seed of a resolved recipe in turn and write the run's outputs to `out_dir`.
 
-    Warm starts are cached under `cache_dir`, else $EVOTRAINER_CACHE_DIR (the `local` backend
-    points it at the artifact root), else `<out_dir>/../warm_start`. Returns the content of
+    Warm starts (and a converted GGUF model) are cached under `cache_dir`, else
+    $EVOTRAINER_CACHE_DIR (the `local` backend points it at the artifact root's `cache`, shared
+    by a workspace's runs), else `<out_dir>/cache`: a standalone run writes nothing outside its
+    own folder. Returns the content of
     result.json; on failure result.json says `failed` with the `error` and the exception
     propagates.
     """
@@ -394,11 +396,7 @@ def run_job(
     torch.set_num_threads(recipe.get("threads", 1))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cache_root = Path(
-        cache_dir
-        or os.environ.get("EVOTRAINER_CACHE_DIR")
-        or out_dir.resolve().parent / "warm_start"
-    )
+    cache_root = Path(cache_dir or os.environ.get("EVOTRAINER_CACHE_DIR") or out_dir / "cache")
     log = RunLog(RunArtifacts(out_dir).log, progress)
     outputs = RunOutputs(out_dir, version)
     started = time.perf_counter()

@@ -112,7 +112,7 @@ def _record(ws: Workspace, name: str, verdict: str | None, weights: bytes) -> Pa
                     "comparison": {"delta": 0.1, "ci_low": 0.02, "ci_high": 0.18}}
         files[run_path(name, "decision.yaml")] = yaml.safe_dump(decision).encode()
     ws.git.commit_files(branch_name(name), files, f"record {name}", {})
-    if verdict == "promote":
+    if verdict in ("promote", "baseline"):
         ws.git.merge_into("main", branch_name(name), f"Promote {name}")
     return policy
 
@@ -193,3 +193,171 @@ def test_a_record_pointing_elsewhere_cannot_make_gc_delete_it(lineage, tmp_path)
     assert err.value.field == "artifacts.checkpoint.path"
     assert (victim / "precious.txt").read_text() == "keep me"
     shutil.rmtree(victim)
+
+
+# ---- gc reaches only the dropped version's own folder (issue 25 item 4) --------------------
+
+
+def _tamper(ws: Workspace, name: str, change) -> None:
+    """Commit an edited run.yaml onto `name`'s branch, as its author can."""
+    branch, path = branch_name(name), run_path(name, "run.yaml")
+    run = yaml.safe_load(ws.git.read(branch, path))
+    change(run)
+    ws.git.commit_files(branch, {path: yaml.safe_dump(run).encode()}, "tamper", {})
+
+
+def test_a_pruned_record_naming_the_promoted_job_cannot_make_gc_delete_its_weights(
+    lineage, cli
+):
+    """The attack: on pruned v2's branch, `job_id: ../v1/<v1's job>` and v1's checkpoint
+    path. Before, the path resolved inside the artifact root, so gc deleted v1's policy and
+    `export v1` failed."""
+    ws, policies = lineage
+    v1_run = ws.version("v1").records["run"]
+
+    def point_at_v1(run: dict) -> None:
+        run["job_id"] = f"../v1/{v1_run['job_id']}"
+        run["artifact_dir"] = v1_run["artifact_dir"]
+        run["artifacts"]["checkpoint"] = dict(v1_run["artifacts"]["checkpoint"])
+
+    _tamper(ws, "v2", point_at_v1)
+    result = cli("-C", str(ws.root), "gc")
+    assert result.code == 1 and "Traceback" not in result.output
+    assert result.err.startswith("error: evo/v2:runs/v2/run.yaml: job_id: ")
+    assert "own artifact folder" in result.err and result.err.count("\n") == 1
+    assert (policies["v1"] / "model.safetensors").read_bytes() == b"w1" * 1000
+    result = cli("-C", str(ws.root), "export", "v1", "--to", str(ws.root.parent / "v1-out"))
+    assert result.code == 0, result.output
+    assert (ws.root.parent / "v1-out" / "model.safetensors").read_bytes() == b"w1" * 1000
+    with pytest.raises(EvoError) as err:  # export reads through the same check
+        export_policy(ws, "v2", ws.root.parent / "v2-out")
+    assert err.value.field == "job_id"
+
+
+@pytest.mark.parametrize("job_id", ["a/b", "..", ".", ""])
+def test_a_job_id_is_one_plain_folder_name(lineage, job_id):
+    ws, policies = lineage
+    _tamper(ws, "v2", lambda run: run.update(job_id=job_id))
+    with pytest.raises(EvoError) as err:
+        plan_gc(ws)
+    assert err.value.field == "job_id"
+    assert policies["v2"].is_dir()
+
+
+def test_a_link_in_a_dropped_runs_folder_leads_gc_nowhere(lineage, tmp_path, cli):
+    """The attack: the pruned run's folder holds `verl -> /outside` and
+    `checkpoint-seed1 -> /outside/seed0/checkpoints`. Before, the glob walked through the
+    link and gc deleted /outside/seed0/checkpoints. Now only v2's own weights go; links stay
+    links, and whatever they point at stays."""
+    ws, policies = lineage
+    outside = tmp_path / "outside"
+    (outside / "seed0" / "checkpoints").mkdir(parents=True)
+    (outside / "seed0" / "checkpoints" / "precious.bin").write_bytes(b"keep me")
+    run_dir = policies["v2"].parent
+    (run_dir / "verl").symlink_to(outside)
+    (run_dir / "checkpoint-seed1").symlink_to(outside / "seed0" / "checkpoints")
+    (run_dir / "checkpoint-seed2").mkdir()  # a real second-seed checkpoint: it goes
+    (run_dir / "checkpoint-seed2" / "model.safetensors").write_bytes(b"s2")
+
+    drops, _ = plan_gc(ws)
+    assert [d.version for d in drops] == ["v2"]
+    assert drops[0].folders == [policies["v2"], run_dir / "checkpoint-seed2"]
+    result = cli("-C", str(ws.root), "gc")
+    assert result.code == 0, result.output
+    assert (outside / "seed0" / "checkpoints" / "precious.bin").read_bytes() == b"keep me"
+    assert (run_dir / "verl").is_symlink() and (run_dir / "checkpoint-seed1").is_symlink()
+    assert not policies["v2"].exists() and not (run_dir / "checkpoint-seed2").exists()
+
+
+def test_a_folder_swapped_for_a_link_after_planning_is_not_deleted(lineage, tmp_path):
+    ws, policies = lineage
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.bin").write_bytes(b"keep me")
+    drops, _ = plan_gc(ws)
+    shutil.rmtree(policies["v2"])
+    policies["v2"].symlink_to(victim)  # between plan and delete
+    with pytest.raises(EvoError) as err:
+        apply_gc(ws, drops, "keep-promoted-and-open")
+    assert "changed since gc planned" in err.value.message
+    assert (victim / "precious.bin").read_bytes() == b"keep me"
+
+
+def test_a_linked_version_folder_is_refused(lineage, tmp_path):
+    """<artifact root>/v2 replaced by a link to v1's folder: v2's record now resolves into
+    v1's weights; it must not count as v2's own folder."""
+    ws, policies = lineage
+    v1_job = ws.version("v1").records["run"]["job_id"]
+    v2_job = ws.version("v2").records["run"]["job_id"]
+    v2_dir = ws.artifact_root / "v2"
+    shutil.rmtree(v2_dir)
+    fake = tmp_path / "fake-v2"
+    fake.mkdir()
+    (fake / v2_job).symlink_to(ws.artifact_root / "v1" / v1_job)
+    v2_dir.symlink_to(fake)
+    with pytest.raises(EvoError) as err:
+        plan_gc(ws)
+    assert err.value.field == "job_id"
+    assert (policies["v1"] / "model.safetensors").read_bytes() == b"w1" * 1000
+
+
+# ---- gc keeps the promoted path, the baseline included (issue 27 item 8) -------------------
+
+
+@pytest.fixture
+def baseline_only(tmp_path) -> tuple[Workspace, dict[str, Path]]:
+    """v0 trained and gated `baseline` (merged into main, as reconcile does); v1 pruned."""
+    ws = Workspace(init_workspace(tmp_path / "ws", "arith"))
+    new_version(ws, "v1", "v0", rationale="pruned")
+    policies = {
+        "v0": _record(ws, "v0", "baseline", b"w0" * 1000),
+        "v1": _record(ws, "v1", "prune", b"w1" * 1000),
+    }
+    return ws, policies
+
+
+@pytest.mark.parametrize("policy", ["keep-promoted-and-open", "keep-frontier-and-open"])
+def test_gc_keeps_the_baseline_on_main_and_export_main_still_works(baseline_only, cli, policy):
+    ws, policies = baseline_only
+    project = ws.root / "spec" / "project.yaml"
+    project.write_text(project.read_text() + f"retention: {{checkpoints: {policy}}}\n")
+    result = cli("-C", str(ws.root), "gc", "--dry-run")
+    assert result.code == 0, result.output
+    assert "keep v0: main's frontier (baseline)" in result.out
+    assert "drop v0" not in result.out and "drop v1: prune" in result.out
+    result = cli("-C", str(ws.root), "gc")
+    assert result.code == 0, result.output
+    assert policies["v0"].is_dir() and not policies["v1"].exists()
+    target = ws.root.parent / "main-out"
+    result = cli("-C", str(ws.root), "export", "main", "--to", str(target))
+    assert result.code == 0, result.output
+    assert (target / "model.safetensors").read_bytes() == b"w0" * 1000
+
+
+def test_once_a_promotion_supersedes_the_baseline_only_frontier_retention_drops_it(
+    baseline_only,
+):
+    ws, policies = baseline_only
+    new_version(ws, "v2", "v0", rationale="promoted")
+    policies["v2"] = _record(ws, "v2", "promote", b"w2" * 1000)
+    drops, kept = plan_gc(ws)
+    assert kept["v0"] == "on main (baseline)" and kept["v2"] == "main's frontier (promote)"
+    assert [d.version for d in drops] == ["v1"]
+    project = ws.root / "spec" / "project.yaml"
+    project.write_text(project.read_text() + "retention: {checkpoints: keep-frontier-and-open}\n")
+    drops, kept = plan_gc(Workspace(ws.root))
+    assert [(d.version, d.reason) for d in drops] == [("v0", "superseded by v2"), ("v1", "prune")]
+    assert kept == {"v2": "main's frontier (promote)"}
+
+
+def test_a_decided_promotion_not_yet_merged_keeps_its_weights(lineage):
+    ws, policies = lineage
+    new_version(ws, "v4", "v1", rationale="promoted, merge pending")
+    policies["v4"] = _record(ws, "v4", None, b"w4" * 1000)
+    decision = {"verdict": "promote", "reason": "test", "decided_at": "2026-01-09",
+                "comparison": {"delta": 0.1, "ci_low": 0.02, "ci_high": 0.18}}
+    ws.git.commit_files(branch_name("v4"), {run_path("v4", "decision.yaml"):
+                                            yaml.safe_dump(decision).encode()}, "gate", {})
+    drops, kept = plan_gc(ws)
+    assert kept["v4"] == "promote, not yet merged into main"
+    assert "v4" not in [d.version for d in drops]

@@ -1,13 +1,22 @@
 """Retention: which versions' trained policies `evotrainer gc` may delete, and deleting them.
 
 `retention.checkpoints` in the project spec:
-- keep-promoted-and-open (the default): keep the policy of every version promoted into main
-  and of every open version (no verdict yet); drop pruned, reverted and inconclusive ones.
-- keep-frontier-and-open: also drop promoted versions superseded by a later promotion.
+- keep-promoted-and-open (the default): keep the policy of every version on main (the
+  promoted path, the baseline included) and of every open version (no verdict yet); drop
+  pruned, reverted and inconclusive ones.
+- keep-frontier-and-open: also drop the versions on main that main's frontier supersedes
+  (the frontier: the latest promotion, or the baseline while nothing was promoted; what
+  `export main` writes).
 - keep-all: drop nothing.
 Whatever the policy, the parent of an open version that continues from it (`model.init:
-parent`) keeps its policy. Only weights go (the recorded checkpoint, the other seeds'
-checkpoints, verl's FSDP shards); rollouts, scores and records stay as evidence.
+parent`) keeps its policy, and so does a version whose promotion is decided but not yet
+merged. Only weights go (the recorded checkpoint, the other seeds' checkpoints, verl's FSDP
+shards); rollouts, scores and records stay as evidence.
+
+Run records and artifact folders are not trusted: a branch can edit its run.yaml and a job
+can leave links in its folder. Every folder gc deletes is the real path of a plain directory
+inside that version's own artifact folder (`<artifact root>/<version>/<job id>`), found
+without following a link and checked again just before it is deleted.
 
 A drop is recorded first (`artifacts.checkpoint.dropped: {at, reason}` in the version's
 run.yaml, one commit on its branch), then the folders are deleted: a crash in between leaves a
@@ -17,19 +26,28 @@ record claiming weights that are gone.
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from evotrainer.control.reconcile import record_text
 from evotrainer.errors import EvoError
-from evotrainer.store.checkpoints import CHECKPOINT, init_mode, is_dropped, recorded_policy
+from evotrainer.store.checkpoints import (
+    CHECKPOINT,
+    init_mode,
+    is_dropped,
+    own_folder,
+    recorded_policy,
+)
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import branch_name
 from evotrainer.store.workspace import VersionState, Workspace, run_path
 
 POLICIES = ("keep-promoted-and-open", "keep-frontier-and-open", "keep-all")
 DEFAULT_POLICY = POLICIES[0]
+# Verdicts that reconcile merges into main (rule_verdict): kept until they are on main.
+PROMOTING = ("promote", "baseline")
 
 
 @dataclass(frozen=True)
@@ -38,6 +56,7 @@ class Drop:
     reason: str
     folders: list[Path]  # the recorded policy, the other seeds', verl's shards
     bytes: int
+    artifact_dir: Path  # the run's own folder (a real path): every folder lies inside it
     recorded: bool  # already recorded as dropped (an interrupted gc): only delete
 
 
@@ -52,15 +71,8 @@ def plan_gc(
     states = states if states is not None else ws.versions()
     policy = retention_policy(ws)
     main = ws.git.rev("refs/heads/main")
-    on_main = ws.git.merged_versions("main") if main else set()
-    promoted = {
-        name for name, state in states.items()
-        if _verdict(state) == "promote" and name in on_main
-    }
-    frontier = max(
-        promoted, key=lambda n: (states[n].decision.decided_at, n),
-        default=None,
-    )
+    on_main = ws.git.merged_versions("main") & states.keys() if main else set()
+    frontier = main_frontier(states, on_main)
     continued = _continued_parents(ws, states)
     drops, kept = [], {}
     for name, state in sorted(states.items()):
@@ -76,20 +88,35 @@ def plan_gc(
             kept[name] = "retention keep-all"
         elif verdict is None:
             kept[name] = "open (no verdict yet)"
-        elif name in promoted and (policy == "keep-promoted-and-open" or name == frontier):
-            kept[name] = "the promoted frontier" if name == frontier else "promoted"
-        elif name in promoted:
+        elif name == frontier:
+            kept[name] = f"main's frontier ({verdict})"
+        elif name in on_main and policy == "keep-promoted-and-open":
+            kept[name] = f"on main ({verdict})"
+        elif name in on_main and frontier is not None:
             reason = f"superseded by {frontier}"
+        elif verdict in PROMOTING:
+            kept[name] = f"{verdict}, not yet merged into main"
         else:
             reason = f"{verdict}"
         if reason is None:
             continue
-        folders = _weight_folders(folder)
+        folders = _weight_folders(folder.parent)
         if is_dropped(artifact) and not folders:
             continue  # dropped earlier, nothing left on disk
         drops.append(Drop(name, reason, folders, sum(_size(f) for f in folders),
-                          is_dropped(artifact)))
+                          folder.parent, is_dropped(artifact)))
     return drops, kept
+
+
+def main_frontier(states: dict[str, VersionState], on_main: set[str]) -> str | None:
+    """The policy main stands for: its latest promotion, else its baseline (a root on main
+    gated `baseline`); None while main holds neither."""
+    promoted = [(states[n].decision.decided_at, n) for n in on_main
+                if _verdict(states[n]) == "promote"]
+    if promoted:
+        return max(promoted)[1]
+    return min((n for n in on_main if states[n].parent is None and _verdict(states[n])),
+               default=None)
 
 
 def apply_gc(ws: Workspace, drops: list[Drop], policy: str) -> None:
@@ -110,7 +137,15 @@ def apply_gc(ws: Workspace, drops: list[Drop], policy: str) -> None:
                 {"Action": "gc", "Version": drop.version},
             )
         for folder in drop.folders:
-            shutil.rmtree(folder)
+            # Checked again: the folder may have become a link since it was planned.
+            if not _plain_dir(folder, drop.artifact_dir):
+                raise EvoError(
+                    f"{folder} changed since gc planned to delete it (a link now stands on "
+                    "its path); nothing there was deleted",
+                    where=str(drop.artifact_dir),
+                    hint="remove the link from the run's artifact folder, then run gc again",
+                )
+            shutil.rmtree(folder)  # fd-based: never follows a link inside the folder
 
 
 def _verdict(state: VersionState) -> str | None:
@@ -135,13 +170,27 @@ def _continued_parents(ws: Workspace, states: dict[str, VersionState]) -> dict[s
     return out
 
 
-def _weight_folders(policy: Path) -> list[Path]:
-    """Every folder of weights in a run's artifact dir (a verl job keeps its shards under
-    verl/seed*/checkpoints); nothing else in it is touched."""
-    artifact_dir = policy.parent
-    folders = [policy, *sorted(artifact_dir.glob(f"{CHECKPOINT}-seed*"))]
-    folders += sorted(artifact_dir.glob("verl/seed*/checkpoints"))
-    return [f for f in folders if f.is_dir() and not f.is_symlink()]
+def _weight_folders(artifact_dir: Path) -> list[Path]:
+    """Every folder of weights in a run's artifact dir (`checkpoint`, `checkpoint-seed*`, and
+    verl's shards under `verl/seed*/checkpoints`), each a plain directory inside it: a link
+    anywhere on the way (`verl -> /elsewhere`) is not followed, nor is anything else touched."""
+    folders = [artifact_dir / CHECKPOINT, *_children(artifact_dir, f"{CHECKPOINT}-seed")]
+    for seed in _children(artifact_dir / "verl", "seed"):
+        folders.append(seed / "checkpoints")
+    return [f for f in folders if _plain_dir(f, artifact_dir)]
+
+
+def _children(folder: Path, prefix: str) -> list[Path]:
+    """`folder`'s entries named `prefix*` that are directories themselves (not links)."""
+    if not folder.is_dir() or folder.is_symlink():
+        return []
+    with os.scandir(folder) as entries:
+        return sorted(Path(e.path) for e in entries
+                      if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False))
+
+
+def _plain_dir(path: Path, artifact_dir: Path) -> bool:
+    return path.is_dir() and own_folder(path, artifact_dir)
 
 
 def _size(folder: Path) -> int:

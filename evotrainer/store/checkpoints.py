@@ -16,6 +16,7 @@ recipe digest covers exactly which weights it started from.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -116,24 +117,46 @@ def check_job_start(recipe: dict[str, Any]) -> None:
         verify_directory(Path(start["path"]), start, "the parent version")
 
 
+def own_folder(path: Path, folder: Path) -> bool:
+    """`path` is `folder` or lies under it with no link anywhere on the way (its real path is
+    itself), `folder` being a real path: a link inside a run's artifact folder (a job can make
+    one) never leads gc or export outside it."""
+    return os.path.realpath(path) == str(path) and path.is_relative_to(folder)
+
+
+def run_folder(ws: Workspace, name: str, run: dict[str, Any]) -> Path:
+    """The real path of the artifact folder `name`'s run record names: exactly
+    `<artifact root>/<name>/<job id>`, the job id one plain path component (no `/`, no
+    `..`), with no link below the artifact root. A record edited on a branch cannot point it
+    at another version's folder (`job_id: ../v1/<its job>`) or anywhere else."""
+    job_id = str(run.get("job_id") or "")
+    own = Path(os.path.realpath(ws.artifact_root)) / name
+    folder = own / job_id
+    if job_id in ("", ".", "..") or Path(job_id).name != job_id or not own_folder(folder, own):
+        raise EvoError(
+            f"the run record of {name} names job {job_id!r}, whose folder is not inside "
+            f"{name}'s own artifact folder {ws.record_path(own)}",
+            where=f"{branch_name(name)}:{run_path(name, 'run.yaml')}", field="job_id",
+            hint="a job id is one folder name under its version's artifact folder, with no "
+            "link on the way; restore the record",
+        )
+    return folder
+
+
 def recorded_policy(ws: Workspace, name: str, run: dict[str, Any] | None) -> tuple[Path, dict]:
     """The directory and record of `name`'s recorded policy. The path a run record names
-    must be exactly `<its artifact dir>/checkpoint` inside the artifact root: a record edited
-    on a branch can make neither export read nor gc delete any other folder."""
+    must be exactly `checkpoint` in the run's own artifact folder (`run_folder`), with no link
+    on the way: a record edited on a branch can make neither export read nor gc delete any
+    other folder."""
     run = run or {}
     artifact = (run.get("artifacts") or {}).get(CHECKPOINT)
     where = f"{branch_name(name)}:{run_path(name, 'run.yaml')}"
     if not artifact:
         raise EvoError(f"{name} has no recorded policy", where=where,
                        hint="only a version whose run finished has one")
-    expected = ws.artifact_dir(name, str(run.get("job_id"))) / CHECKPOINT
-    root = ws.artifact_root.resolve()
+    expected = run_folder(ws, name, run) / CHECKPOINT
     recorded = ws.root / str(artifact.get("path"))
-    if (
-        recorded.resolve() != expected.resolve()
-        or recorded.is_symlink()
-        or not expected.resolve().is_relative_to(root)
-    ):
+    if os.path.realpath(recorded) != str(expected) or not own_folder(expected, expected.parent):
         raise EvoError(
             f"the run record of {name} names {artifact.get('path')!r} as its policy, not "
             f"{ws.record_path(expected)}",

@@ -3,6 +3,8 @@ text that cannot inject Rich markup or terminal escapes."""
 
 from __future__ import annotations
 
+import yaml
+
 from evotrainer import __version__
 
 
@@ -59,3 +61,36 @@ def test_error_text_is_shown_not_interpreted(cli, tmp_path):
     assert result.code == 1 and "Traceback" not in result.err
     assert "\x1b" not in result.err and "\x07" not in result.err
     assert "[/bold]xy[red]" in result.err
+
+
+# ---- standalone `train FILE`: the workspace's recipe schema, the same wording -------------
+
+
+def test_train_file_refuses_an_unknown_key_as_a_workspace_spec_does(cli, workspace, tmp_path):
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text("grpo:\n  stesp: 3\n")
+    result = cli("train", str(recipe), "--out", str(tmp_path / "run1"))
+    assert result.code == 1 and result.err.count("\n") == 1, result.output
+    assert f"{recipe}:2:3: grpo.stesp: unknown key 'stesp'" in result.err
+    assert "did you mean 'steps'?" in result.err
+    assert not (tmp_path / "run1").exists()  # refused before any work
+    # Inside a workspace the same typo, in the project's recipe, reads the same.
+    project = workspace.root / "spec" / "project.yaml"
+    text = project.read_text()
+    assert "\n  grpo:\n" in text
+    project.write_text(text.replace("\n  grpo:\n", "\n  grpo:\n    stesp: 3\n", 1))
+    checked = cli("validate", cwd=workspace.root)
+    assert checked.code == 1 and "recipe.grpo.stesp: unknown key 'stesp'" in checked.output
+    assert "did you mean 'steps'?" in checked.output
+
+
+def test_every_example_recipe_is_a_valid_train_file(tmp_path):
+    from evotrainer.commands.init import EXAMPLES_DIR, examples
+    from evotrainer.commands.train import load_recipe
+
+    for name in examples():
+        recipe = yaml.safe_load((EXAMPLES_DIR / f"{name}.yaml").read_text())["recipe"]
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(recipe))
+        resolved = load_recipe(path)
+        assert resolved["domain"]["name"] == recipe["domain"]["name"]

@@ -15,17 +15,36 @@ from evotrainer.terminal import console, safe
 
 def load_recipe(path: Path) -> dict:
     """A (possibly partial) recipe mapping from YAML, resolved onto BASE_RECIPE. Read with
-    the spec loader's bounds (size, aliases, depth)."""
+    the spec loader's bounds (size, aliases, depth) and checked against the same recipe
+    schema as a workspace's `recipe:` blocks, so a typo (`grpo: {stesp: 3}`) is refused with
+    its line and a "did you mean" here too instead of training the defaults."""
     try:
         raw = path.read_bytes()
     except OSError as err:
         raise EvoError(f"cannot read the recipe: {err.strerror}", where=str(path)) from None
-    overrides = specs.load_yaml(raw, str(path)) or {}
-    if not isinstance(overrides, dict):
+    doc = specs.parse(raw, str(path))
+    if doc.data is None:
+        doc.data = {}
+    if not isinstance(doc.data, dict):
         raise EvoError(
             "a recipe file must hold a mapping", where=str(path), hint="e.g. `grpo: {steps: 20}`"
         )
-    return recipes.resolve(overrides, [])
+    problems = recipe_problems(doc)
+    if problems:
+        raise problems[0]
+    return recipes.resolve(doc.data, [])
+
+
+def recipe_problems(doc: specs.Document) -> list[EvoError]:
+    """Schema problems of a bare recipe document, explained as `validate` explains them in a
+    project or version spec: the one recipe schema, through the spec loader's own registry
+    and wording (a Project's `recipe:` is a `$ref` to it, so refs resolve alike)."""
+    import jsonschema
+
+    recipe_schema = specs._resolved("Project", {"$ref": "recipe.schema.json"})
+    validator = jsonschema.Draft202012Validator(recipe_schema, registry=specs._registry())
+    errors = sorted(validator.iter_errors(doc.data), key=lambda e: specs._order(doc, e))
+    return [specs._explain(doc, "Project", e) for e in specs._most_specific(errors)]
 
 
 def register(app: typer.Typer) -> None:

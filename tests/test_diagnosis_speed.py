@@ -13,7 +13,7 @@ import pytest
 from same_diagnosis import assert_same
 
 from evotrainer.diagnosis import diagnose as diagnose_module
-from evotrainer.diagnosis.analyzers import echo_trap, leak, max_same_tool_streak
+from evotrainer.diagnosis.analyzers import echo_repeat, echo_trap, leak, max_same_tool_streak
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import Metric, resolve_harness
 from evotrainer.diagnosis.sql import fusable_query
@@ -45,12 +45,14 @@ def _tables() -> dict[str, pa.Table]:
     }
 
 
+@pytest.mark.parametrize("harness", ["h0", "h1"])
 @pytest.mark.parametrize("name", list(_tables()))
-def test_fused_queries_give_what_each_query_gives_alone(name, monkeypatch):
+def test_fused_queries_give_what_each_query_gives_alone(name, harness, monkeypatch):
     table = _tables()[name]
-    fused = diagnose(table, None, H0)
+    revision = resolve_harness(harness)
+    fused = diagnose(table, None, revision)
     monkeypatch.setattr(diagnose_module, "fusable_query", lambda sql: None)
-    alone = diagnose(table, None, H0)
+    alone = diagnose(table, None, revision)
     assert_same(fused, alone)
 
 
@@ -143,28 +145,34 @@ def test_leak_with_more_distinct_pairs_than_a_table_can_mark():
     np.testing.assert_array_equal(max_same_tool_streak(table, params)[:300], np.ones(300))
 
 
-# h0's echo_trap_ratio as the per-row list query it was before the `echo_trap` analyzer.
+# h0's echo_trap_ratio as the query it was first shipped as (the method's definition).
 ECHO_SQL = """
-SELECT avg(CASE WHEN correct = 0 AND (turns > $echo_turns
-    OR coalesce(list_bool_or(list_transform(range(1, len(tool_calls) - $echo_repeats + 2),
-      lambda i: len(list_distinct(tool_calls[i:i + $echo_repeats - 1])) = 1)), false))
-  THEN 1.0 ELSE 0.0 END) AS value
+SELECT avg(CASE WHEN turns > $echo_turns AND correct = 0 THEN 1.0 ELSE 0.0 END) AS value
 FROM rollouts WHERE turns IS NOT NULL"""
+# h1's echo_repeat_ratio as a per-row list query (h1's echo sample filter has this rule).
+REPEAT_SQL = """
+SELECT avg(CASE WHEN correct = 0
+    AND coalesce(list_bool_or(list_transform(range(1, len(tool_calls) - $echo_repeats + 2),
+      lambda i: len(list_distinct(tool_calls[i:i + $echo_repeats - 1])) = 1)), false)
+  THEN 1.0 ELSE 0.0 END) AS value
+FROM rollouts WHERE tool_calls IS NOT NULL"""
 
 
 @pytest.mark.parametrize("name", sorted(_tables()))
 @pytest.mark.parametrize("repeats", [1, 2, 3])
-def test_echo_trap_analyzer_gives_what_the_list_query_gave(name, repeats):
+def test_echo_analyzers_give_what_their_queries_give(name, repeats):
     table = _tables()[name]
     params = {"echo_turns": 4, "echo_repeats": repeats}
     con = duckdb.connect()
     con.register("rollouts", table)
-    expected = con.execute(ECHO_SQL, params).fetchone()[0]
-    got = echo_trap(table, params)
-    if expected is None:  # no row with known turns
-        assert np.isnan(got).all()
-    else:
-        assert np.nanmean(got) == pytest.approx(expected, abs=1e-12)
+    for sql, analyzer in ((ECHO_SQL, echo_trap), (REPEAT_SQL, echo_repeat)):
+        expected = con.execute(sql, {k: v for k, v in params.items() if f"${k}" in sql})
+        expected = expected.fetchone()[0]
+        got = analyzer(table, params)
+        if expected is None:  # no row with the data it reads
+            assert np.isnan(got).all()
+        else:
+            assert np.nanmean(got) == pytest.approx(expected, abs=1e-12)
 
 
 def _runs_table() -> pa.Table:
@@ -215,14 +223,18 @@ def test_run_analyzers_give_their_definition_on_every_form_of_calls(form):
              for c in calls]
     streak = [_longest_run(n) if n else np.nan for n in names]
     np.testing.assert_array_equal(max_same_tool_streak(table, {}), streak)
+    correct = rows.column("correct").to_pylist()
+    turns = rows.column("turns").to_pylist()
+    np.testing.assert_array_equal(
+        echo_trap(table, {"echo_turns": 6}),
+        [float(ok == 0 and t > 6) for ok, t in zip(correct, turns, strict=True)],
+    )
     for repeats in (1, 2, 3, 4):
-        params = {"echo_turns": 6, "echo_repeats": repeats}
         want = [
-            float(ok == 0 and (turns > 6 or bool(p) and _longest_run(p) >= repeats))
-            for ok, turns, p in zip(rows.column("correct").to_pylist(),
-                                    rows.column("turns").to_pylist(), pairs, strict=True)
+            np.nan if p is None else float(ok == 0 and bool(p) and _longest_run(p) >= repeats)
+            for ok, p in zip(correct, pairs, strict=True)
         ]
-        np.testing.assert_array_equal(echo_trap(table, params), want)
+        np.testing.assert_array_equal(echo_repeat(table, {"echo_repeats": repeats}), want)
 
 
 @pytest.mark.parametrize(

@@ -156,14 +156,6 @@ def _plant(fraction: float, change: dict, where=lambda r: r.get("split", "train"
         (lambda: _plant(0.2, {"truncated": True}), "truncation", "warning"),
         (lambda: _plant(0.1, {"turns": 70, "correct": 0.0}), "echo_trap", "warning"),
         (lambda: _plant(1.0, {"turns": 55}), "echo_trap", "warning"),
-        (
-            # A short episode that repeats one call: the echo trap at a small horizon.
-            lambda: _plant(
-                0.1, {"tool_calls": [{"name": "compare", "args": "31"}] * 3, "correct": 0.0}
-            ),
-            "echo_trap",
-            "warning",
-        ),
         (lambda: _plant(0.99, {"turns": 2}), "abandonment", "critical"),
         (
             lambda: _plant(0.01, {"tool_calls": [{"name": "reveal", "args": ""}]}),
@@ -205,26 +197,28 @@ def test_alert_examples_are_rollout_ids_of_the_pathology():
     assert leak["layer"] == "behavior" and leak["threshold"] == 0
 
 
-def test_echo_trap_counts_failing_rollouts_repeating_one_call():
-    same = {"name": "compare", "args": "31"}
-    other = {"name": "compare", "args": "15"}
-    cases = [  # (tool calls, correct, an echo trap?)
-        ([same] * 3, 0.0, True),
-        ([other, same, same, same, other], 0.0, True),
-        ([same] * 3, 1.0, False),  # it got there: not a trap
-        ([same, same, other, same], 0.0, False),  # never three in a row
-        ([same, {"name": "compare", "args": "32"}, same], 0.0, False),  # other arguments
-        ([], 0.0, False),
-        (None, 0.0, False),
+def test_echo_trap_is_the_papers_long_failing_rollout_only():
+    # The method's definition: more than 60 turns with correctness 0. A short failing rollout
+    # that repeats one call is h1's echo_repeat_ratio, never h0's echo trap.
+    loop = [{"name": "compare", "args": "31"}] * 5
+    cases = [  # (turns, correct, tool calls, an h0 echo trap?)
+        (61, 0.0, [], True),
+        (60, 0.0, [], False),  # not more than 60
+        (90, 1.0, [], False),  # it got there
+        (90, None, [], False),  # unscored is not a failure
+        (4, 0.0, loop, False),
+        (None, 0.0, loop, None),  # turns unknown: left out
     ]
     rows = [
-        dict(step=1, group_id="g", sample_idx=i, reward=c, correct=c, turns=4, tool_calls=calls)
-        for i, (calls, c, _) in enumerate(cases)
+        dict(step=1, group_id="g", sample_idx=i, reward=0.0, correct=c, turns=t, tool_calls=k)
+        for i, (t, c, k, _) in enumerate(cases)
     ]
     d = diagnose(rollout_table(rows), None, H0)
-    assert d["metrics"]["echo_trap_ratio"] == pytest.approx(2 / len(cases))
+    known = [e for *_, e in cases if e is not None]
+    assert d["metrics"]["echo_trap_ratio"] == pytest.approx(sum(known) / len(known))
     (echo,) = [a for a in d["alerts"] if a["name"] == "echo_trap"]
-    assert echo["examples"] == [f"v0/0/train/1/g/{i}" for i, c in enumerate(cases) if c[2]]
+    assert echo["examples"] == ["v0/0/train/1/g/0"]
+    assert "echo_repeat_ratio" not in d["metrics"]
 
 
 def test_small_multi_turn_env_does_not_fire_abandonment():
@@ -446,7 +440,7 @@ def test_split_views_and_series_of_the_analyzer_metrics():
             ]
 
 
-def _examples_by_full_query(table, where, split, limit=5):
+def _examples_by_full_query(table, where, split, revision, limit=5):
     from evotrainer.diagnosis.diagnose import ROLLOUT_ID_SQL
     from evotrainer.diagnosis.sql import ReadOnlyQuery
 
@@ -455,7 +449,7 @@ def _examples_by_full_query(table, where, split, limit=5):
         _, rows = sandbox.query(
             f"SELECT {ROLLOUT_ID_SQL} FROM rollouts WHERE ({where}) "
             f"ORDER BY step DESC, seed, group_id, sample_idx LIMIT {limit}",
-            H0.params,
+            revision.params,
             field="test",
         )
     finally:
@@ -463,8 +457,9 @@ def _examples_by_full_query(table, where, split, limit=5):
     return [r[0] for r in rows]
 
 
+@pytest.mark.parametrize("harness", ["h0", "h1"])
 @pytest.mark.parametrize("leaky_steps", [range(1, 41), range(1, 4), range(38, 41), [20]])
-def test_alert_examples_equal_the_full_query(leaky_steps):
+def test_alert_examples_equal_the_full_query(leaky_steps, harness):
     # Examples are looked up in the latest steps first; wherever the matches are, the answer
     # must be the full query's.
     rows = []
@@ -478,24 +473,26 @@ def test_alert_examples_equal_the_full_query(leaky_steps):
                         group_id=f"g{g}",
                         sample_idx=i,
                         reward=float(i),
-                        tool_calls=["bash git log -2"] if leaky else ["bash ls"],
+                        tool_calls=["bash git log -2"] * 3 if leaky else ["bash ls"],
                         turns=70 if leaky else 3,
                         correct=0.0,
+                        reward_components=[("tampered", float(leaky))],
                     )
                 )
     table = rollout_table(rows)
-    run = _Run(table, None, H0, 60.0)
+    revision = resolve_harness(harness)
+    run = _Run(table, None, revision, 60.0)
     try:
-        for alert in H0.alerts:
+        for alert in revision.alerts:
             if alert.sample_where is None:
                 continue
-            metric = H0.metric(alert.metric)
+            metric = revision.metric(alert.metric)
             split = alert.sample_split or metric.split
             want = _examples_by_full_query(
-                table, alert.sample_where, None if split == "all" else split
+                table, alert.sample_where, None if split == "all" else split, revision
             )
             assert run._examples(alert, metric) == want, alert.name
-            if alert.name in ("leak", "echo_trap"):
+            if alert.name in ("leak", "echo_trap", "tampering"):
                 assert want
     finally:
         run.close()

@@ -255,14 +255,24 @@ def max_same_tool_streak(table: pa.Table, params: dict[str, Any]) -> np.ndarray:
     return out
 
 
-@analyzer("echo_trap", columns=("tool_calls", "turns", "correct"))
+@analyzer("echo_trap", columns=("turns", "correct"))
 def echo_trap(table: pa.Table, params: dict[str, Any]) -> np.ndarray:
-    """1.0 for a failing rollout that ran longer than `echo_turns` turns or made one call
-    (same name and args; a null reads as empty) `echo_repeats` times in a row, else 0.0;
-    NaN where turns are unknown. Boolean passes over the calls: the per-row list query it
-    replaces cost more than the rest of h0 together."""
-    calls = _calls(table)
+    """h0's echo trap, the method's Level-1 definition: 1.0 for a rollout that ran longer than
+    `echo_turns` turns with correctness 0, else 0.0; NaN where turns are unknown."""
     turns = table.column("turns").to_numpy(zero_copy_only=False).astype(float)
+    correct = table.column("correct").to_numpy(zero_copy_only=False).astype(float)
+    with np.errstate(invalid="ignore"):  # NaN compares False
+        hit = (correct == 0) & (turns > params["echo_turns"])
+    return np.where(np.isnan(turns), np.nan, hit.astype(float))
+
+
+@analyzer("echo_repeat", columns=("tool_calls", "correct"))
+def echo_repeat(table: pa.Table, params: dict[str, Any]) -> np.ndarray:
+    """The echo trap's signature at any horizon (h1): 1.0 for a rollout with correctness 0
+    that made one call (same name and args; a null reads as empty) `echo_repeats` times in a
+    row, else 0.0; NaN where tool calls are unknown. A repeat gets the same answer, so it
+    cannot progress. Boolean passes over neighbouring calls, no per-row list work."""
+    calls = _calls(table)
     correct = table.column("correct").to_numpy(zero_copy_only=False).astype(float)
     times = int(params["echo_repeats"])
     if times <= 1:
@@ -278,8 +288,8 @@ def echo_trap(table: pa.Table, params: dict[str, Any]) -> np.ndarray:
             ends[:back] = False
         looped = calls.any_per_row(ends)
     with np.errstate(invalid="ignore"):  # NaN compares False
-        hit = (correct == 0) & ((turns > params["echo_turns"]) | looped)
-    return np.where(np.isnan(turns), np.nan, hit.astype(float))
+        hit = (correct == 0) & looped
+    return np.where(calls.counts < 0, np.nan, hit.astype(float))
 
 
 def call_table(table: pa.Table) -> pa.Table:

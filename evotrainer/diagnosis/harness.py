@@ -163,12 +163,14 @@ def resolve_harness(name_or_file: str, workspace: str | Path = ".") -> HarnessRe
     candidate = Path(name_or_file)
     if candidate.suffix in (".yaml", ".yml") or candidate.is_file():
         return load_harness(candidate)
-    for folder in (Path(workspace) / "harness_versions", builtin_dir("harness_versions")):
+    builtin = builtin_dir("harness_versions")
+    for folder in (Path(workspace) / "harness_versions", builtin):
         if (folder / f"{name_or_file}.yaml").is_file():
             return load_harness(folder / f"{name_or_file}.yaml")
+    names = ", ".join(sorted(p.stem for p in builtin.glob("*.yaml")))
     raise EvoError(
         f"no harness revision named {name_or_file!r}",
-        hint="pass a YAML file or a name under harness_versions/ (built-in: h0)",
+        hint=f"pass a YAML file or a name under harness_versions/ (built-in: {names})",
     )
 
 

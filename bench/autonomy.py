@@ -4,13 +4,16 @@ Each setup is a workspace made by `evotrainer init` whose project recipe plants 
 pathology on the embedded engine. For every setup and seed, the gym runs `evolve` twice,
 under the same rounds and the same `autonomy.max_total_steps`:
 
-- `rules`: the diagnosis-driven planner with the built-in harness h0 (alerts, leak audit);
+- `rules`: the diagnosis-driven planner with the built-in harness h0 (alerts, leak audit), or
+  the revision a setup names (echo: h1, whose echo_repeat_ratio sees short loops that h0's
+  60-turn echo trap cannot);
 - `score`: the score-only control — the `score` planner (hill-climbing on Avg@k) with the
   `score-only` harness revision (no alerts, a gate on the paired bootstrap CI alone).
 
 It reports per run: the clean frontier's Avg@k against the baseline v0 (paired bootstrap Δ
-and 95% CI over the validation tasks), leaky versions promoted (audited afterwards with h0's
-leak metrics, whatever harness the arm used), the GRPO steps spent until the first clean
+and 95% CI over the validation tasks), leaky versions promoted (audited afterwards with h1's
+leak metrics, the widest built-in audit, whatever harness the arm used), the GRPO steps spent
+until the first clean
 version significantly above v0, and the planner's LLM tokens.
 
     python bench/autonomy.py                      # every setup, 2 seeds (tens of minutes)
@@ -58,6 +61,8 @@ class Setup:
     pathology: str
     recipe: dict[str, Any]  # deep-merged into the example's project recipe
     quick: dict[str, Any] = field(default_factory=dict)  # and this with --quick
+    # The `rules` arm's harness when not h0: a pathology h0 cannot see by definition.
+    harness: str | None = None
 
 
 SETUPS: dict[str, Setup] = {s.name: s for s in (
@@ -90,7 +95,10 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
           {"domain": {"params": {"echo_demo_rate": 0.3, "reveal_demo_rate": 0.0}},
            "environment": {"max_turns": 24, "tools": [{"name": "reveal", "enabled": False}]},
            "grpo": {"max_response_tokens": 4, "steps": 100}},
-          {"grpo": {"steps": 40}}),
+          {"grpo": {"steps": 40}},
+          # Loops of a few turns: h0's echo trap (the method's > 60 failing turns) never
+          # fires on a 24-turn budget; h1's echo_repeat_ratio counts them.
+          harness="h1"),
     Setup("lr_collapse", "arith",
           "a learning rate that collapses training (30x the example's)",
           {"grpo": {"lr": 1.0e-2, "steps": 100}}, {"grpo": {"steps": 40}}),
@@ -128,7 +136,7 @@ def build_workspace(root: Path, setup: Setup, planner: str, seed: int, *, quick:
         recipe = deep_merge(recipe, setup.quick)
     recipe["seeds"] = [seed]
     project["recipe"] = recipe
-    project["harness"] = ARMS[planner]
+    project["harness"] = (setup.harness if planner == "rules" else None) or ARMS[planner]
     project["planner"] = {"name": "rules"}  # the arm's planner is passed to evolve
     # Equal compute: every arm may spend the same GRPO steps, `rounds` trainings' worth.
     project["autonomy"] = {**project["autonomy"], "mode": "human_gated",
@@ -144,12 +152,12 @@ def build_workspace(root: Path, setup: Setup, planner: str, seed: int, *, quick:
 
 
 def leaky(ws: Workspace, version: str) -> bool:
-    """Audit with h0's leak metrics, whichever harness the arm trained under."""
+    """Audit with h1's leak metrics (h0's and more), whichever harness the arm trained under."""
     try:
         rollouts = version_rollouts(ws, version).parent  # the run's train and val rollouts
     except EvoError:
         return False  # no rollouts recorded: nothing could leak
-    metrics = diagnose(rollouts, None, resolve_harness("h0"))["metrics"]
+    metrics = diagnose(rollouts, None, resolve_harness("h1"))["metrics"]
     return any((metrics.get(k) or 0.0) > 0.0 for k in ("leak_ratio", "val_leak_ratio"))
 
 

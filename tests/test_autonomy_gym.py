@@ -67,3 +67,17 @@ def test_leak_setup_score_arm_promotes_the_leak_and_rules_arm_gains_clean(tmp_pa
 
     table = gym.table([score, rules])
     assert "| leak | score |" in table and "| leak | rules |" in table
+
+
+def test_each_arm_trains_under_its_harness(tmp_path):
+    # The echo setup plants loops a few turns long: the rules arm runs h1 (echo_repeat_ratio)
+    # because h0's echo trap, the method's > 60 failing turns, cannot see them.
+    harness = {
+        (name, planner): gym.build_workspace(
+            tmp_path / f"{name}-{planner}", gym.SETUPS[name], planner, 0, quick=True, rounds=1
+        ).harness_in_force()
+        for name in ("leak", "echo")
+        for planner in ("rules", "score")
+    }
+    assert harness == {("leak", "rules"): "h0", ("leak", "score"): "score-only",
+                       ("echo", "rules"): "h1", ("echo", "score"): "score-only"}

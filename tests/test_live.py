@@ -22,6 +22,7 @@ from evotrainer.control.reconcile import record_text
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import load_harness, parse_harness, resolve_harness
 from evotrainer.diagnosis.incremental import DiagnosisState, diagnose_incremental
+from evotrainer.engine.outputs import seconds_per_step
 from evotrainer.errors import EvoError
 from evotrainer.evidence.synthetic import random_rollouts, rollout_table
 from evotrainer.evidence.verl import ingest_dump, read_new
@@ -282,7 +283,7 @@ def test_watch_once_prints_progress_alerts_and_the_stop(monkeypatch):
                              "value": 0.5}]}
     views = [
         LiveView("v1", "j1", "local", step=20, steps=60, rows=2560, val_rows=256,
-                 elapsed_s=12.0, diagnosis=diagnosis,
+                 elapsed_s=12.0, step_s=0.6, diagnosis=diagnosis,
                  stop={"rule": "leak", "step": 20}),
         LiveView(hostile, "j2", "local", steps=60),
     ]
@@ -300,3 +301,25 @@ def test_watch_once_prints_progress_alerts_and_the_stop(monkeypatch):
     assert "v[bold]9" in out and "\x1b" not in out and "\x07" not in out
     result = CliRunner().invoke(app, ["watch", "--json"])
     assert json.loads(result.output)[0]["stop"]["rule"] == "leak"
+
+
+def test_the_time_left_is_at_the_steps_own_pace_not_the_start_ups():
+    """A 40-step job whose warm start took 10 minutes and whose steps take 2 s: after its
+    second step it has 38 steps = 76 s left, not (10 min / 2) x 38. The gap between seeds
+    (the next seed's warm start) is not a step either."""
+    log = "\n".join([
+        "2026-01-01 10:00:00 run v1: recipe sha256:x, seeds [0, 1]",
+        "2026-01-01 10:09:58 warm start step 250: loss 1.0, sampled accuracy 0.40",
+        "2026-01-01 10:10:00 seed 0 step 1: reward 0.100 (x)",
+        "2026-01-01 10:10:02 seed 0 step 2: reward 0.200 (x)",
+    ]) + "\n"
+    assert seconds_per_step(log) == 2.0
+    view = LiveView("v1", "j1", "local", step=2, steps=40, elapsed_s=602.0,
+                    step_s=seconds_per_step(log))
+    assert view.eta_s == 76.0
+    first_step_only = "2026-01-01 10:10:00 seed 0 step 1: reward 0.100 (x)\n"
+    assert seconds_per_step(first_step_only) is None
+    assert LiveView("v1", "j1", "local", step=1, steps=40, elapsed_s=600.0).eta_s is None
+    two_seeds = log + "2026-01-01 10:20:00 seed 1 step 1: reward 0.1 (x)\n" \
+        "2026-01-01 10:20:04 seed 1 step 2: reward 0.1 (x)\n"
+    assert seconds_per_step(two_seeds) == 3.0  # (2 + 4) / 2; the 10-minute gap is not a step

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -41,6 +40,7 @@ from evotrainer.control.gate import decision_header
 from evotrainer.diagnosis.diagnose import diagnosis_document, evaluate_unless_null
 from evotrainer.diagnosis.harness import HarnessRevision
 from evotrainer.diagnosis.incremental import DiagnosisState, diagnose_incremental
+from evotrainer.engine.outputs import STEP_LINE, seconds_per_step
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts, read_steps
 from evotrainer.evidence.layout import RunArtifacts
@@ -54,9 +54,6 @@ STATE_FILE = "state.json"
 DIAGNOSIS_STATE_FILE = "diagnosis-state.json"
 DIAGNOSIS_FILE = "diagnosis.json"
 ROWS_DIR = "rows"
-# The engine's per-step log line (engine/grpo.py train_step): finer progress than the
-# evidence, which is flushed at each evaluation only.
-_ENGINE_STEP = re.compile(r"seed (\d+) step (\d+): reward")
 
 
 @dataclass
@@ -71,16 +68,22 @@ class LiveView:
     rows: int = 0  # train rollouts written so far
     val_rows: int = 0
     elapsed_s: float | None = None
+    step_s: float | None = None  # seconds a training step takes (the engine's log); verl: None
     diagnosis: dict | None = None  # None: no evidence written yet
     stop: dict | None = None  # {rule, reason, alert, step, steps, rows, at} once a rule held
     fresh: bool = False  # whether this look diagnosed new evidence
 
     @property
     def eta_s(self) -> float | None:
-        """Seconds left at the pace so far (None before the first step)."""
-        if not self.elapsed_s or not self.step or self.step >= self.steps:
+        """Seconds left at the steps' own pace when the engine's log gives it; for a job
+        without it (verl), at the pace since the job started. None before the pace is known."""
+        if not self.step or self.step >= self.steps:
             return None
-        return self.elapsed_s * (self.steps - self.step) / self.step
+        if self.step_s is not None:
+            return self.step_s * (self.steps - self.step)
+        if self.backend == "verl" and self.elapsed_s:
+            return self.elapsed_s * (self.steps - self.step) / self.step
+        return None
 
     def as_dict(self) -> dict:
         diagnosis = self.diagnosis or {}
@@ -153,6 +156,9 @@ def observe_running(
             view.rows, view.val_rows = progress.get("rows", 0), progress.get("val_rows", 0)
         view.step = _steps_done(artifact_dir, evidence.steps, seeds, view.backend)
         view.elapsed_s = _elapsed(artifact_dir, run)
+        log = RunArtifacts(artifact_dir).log
+        if view.backend != "verl" and log.is_file():
+            view.step_s = seconds_per_step(log.read_text(errors="replace"))
         view.stop = saved.get("stop") if saved.get("harness_digest") == harness.digest else None
         if view.stop is None and diagnosis is not None:
             view.stop = early_stop(harness, view)
@@ -420,7 +426,9 @@ def _steps_done(artifact_dir: Path, steps: pa.Table | None, seeds: list, backend
     latest: dict[int, int] = {}
     log = RunArtifacts(artifact_dir).log
     if backend != "verl" and log.is_file():
-        for seed, step in _ENGINE_STEP.findall(log.read_text(errors="replace")):
+        # The engine's per-step log line: finer progress than the evidence, which is
+        # flushed at each evaluation only.
+        for _, seed, step in STEP_LINE.findall(log.read_text(errors="replace")):
             latest[int(seed)] = max(latest.get(int(seed), 0), int(step))
     elif steps is not None and steps.num_rows:
         grouped = steps.group_by("seed").aggregate([("step", "max")])

@@ -7,10 +7,12 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,27 @@ from evotrainer.evidence.steps import STEPS_SCHEMA
 from evotrainer.store.files import atomic_write
 
 SCORE_COLUMNS = ["seed", "task_id", "data_source", "sample_idx", "correct"]
+# train.log lines start with this timestamp; a finished training step's line is STEP_LINE.
+LOG_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+STEP_LINE = re.compile(r"^(\S+ \S+) seed (\d+) step (\d+): reward ", re.MULTILINE)
+
+
+def seconds_per_step(log_text: str) -> float | None:
+    """The training pace in train.log: the mean gap between consecutive step lines of one
+    seed, so loading, GGUF conversion and the warm start before a seed's first step are not
+    counted as steps (they made a job whose steps take seconds look a quarter of an hour from
+    done). None until some seed has logged two steps."""
+    previous: dict[str, datetime] = {}
+    gaps: list[float] = []
+    for stamp, seed, _ in STEP_LINE.findall(log_text):
+        try:
+            at = datetime.strptime(stamp, LOG_TIME_FORMAT)
+        except ValueError:
+            continue
+        if seed in previous:
+            gaps.append((at - previous[seed]).total_seconds())
+        previous[seed] = at
+    return sum(gaps) / len(gaps) if gaps else None
 
 
 def write_parquet(path: Path, rows: list[dict[str, Any]], schema: pa.Schema) -> None:
@@ -81,7 +104,7 @@ class RunLog:
         self.bar: Progress | None = None
 
     def __call__(self, message: str) -> None:
-        line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}"
+        line = f"{time.strftime(LOG_TIME_FORMAT)} {message}"
         self.file.write(line + "\n")
         self.file.flush()
         if self.bar is not None:

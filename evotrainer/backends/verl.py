@@ -281,6 +281,7 @@ class VerlBackend:
             "dump_flavours": notes.flavours,
             "derived": notes.derived,
             "missing": notes.missing,
+            "ambiguous": notes.ambiguous,
             "checkpoints": {str(seed): str(path) for seed, path in policies.items()},
         }
         if skipped:
@@ -532,6 +533,7 @@ def merge_notes(into: IngestResult, result: IngestResult) -> None:
     into.skipped += result.skipped
     into.flavours += [f for f in result.flavours if f not in into.flavours]
     into.note(result.derived, result.missing)
+    into.ambiguous += [a for a in result.ambiguous if a not in into.ambiguous]
 
 
 def _write(tables: list[pa.Table], schema: pa.Schema, path: Path) -> Path | None:

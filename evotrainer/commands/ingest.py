@@ -37,8 +37,9 @@ def register(app: typer.Typer) -> None:
         group_size: int = typer.Option(
             None,
             "--group-size",
-            help="verl's n for this split (rollout.n for train, val_kwargs.n for val): groups "
-            "legacy dumps, which have no uid, by position.",
+            help="verl's n for this split (rollout.n for train, val_kwargs.n for val): legacy "
+            "dumps (no uid) are checked against it, groups of k×n rows (duplicate prompts "
+            "merged) reported; legacy validation dumps are grouped by position.",
         ),
         tokenizer: Path = typer.Option(
             None,
@@ -81,6 +82,7 @@ def register(app: typer.Typer) -> None:
             "earlier_outputs_folded": result.earlier_outputs,
             "derived": result.derived,
             "missing": result.missing,
+            "ambiguous": result.ambiguous,
         }
         if metrics is not None:
             steps, bad = read_metrics_log(metrics, version=version, seed=seed)
@@ -102,6 +104,8 @@ def register(app: typer.Typer) -> None:
             console.print(f"  derived: {safe(line)}")
         for line in result.missing:
             console.print(f"  [yellow]missing:[/] {safe(line)}")
+        for line in result.ambiguous:
+            console.print(f"  [yellow]ambiguous:[/] {safe(line)}")
         if metrics is not None:
             console.print(
                 f"Wrote {summary['step_metric_rows']} step metrics to {safe(summary['steps'])}"

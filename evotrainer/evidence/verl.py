@@ -11,11 +11,13 @@ Two flavours (see tests/golden/verl, written by verl's own code):
   earlier ones in validation dumps. So one row per session: the final output, with the
   earlier outputs in `extra.earlier_outputs` and the raw key in `extra.uid`.
 - **legacy** (`RayPPOTrainer`): no uid. verl's group is the dataset row (a uuid per row,
-  `repeat(n, interleave=True)`), so identical prompts are still separate groups. A row's group
-  is its `task_id` when the reward function returned one (ours does); else, with the group size
-  n known, its position (n consecutive rows per prompt: true of validation dumps, and of train
-  dumps when `trainer.balance_batch` is off, since balancing reorders the batch by length);
-  else, as a last resort, the prompt text.
+  `repeat(n, interleave=True)`), so identical prompts are still separate groups, and
+  `trainer.balance_batch` (on by default) reorders a train batch by length before the dump.
+  A row's group is, in order: the dataset row `index` the reward function returned (ours
+  does: exact in any order), its `task_id`, a raw uid; else, in a validation dump with the
+  group size n known, n consecutive rows (validation is never balanced; each block must hold
+  one prompt); else the prompt text. With n known, every legacy group whose size is not n is
+  reported in `ambiguous` with its count (k×n rows: duplicate prompts merged), never guessed.
 
 Known extra keys map to canonical columns; `reward` (verl's copy of the score in validation
 dumps) is dropped; other numeric keys become reward components, the rest `extra`. No verl dump
@@ -94,6 +96,8 @@ class IngestResult:
     flavours: list[str] = field(default_factory=list)
     derived: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    # Groups whose size is not verl's n (merged duplicate prompts, uneven groups), counted.
+    ambiguous: list[str] = field(default_factory=list)
     earlier_outputs: int = 0  # V1 non-final outputs folded into their session's row
     restarted: bool = False  # read_new: a file was rewritten, these rows replace earlier ones
 
@@ -419,13 +423,20 @@ def _canonical(
     )
     uid = col("uid", "VARCHAR")
     task = next((col(k, "VARCHAR") for k in ("task_id", "index") if k in cols), "NULL")
+    # The dataset row a legacy row was sampled for (our reward function returns its `index`):
+    # verl draws each row once per step and repeats it n times, so within a step file this is
+    # verl's own group, wherever balance_batch moved the samples.
+    dataset_row = f"'row:' || {col('index', 'VARCHAR')}" if "index" in cols else "NULL"
     prompt_key = "left(md5(CAST(input AS VARCHAR)), 16)"
-    # A legacy row (no V1 key): its task id, else a raw uid, else n consecutive rows by
-    # position, else (n unknown) identical prompt text.
+    # A legacy row without a key: validation rows by position (verl repeats each prompt n
+    # times in place and never balances a validation batch; each block is checked to hold
+    # one prompt), train rows by identical prompt text (balance_batch reorders them by length
+    # before the dump, so n consecutive rows are not a group).
+    positional = bool(group_size) and split == "val"
     position = (
         f"{prompt_key} || '-' || ((row_number() OVER (PARTITION BY __file, __v1 ORDER BY __row)"
         f" - 1) // {int(group_size)})"
-        if group_size
+        if positional
         else prompt_key
     )
     finish = (
@@ -468,19 +479,25 @@ def _canonical(
     keyed = f"""
         SELECT *, COALESCE(regexp_matches(__uid, '{_V1_KEY}'), false) AS __v1
         FROM (SELECT *, {uid} AS __uid, regexp_extract({uid}, '{_V1_TAIL}', ['s', 'i'])
-                        AS __tail, {task} AS __task
+                        AS __tail, {task} AS __task, {dataset_row} AS __dataset_row
               FROM raw)
     """
     repeats = pa.table({})
     con.register("raw", raw)
     try:
         # What this batch needs: windows and joins only where verl's rules need them.
-        legacy_rows, later_outputs, untasked = con.sql(
+        legacy_rows, later_outputs, untasked, unkeyed = con.sql(
             f"""SELECT count(*) FILTER (WHERE NOT __v1),
                        count(*) FILTER (WHERE __v1 AND TRY_CAST(__tail.i AS BIGINT) > 0),
-                       count(*) FILTER (WHERE __task IS NULL)
+                       count(*) FILTER (WHERE __task IS NULL),
+                       count(*) FILTER (WHERE NOT __v1 AND __dataset_row IS NULL
+                                        AND __task IS NULL AND __uid IS NULL)
                 FROM ({keyed})"""
         ).fetchall()[0]
+        if positional and unkeyed and _mixed_blocks(con, keyed, int(group_size)):
+            # A block of n rows holding two prompts: this dump is not in verl's validation
+            # order (a balanced or re-sorted file), so position says nothing here either.
+            position, positional = prompt_key, False
         # A legacy row is its own final row (its __index is NULL, which no max equals).
         final = (
             "NOT __v1 OR __index = max(__index) OVER (PARTITION BY __file, __v1_group, __session)"
@@ -515,6 +532,7 @@ def _canonical(
             ), grouped AS (
                 SELECT *,
                        CASE WHEN __v1 THEN __v1_group
+                            WHEN __dataset_row IS NOT NULL THEN __dataset_row
                             WHEN __task IS NOT NULL THEN __task
                             WHEN __uid IS NOT NULL THEN __uid
                             ELSE {position} END AS __group,
@@ -565,6 +583,7 @@ def _canonical(
                    {col("num_turns", "BIGINT")} AS turns,
                    {col("mean_logprob", "DOUBLE")} AS mean_logprob, {extra} AS extra, __row,
                    __v1, __task IS NOT NULL AS __has_task,
+                   __dataset_row IS NOT NULL AS __has_row, __file,
                    {"len(__earlier)" if earlier else "0"} AS __n_earlier
             FROM grouped{joins}
             WHERE __final
@@ -580,7 +599,8 @@ def _canonical(
     order = out.column("__row").to_numpy()
     if len(order) > 1 and not (order[1:] > order[:-1]).all():
         out = out.sort_by("__row")
-    _note(out, files, cols, group_size=group_size, result=result)
+    _note(out, files, cols, group_size=group_size, split=split, positional=positional,
+          result=result)
     rows = out.column("__row")
     every_row = out.num_rows == raw.num_rows  # unique rows in order: all of them, as they are
     for source, target in (("input", "prompt"), ("output", "response")):
@@ -599,18 +619,37 @@ def _canonical(
     return out.select(ROLLOUT_SCHEMA.names).cast(ROLLOUT_SCHEMA)
 
 
+def _mixed_blocks(con: duckdb.DuckDBPyConnection, keyed: str, group_size: int) -> bool:
+    """Does any block of `group_size` consecutive legacy rows of a file hold more than one
+    prompt, or fewer rows (a file that n does not divide)?"""
+    return bool(
+        con.sql(
+            f"""SELECT count(*) FROM (
+                    SELECT count(*) AS rows, count(DISTINCT CAST(input AS VARCHAR)) AS prompts
+                    FROM (SELECT __file, input, (row_number() OVER (PARTITION BY __file
+                                 ORDER BY __row) - 1) // {group_size} AS __block
+                          FROM ({keyed}) WHERE NOT __v1)
+                    GROUP BY __file, __block)
+                WHERE prompts > 1 OR rows <> {group_size}"""
+        ).fetchall()[0][0]
+    )
+
+
 def _note(
     out: pa.Table,
     files: list[tuple[int, Path, pa.Table]],
     cols: set[str],
     *,
     group_size: int | None,
+    split: str,
+    positional: bool,
     result: IngestResult,
 ) -> None:
-    """Record the flavour, what was derived and what is missing; a legacy file grouped by
-    position must hold whole groups."""
+    """Record the flavour, what was derived and what is missing, and with the group size
+    known, every legacy group whose size is not n: never a silent guess."""
     v1 = out.column("__v1").to_numpy(zero_copy_only=False)
     has_task = out.column("__has_task").to_numpy(zero_copy_only=False)
+    has_row = out.column("__has_row").to_numpy(zero_copy_only=False)
     derived, missing = [], []
     if v1.any():
         result.flavours += [V1] if V1 not in result.flavours else []
@@ -625,23 +664,40 @@ def _note(
     legacy = ~v1
     if legacy.any():
         result.flavours += [LEGACY] if LEGACY not in result.flavours else []
-        if has_task[legacy].all():
-            derived.append("legacy: group = task_id returned by the reward function")
-        elif group_size and "uid" not in cols:
-            derived.append(f"legacy: group = {group_size} consecutive rows (verl's n)")
-            for _, path, table in files:
-                if table.num_rows % group_size:
-                    raise EvoError(
-                        f"{table.num_rows} rows do not make groups of {group_size}",
-                        where=str(path),
-                        hint="is the group size verl's rollout.n (train) / "
-                        "val_kwargs.n (validation) for this dump?",
-                    )
-        elif "uid" not in cols:
-            missing.append(
-                "legacy group size: rows grouped by prompt text, which merges dataset rows "
-                "with the same prompt (pass the group size: rollout.n / val_kwargs.n)"
+        if has_row[legacy].all():
+            derived.append(
+                "legacy: group = the dataset row (`index` returned by the reward function), "
+                "exact in any order verl dumps the rows"
             )
+        elif has_task[legacy].all():
+            derived.append("legacy: group = task_id returned by the reward function")
+        elif "uid" in cols:
+            derived.append("legacy: group = uid")
+        elif positional:
+            derived.append(
+                f"legacy validation: group = {group_size} consecutive rows (verl's n; "
+                "validation batches are not balanced, and each block holds one prompt)"
+            )
+        else:
+            if split == "train":
+                why = "verl's balance_batch reorders train rows before the dump: n consecutive "
+                why += "rows are not a group"
+            elif group_size:
+                why = f"blocks of {group_size} consecutive rows mix prompts: not verl's "
+                why += "validation order for this n"
+            else:
+                why = "no group size to read validation rows by position"
+            derived.append(f"legacy: group = identical prompt text in a step ({why})")
+            if not group_size:
+                missing.append(
+                    "legacy group size: pass it (rollout.n / val_kwargs.n) to have every "
+                    "group checked and duplicate prompts merged into one group reported"
+                )
+        if group_size:
+            result.ambiguous += [
+                a for a in _group_size_problems(out, legacy, group_size)
+                if a not in result.ambiguous
+            ]
     if "task_id" not in cols and "index" not in cols:
         missing.append("task_id (task = prompt text, numbered when repeated)")
     if "data_source" not in cols:
@@ -653,6 +709,38 @@ def _note(
     if "truncated" not in cols and "finish_reason" not in cols:
         missing.append("truncated")
     result.note(derived, missing)
+
+
+def _group_size_problems(out: pa.Table, legacy: np.ndarray, group_size: int) -> list[str]:
+    """Legacy groups (per file) of k×n rows, k ≥ 2 (duplicate prompts, or one dataset row
+    drawn twice, in one step: verl had k groups, the dump cannot say which sample was
+    whose), and of a size n does not divide (skipped lines, or n is not this dump's)."""
+    groups = out.filter(pa.array(legacy)).group_by(["__file", "group_id"]).aggregate(
+        [("group_id", "count")]
+    )
+    sizes = groups.column("group_id_count").to_numpy()
+    merged = sizes[(sizes > group_size) & (sizes % group_size == 0)]
+    uneven = sizes[sizes % group_size != 0]
+    problems = []
+    if merged.size:
+        problems.append(
+            f"{merged.size} group(s) of a multiple of n = {group_size} rows ("
+            + _size_counts(merged)
+            + "): duplicate prompts in one step that the dump cannot tell apart, each kept "
+            "as one group"
+        )
+    if uneven.size:
+        problems.append(
+            f"{uneven.size} group(s) whose size n = {group_size} does not divide ("
+            + _size_counts(uneven)
+            + "): skipped lines, or n is not this dump's rollout.n / val_kwargs.n"
+        )
+    return problems
+
+
+def _size_counts(sizes: np.ndarray) -> str:
+    values, counts = np.unique(sizes, return_counts=True)
+    return ", ".join(f"{c} of {v} rows" for v, c in zip(values, counts, strict=True))
 
 
 def derive_lengths(table: pa.Table, tokenizer_dir: str | Path, response_length: int) -> pa.Table:

@@ -61,7 +61,7 @@ def dump(directory: str, step: int, rows: list[dict]) -> None:
             out.write(json.dumps(row) + "\n")
 
 
-def generations(rows, n: int, step: int, reward, with_extras: bool) -> list[dict]:
+def generations(rows, n: int, step: int, reward, with_extras: bool, v1: bool = True) -> list[dict]:
     out = []
     for row in rows:
         prompt_uid = uuid.uuid4().hex
@@ -76,14 +76,28 @@ def generations(rows, n: int, step: int, reward, with_extras: bool) -> list[dict
                 "step": step,
             }
             if with_extras:  # V1: only the validation dump carries reward_extra_info
-                line.update({"reward": scored["score"], **scored})
-            line["uid"] = f"{prompt_uid}_{session}_0"
+                line.update({"reward": scored["score"], **scored} if v1 else scored)
+            if v1:  # the legacy trainer dumps no uid
+                line["uid"] = f"{prompt_uid}_{session}_0"
             out.append(line)
     return out
 
 
+def balanced(lines: list[dict]) -> list[dict]:
+    """The order the legacy trainer's `_balance_batch` leaves a batch in on one data-parallel
+    rank: sorted by length, then every other row forward and the rest backward (length here
+    is characters of prompt and response, standing in for tokens)."""
+    length = [len(line["input"] + line["output"]) for line in lines]
+    order = sorted(range(len(lines)), key=lambda i: (length[i], i))
+    return [lines[i] for i in order[::2] + order[1::2][::-1]]
+
+
 def main() -> int:
     config = parse(sys.argv[1:])
+    # trainer.use_v1=false: the legacy trainer, whose dumps carry every reward extra and no
+    # uid, its train batches reordered by trainer.balance_batch (on by default).
+    v1 = config.get("trainer.use_v1", True) is not False
+    balance = not v1 and config.get("trainer.balance_batch", True) is not False
     mode = os.environ.get("STANDIN_MODE", "ok")
     pause = float(os.environ.get("STANDIN_STEP_SLEEP", "0"))
     reward = load_reward(config)
@@ -106,6 +120,7 @@ def main() -> int:
                 step,
                 reward,
                 with_extras=True,
+                v1=v1,
             )
             dump(config["trainer.validation_data_dir"], step, rows)
             log(step, {"val-core/all/acc/mean@k": sum(r["acc"] for r in rows) / len(rows)})
@@ -114,7 +129,10 @@ def main() -> int:
         for step in range(1, steps + 1):
             time.sleep(pause)
             start = ((step - 1) * batch) % len(train)
-            rows = generations(train[start : start + batch], n, step, reward, with_extras=False)
+            rows = generations(train[start : start + batch], n, step, reward, with_extras=not v1,
+                               v1=v1)
+            if balance:
+                rows = balanced(rows)
             dump(config["trainer.rollout_data_dir"], step, rows)
             scores = [r["score"] for r in rows]
             log(

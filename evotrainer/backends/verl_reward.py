@@ -53,8 +53,8 @@ def _load(config_path: str) -> tuple[Domain, tuple[tuple[str, float], ...]]:
 def hermes_tool_calls(transcript: str) -> list[dict[str, str]]:
     """The tool calls in a verl multi-turn transcript, as {name, args}. A tool of one
     argument records that argument's value as `args` (the command of `shell`, the number of
-    `compare`, as the domains record their own calls), others their arguments as JSON; a
-    call verl could not parse either is `invalid`, with its text as args."""
+    `compare`, as the domains record their own calls), one of none "", others their
+    arguments as JSON; a call verl could not parse either is `invalid`, its text as args."""
     calls = []
     for body in _HERMES_CALL.findall(transcript):
         try:
@@ -63,7 +63,9 @@ def hermes_tool_calls(transcript: str) -> list[dict[str, str]]:
         except (json.JSONDecodeError, KeyError, TypeError):
             calls.append({"name": "invalid", "args": body.strip()})
             continue
-        if isinstance(arguments, dict) and len(arguments) == 1:
+        if not arguments:
+            args = ""
+        elif isinstance(arguments, dict) and len(arguments) == 1:
             (value,) = arguments.values()
             args = value if isinstance(value, str) else json.dumps(value)
         else:

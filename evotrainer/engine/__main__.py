@@ -23,8 +23,6 @@ def main(argv: list[str]) -> int:
     offline_environment()
     from evotrainer.engine.grpo import run_job  # after the offline switches are set
 
-    # `cancel` sends SIGTERM: exit through Python so result.json records the failure.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         recipe = json.loads(Path(recipe_path).read_text())
         check_recipe(recipe)
@@ -36,12 +34,27 @@ def main(argv: list[str]) -> int:
         )
         print(f"error: {err}", file=sys.stderr)
         return 1
+    # `cancel` and an early stop send SIGTERM: leave through Python, so result.json and
+    # train.log record why the job ended (not "SystemExit: 143").
+    signal.signal(signal.SIGTERM, _stop)
     try:
         run_job(recipe, Path(out_dir), version, progress=sys.stderr.isatty())
+    except Stopped as stop:
+        print(f"stopped: {stop}", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except Exception as exc:  # result.json and train.log already hold the failure
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+class Stopped(BaseException):
+    """SIGTERM arrived. A BaseException, as SystemExit is, so that no `except Exception` on
+    the way out (a domain's, a library's) swallows it."""
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise Stopped("SIGTERM: the job was stopped (`evotrainer cancel`, or a harness early stop)")
 
 
 if __name__ == "__main__":

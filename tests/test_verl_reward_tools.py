@@ -13,8 +13,17 @@ from pathlib import Path
 import numpy as np
 
 from evotrainer.backends.verl_reward import compute_score, hermes_tool_calls
-from evotrainer.domains import make_domain
+from evotrainer.domains import Task, make_domain
 from evotrainer.evidence.verl import ingest_dump
+
+
+def first_task(domain: str, tmp_path: Path) -> tuple[Task, Path]:
+    """A train task of `domain` and the reward config our render writes for it."""
+    domain_config = {"name": domain, "train_size": 2, "val_size": 1}
+    config = tmp_path / "reward.json"
+    config.write_text(json.dumps(
+        {"domain": domain_config, "reward": {"components": [{"name": "correctness"}]}}))
+    return make_domain(domain_config).split(2, 1)[0][0], config
 
 
 def hermes(name: str, arguments: object) -> str:
@@ -41,11 +50,7 @@ def test_hermes_calls_are_recorded_as_the_domains_record_theirs():
 
 
 def test_a_multi_turn_episode_carries_its_calls_and_turns_into_the_dump(tmp_path: Path):
-    domain_config = {"name": "toolenv", "train_size": 2, "val_size": 1}
-    task = make_domain(domain_config).split(2, 1)[0][0]
-    config = tmp_path / "reward.json"
-    config.write_text(json.dumps(
-        {"domain": domain_config, "reward": {"components": [{"name": "correctness"}]}}))
+    task, config = first_task("toolenv", tmp_path)
     transcript = hermes("compare", {"guess": 40}) + hermes("reveal", {}) + f"={task.answer};"
     # What verl's reward manager hands over: the row's extra_info, plus num_turns (numpy).
     extra_info = {"task_id": task.task_id, "question": task.prompt, "index": np.int64(0),
@@ -67,11 +72,7 @@ def test_a_multi_turn_episode_carries_its_calls_and_turns_into_the_dump(tmp_path
 
 
 def test_a_single_turn_domain_adds_no_tool_keys(tmp_path: Path):
-    domain_config = {"name": "arith", "train_size": 2, "val_size": 1}
-    task = make_domain(domain_config).split(2, 1)[0][0]
-    config = tmp_path / "reward.json"
-    config.write_text(json.dumps(
-        {"domain": domain_config, "reward": {"components": [{"name": "correctness"}]}}))
+    task, config = first_task("arith", tmp_path)
     extras = compute_score(task.data_source, task.answer, task.answer, extra_info={
         "task_id": task.task_id, "question": task.prompt, "index": 3, "num_turns": 2,
     }, config_path=str(config))

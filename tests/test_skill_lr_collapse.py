@@ -4,7 +4,7 @@ the diagnoses are those of the autonomy gym's lr_collapse, too_hard and cold set
 
 from __future__ import annotations
 
-from evotrainer.agent.skills import load_library, match
+from evotrainer.agent.skills import load_library, match, resolve_skill
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.recipe import BASE_RECIPE, deep_merge
 
@@ -29,8 +29,12 @@ def test_a_diverged_run_gets_the_default_learning_rate_back():
     collapse = diagnosis((0.0102, -0.00149), (0.978, 0.0032), (-3.81, -0.0127))
     assert SKILL in fired(collapse)
     skill = load_library(builtin_dir("skills"))[SKILL]
-    assert deep_merge({"grpo": {"lr": 1.0e-2}}, skill.patch_for("arith"))["grpo"]["lr"] == \
-        BASE_RECIPE["grpo"]["lr"]
+    # The gym's 1e-2 comes back to the engine's default 1e-4 (a tenth, at most 1e-4) ...
+    collapsed = deep_merge(BASE_RECIPE, {"grpo": {"lr": 1.0e-2}})
+    assert resolve_skill(skill, collapsed).overrides == {"grpo": {"lr": BASE_RECIPE["grpo"]["lr"]}}
+    # ... and a learning rate already under the default is lowered too, never raised to it.
+    small = deep_merge(BASE_RECIPE, {"grpo": {"lr": 1.0e-6}})
+    assert resolve_skill(skill, small).overrides == {"grpo": {"lr": 1.0e-7}}
 
 
 def test_a_task_too_hard_or_a_sampler_too_cold_is_not_a_collapse():

@@ -3,8 +3,12 @@ nothing else (a leaky run, a run whose reward still climbs, a mostly solved or u
 
 from __future__ import annotations
 
-from evotrainer.agent.skills import load_library, match
+import yaml
+
+from evotrainer.agent.skills import load_library, match, resolve_skill
+from evotrainer.commands.init import EXAMPLES_DIR
 from evotrainer.store.builtin import builtin_dir
+from evotrainer.store.recipe import resolve
 
 SKILL = "partial-credit-on-stall"
 
@@ -30,9 +34,10 @@ def fired(doc: dict, domain: str = "toolenv") -> list[str]:
 def test_fires_on_a_clean_stalled_run_and_adds_the_partial_component():
     assert SKILL in fired(diagnosis())
     skill = load_library(builtin_dir("skills"))[SKILL]
-    components = skill.patch_for("toolenv")["reward"]["components"]
-    assert {"name": "partial", "weight": 0.5} in components
-    assert {"name": "correctness", "weight": 1.0} in components  # correctness stays whole
+    toolenv = resolve(yaml.safe_load((EXAMPLES_DIR / "toolenv.yaml").read_text())["recipe"], [])
+    # partial joins at 0.5; correctness stays whole (the patch does not touch it).
+    assert resolve_skill(skill, toolenv).overrides == {
+        "reward": {"components": [{"name": "partial", "weight": 0.5}]}}
 
 
 def test_never_fires_on_a_leak_a_climbing_reward_or_an_untrained_run():

@@ -3,13 +3,17 @@ toolenv group whose rollouts loop to different extents the reward spread correct
 
 from __future__ import annotations
 
-from evotrainer.agent.skills import load_library, match
+import yaml
+
+from evotrainer.agent.skills import load_library, match, resolve_skill
+from evotrainer.commands.init import EXAMPLES_DIR
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import resolve_harness
 from evotrainer.diagnosis.replay import backtest_reward, skill_reward
 from evotrainer.domains import make_domain
 from evotrainer.evidence.synthetic import rollout_table
 from evotrainer.store.builtin import builtin_dir
+from evotrainer.store.recipe import resolve
 
 SKILL = "repeat-penalty"
 LIBRARY = load_library(builtin_dir("skills"))
@@ -57,8 +61,10 @@ def test_fires_on_the_echo_alert_of_looping_rollouts():
 
 def test_its_component_rescues_an_all_failing_group_and_keeps_correctness_whole():
     skill = LIBRARY[SKILL]
-    components = skill.patch_for("toolenv")["reward"]["components"]
-    assert {"name": "correctness", "weight": 1.0} in components
+    toolenv = resolve(yaml.safe_load((EXAMPLES_DIR / "toolenv.yaml").read_text())["recipe"], [])
+    # no_repeat joins at 0.5 beside correctness, which the patch leaves whole.
+    assert resolve_skill(skill, toolenv).overrides == {
+        "reward": {"components": [{"name": "no_repeat", "weight": 0.5}]}}
     component, weight = skill_reward(skill)
     report = backtest_reward(rollout_table(_echo_group()), component, weight, DOMAIN)
     assert (report["dead_groups_before"], report["rescued_groups"]) == (1, 1)

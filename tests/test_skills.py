@@ -15,6 +15,7 @@ from evotrainer.agent.skills import (
     match,
     record_evidence,
     refusals,
+    resolve_skill,
     search,
     trigger_variables,
 )
@@ -79,9 +80,11 @@ def test_builtin_files_are_in_the_form_evidence_updates_write() -> None:
 @pytest.mark.parametrize("name", sorted(LIBRARY))
 def test_recipe_patch_merges_into_a_valid_recipe(name: str) -> None:
     skill = LIBRARY[name]
-    recipe = deep_merge(BASE_RECIPE, skill.recipe_patch)
+    resolution = resolve_skill(skill, BASE_RECIPE)
+    recipe = deep_merge(BASE_RECIPE, resolution.overrides)
     doc = specs.Document({"apiVersion": "evotrainer/v1", "kind": "PolicyVersion", "name": "v1",
-                          "parent": "v0", "recipe": recipe}, f"skills/{name}.yaml", {})
+                          "parent": "v0", "recipe": resolution.overrides},
+                         f"skills/{name}.yaml", {})
     assert specs.check(doc, "PolicyVersion") == []
     assert skill.recipe_patch or skill.entry_point, "a skill needs a mechanism"
     if skill.negative:
@@ -166,9 +169,13 @@ def test_match_ranks_by_evidence_and_never_proposes_harmful_skills() -> None:
     assert {"zero-std-filter", "aux-continuous-reward", "max-turns-cap"} <= set(names)
     assert not any(LIBRARY[n].negative for n in names)
     assert found[0].values == {"alerts": ["dead_groups"], "dead_group_ratio": 0.62}
-    # group-only whitening is already the base recipe: listed, but last.
+    # group-only whitening is already the base recipe, and the base recipe has no turn budget
+    # for max-turns-cap to lower: listed, with the reason, but after every skill that moves it.
     whitening = next(m for m in found if m.skill.name == "group-whitening-only")
-    assert whitening.applied and found[-1] is whitening
+    assert whitening.applied and whitening.no_change == "grpo.normalize_std is already true"
+    no_ops = [m.skill.name for m in found if m.applied]
+    assert set(no_ops) == {"group-whitening-only", "max-turns-cap"}
+    assert [m.skill.name for m in found[-len(no_ops):]] == no_ops
     refused = [m.skill.name for m in refusals(LIBRARY, dead, domain="toolenv")]
     assert "efficiency-multiplier" in refused and "data-downsizing" not in refused
     # Domain applicability: the toolenv leak fix is not offered on arith.
@@ -260,7 +267,8 @@ def test_cli_list_show_search(cli, tmp_path) -> None:
     assert "std-group-filter" in table.output and "clip-higher" not in table.output
     assert "known to hurt" in table.output  # data-downsizing is a filter skill
     shown = cli("skills", "show", "kl-cap")
-    assert yaml.safe_load(shown.output)["mechanism"]["recipe_patch"]["grpo"]["kl_coef"] == 0.002
+    assert yaml.safe_load(shown.output)["mechanism"]["recipe_patch"]["grpo"]["kl_coef"] == {
+        "direction": "raise", "min": 0.002}
     assert json.loads(cli("skills", "show", "kl-cap", "--json").output)["name"] == "kl-cap"
     missing = cli("skills", "show", "nope")
     assert missing.code == 1 and "unknown skill" in missing.err
@@ -299,7 +307,7 @@ def test_each_domain_gets_its_own_patch_and_every_swe_patch_is_a_valid_swe_recip
     for skill in LIBRARY.values():
         if skill.negative or not skill.applies_to("swe") or not skill.domains:
             continue
-        recipe = deep_merge(swe_recipe, skill.patch_for("swe"))
+        recipe = deep_merge(swe_recipe, resolve_skill(skill, swe_recipe).overrides)
         get_backend("local").check(recipe)  # raises EvoError naming the bad field
         tools = (recipe.get("environment") or {}).get("tools") or []
         assert {t["name"] for t in tools} <= set(get_domain("swe").tools), skill.name

@@ -8,6 +8,22 @@ library is read.
 A skill's mechanism is a recipe patch; `mechanism.domain_patches` gives a domain its own
 patch where the same intent needs another mechanism there (`Skill.patch_for`).
 
+A patch moves the recipe it is applied to; it never writes a magnitude blind. A number in a
+patch is an operation on the value the recipe already has, with its declared direction:
+
+- `{direction: raise, multiply: 2, min: 16, max: 32768}`: twice the value, at least 16 (a
+  floor), at most 32768 (a ceiling); `add: 0.2` instead of `multiply` adds a step;
+- `{direction: raise, min: 0.1}`: at least 0.1 (installs 0.1 where the value is not set);
+- `{direction: lower, multiply: 0.1, min: 1e-7, max: 1e-4}`: a tenth, within the bounds;
+- `{set: V}`: an absolute value, for booleans, names and whole configurations (a group
+  filter with its parameters); a bare boolean, string or null in a patch is the same.
+
+A raise never lowers and a lower never raises: a value already past the bound stays where it
+is, and that key makes no change. `resolve_skill` turns a patch into the concrete values a
+version spec records (so `git diff` shows numbers, not operations); a skill whose patch
+changes nothing on a recipe (every value already at its bound) is not proposed for it, and
+`Resolution.reason` says why.
+
 Triggers are CEL over a diagnosis. Their variables:
 
 - every metric by name, holding its value (`dead_group_ratio > 0.5`);
@@ -41,7 +57,7 @@ from evotrainer.diagnosis.diagnose import evaluate_unless_null
 from evotrainer.errors import EvoError
 from evotrainer.store import specs
 from evotrainer.store.builtin import builtin_dir
-from evotrainer.store.recipe import deep_merge
+from evotrainer.store.recipe import _is_named_list, deep_merge
 
 # Verdicts of the gate that count as evidence, and the list each one goes to.
 EVIDENCE_LISTS = {
@@ -117,7 +133,9 @@ class Skill:
 
 def load_skill(path: Path, source: str | None = None) -> Skill:
     doc = specs.load(path, "Skill", source=source)
-    return Skill(doc.data, doc.source)
+    skill = Skill(doc.data, doc.source)
+    check_operations(skill)
+    return skill
 
 
 def load_library(folder: Path | None = None) -> dict[str, Skill]:
@@ -144,13 +162,26 @@ def workspace_library(ws: Any | None) -> dict[str, Skill]:
     return load_library()
 
 
-def skill_overrides(paths: list[Path], domain: str | None) -> dict[str, Any]:
-    """The composed recipe overrides of the skills in `paths` for `domain` (nulls kept, to
-    remove keys when merged onto a recipe): what a version applying them sets."""
+def skill_overrides(paths: list[Path], parent_recipe: dict[str, Any]) -> dict[str, Any]:
+    """The concrete recipe overrides of the skills in `paths` applied in order to
+    `parent_recipe` (the parent's resolved recipe; nulls kept, to remove keys when merged
+    onto a recipe): what a version applying them sets. A skill that would change nothing is
+    refused with the reason, so no version is spent on a no-op."""
     overrides: dict[str, Any] = {}
+    recipe = parent_recipe
     for path in paths:
         skill = load_skill(path, f"skills/{path.name}")
-        overrides = deep_merge(overrides, skill.patch_for(domain), keep_nulls=True)
+        resolution = resolve_skill(skill, recipe)
+        if not resolution.changes:
+            raise EvoError(
+                f"skill {skill.name!r} changes nothing on the parent's recipe: "
+                f"{resolution.reason}",
+                where=skill.source,
+                field="--skill",
+                hint="pick another skill, or change the recipe with --set",
+            )
+        overrides = deep_merge(overrides, resolution.overrides, keep_nulls=True)
+        recipe = deep_merge(recipe, resolution.overrides)
     return overrides
 
 
@@ -162,6 +193,204 @@ def get_skill(skills: dict[str, Skill], name: str) -> Skill:
             hint=f"known skills: {', '.join(sorted(skills)) or 'none'}",
         )
     return skills[name]
+
+
+# ----------------------------------------------------------------------- relative patches
+
+def is_operation(value: Any) -> bool:
+    """A patch value that operates on the recipe's value (`set`, or a `direction` with its
+    step and bounds) rather than a mapping merged key by key."""
+    return isinstance(value, dict) and ("set" in value or "direction" in value)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One recipe value a skill moves: `key` dotted, a named list entry as `[name]`
+    (`reward.components[partial].weight`); `before` is None where the recipe has no value."""
+
+    key: str
+    before: Any
+    after: Any
+    direction: str  # raise, lower, or set (an absolute value)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "before": self.before, "after": self.after,
+                "direction": self.direction}
+
+    def __str__(self) -> str:
+        return f"{self.key} {_show(self.before)} → {_show(self.after)}"
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """A patch resolved against one recipe: the concrete overrides a version spec records
+    (only what changes), each change, and why each other patched key keeps its value."""
+
+    overrides: dict[str, Any]
+    changes: tuple[Change, ...]
+    unchanged: tuple[str, ...]
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.unchanged) or "the patch is empty"
+
+
+def resolve_skill(skill: Skill, recipe: dict[str, Any]) -> Resolution:
+    """`skill`'s patch for the recipe's domain, resolved against `recipe` (a resolved recipe:
+    the parent's, at proposal time)."""
+    domain = (recipe.get("domain") or {}).get("name")
+    return resolve_patch(skill.patch_for(domain), recipe, where=skill.source)
+
+
+def resolve_patch(patch: dict[str, Any], recipe: dict[str, Any], *, where: str) -> Resolution:
+    """The concrete overrides `patch` makes on `recipe` (see the module docstring)."""
+    changes: list[Change] = []
+    unchanged: list[str] = []
+    overrides = _resolve_mapping(patch, recipe, "", changes, unchanged, where)
+    return Resolution(overrides, tuple(changes), tuple(unchanged))
+
+
+def _resolve_mapping(
+    patch: dict[str, Any], base: Any, prefix: str, changes: list[Change], unchanged: list[str],
+    where: str,
+) -> dict[str, Any]:
+    base = base if isinstance(base, dict) else {}
+    out: dict[str, Any] = {}
+    for key, value in patch.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        before = base.get(key)
+        if is_operation(value):
+            after, direction, why = _apply(value, before, dotted, where)
+            if why is not None:
+                unchanged.append(why)
+                continue
+            out[key] = after
+            changes.append(Change(dotted, before, after, direction))
+        elif isinstance(value, dict) and value:
+            nested = _resolve_mapping(value, before, dotted, changes, unchanged, where)
+            if nested:
+                out[key] = nested
+        elif _is_named_list(value):
+            entries = _resolve_entries(value, before, dotted, changes, unchanged, where)
+            if entries:
+                out[key] = entries
+        elif value is None and key not in base:
+            unchanged.append(f"{dotted} is already unset")
+        elif value is not None and before == value:
+            unchanged.append(f"{dotted} is already {_show(value)}")
+        else:  # a literal (boolean, name) written as is; null removes the key
+            out[key] = value
+            changes.append(Change(dotted, before, value, "set"))
+    return out
+
+
+def _resolve_entries(
+    patch: list[dict[str, Any]], base: Any, prefix: str, changes: list[Change],
+    unchanged: list[str], where: str,
+) -> list[dict[str, Any]]:
+    """A named list (reward components, tools): each entry resolved against the recipe's
+    entry of the same name (none: a new entry, its operations on unset values)."""
+    index = {e["name"]: e for e in base or [] if isinstance(e, dict) and "name" in e}
+    out = []
+    for entry in patch:
+        fields = {k: v for k, v in entry.items() if k != "name"}
+        resolved = _resolve_mapping(fields, index.get(entry["name"]),
+                                    f"{prefix}[{entry['name']}]", changes, unchanged, where)
+        if resolved:
+            out.append({"name": entry["name"], **resolved})
+    return out
+
+
+def _apply(op: dict[str, Any], before: Any, key: str, where: str) -> tuple[Any, str, str | None]:
+    """(value after, direction, why it stays) for one operation on the recipe's `before`."""
+    if "set" in op:
+        if before == op["set"]:
+            return before, "set", f"{key} is already {_show(before)}"
+        return op["set"], "set", None
+    direction, low, high = op["direction"], op.get("min"), op.get("max")
+    if before is None:
+        # Nothing to scale: a raise installs its floor; a lower has nothing to lower.
+        if direction == "raise" and low is not None:
+            return low, direction, None
+        return None, direction, f"{key} is not set: nothing to {direction}"
+    if isinstance(before, bool) or not isinstance(before, (int, float)):
+        raise EvoError(
+            f"the skill would {direction} {key}, but the recipe's value is {before!r}, "
+            "not a number",
+            where=where,
+            field="mechanism",
+            hint="operations (multiply, add, min, max) apply to numbers; use {set: VALUE}",
+        )
+    target = before * op["multiply"] if "multiply" in op else before + op.get("add", 0)
+    if low is not None:
+        target = max(target, low)
+    if high is not None:
+        target = min(target, high)
+    # Turns and token budgets stay whole numbers, unless rounding would cross a bound (an
+    # integer weight 1 halved within a floor of 0.5 is 0.5, not 0); a float is cut to 12
+    # digits so the spec reads 1.4 where 1.2 + 0.2 gives 1.4000000000000001.
+    whole = round(target)
+    if isinstance(before, int) and (low is None or whole >= low) and (high is None or
+                                                                        whole <= high):
+        target = whole
+    else:
+        target = float(f"{target:.12g}")
+    after = max(before, target) if direction == "raise" else min(before, target)
+    if after != before:
+        return after, direction, None
+    bound = high if direction == "raise" else low
+    if bound is not None and (before >= bound if direction == "raise" else before <= bound):
+        edge = "ceiling" if direction == "raise" else "floor"
+        return before, direction, f"{key} is {_show(before)}, at or past the skill's {edge} " \
+            f"{_show(bound)}"
+    limit = low if direction == "raise" else high
+    return before, direction, f"{key} is {_show(before)}, already " \
+        f"{'at least' if direction == 'raise' else 'at most'} {_show(limit)}"
+
+
+def check_operations(skill: Skill) -> None:
+    """What the schema cannot say: every operation's floor is at most its ceiling."""
+    for domain in [None, *(skill.data["mechanism"].get("domain_patches") or {})]:
+        for key, op in operations(skill, domain).items():
+            low, high = op.get("min"), op.get("max")
+            if low is not None and high is not None and low > high:
+                raise EvoError(
+                    f"{key}: min {_show(low)} is above max {_show(high)}"
+                    + (f" (domain {domain})" if domain else ""),
+                    where=skill.source,
+                    field="mechanism." + (f"domain_patches.{domain}" if domain
+                                          else "recipe_patch") + f".{key}",
+                    hint="the floor (min) must be at most the ceiling (max)",
+                )
+
+
+def operations(skill: Skill, domain: str | None) -> dict[str, dict[str, Any]]:
+    """{dotted key: operation} of the skill's patch for `domain`; a literal is a `set`."""
+    return dict(_operations(skill.patch_for(domain), ""))
+
+
+def _operations(patch: dict[str, Any], prefix: str) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for key, value in patch.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        if is_operation(value):
+            out.append((dotted, value))
+        elif isinstance(value, dict) and value:
+            out += _operations(value, dotted)
+        elif _is_named_list(value):
+            for entry in value:
+                fields = {k: v for k, v in entry.items() if k != "name"}
+                out += _operations(fields, f"{dotted}[{entry['name']}]")
+        else:
+            out.append((dotted, {"set": value}))
+    return out
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    return "unset" if value is None else str(value).lower() if isinstance(value, bool) \
+        else str(value)
 
 
 # ----------------------------------------------------------------------------------- search
@@ -271,8 +500,15 @@ class Match:
     support: int  # positive evidence, all domains
     against: int  # negative evidence, all domains
     mean_delta: float | None  # mean delta of the positive evidence that has one
-    applied: bool  # the version's recipe already has what the patch sets
+    applied: bool  # the patch changes nothing on the recipe it would be applied to
     names_cause: bool = False  # fires only with the recipe's settings: they explain the symptom
+    resolution: Resolution | None = None  # the patch on that recipe, when it is known
+
+    @property
+    def no_change(self) -> str | None:
+        """Why proposing this skill would spend a version on a no-op; None when it moves
+        the recipe."""
+        return self.resolution.reason if self.applied and self.resolution else None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -286,6 +522,9 @@ class Match:
             "mean_delta": self.mean_delta,
             "applied": self.applied,
             "names_cause": self.names_cause,
+            "changes": [c.as_dict() for c in self.resolution.changes]
+            if self.resolution else None,
+            "no_change": self.no_change,
         }
 
 
@@ -296,6 +535,8 @@ def _evaluate(
         return None
     deltas = [e["delta"] for e in skill.evidence if e.get("delta") is not None]
     patch = skill.patch_for(domain)
+    resolution = resolve_patch(patch, target, where=skill.source) if target is not None \
+        else None
     names_cause = variables.get("recipe") is not None and not fires(
         skill.trigger, {**variables, "recipe": None}, where=skill.source
     )
@@ -306,8 +547,9 @@ def _evaluate(
         support=len(skill.evidence),
         against=len(skill.negative_evidence),
         mean_delta=sum(deltas) / len(deltas) if deltas else None,
-        applied=bool(patch) and target is not None and deep_merge(target, patch) == target,
+        applied=bool(patch) and resolution is not None and not resolution.changes,
         names_cause=names_cause,
+        resolution=resolution,
     )
 
 
@@ -352,8 +594,9 @@ def match(
 
     Negative skills never match (see `refusals`), nor skills for another domain. `recipe` is
     the resolved recipe of the version the diagnosis describes (the triggers' `recipe`).
-    A skill whose patch changes nothing on `patch_base` (the recipe it would be applied to;
-    default `recipe`) is marked `applied` and ranked last: re-applying it would spend a
+    Each patch is resolved against `patch_base` (the recipe it would be applied to; default
+    `recipe`); one that changes nothing there (every value at its bound) is marked
+    `applied`, with the reason in `no_change`, and ranked last: proposing it would spend a
     version on a no-op.
     """
     variables = trigger_variables(diagnosis, recipe)

@@ -254,8 +254,8 @@ def test_all_wrong_groups_after_a_warm_start_stopped_early_fire_a_longer_warm_st
     # It names the cause, so it ranks before the rewards that answer the dead groups alone.
     assert next(iter(found)) == "longer-warm-start"
     assert {"aux-continuous-reward", "shaped-correctness"} <= set(found)
-    assert deep_merge(short, warm.skill.patch_for("arith"))["model"]["warm_start"][
-        "stop_at_accuracy"] == BASE_RECIPE["model"]["warm_start"]["stop_at_accuracy"]
+    assert warm.resolution.overrides == {"model": {"warm_start": {
+        "stop_at_accuracy": BASE_RECIPE["model"]["warm_start"]["stop_at_accuracy"]}}}
     # Silent where the warm start already ran to partial accuracy, where there is none or
     # the backend has none, on truncated answers, on a collapse, a cold sampler or health.
     no_warm_start = deep_merge(short, {"model": {"warm_start": {"steps": 0}}})

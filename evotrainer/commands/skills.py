@@ -56,6 +56,13 @@ def _values(m: Match) -> str:
                      for k, v in m.values.items() if k not in ("trend",))
 
 
+def _change(m: Match) -> str:
+    """What the skill's patch sets on the recipe (concrete values), or why it sets nothing."""
+    if m.no_change:
+        return f"none: {m.no_change}"
+    return ", ".join(str(c) for c in m.resolution.changes) if m.resolution else ""
+
+
 def register(app: typer.Typer) -> None:
     skills_app = typer.Typer(help="The skill library: list, show, search, match.",
                              no_args_is_help=True)
@@ -120,13 +127,13 @@ def register(app: typer.Typer) -> None:
         else:
             table = Table(title=f"skills matching {safe(version)}")
             for column in ("name", "category", "fired on", "evidence (domain/all/against)",
-                           "mean Δ", "note"):
+                           "mean Δ", f"change on {safe(version)}'s recipe"):
                 table.add_column(column)
             for m in matches:
                 delta = "" if m.mean_delta is None else f"{m.mean_delta:+.4f}"
                 table.add_row(safe(m.skill.name), safe(m.skill.category), safe(_values(m)),
                               f"{m.in_domain}/{m.support}/{m.against}", delta,
-                              "already applied" if m.applied else "")
+                              safe(_change(m)))
             out.print(table)
         for m in refused:
             why = "; ".join(e.get("note") or e["version"] for e in m.skill.negative_evidence)

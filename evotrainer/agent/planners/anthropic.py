@@ -4,7 +4,8 @@ Read tools: lineage, diagnosis, harness, skill search and detail, bounded read-o
 a version's rollouts (the harness's locked-down DuckDB sandbox), filter and reward
 backtests. Write tools: `propose_version` and `propose_harness_revision`, whose inputs are
 checked against the schemas and a policy before anything is kept: allowed recipe keys
-only, one factor, known non-negative skills, a CEL criterion over known names, a parent
+only, one factor, known non-negative skills that change the parent's recipe, a CEL
+criterion over known names, a parent
 that did not fail, harness SQL that is one SELECT. Nothing is written to git until the
 decision ends (then `write_proposals` does it, as for every planner).
 
@@ -33,7 +34,7 @@ import yaml
 
 from evotrainer import API_VERSION
 from evotrainer.agent.planners.base import HarnessProposal, PlannerResult, Proposal, View, next_name
-from evotrainer.agent.skills import get_skill, search
+from evotrainer.agent.skills import get_skill, resolve_skill, search
 from evotrainer.control.gate import metric_values
 from evotrainer.control.lineage import lineage_rows
 from evotrainer.diagnosis import cel
@@ -101,7 +102,8 @@ TOOLS: list[dict[str, Any]] = [
      "input_schema": _inputs({"name": _NAME})},
     {"name": "search_skills", "description": "Skills ranked by relevance to a text query.",
      "input_schema": _inputs({"query": _STR}, "query")},
-    {"name": "get_skill", "description": "One skill: trigger, mechanism, criterion, evidence.",
+    {"name": "get_skill", "description": "One skill: trigger, mechanism, criterion, evidence, "
+     "and what its (relative) patch would change on the frontier's recipe.",
      "input_schema": _inputs({"name": _NAME}, "name")},
     {"name": "query_rollouts", "description": "One read-only DuckDB SELECT over a version's "
      "stored rollouts (views: rollouts = the split, all_rollouts, steps). At most 50 rows; "
@@ -347,7 +349,14 @@ class _Tools:
                 for s, score in search(self.view.skills, query)[:8]]
 
     def tool_get_skill(self, name: str) -> dict:
-        return get_skill(self.view.skills, name).data
+        skill = get_skill(self.view.skills, name)
+        resolution = resolve_skill(skill, self.view.ws.resolved_recipe(self.frontier,
+                                                                       self.view.states))
+        # The mechanism's operations are relative; the concrete values say what a version
+        # from the frontier would record.
+        return {**skill.data, "on_frontier": {
+            "changes": [c.as_dict() for c in resolution.changes],
+            "no_change": None if resolution.changes else resolution.reason}}
 
     def tool_query_rollouts(self, version: str, sql: str, split: str = "train") -> dict:
         check_select(sql, field="sql")
@@ -405,10 +414,15 @@ class _Tools:
             raise EvoError(f"parent {parent} failed; branch from a good version such as "
                            f"{self.frontier}")
         skills = [str(s) for s in skills or []]
+        parent_recipe = view.ws.resolved_recipe(parent, view.states)
         for name in skills:
             skill = get_skill(view.skills, name)
             if skill.negative:
                 raise EvoError(f"skill {name!r} is known to hurt (negative evidence)")
+            resolution = resolve_skill(skill, parent_recipe)
+            if not resolution.changes:
+                raise EvoError(f"skill {name!r} changes nothing on {parent}'s recipe "
+                               f"({resolution.reason}); pick another factor")
         refuted = sorted(view.refuted_skills(self.frontier).keys() & set(skills))
         if refuted:
             raise EvoError(f"already refuted on this lineage: {', '.join(refuted)}")

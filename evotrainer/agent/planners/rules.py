@@ -42,7 +42,7 @@ from evotrainer.agent.planners.base import (
     next_name,
     overrides_key,
 )
-from evotrainer.agent.skills import Match, match, refusals
+from evotrainer.agent.skills import Match, match, refusals, resolve_skill
 from evotrainer.diagnosis.harness import parse_harness
 from evotrainer.diagnosis.harness_backtest import backtest_harness, recorded_versions
 from evotrainer.diagnosis.replay import (
@@ -202,7 +202,8 @@ class RulesPlanner:
                     continue
                 seen.add(name)
                 if found.applied:
-                    result.notes.append(f"skipped {name}: {frontier}'s recipe already has it")
+                    result.notes.append(f"skipped {name}: it changes nothing on {frontier}'s "
+                                        f"recipe ({found.no_change})")
                     continue
                 if name in refuted:
                     result.notes.append(f"skipped {name}: refuted on this lineage by "
@@ -227,6 +228,9 @@ class RulesPlanner:
         who = source if source == frontier else f"{source} ({view.verdict(source)}, " \
             f"child of {frontier})"
         rationale = f"{skill.title}: trigger `{skill.trigger}` fired on {who} ({fired})."
+        changes = found.resolution.changes if found.resolution else ()
+        if changes:
+            rationale += f" On {frontier}'s recipe it sets {', '.join(map(str, changes))}."
         backtest, works = self._backtest(view, frontier, source, skill)
         if backtest is not None:
             rationale += " " + _backtest_text(backtest)
@@ -250,6 +254,7 @@ class RulesPlanner:
                         "values": found.values, "alerts": alerts},
             "skill_evidence": {"support": found.support, "against": found.against,
                                "in_domain": found.in_domain, "mean_delta": found.mean_delta},
+            "changes": [c.as_dict() for c in changes],
         }
         if backtest is not None:
             meta["backtest"] = backtest
@@ -299,7 +304,9 @@ class RulesPlanner:
             before = view.ws.resolved_recipe(parent, view.states)
             for skill_name in view.applied_skills(version):
                 skill = view.skills.get(skill_name)
-                patch = skill.patch_for(before["domain"]["name"]) if skill else None
+                # What the skill sets on the parent's recipe (its relative patch resolved
+                # there, as when the version was proposed): the values to undo.
+                patch = resolve_skill(skill, before).overrides if skill else None
                 if not patch:
                     continue
                 settings = _settings(_revert(before, patch))

@@ -150,3 +150,24 @@ def test_render_on_a_local_backend_version_says_render_is_for_verl(workspace, cl
     assert "local backend" in lines[0] and "verl" in lines[0]
     assert "--set backend=verl" in lines[0]
     assert "model.path" not in lines[0].split("Hint")[0]  # not a complaint about model.path
+
+
+def test_render_opens_no_tracker_run_and_shows_where_the_launch_puts_its_id(tmp_path,
+                                                                           monkeypatch):
+    """Submit creates the MLflow run (a side effect) and hands its id to verl: render shows
+    a placeholder there and creates nothing; every other tracker variable is the launch's."""
+    from evotrainer.backends.verl import MLFLOW_RUN_AT_LAUNCH, job_runs
+    from evotrainer.store.recipe import BASE_RECIPE, deep_merge
+    from evotrainer.trackers import RunIdentity
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    recipe = deep_merge(BASE_RECIPE, {"backend": "verl", "model": {"path": "/m"},
+                                      "loggers": ["console", "mlflow", "wandb"]})
+    folder = tmp_path / "art" / "evo-v1-a1-x"
+    job = JobSpec("evo-v1-a1-x", "v1", recipe, tmp_path / "wt", folder)
+    identity = RunIdentity("p", "v1", "evo-v1-a1-x", str(tmp_path / "store"))
+    values = {o.key.rsplit(".", 1)[-1]: o.value for o in job_runs(job, identity)[0].overrides}
+    assert values["MLFLOW_RUN_ID"] == MLFLOW_RUN_AT_LAUNCH
+    assert values["MLFLOW_TRACKING_URI"].startswith(f"sqlite:///{tmp_path / 'store'}")
+    assert values["WANDB_RUN_ID"] == identity.run_key(0) and values["WANDB_DIR"] == str(folder)
+    assert not (tmp_path / "store").exists() and not folder.exists()

@@ -15,8 +15,10 @@ just the attributes the methods read:
   session producing two outputs (multi-output agent loop).
 
 Only the rollout server is scripted: a fixed response per (dataset row, sample), scored with
-verl's `default_compute_score` (gsm8k rule). The reward extras are those our reward module
-(`evotrainer/backends/verl_reward.py`) returns: `acc`, `task_id`, `data_source`. The dataset
+verl's `default_compute_score` (gsm8k rule). The reward extras are `acc`, `task_id` and
+`data_source`, as our reward module (`evotrainer/backends/verl_reward.py`) returned before it
+also returned the dataset row's `index` (the exact legacy group key, which
+tests/test_verl_groups.py adds to these dumps in balanced and shuffled orders). The dataset
 has two rows with the same prompt text and different answers (duplicate prompts).
 
 verl's own numbers go to `verl_metrics.json`: the validation metric dicts `_validate()`

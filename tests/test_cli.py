@@ -94,3 +94,17 @@ def test_every_example_recipe_is_a_valid_train_file(tmp_path):
         path.write_text(yaml.safe_dump(recipe))
         resolved = load_recipe(path)
         assert resolved["domain"]["name"] == recipe["domain"]["name"]
+
+
+def test_compare_with_missing_files_names_the_file_not_a_branch(cli, tmp_path):
+    for missing in ("A.csv", str(tmp_path / "runs" / "scores.parquet"), "some/run/folder"):
+        result = cli("compare", missing, "B.csv", cwd=tmp_path)  # outside any workspace
+        assert result.code == 1 and result.err.count("\n") == 1, result.output
+        assert f"error: {missing}: no such file" in result.err
+        assert "branch" not in result.err and "git" not in result.err
+
+
+def test_export_help_says_it_exports_a_policy_to_a_folder(cli):
+    out = cli("export", "--help").out
+    assert "export V --to DIR" in out and "Hugging Face directory" in out
+    assert "Export a trained policy to a folder" in cli("--help").out

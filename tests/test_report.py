@@ -150,6 +150,24 @@ def test_version_pages_show_what_was_decided(report):
     assert "anthropic" in index and "1545" in index  # the planner's tokens, totalled
 
 
+def test_a_run_result_without_seeds_shows_the_recipes(ws, tmp_path):
+    """A run stopped early (or a backend that does not list them) records no seeds in its
+    result: the page names the seeds the recipe ran, never a bare "seeds"."""
+    copy = Workspace(shutil.copytree(ws.root, tmp_path / "ws", symlinks=True))
+    run = copy.version("v1").records["run"]
+    stopped = {**run, "result": {"steps_done": 2}}
+    from evotrainer.control.reconcile import record_text
+
+    copy.git.commit_files("evo/v1", {"runs/v1/run.yaml": record_text("run", stopped).encode()},
+                          "as an early stop records it", {})
+    seeds = copy.resolved_recipe("v1", copy.versions())["seeds"]
+    page = (build_report(Workspace(copy.root), tmp_path / "site").parent / "versions" /
+            "v1.html").read_text()
+    row = re.search(r"<tr><th>result</th><td>(.*?)</td></tr>", page).group(1)
+    assert row.endswith(f" · seeds {', '.join(map(str, seeds))}"), row
+    assert not re.search(r"seeds\s*<", page)
+
+
 def test_harness_revisions_show_their_diff_and_backtest_cases(report):
     page = (report.parent / "harness.html").read_text()
     assert "+    when: truncation_rate &gt; 0.1" in page

@@ -11,9 +11,12 @@ from rich.table import Table
 
 from evotrainer.control.gate import recorded_scores
 from evotrainer.diagnosis.stats import compare_tables
+from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_scores
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import console as make_console
+
+SCORE_SUFFIXES = (".csv", ".parquet")
 
 
 def register(app: typer.Typer) -> None:
@@ -76,9 +79,15 @@ def register(app: typer.Typer) -> None:
 
 
 def _scores(ref: str):
-    """A path to a score table or run folder, else a workspace version's recorded scores."""
-    if Path(ref).exists():
-        return read_scores(Path(ref))
+    """A path to a score table or run folder, else a workspace version's recorded scores. A
+    reference that can only be a path (a table's suffix, a folder separator) and is missing is
+    a missing file, not a version."""
+    path = Path(ref)
+    if path.exists():
+        return read_scores(path)
+    if path.suffix in SCORE_SUFFIXES or len(path.parts) > 1:
+        raise EvoError("no such file", where=ref, hint="give a scores .csv or .parquet file, "
+                       "a run folder, or a version name (`evotrainer lineage` lists them)")
     return recorded_scores(Workspace.find(), ref)
 
 

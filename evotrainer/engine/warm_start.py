@@ -2,12 +2,17 @@
 
 GRPO needs reward variance within groups, so the stage stops early once sampled accuracy on
 training tasks reaches `model.warm_start.stop_at_accuracy` (the probe: from a policy that is
-already right every time, GRPO learns nothing). Versions sharing a base (same model, domain,
-warm-start settings and seed) reuse the cached result.
+already right every time, GRPO learns nothing). Versions sharing a base reuse the cached
+result; the cache is keyed by content, so only the same base shares it: the model's digest
+(its files, or the tiny model's config), the training tasks the demonstrations are made from
+(every prompt and answer, whatever file or generator they came from), the warm-start
+settings, the domain and environment, and the seed. A job trained on other data or other
+weights behind the same paths never seeds a later one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Callable
@@ -18,7 +23,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from evotrainer.domains import Domain, Task
-from evotrainer.engine.model import load_checkpoint, save_checkpoint
+from evotrainer.engine.model import load_checkpoint, model_digest, save_checkpoint
 from evotrainer.engine.rollout import (
     batch_tensors,
     encode,
@@ -33,15 +38,17 @@ CHECK_EVERY = 25  # SFT steps between accuracy checks
 CHECK_TASKS = 64  # training tasks sampled once each per check
 
 
-def warm_start_key(recipe: dict[str, Any], seed: int) -> str:
-    """What determines the warm-started weights; its digest names the cache entry."""
+def warm_start_key(recipe: dict[str, Any], seed: int, tasks: list[Task]) -> str:
+    """What determines the warm-started weights, by content; its digest names the cache
+    entry. `tasks`: the training tasks the stage samples demonstrations from."""
     model = recipe["model"]
     return digest(
         {
-            "model": model.get("package") or model.get("path") or model.get("tiny"),
+            "model": model_digest(model),
             "dtype": model.get("dtype") or "float32",
             "chat_template": model.get("chat_template") or "auto",
             "warm_start": model.get("warm_start"),
+            "tasks": tasks_digest(tasks),
             "domain": {
                 k: recipe["domain"].get(k) for k in ("name", "params", "train_size", "val_size")
             },
@@ -50,6 +57,15 @@ def warm_start_key(recipe: dict[str, Any], seed: int) -> str:
             "seed": seed,
         }
     )
+
+
+def tasks_digest(tasks: list[Task]) -> str:
+    """sha256 over every task's id, prompt, answer, source and metadata, in order."""
+    sha = hashlib.sha256()
+    for task in tasks:
+        fields = [task.task_id, task.prompt, task.answer, task.data_source, task.meta]
+        sha.update(json.dumps(fields, sort_keys=True, default=repr).encode() + b"\n")
+    return "sha256:" + sha.hexdigest()
 
 
 def demonstration_batch(
@@ -108,7 +124,7 @@ def warm_start(
     steps = cfg.get("steps", 0)
     if steps == 0:
         return model, {"steps": 0, "cached": False}
-    key = warm_start_key(recipe, seed)
+    key = warm_start_key(recipe, seed, train_tasks)
     entry = cache_root / key.removeprefix("sha256:")[:16]
     if (entry / "warm_start.json").is_file():
         info = json.loads((entry / "warm_start.json").read_text())

@@ -33,21 +33,28 @@ def seed_checkpoint_name(index: int, seed: int) -> str:
     return CHECKPOINT if index == 0 else f"{CHECKPOINT}-seed{seed}"
 
 
-def directory_digest(path: Path) -> tuple[str, int]:
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of a file's bytes, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def directory_digest(path: Path, follow_links: bool = False) -> tuple[str, int]:
     """`sha256:` over the sorted manifest of every file under `path`, and the total bytes.
-    Links are refused: a recorded checkpoint is plain files inside the artifact dir."""
+    Links are refused: a recorded checkpoint is plain files inside the artifact dir. A model
+    directory whose file links were confined first (a Hugging Face hub snapshot links its
+    files to blobs) is read through them with `follow_links`."""
     lines, total = [], 0
     for file in sorted(p for p in path.rglob("*") if not p.is_dir()):
-        if file.is_symlink() or not file.is_file():
+        if (file.is_symlink() and not follow_links) or not file.is_file():
             raise EvoError("a checkpoint holds something other than a plain file",
                            where=str(file), hint="remove the link or special file")
-        digest = hashlib.sha256()
-        with file.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
         size = file.stat().st_size
         total += size
-        lines.append(f"{file.relative_to(path).as_posix()} {digest.hexdigest()} {size}")
+        lines.append(f"{file.relative_to(path).as_posix()} {file_sha256(file)} {size}")
     manifest = "\n".join(lines).encode()
     return "sha256:" + hashlib.sha256(manifest).hexdigest(), total
 

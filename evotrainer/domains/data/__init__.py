@@ -4,7 +4,8 @@ points the recipe at (`domain.data.train` / `domain.data.val`, JSONL or Parquet)
 A data path is resolved (every link followed) where the job reads it, and read only when it
 stays inside the job's working directory (the version's worktree), the shipped samples or a
 data root the launcher declares in $EVOTRAINER_DATA_ROOTS: a link committed on a version
-branch cannot make the job read a file from anywhere else."""
+branch cannot make the job read a file from anywhere else. A model named by `model.path` is
+confined to the same folders (engine/model.py), every file inside it included."""
 
 from __future__ import annotations
 
@@ -42,13 +43,13 @@ def data_roots() -> list[Path]:
     ]
 
 
-def resolve_data_path(value: str, field: str) -> Path:
-    """`value` with every link followed (relative to the working directory); EvoError when it
-    leaves every data root."""
+def resolve_data_path(value: str, field: str, what: str = "dataset") -> Path:
+    """`value` with every link followed (relative to the working directory); EvoError naming
+    `what` (a dataset, a model...) when it leaves every data root."""
     resolved = Path(value).resolve()
     if not any(resolved.is_relative_to(root) for root in data_roots()):
         raise EvoError(
-            f"dataset {value} resolves to {resolved}, outside the job's workspace and every "
+            f"{what} {value} resolves to {resolved}, outside the job's workspace and every "
             "declared data root",
             field=field,
             hint="commit the file itself rather than a link to it, or declare its folder in "

@@ -58,6 +58,7 @@ def test_correct_partial_and_wrong_programs_get_shaped_rewards() -> None:
         "pass_fraction": 1.0,
         "format": 1.0,
         "truncated": 0.0,
+        "tampered": 0.0,
     }
     assert (details["failure"], details["passed"], details["total"]) == (None, 4, 4)
     # Wrong only when b == 0... and a == b: passes two of four cases.
@@ -189,7 +190,7 @@ def test_scores_through_the_verl_reward_module(tmp_path) -> None:
         )
     )
     task = CodeDomain().task_at(0)
-    info = {"task_id": task.task_id, "meta": json.dumps(task.meta)}
+    info = {"task_id": task.task_id, "meta": json.dumps(task.meta), "index": 0}
     response = block("a, b = map(int, input().split())\nprint(a + b if a < 5 else 0)")
     result = compute_score(task.data_source, response, task.answer, info, config_path=str(config))
     assert (result["score"], result["acc"]) == (0.5, 0.0)

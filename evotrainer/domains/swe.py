@@ -21,17 +21,22 @@ unpacked, acted on and packed again inside each sandboxed run; `docker` runs one
 per episode from a locally built image (`scripts/swe-docker-image.sh`) with no network and
 memory, pid and CPU limits, removed at submit (or when the episode's environment is released,
 or by itself after `container_lifetime_s`). Both run the same action program
-(`swe_runner.py`), so a task gives the same result in both.
+(`runner.py`), so a task gives the same result in both; every reply carries the nonce of its
+request (`runner.read_report`).
 
 Score (F2P/P2P, as SWE-bench): the runner runs the pristine tests (their text from the task,
 never from the repository) itself and calls the episode's final repository's code only in a
-child process, with literals in and out, so that code cannot fake a verdict (`swe_runner`):
+child process, with literals in and out, from a runner that made itself non-dumpable first,
+so that code can neither fake a verdict nor rewrite one in the runner's memory (`runner`):
 - `f2p`: share of the fail-to-pass tests (the problem's asserts) that pass;
 - `p2p`: share of the pass-to-pass tests (the neighbouring module's) that still pass;
 - `partial`: f2p × p2p, the shaped reward (progress that breaks nothing);
 - `correctness`: 1 when the agent submitted with every test passing;
 - `submitted`: 0 when the episode ended without `submit` (the turn limit or a cut-off);
-- `format`: the share of actions that parsed;  `truncated`: generation was cut off.
+- `format`: the share of actions that parsed;  `truncated`: generation was cut off;
+- `tampered`: 1 when the repository's code exited, raised SystemExit or died of a signal while
+  a test waited on it, wrote a malformed reply or closed its channel, or the runner's report
+  was missing, forged or malformed (the integrity signal; it changes no other component).
 The final repository is the environment's (memoized per task and action list) or, for a
 stored rollout, rebuilt by replaying the recorded calls from the task's repository.
 """
@@ -44,17 +49,16 @@ import gzip
 import hashlib
 import json
 import random
+import secrets
 import threading
 import weakref
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any
 
-from evotrainer.domains import swe_runner
+from evotrainer.domains import runner
 from evotrainer.domains.base import Demonstration, Domain, EnvStep, Score, Task
-from evotrainer.domains.code import default_sandbox
 from evotrainer.domains.humaneval import bundled_problems
-from evotrainer.domains.sandbox import NOBODY, Limits, tar_files
+from evotrainer.domains.sandbox import NO_NEW_PRIVILEGES, NOBODY, Limits, default_sandbox, tar_files
 from evotrainer.domains.swe_repo import RepoTask, build, files
 from evotrainer.errors import EvoError
 
@@ -66,7 +70,6 @@ DEFAULT_TEMPLATE = (
     "`write PATH` then a newline and the content writes a file, `patch` then a newline and a "
     "unified diff applies it, `submit` ends."
 )
-RUNNER_SOURCE = Path(swe_runner.__file__).read_text(encoding="utf-8")
 _CACHE_SIZE = 4096
 
 
@@ -144,28 +147,36 @@ class LocalRepo:
         self.sandbox = default_sandbox("local")
 
     def act(self, request: dict[str, Any], keep: bool = True) -> dict[str, Any]:
+        nonce = secrets.token_hex(16)
         payload = {
             **request,
             "repo": "repo",
             "snapshot": base64.b64encode(self.snapshot).decode("ascii"),
             "return_snapshot": keep,
+            "nonce": nonce,
         }
-        run = self.sandbox.run(RUNNER_SOURCE, json.dumps(payload), self.limits)
-        if run.status != "ok":
-            return {
-                "output": f"error: the executor failed ({run.status}: {run.detail})",
-                "exit_code": None,
-            }
-        try:
-            reply = json.loads(run.stdout)
-        except ValueError:
-            return {"output": "error: the executor gave no reply", "exit_code": None}
+        run = self.sandbox.run(runner.SOURCE, json.dumps(payload), self.limits)
+        reply, why = runner.read_report(run.stdout, nonce)
+        if reply is None:
+            # At the deadline or before the start, a missing reply is the executor's failure.
+            counted = not (why == "no report" and run.status in ("timeout", "sandbox_error"))
+            return _failed(f"{run.status}: {run.detail}", why if counted else None)
         if keep and reply.get("snapshot"):
             self.snapshot = base64.b64decode(reply.pop("snapshot"))
         return reply
 
     def close(self) -> None:
         """Nothing to release: the state is the snapshot."""
+
+
+def _failed(what: str, tampering: str | None) -> dict[str, Any]:
+    """The reply for an executor run that gave no authentic reply; `tampering` says why when it
+    counts as tampering (see `runner.read_report`)."""
+    return {
+        "output": f"error: the executor failed ({what})",
+        "exit_code": None,
+        "tampered": [tampering] if tampering else [],
+    }
 
 
 def _remove_container(container: Any) -> None:
@@ -198,12 +209,13 @@ class DockerRepo:
             memswap_limit=limits.memory_bytes,
             pids_limit=limits.processes * 4,
             nano_cpus=10**9,
+            security_opt=[NO_NEW_PRIVILEGES],
             labels={"evotrainer": "swe-episode"},
         )
         self._finalizer = weakref.finalize(self, _remove_container, self.container)
         self.container.put_archive("/", snapshot)
         self.container.put_archive(
-            "/tmp", tar_files({"swe_runner.py": RUNNER_SOURCE}, owner=NOBODY)
+            "/tmp", tar_files({"runner.py": runner.SOURCE}, owner=NOBODY)
         )
 
     @property
@@ -212,25 +224,25 @@ class DockerRepo:
         return b"".join(stream)
 
     def act(self, request: dict[str, Any], keep: bool = True) -> dict[str, Any]:
+        nonce = secrets.token_hex(16)
+        # The runner deletes the request (it holds the nonce) as soon as it has read it.
         self.container.put_archive(
             "/tmp",
             tar_files({"request.json": json.dumps(
-                {**request, "repo": "/repo", "return_snapshot": False})}, owner=NOBODY),
+                {**request, "repo": "/repo", "return_snapshot": False, "nonce": nonce})},
+                owner=NOBODY),
         )
         code, (stdout, stderr) = self.container.exec_run(
-            ["python3", "-I", "-S", "/tmp/swe_runner.py", "/tmp/request.json"],
+            ["python3", "-I", "-S", "/tmp/runner.py", "/tmp/request.json"],
             user=f"{NOBODY}:{NOBODY}",
             workdir="/tmp",
             demux=True,
         )
-        try:
-            return json.loads(stdout or b"")
-        except ValueError:
+        reply, why = runner.read_report((stdout or b"").decode("utf-8", "replace"), nonce)
+        if reply is None:
             tail = (stderr or b"").decode("utf-8", "replace").strip().splitlines()[-1:]
-            return {
-                "output": f"error: the executor failed (exit {code}: {''.join(tail)})",
-                "exit_code": None,
-            }
+            return _failed(f"exit {code}: {''.join(tail)}", why)
+        return reply
 
     def close(self) -> None:
         self._finalizer()
@@ -276,7 +288,8 @@ class SweEnvironment:
 
 class SweDomain(Domain):
     name = "swe"
-    components = ("correctness", "f2p", "p2p", "partial", "format", "submitted", "truncated")
+    components = ("correctness", "f2p", "p2p", "partial", "format", "submitted", "truncated",
+                  "tampered")
     tools = TOOLS
     turn_end = TURN_END
     default_params: dict[str, Any] = {
@@ -477,11 +490,14 @@ class SweDomain(Domain):
         finally:
             repo.close()
 
-    def evaluate(self, task: Task, tool_calls: list[dict[str, str]]) -> dict[str, str]:
-        """{test id: outcome} for the episode's final repository with pristine tests."""
+    def evaluate(
+        self, task: Task, tool_calls: list[dict[str, str]]
+    ) -> tuple[dict[str, str], list[str]]:
+        """({test id: outcome}, what the code under test tried) for the episode's final
+        repository with pristine tests."""
         key = _key(task.task_id, [c for c in tool_calls if c.get("name") != "submit"])
-        results = self._results.get(key)
-        if results is None:
+        evaluated = self._results.get(key)
+        if evaluated is None:
             repo = self.open_repo(task, self.final_repo(task, tool_calls))
             try:
                 request = {
@@ -490,11 +506,17 @@ class SweDomain(Domain):
                     "timeout": 60.0,
                     "cap": 1 << 20,
                 }
-                results = repo.act(request, keep=False).get("results", {})
+                reply = repo.act(request, keep=False)
             finally:
                 repo.close()
-            self._results.put(key, results)
-        return results
+            results = reply.get("results")
+            tampered = reply.get("tampered")
+            evaluated = (
+                results if isinstance(results, dict) else {},
+                [str(t) for t in tampered] if isinstance(tampered, list) else ["malformed report"],
+            )
+            self._results.put(key, evaluated)
+        return evaluated
 
     def demonstration(self, task: Task, rng: random.Random) -> Demonstration:
         """Mostly an honest repair (edit the body in place, submit); at `leak_demo_rate`, the
@@ -525,7 +547,7 @@ class SweDomain(Domain):
         truncated: bool | None = None,
     ) -> Score:
         answer = json.loads(task.answer)
-        results = self.evaluate(task, tool_calls)
+        results, tampered = self.evaluate(task, tool_calls)
         f2p = sum(results.get(t) == "pass" for t in answer["f2p"]) / len(answer["f2p"])
         p2p = sum(results.get(t) == "pass" for t in answer["p2p"]) / max(1, len(answer["p2p"]))
         submitted = float(bool(tool_calls) and tool_calls[-1].get("name") == "submit")
@@ -539,6 +561,7 @@ class SweDomain(Domain):
             "format": valid / len(tool_calls) if tool_calls else 0.0,
             "submitted": submitted,
             "truncated": float(bool(truncated)),
+            "tampered": float(bool(tampered)),
         }
         return Score(components, correct)
 

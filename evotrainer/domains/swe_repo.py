@@ -16,7 +16,6 @@ commit ids are the same on every machine.
 
 from __future__ import annotations
 
-import ast
 import io
 import os
 import re
@@ -26,7 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from evotrainer.domains.humaneval import split_check
+from evotrainer.domains.humaneval import defined_functions, split_check
 from evotrainer.domains.sandbox import NOBODY
 
 STUB = "    raise NotImplementedError\n"
@@ -111,11 +110,6 @@ class RepoTask:
     target: dict[str, str]
     neighbour: dict[str, str]
     p2p_limit: int = 3
-
-
-def defined_functions(source: str) -> list[str]:
-    """The top-level functions `source` defines, in order."""
-    return [n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)]
 
 
 def test_module(problem: dict[str, str], limit: int | None = None) -> tuple[str, list[str]]:

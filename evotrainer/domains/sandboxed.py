@@ -1,0 +1,126 @@
+"""The base of the domains that score a model-written program by running it in the sandbox
+(`code`: stdin/stdout cases; `humaneval`: a function against its unit tests).
+
+What they share: the parameters (prompt template, executor and image, CPU, wall, memory and
+output limits) and their checks, the sandbox each executor uses, the warm start from a
+reference solution, the fenced-block extraction, and the components they report:
+- `correctness`: every test passed;
+- `pass_fraction`: the share of tests that passed (the shaped correctness reward);
+- `format`: 0 only for a real format failure (no code block in a response that ended by
+  itself); `truncated`: 1 when the response was cut off;
+- `tampered`: 1 when the scoring saw the code try to fake its result: an exit or a signal
+  while a test waited on it, a forged, malformed or missing report (see each domain). It is
+  recorded for the harness's integrity metric and adds to the reward only when a recipe
+  weights it.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any
+
+from evotrainer.domains.base import Demonstration, Task
+from evotrainer.domains.data import DatasetDomain
+from evotrainer.domains.sandbox import (
+    OFFLINE_IMAGE,
+    DockerSandbox,
+    Limits,
+    Sandbox,
+    default_sandbox,
+)
+from evotrainer.errors import EvoError
+
+COMPONENTS = ("correctness", "pass_fraction", "format", "truncated", "tampered")
+
+_FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*$", re.MULTILINE)
+_PYTHON_TAGS = frozenset({"", "python", "py", "python3", "py3"})
+# Outcomes after which the remaining tests are not run: they would hit the same limit.
+LIMIT_STATUSES = frozenset({"timeout", "cpu_limit", "memory_limit", "output_limit"})
+
+
+def extract_program(response: str) -> tuple[str | None, bool]:
+    """(program, cut_off): the last complete python (or untagged) fenced block; `cut_off` is
+    True when the response ends inside an opened block, which then is the program."""
+    fences = list(_FENCE.finditer(response))
+    program = None
+    # An odd last fence opens a block that never closes (handled below), hence strict=False.
+    for opening, closing in zip(fences[::2], fences[1::2], strict=False):
+        if opening.group(1).lower() in _PYTHON_TAGS:
+            program = response[opening.end() + 1 : closing.start()]
+    if len(fences) % 2 and fences[-1].group(1).lower() in _PYTHON_TAGS:
+        return response[fences[-1].end() + 1 :], True
+    return program, False
+
+
+class SandboxedCodeDomain(DatasetDomain):
+    """A dataset domain whose answers are programs run in the sandbox. Subclasses set the
+    template slot, the row field holding the reference solution, and `judge`."""
+
+    components = COMPONENTS
+    # The placeholder the prompt template must contain, and an example template for the hint.
+    template_slot = ""
+    template_example = ""
+    # The row field a warm-start demonstration comes from (stored as meta["solution"]).
+    solution_field = "solution"
+    default_params: dict[str, Any] = {
+        "prompt_template": "",
+        "executor": "local",  # or "docker" (needs the docker SDK and a reachable daemon)
+        "docker_image": OFFLINE_IMAGE,
+        "cpu_seconds": 2.0,
+        "wall_seconds": 6.0,
+        "memory_mb": 512,
+        "output_kb": 1024,
+    }
+
+    def validate_params(self) -> None:
+        p = self.params
+        slot = self.template_slot
+        if not isinstance(p["prompt_template"], str) or slot not in p["prompt_template"]:
+            raise EvoError(
+                f"prompt_template must be a string containing {slot}",
+                field="domain.params.prompt_template",
+                hint=f"e.g. {self.template_example!r}",
+            )
+        if p["executor"] not in ("local", "docker"):
+            raise EvoError(
+                f"executor must be local or docker, got {p['executor']!r}",
+                field="domain.params.executor",
+                hint="executor: local",
+            )
+        if p["executor"] == "docker" and not DockerSandbox.available():
+            raise EvoError(
+                "executor docker needs the docker SDK and a reachable daemon",
+                field="domain.params.executor",
+                hint="pip install docker and start the daemon, or use local",
+            )
+        for key in ("cpu_seconds", "wall_seconds", "memory_mb", "output_kb"):
+            if not isinstance(p[key], (int, float)) or isinstance(p[key], bool) or p[key] <= 0:
+                raise EvoError(
+                    f"{key} must be a positive number, got {p[key]!r}",
+                    field=f"domain.params.{key}",
+                    hint=f"e.g. {key}: {self.default_params[key]}",
+                )
+        self.limits = Limits(
+            cpu_seconds=float(p["cpu_seconds"]),
+            wall_seconds=float(p["wall_seconds"]),
+            memory_bytes=int(p["memory_mb"] * 2**20),
+            output_bytes=int(p["output_kb"] * 1024),
+        )
+
+    def sandbox(self) -> Sandbox:
+        return default_sandbox(self.params["executor"], self.params["docker_image"])
+
+    def demonstration(self, task: Task, rng: random.Random) -> Demonstration:
+        solution = task.meta.get("solution")
+        if not solution:
+            raise EvoError(
+                f"task {task.task_id} has no {self.solution_field} to warm start from",
+                field="model.warm_start",
+                hint=f"add {self.solution_field} to every row, or set warm_start steps: 0",
+            )
+        return [(f"```python\n{self.solution_program(task, solution).rstrip()}\n```", True)]
+
+    def solution_program(self, task: Task, solution: str) -> str:
+        """The whole program a reference solution stands for."""
+        return solution

@@ -6,6 +6,7 @@ and makes `version new` apply the stand-in's recipe checks."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 
@@ -19,6 +20,10 @@ class StandinBackend(LocalBackend):
     """The local backend, launching tests/standin_engine.py instead of the engine."""
 
     engine_module = "standin_engine"
+    python_flags = ()  # the stand-in is found through PYTHONPATH (tests/), which -I ignores
+
+    def environment(self, job) -> dict[str, str]:
+        return {**super().environment(job), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
 
     def check(self, recipe: dict) -> None:
         pass  # the stand-in reads its own `domain.params`, which the engine would reject

@@ -8,6 +8,7 @@ import json
 
 import git
 import pytest
+from sealing import seal_approval
 from standin import converge, propose, record
 
 from evotrainer.control.reconcile import load_context, plan
@@ -62,10 +63,10 @@ def test_hand_written_approval_is_not_an_approval(workspace, cli):
     assert cli("-C", str(workspace.root), "plan").code == 1
     converge(workspace)
     assert record(workspace, "v1", "run") is None
-    # A digest that matches nothing is stale, not an approval either.
+    # A block with a digest, written by hand, is not the controller's: not an approval either.
     spec["approval"]["digest"] = "sha256:" + "0" * 64
     commit_spec(workspace, "v1", spec_text(spec))
-    assert "awaiting re-approval" in plans_by_version(workspace)["v1"].note
+    assert "not written by this controller" in plans_by_version(workspace)["v1"].note
 
 
 def test_approve_refuses_what_plan_would_refuse_but_replaces_a_forged_block(workspace, cli):
@@ -122,6 +123,7 @@ def test_plan_and_reconcile_refuse_what_validate_rejects(workspace, cli, case):
     raw = workspace.git.read(f"evo/{name}", version_spec_path(name)).decode()
     bound = raw.replace(spec["approval"]["digest"], digest)
     workspace.git.commit_files(f"evo/{name}", {version_spec_path(name): bound.encode()}, "bind")
+    seal_approval(workspace, name)
     assert workspace.approval_status(workspace.versions()[name]) == "approved"
     validated = cli("-C", str(workspace.root), "validate", "--json")
     assert validated.code == 1 and not json.loads(validated.out)["valid"]

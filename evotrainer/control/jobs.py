@@ -22,7 +22,6 @@ from evotrainer.control.reconcile import (
 )
 from evotrainer.errors import EvoError
 from evotrainer.store.clock import now_iso
-from evotrainer.store.git import branch_name
 from evotrainer.store.workspace import VersionState, Workspace, run_path
 
 
@@ -63,8 +62,8 @@ def cancel_version(
         )
     if run["state"] != "Cancelled":
         run.update(state="Cancelled", finished_at=now_iso(), detail=f"cancelled by {by}")
-        ws.git.commit_files(
-            branch_name(name),
+        ws.commit_records(
+            name,
             {run_path(name, "run.yaml"): record_text("run", run).encode()},
             f"Cancel {name}: attempt {run['attempt']} ({run['job_id']}) by {by}",
             {"Action": "cancel", "Version": name},

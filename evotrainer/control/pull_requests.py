@@ -34,7 +34,7 @@ from evotrainer.control.versions import approve
 from evotrainer.diagnosis.harness import HarnessRevision, parse_harness_text, resolve_harness
 from evotrainer.diagnosis.harness_backtest import backtest_harness
 from evotrainer.errors import EvoError
-from evotrainer.store.git import BRANCH_PREFIX, PRUNED_TAG_PREFIX, branch_name
+from evotrainer.store.git import BRANCH_PREFIX, DIFF_SAFETY, PRUNED_TAG_PREFIX, branch_name
 from evotrainer.store.workspace import PROJECT_FILE, VersionState, Workspace
 
 STATUS_MARKER = "<!-- evotrainer:status -->"
@@ -50,12 +50,22 @@ MAX_DIFF_CHARS = 50_000
 # ---- markdown --------------------------------------------------------------------------------
 
 _MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]<>|#!~])")
+# `@name` and `@org/team` notify people; a word joiner after the `@` keeps the text and
+# drops the notification.
+_MENTION = re.compile(r"@(?=[A-Za-z0-9])")
+# One spec field in a PR body or comment (a rationale may be any length).
+MAX_FIELD_CHARS = 4_000
+# GitHub refuses a body or comment over 65,536 characters; the body stays well under it.
+MAX_BODY_CHARS = 60_000
 
 
 def md_text(value: object) -> str:
     """Spec text (a planner may have written it) as literal markdown: no links, no HTML,
-    no forged evotrainer marker, one line."""
-    return _MARKDOWN_SPECIAL.sub(r"\\\1", " ".join(str(value).split()))
+    no mention, no forged evotrainer marker, one line of bounded length."""
+    text = " ".join(str(value).split())
+    if len(text) > MAX_FIELD_CHARS:
+        text = text[:MAX_FIELD_CHARS] + f" … ({len(text) - MAX_FIELD_CHARS} more characters)"
+    return _MENTION.sub("@\u2060", _MARKDOWN_SPECIAL.sub(r"\\\1", text))
 
 
 def md_code(text: str, language: str = "") -> str:
@@ -73,27 +83,35 @@ def _number(value: Any) -> str:
 
 
 def spec_diff(ws: Workspace, state: VersionState) -> str:
-    """`git diff` of what the version changes against its parent (records excluded)."""
+    """`git diff` of everything the branch would merge against its parent: every file the
+    author committed (the project, workflows, code — not only the spec), less the records
+    the controller writes and seals."""
     parent = branch_name(state.parent) if state.parent else None
     target = branch_name(state.name)
-    spec_commit = _spec_commit(ws, state)
+    records = [f":!{path}" for path in sorted(ws.unbound_paths(state.name))
+               if path.startswith("runs/")]
     if parent is None or ws.git.rev(parent) is None:
-        return ws.git.repo.git.show("--format=", "--patch", spec_commit or target)
-    return ws.git.repo.git.diff(f"{parent}...{spec_commit or target}", "--", ".", ":!runs")
+        return ws.git.repo.git.show(*DIFF_SAFETY, "--format=", "--patch", target, "--", ".",
+                                    *records)
+    return ws.git.repo.git.diff(*DIFF_SAFETY, f"{parent}...{target}", "--", ".", *records)
 
 
-def _spec_commit(ws: Workspace, state: VersionState) -> str | None:
-    """The last commit that changed the version's spec: the reviewed intervention, without
-    the run records reconcile added after it."""
-    out = ws.git.repo.git.log("-1", "--format=%H", branch_name(state.name), "--",
-                              f"spec/versions/{state.name}.yaml")
-    return out.strip() or None
+def records_line(state: VersionState) -> str:
+    """Whether the branch's runs/<v>/ is the controller's (its seal verifies)."""
+    if "seal" in state.record_errors:
+        return (f"**Forged records:** `runs/{md_text(state.name)}/` on this branch was not "
+                "written by the controller; nothing is trained, gated or merged from it.")
+    if state.records.get("run") is None:
+        return "**Records.** none yet (the controller writes them after the approval)."
+    return (f"**Records.** `runs/{md_text(state.name)}/` written and sealed by the "
+            "controller.")
 
 
 def intervention_title(state: VersionState) -> str:
     rationale = " ".join(str((state.spec.get("intervention") or {}).get("rationale", "")).split())
     short = rationale if len(rationale) <= 80 else rationale[:79] + "…"
-    return f"{state.name} (from {state.parent}): {short}" if state.parent else state.name
+    title = f"{state.name} (from {state.parent}): {short}" if state.parent else state.name
+    return _MENTION.sub("@\u2060", title)
 
 
 def intervention_body(ws: Workspace, name: str) -> str:
@@ -124,6 +142,7 @@ def intervention_body(ws: Workspace, name: str) -> str:
         diff += f"...{branch_name(name)})"
     lines += ["", f"### The intervention: `git diff {branch_name(state.parent or name)}..."
               f"{branch_name(name)}`", "", md_code(diff or "(no change)", "diff"), "",
+              records_line(state), "",
               "### Review", "",
               f"An **approving review** on this head from someone with a role in the "
               f"repository is the approval: CI commits it to `{branch_name(name)}` (bound to "
@@ -132,7 +151,10 @@ def intervention_body(ws: Workspace, name: str) -> str:
               "(this PR shows merged); **prune** closes it with the decision, keeping the "
               f"branch and the tag `{PRUNED_TAG_PREFIX}{name}`. Do not merge by hand: "
               "`main` is the promoted lineage."]
-    return "\n".join(lines) + "\n"
+    body = "\n".join(lines) + "\n"
+    if len(body) > MAX_BODY_CHARS:  # fields are capped; this bounds their number too
+        body = body[:MAX_BODY_CHARS] + "\n\n… (cut at GitHub's size limit)\n"
+    return body
 
 
 def _proposal_lines(proposal: dict) -> list[str]:
@@ -366,7 +388,8 @@ def harness_candidates(ws: Workspace, base: str) -> tuple[list[str], HarnessRevi
     if ws.git.rev(base) is None:
         raise EvoError(f"no {base} here to compare the pull request with", field="--base",
                        hint="fetch the base branch (e.g. --base origin/main)")
-    changed = ws.git.repo.git.diff("--name-only", "--diff-filter=AM", f"{base}...HEAD", "--",
+    changed = ws.git.repo.git.diff(*DIFF_SAFETY, "--name-only", "--diff-filter=AM",
+                                   f"{base}...HEAD", "--",
                                    "harness_versions/").split()
     candidates = [os.path.basename(p).removesuffix(".yaml") for p in changed
                   if p.endswith(".yaml")]

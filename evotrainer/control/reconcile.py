@@ -213,6 +213,8 @@ class Observed:
     harness_name: str = ""
     harness_digest: str = ""
     on_main: bool = False
+    # A promotion whose branch changed since its approval: the files it did not see.
+    unapproved_files: tuple[str, ...] = ()
     pruned: bool = False
     evidence_pending: bool = False
 
@@ -253,6 +255,10 @@ def observe(ctx: Context, state: VersionState) -> Observed:
         job = ctx.backend(run.backend).status(job_for(ctx, state, state.records["run"]))
     if job is not None and run.active and job.state is JobState.RUNNING:
         live_stop, live_error = _live_stop(ctx, state)
+    on_main = verdict in ("promote", "baseline") and _on_main(ctx, state)
+    unapproved_files: tuple[str, ...] = ()
+    if verdict in ("promote", "baseline") and not on_main and approval != "approved":
+        unapproved_files = tuple(ctx.ws.unapproved_changes(state))
     recipe = ctx.ws.resolved_recipe(state.name, ctx.states)
     parent_policy = None
     if parent is not None and init_mode(recipe) == "parent":
@@ -279,7 +285,8 @@ def observe(ctx: Context, state: VersionState) -> Observed:
         decision=decision,
         harness_name=ctx.harness.name,
         harness_digest=ctx.harness.digest,
-        on_main=verdict in ("promote", "baseline") and _on_main(ctx, state),
+        on_main=on_main,
+        unapproved_files=unapproved_files,
         pruned=pruned,
         evidence_pending=decision is not None
         and bool(pending_evidence(ctx.ws, state.name, state.records["decision"], ctx.states)),
@@ -445,6 +452,16 @@ def rule_gate(o: Observed) -> VersionPlan | None:
 def rule_verdict(o: Observed) -> VersionPlan | None:
     verdict = o.decision.verdict if o.decision else None
     if verdict in ("promote", "baseline") and not o.on_main:
+        if o.approval != "approved":  # main gets exactly what a reviewer approved, or nothing
+            changed = ", ".join(o.unapproved_files[:10]) or "its approval"
+            more = len(o.unapproved_files) - 10
+            return VersionPlan(
+                o.name, o.sync, o.health, None,
+                error=f"not promoted: the branch is not what was approved ({o.approval}; "
+                f"changed since: {changed}{f' and {more} more' if more > 0 else ''}); "
+                f"revert those commits, or have a reviewer approve it as it is now "
+                f"(evotrainer approve {o.name}) — its run is not repeated",
+            )
         return o.plan(Action("promote", f"verdict {verdict}"))
     if verdict == "prune" and not o.pruned:
         return o.plan(Action("prune", "verdict prune"))
@@ -486,8 +503,11 @@ def approval_wait(o: Observed) -> VersionPlan:
         return VersionPlan(o.name, sync, o.health, Action("approve",
                                                           "autonomy allows it within budget"))
     if o.approval == "stale":
-        note = ("awaiting re-approval: the spec or its inherited recipe changed since it was "
-                f"approved (evotrainer approve {o.name})")
+        note = ("awaiting re-approval: the branch or its inherited recipe changed since it "
+                f"was approved (evotrainer approve {o.name})")
+    elif o.approval == "forged":
+        note = ("awaiting approval: its approval block was not written by this controller "
+                f"(no valid seal), so it is not one: evotrainer approve {o.name}")
     else:
         note = f"awaiting approval: evotrainer approve {o.name}"
     return VersionPlan(o.name, sync, o.health, None, note)
@@ -519,8 +539,10 @@ def plan_version(ctx: Context, state: VersionState) -> VersionPlan:
     refusal = ctx.validation.refusal(state.name, ctx.states)
     if refusal is not None:
         return error_plan(state.name, f"invalid: {refusal}")
-    if state.record_errors:
+    if state.record_errors:  # unreadable first (it names the field), then forged
         kind, err = next(iter(state.record_errors.items()))
+        if kind == "seal":
+            return error_plan(state.name, str(err))
         return error_plan(state.name, f"unreadable {kind} record: {err.message}")
     try:
         return decide_next(observe(ctx, state))
@@ -654,8 +676,8 @@ def request_retry(ws: Workspace, name: str, by: str) -> dict:
     history = attempt_history(run)
     history[-1]["retried_by"] = by
     record = launch_record(ctx, state, attempt=run["attempt"] + 1, history=history)
-    ws.git.commit_files(
-        branch_name(name),
+    ws.commit_records(
+        name,
         {run_path(name, "run.yaml"): record_text("run", record).encode()},
         f"Retry {name}: attempt {record['attempt']} requested by {by}",
         {"Action": "retry", "Version": name},
@@ -750,8 +772,8 @@ class Reconciler:
     # One method per action; each ends in exactly one commit (or one backend call).
 
     def _commit_run(self, state: VersionState, run: dict, message: str, action: str) -> None:
-        self.ws.git.commit_files(
-            branch_name(state.name),
+        self.ws.commit_records(
+            state.name,
             {run_path(state.name, "run.yaml"): record_text("run", run).encode()},
             message,
             {"Action": action, "Version": state.name},
@@ -857,8 +879,8 @@ class Reconciler:
         )
         run.setdefault("started_at", run["finished_at"])
         score = result.get("val_avg")
-        self.ws.git.commit_files(
-            branch_name(state.name),
+        self.ws.commit_records(
+            state.name,
             {
                 run_path(state.name, "run.yaml"): record_text("run", run).encode(),
                 run_path(state.name, "scores.csv"): collected.scores.read_bytes(),
@@ -902,8 +924,8 @@ class Reconciler:
         document = diagnosis_document(result, state.name)
         document["created_at"] = now_iso()
         alerts = ", ".join(a["name"] for a in result["alerts"]) or "none"
-        self.ws.git.commit_files(
-            branch_name(state.name),
+        self.ws.commit_records(
+            state.name,
             {run_path(state.name, "diagnosis.yaml"): record_text("diagnosis", document).encode()},
             f"Diagnose {state.name} with {ctx.harness.name}: alerts {alerts}",
             {"Action": action, "Version": state.name, "Harness": ctx.harness.name},
@@ -917,8 +939,8 @@ class Reconciler:
         for name in filter(None, (state.name, state.parent)):
             verify_artifacts(self.ws, ctx.states[name], only=("scores",))
         decision = decide(self.ws, ctx.states, state, ctx.harness)
-        self.ws.git.commit_files(
-            branch_name(state.name),
+        self.ws.commit_records(
+            state.name,
             {run_path(state.name, "decision.yaml"): record_text("decision", decision).encode()},
             f"Gate {state.name}: {decision['verdict']} — {decision['reason']}",
             {
@@ -946,8 +968,8 @@ class Reconciler:
         if run["state"] != "Stopped":
             view = observe_running(self.ws, state, run, ctx.harness, job_recipe(ctx, state))
             records = stop_records(state, run, ctx.harness, view)
-            self.ws.git.commit_files(
-                branch_name(state.name),
+            self.ws.commit_records(
+                state.name,
                 {
                     run_path(state.name, "run.yaml"): record_text("run", records.run).encode(),
                     run_path(state.name, "diagnosis.yaml"): record_text(

@@ -124,8 +124,9 @@ def _refusal(ws: Workspace, name: str, states: dict) -> str | None:
 
 def approve(ws: Workspace, name: str, by: str | None = None) -> dict:
     """Commit the approval of `name` as it is now: the approval records the digest of the
-    spec and of the recipe it resolves to, so any later change makes it stale. A version
-    whose approval still holds is left as it is."""
+    spec, of the recipe it resolves to and of the rest of the branch's tree, so any later
+    change makes it stale, and the controller's seal. A version whose approval still holds
+    is left as it is."""
     states = ws.versions()
     state = ws.version(name, states)
     if ws.approval_status(state, states) == "approved":
@@ -144,10 +145,13 @@ def approve(ws: Workspace, name: str, by: str | None = None) -> dict:
         "at": now_iso(),
         "digest": approval_digest,
     }
-    ws.git.commit_files(
-        branch_name(name),
+    # Sealed with the controller's key: an approval block an author commits by hand, with
+    # the same (public) digest, is not an approval.
+    ws.commit_records(
+        name,
         {version_spec_path(name): spec_text(spec).encode()},
         f"Approve {name}",
         {"Action": "approve", "Version": name, "Digest": approval_digest},
+        approval=spec["approval"],
     )
     return spec

@@ -8,6 +8,7 @@ anyone's working tree. Reads of many branches use one `for-each-ref` and one per
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import tempfile
@@ -21,6 +22,12 @@ from evotrainer.errors import EvoError
 
 BRANCH_PREFIX = "evo/"
 PRUNED_TAG_PREFIX = "pruned/"
+# Every git the controller runs ignores what the repository's own config could make it run:
+# hooks, an fsmonitor program (both run on ordinary reads and commits), and — with the flags
+# in DIFF_SAFETY — external diff drivers and textconv filters. A workspace's .git/config is
+# not reviewed in git, so it is no place to run code in the controller from.
+SAFE_CONFIG = ("core.hooksPath=/dev/null", "core.fsmonitor=false")
+DIFF_SAFETY = ("--no-ext-diff", "--no-textconv")
 FALLBACK_IDENTITY = {
     "GIT_AUTHOR_NAME": "EvoTrainer",
     "GIT_AUTHOR_EMAIL": "evotrainer@localhost",
@@ -33,6 +40,12 @@ def branch_name(version: str) -> str:
     return BRANCH_PREFIX + version
 
 
+def hardened(repo: git.Repo) -> git.Repo:
+    """`repo` with every git call run under SAFE_CONFIG."""
+    repo.git.set_persistent_git_options(c=list(SAFE_CONFIG))
+    return repo
+
+
 def with_trailers(message: str, trailers: Mapping[str, str]) -> str:
     lines = [f"Evotrainer-{key}: {value}" for key, value in trailers.items()]
     return message.rstrip() + "\n\n" + "\n".join(lines) + "\n"
@@ -41,7 +54,7 @@ def with_trailers(message: str, trailers: Mapping[str, str]) -> str:
 class GitStore:
     def __init__(self, root: Path) -> None:
         try:
-            self.repo = git.Repo(root)
+            self.repo = hardened(git.Repo(root))
         except (git.InvalidGitRepositoryError, git.NoSuchPathError):
             raise EvoError(
                 "not a git repository",
@@ -98,6 +111,18 @@ class GitStore:
             result[(ref, path)] = data if kind == b"blob" else None
         return result
 
+    def tree_digest(self, commit: str, exclude: frozenset[str]) -> str:
+        """sha256 of every file of `commit`'s tree (path, mode and blob id) but `exclude`:
+        what an approval binds, so any other change to the tree makes it stale."""
+        listing = self.repo.git.ls_tree("-r", "--full-tree", "-z", commit)
+        kept = sorted(e for e in listing.split("\0") if e and e.split("\t", 1)[1] not in exclude)
+        return "sha256:" + hashlib.sha256("\0".join(kept).encode()).hexdigest()
+
+    def changed_paths(self, old: str, new: str) -> list[str]:
+        """Paths whose content differs between two commits."""
+        out = self.repo.git.diff("--name-only", "-z", *DIFF_SAFETY, old, new, "--")
+        return [p for p in out.split("\0") if p]
+
     def rev(self, ref: str) -> str | None:
         try:
             return self.repo.rev_parse(ref).hexsha
@@ -123,15 +148,17 @@ class GitStore:
         message: str,
         trailers: Mapping[str, str] | None = None,
         start: str | None = None,
+        expect: str | None = None,
     ) -> str:
         """Commit `files` (path → content, None deletes) onto `branch`.
 
         A new branch starts at `start`. The ref moves by compare-and-swap, so a concurrent
-        writer makes this fail instead of losing a commit. A branch checked out in the
-        workspace root gets its working tree fast-forwarded.
+        writer makes this fail instead of losing a commit; `expect` is the tip the caller
+        read its content from (the commit then goes exactly onto it). A branch checked out
+        in the workspace root gets its working tree fast-forwarded.
         """
         ref = f"refs/heads/{branch}"
-        old = self.rev(ref)
+        old = expect or self.rev(ref)
         parent = old or (self.rev(start) if start else None)
         if old is None and start is not None and parent is None:
             raise EvoError(f"cannot create branch {branch}: {start} does not exist")
@@ -243,7 +270,7 @@ class GitStore:
         """
         if path.exists():
             try:
-                tree = git.Repo(path)
+                tree = hardened(git.Repo(path))
             except git.InvalidGitRepositoryError:
                 raise EvoError(
                     "exists but is not a worktree of this workspace",

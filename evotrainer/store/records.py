@@ -8,6 +8,7 @@ it, not a traceback in whichever command reads it first."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,9 @@ from evotrainer.errors import EvoError
 
 # The states a run record holds; "Cancelled" is a user's `evotrainer cancel`.
 ACTIVE_STATES = ("Pending", "Running", "Stalled")
+# What `backends.base.job_id` generates: `evo-<version>-a<attempt>-<10 hex>`. Version names
+# hold no `/`, and `..` is refused, so a job id never names a folder but its own.
+JOB_ID = re.compile(r"evo-(?!.*\.\.)[a-z0-9._-]+-a[1-9][0-9]*-[0-9a-f]{10}")
 
 
 @dataclass(frozen=True)
@@ -37,10 +41,18 @@ class RunRecord:
         if not isinstance(data, dict):
             return None
         where = where or "run.yaml"
+        job_id = str(data.get("job_id") or "")
+        if not JOB_ID.fullmatch(job_id):
+            raise EvoError(
+                f"job_id {job_id[:80]!r} is not an id the controller generates "
+                "(evo-<version>-a<attempt>-<10 hex digits>)",
+                where=where, field="job_id",
+                hint="a run record names only its own job; restore the record",
+            )
         return cls(
             state=str(data.get("state") or "—"),
             attempt=_whole_number(data, "attempt", 1, where),
-            job_id=str(data.get("job_id") or ""),
+            job_id=job_id,
             backend=str(data.get("backend") or "local"),
             artifact_dir=str(data.get("artifact_dir") or ""),
             spec_digest=data.get("spec_digest"),

@@ -19,7 +19,7 @@ from typing import Any
 
 from evotrainer.errors import EvoError
 from evotrainer.store import recipe as recipes
-from evotrainer.store import specs
+from evotrainer.store import seal, specs
 from evotrainer.store.git import GitStore, branch_name
 from evotrainer.store.records import DecisionRecord, DiagnosisRecord, RunRecord
 
@@ -52,6 +52,8 @@ class VersionState:
     # A record file present but unreadable (not YAML, an alias bomb, too large): the
     # version is refused rather than read as never run and launched over it.
     record_errors: dict[str, EvoError] = field(default_factory=dict)
+    # The approval block carries the controller's seal (see store/seal.py).
+    approval_sealed: bool = False
 
     def record_where(self, kind: str) -> str:
         return f"{branch_name(self.name)}:{run_path(self.name, kind + '.yaml')}"
@@ -179,7 +181,7 @@ class Workspace:
         for name in branches:
             ref = branch_name(name)
             wanted.append((ref, version_spec_path(name)))
-            wanted += [(ref, run_path(name, f)) for f in RECORD_FILES]
+            wanted += [(ref, run_path(name, f)) for f in (*seal.SEALED_FILES, seal.SEAL_FILE)]
         blobs = self.git.read_many(wanted)
         states = {}
         for name, sha in branches.items():
@@ -200,8 +202,70 @@ class Workspace:
                 except EvoError as err:
                     state.records[kind] = None
                     state.record_errors[kind] = err
+            self._check_seal(state, {f: blobs[(ref, run_path(name, f))]
+                                     for f in (*seal.SEALED_FILES, seal.SEAL_FILE)})
             states[name] = state
         return states
+
+    def _check_seal(self, state: VersionState, files: dict[str, bytes | None]) -> None:
+        """Trust the version's records and approval only as far as the controller's seal
+        proves it wrote them: records that do not verify refuse the version (named as
+        forged); an approval block that does not verify is not an approval."""
+        found = seal.read_seal(files[seal.SEAL_FILE])
+        if state.approved:
+            expected = seal.approval_mac(self.record_key, state.name, state.approval)
+            state.approval_sealed = seal.same(found.get("approval"), expected)
+        if all(files[f] is None for f in seal.SEALED_FILES):
+            return
+        if not seal.same(found.get("records"), seal.records_mac(self.record_key, state.name,
+                                                               files)):
+            written = ", ".join(run_path(state.name, f) for f in seal.SEALED_FILES
+                                if files[f] is not None)
+            state.record_errors["seal"] = EvoError(
+                f"forged records: {written} on {branch_name(state.name)} were not written "
+                "by this controller (their seal does not verify)",
+                where=f"{branch_name(state.name)}:{run_path(state.name, seal.SEAL_FILE)}",
+                hint="nothing is launched, diagnosed, gated or promoted from them; remove "
+                f"runs/{state.name}/ from the branch (a reviewer then approves it), or set "
+                f"{seal.KEY_ENV} to the key of the controller that wrote them",
+            )
+
+    @cached_property
+    def record_key(self) -> bytes:
+        return seal.record_key(self.state_dir)
+
+    def commit_records(
+        self,
+        name: str,
+        files: dict[str, bytes | None],
+        message: str,
+        trailers: dict[str, str],
+        approval: dict | None = None,
+    ) -> str:
+        """The one way the controller writes a version's records (and its approval):
+        `files` (runs/<name>/… and, with `approval`, the spec carrying that block) committed
+        with a fresh seal over the records as this commit leaves them, onto exactly the tip
+        they were read from (compare-and-swap: a concurrent commit makes this fail)."""
+        branch = branch_name(name)
+        tip = self.git.rev(f"refs/heads/{branch}")
+        paths = {f: run_path(name, f) for f in (*seal.SEALED_FILES, seal.SEAL_FILE)}
+        current = self.git.read_many([(tip, p) for p in paths.values()]) if tip else {}
+        before = {f: current.get((tip, p)) for f, p in paths.items()}
+        sealed = seal.read_seal(before[seal.SEAL_FILE])
+        if any(before[f] is not None for f in seal.SEALED_FILES) and not seal.same(
+            sealed.get("records"), seal.records_mac(self.record_key, name, before)
+        ):  # never seal over what someone else wrote
+            raise EvoError(
+                f"forged records on {branch}: the controller did not write runs/{name}/",
+                where=f"{branch}:{paths[seal.SEAL_FILE]}",
+                hint=f"remove runs/{name}/ from the branch; nothing was committed",
+            )
+        after = {f: files.get(p, before[f]) for f, p in paths.items()}
+        sealed["records"] = seal.records_mac(self.record_key, name, after)
+        if approval is not None:
+            sealed["approval"] = seal.approval_mac(self.record_key, name, approval)
+        files = {**files, paths[seal.SEAL_FILE]: seal.seal_text(sealed)}
+        return self.git.commit_files(branch, files, message, trailers, expect=tip)
 
     def version(self, name: str, states: dict[str, VersionState] | None = None) -> VersionState:
         states = states if states is not None else self.versions()
@@ -238,30 +302,56 @@ class Workspace:
     # ---- approvals ---------------------------------------------------------------------
 
     def approval_digest(self, name: str, states: dict[str, VersionState] | None = None) -> str:
-        """What an approval of `name` binds to: its spec without the approval block and the
+        """What an approval of `name` binds to: its spec without the approval block, the
         recipe it resolves to (so an inherited change, from an ancestor or the project,
-        makes an earlier approval stale too)."""
+        makes an earlier approval stale too) and every other file of the branch's tree but
+        the controller's own records — the whole content promotion would merge."""
         states = states if states is not None else self.versions()
         state = self.version(name, states)
         spec = {k: v for k, v in state.spec.items() if k != "approval"}
-        return recipes.digest({"spec": spec, "recipe": self.resolved_recipe(name, states)})
+        return recipes.digest({
+            "spec": spec,
+            "recipe": self.resolved_recipe(name, states),
+            "tree": self.git.tree_digest(state.sha, self.unbound_paths(name)),
+        })
+
+    @staticmethod
+    def unbound_paths(name: str) -> frozenset[str]:
+        """The files of a version's branch an approval does not bind: the spec (whose
+        approval block changes when it is approved; the rest of it is bound as data) and
+        the records the controller writes and seals after the approval."""
+        return frozenset({version_spec_path(name), *(
+            run_path(name, f) for f in (*seal.SEALED_FILES, seal.SEAL_FILE))})
 
     def approval_status(
         self, state: VersionState, states: dict[str, VersionState] | None = None
     ) -> str:
-        """`approved` (the approval's digest matches the content now), `unapproved`,
-        `stale` (the content changed since it was approved) or `unbound` (an approval block
-        without a digest: hand-written, not an approval)."""
+        """`approved` (the approval is the controller's and its digest matches the content
+        now), `unapproved`, `unbound` (an approval block without a digest), `forged` (an
+        approval block the controller did not write: its seal does not verify) or `stale`
+        (the content changed since it was approved)."""
         if not state.approved:
             return "unapproved"
         recorded = state.approval.get("digest")
         if not isinstance(recorded, str) or not recorded:
             return "unbound"
+        if not state.approval_sealed:
+            return "forged"
         try:
             current = self.approval_digest(state.name, states)
         except EvoError:
             return "stale"  # the lineage no longer resolves: nothing it approved holds
         return "approved" if recorded == current else "stale"
+
+    def unapproved_changes(self, state: VersionState) -> list[str]:
+        """The files the branch changed since its approval commit (the last commit of its
+        spec), records of the controller's aside: what a stale approval did not see."""
+        approved = self.git.repo.git.log("-1", "--format=%H", state.sha, "--",
+                                         version_spec_path(state.name)).strip()
+        if not approved:
+            return []
+        unbound = self.unbound_paths(state.name)
+        return [p for p in self.git.changed_paths(approved, state.sha) if p not in unbound]
 
 
 def load_record(blob: bytes | None, source: str) -> dict | None:

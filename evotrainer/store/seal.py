@@ -1,0 +1,117 @@
+"""Proof of authorship for what only the controller may write: run records and approvals.
+
+A version branch is writable by its author, so anything on it — `runs/<v>/run.yaml` naming
+another version's job, a `scores.csv` copied from a better run, an approval block with the
+(public) digest — could have been committed by hand. The controller therefore seals what it
+writes with an HMAC-SHA256 whose key lives outside the repository:
+
+- `EVOTRAINER_RECORD_KEY` in the environment (a CI secret in the pull-request flow; share it
+  between every machine that reconciles or approves for one workspace), else
+- `.evotrainer/record.key` in the workspace (git-ignored, mode 0600, made on first use).
+
+The seal is one file, `runs/<v>/seal.yaml`, committed with every record: `records` is the MAC
+of the version's record files as that commit leaves them, `approval` the MAC of the approval
+block (its digest binds the whole tree the version would merge). Nothing here is secret but
+the key: a record or approval that does not verify was not written by a controller holding
+it, and the version stops there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+
+import yaml
+
+from evotrainer.errors import EvoError
+
+KEY_ENV = "EVOTRAINER_RECORD_KEY"
+KEY_FILE = "record.key"
+SEAL_FILE = "seal.yaml"
+# The files of runs/<v>/ the controller writes (and reads); the seal covers exactly these.
+SEALED_FILES = ("run.yaml", "scores.csv", "diagnosis.yaml", "decision.yaml")
+APPROVAL_FIELDS = ("approved", "by", "at", "digest")
+
+
+def record_key(state_dir: Path) -> bytes:
+    """The controller's key: the environment's, else the workspace's own key file (made, with
+    mode 0600, when there is none yet). A key file that is a link or not a plain file is
+    refused: a branch or a neighbour must not be able to point the controller at its key."""
+    from_env = os.environ.get(KEY_ENV, "")
+    if from_env:
+        return from_env.encode()
+    path = state_dir / KEY_FILE
+    try:
+        return _read_key(path)
+    except FileNotFoundError:
+        pass
+    state_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:  # another process made it meanwhile
+        return _read_key(path)
+    with os.fdopen(fd, "w") as out:
+        out.write(secrets.token_hex(32) + "\n")
+    return _read_key(path)
+
+
+def _read_key(path: Path) -> bytes:
+    info = os.lstat(path)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > 4096:
+        raise EvoError(
+            "the record key is not a plain file",
+            where=str(path),
+            hint=f"remove it (a new key is made) or set {KEY_ENV}",
+        )
+    key = path.read_bytes().strip()
+    if len(key) < 32:
+        raise EvoError("the record key is too short", where=str(path),
+                       hint=f"remove it (a new key is made) or set {KEY_ENV}")
+    return key
+
+
+def _mac(key: bytes, *parts: str) -> str:
+    return "hmac-sha256:" + hmac.new(key, "\0".join(parts).encode(), hashlib.sha256).hexdigest()
+
+
+def records_mac(key: bytes, version: str, files: Mapping[str, bytes | None]) -> str:
+    """The MAC of a version's record files (absent ones included as absent)."""
+    parts = [
+        f"{name}={hashlib.sha256(files[name]).hexdigest() if files.get(name) is not None else '-'}"
+        for name in SEALED_FILES
+    ]
+    return _mac(key, "records", version, *parts)
+
+
+def approval_mac(key: bytes, version: str, approval: Mapping[str, object]) -> str:
+    return _mac(key, "approval", version, *(f"{k}={approval.get(k)!s}" for k in APPROVAL_FIELDS))
+
+
+def seal_text(seal: Mapping[str, str]) -> bytes:
+    return (
+        "# Written by the EvoTrainer controller: the HMAC of this version's records and\n"
+        "# approval (store/seal.py). A hand-written or copied seal does not verify.\n"
+        + yaml.safe_dump(dict(seal), sort_keys=True)
+    ).encode()
+
+
+def read_seal(blob: bytes | None) -> dict[str, str]:
+    """The seal file's MACs ({} when absent or not a mapping of strings)."""
+    if blob is None or len(blob) > 4096:
+        return {}
+    try:
+        data = yaml.safe_load(blob)
+    except yaml.YAMLError:
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {str(k): v for k, v in data.items() if isinstance(v, str)}
+
+
+def same(a: str | None, b: str) -> bool:
+    return isinstance(a, str) and hmac.compare_digest(a, b)

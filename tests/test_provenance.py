@@ -313,3 +313,46 @@ def test_the_pr_body_shows_every_file_the_branch_merges_and_stays_quiet_and_boun
     prose = re.sub(r"(?ms)^(`{3,})[^\n]*\n.*?^\1$", "", body)
     assert "@org/team" not in prose and "@alice" not in prose and "org/team" in prose
     assert "@org/team" not in intervention_title(workspace.version("v9"))
+
+
+def test_signed_approvals_where_main_keeps_allowed_signers(workspace, tmp_path, cli):
+    """25.3, local flow: with `spec/allowed_signers` on main, `approve` signs the approval
+    commit (git's SSH signing) and only an allowed key's signature makes it an approval."""
+    from evotrainer.store.workspace import ALLOWED_SIGNERS
+
+    key = tmp_path / "alice"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "alice", "-f",
+                    str(key)], check=True)
+    public = (tmp_path / "alice.pub").read_text().strip()
+    workspace.git.commit_files("main", {ALLOWED_SIGNERS: f"alice {public}\n".encode()},
+                               "allowed signers")
+    new_version(workspace, "v1", "v0", rationale="signed",
+                settings=["domain.params.standin_skill=0.6"])
+    unsigned = cli("-C", str(workspace.root), "approve", "v1")
+    assert unsigned.code == 1 and "could not sign" in unsigned.output
+    assert "user.signingkey" in unsigned.output and "Traceback" not in unsigned.output
+    config = workspace.git.repo.config_writer()
+    config.set_value("gpg", "format", "ssh")
+    config.set_value("user", "signingkey", str(tmp_path / "alice.pub"))
+    config.release()
+    signed = cli("-C", str(workspace.root), "approve", "v1")
+    assert signed.code == 0, signed.output
+    fresh = Workspace(workspace.root)
+    state = fresh.version("v1")
+    assert fresh.approval_status(state) == "approved"
+    assert fresh.approval_signer(state) == "alice"
+    # Another key, not on main's list, signs a re-approval: not an approval.
+    other = tmp_path / "mallory"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "m", "-f",
+                    str(other)], check=True)
+    config = workspace.git.repo.config_writer()
+    config.set_value("user", "signingkey", str(tmp_path / "mallory.pub"))
+    config.release()
+    spec = dict(state.spec, approval={"approved": False})
+    workspace.git.commit_files("evo/v1", {version_spec_path("v1"): spec_text(spec).encode()},
+                               "withdraw")
+    assert cli("-C", str(workspace.root), "approve", "v1").code == 0
+    fresh = Workspace(workspace.root)
+    assert fresh.approval_status(fresh.version("v1")) == "unsigned"
+    note = plans_by_version(fresh)["v1"].note
+    assert "awaiting a signed approval" in note

@@ -505,6 +505,10 @@ def approval_wait(o: Observed) -> VersionPlan:
     if o.approval == "stale":
         note = ("awaiting re-approval: the branch or its inherited recipe changed since it "
                 f"was approved (evotrainer approve {o.name})")
+    elif o.approval == "unsigned":
+        note = ("awaiting a signed approval: main keeps allowed signers "
+                f"(spec/allowed_signers) and no allowed key signed it: evotrainer approve "
+                f"{o.name} with git's signing configured")
     elif o.approval == "forged":
         note = ("awaiting approval: its approval block was not written by this controller "
                 f"(no valid seal), so it is not one: evotrainer approve {o.name}")

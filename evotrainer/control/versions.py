@@ -153,5 +153,6 @@ def approve(ws: Workspace, name: str, by: str | None = None) -> dict:
         f"Approve {name}",
         {"Action": "approve", "Version": name, "Digest": approval_digest},
         approval=spec["approval"],
+        sign=ws.allowed_signers is not None,
     )
     return spec

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -118,6 +119,23 @@ class GitStore:
         kept = sorted(e for e in listing.split("\0") if e and e.split("\t", 1)[1] not in exclude)
         return "sha256:" + hashlib.sha256("\0".join(kept).encode()).hexdigest()
 
+    def signed_by(self, commit: str, allowed_signers: bytes) -> str | None:
+        """The principal whose SSH signature on `commit` verifies against `allowed_signers`
+        (git's allowed-signers format), or None. The signature program is named here, not
+        taken from the repository's config."""
+        with tempfile.NamedTemporaryFile() as signers:
+            signers.write(allowed_signers)
+            signers.flush()
+            try:
+                out = self.repo.git(c=[
+                    "gpg.format=ssh", "gpg.ssh.program=ssh-keygen",
+                    f"gpg.ssh.allowedSignersFile={signers.name}",
+                ]).verify_commit(commit, with_extended_output=True)[2]
+            except git.GitCommandError:
+                return None
+        found = re.search(r'Good "git" signature for (\S+) with', out)
+        return found.group(1) if found else None
+
     def changed_paths(self, old: str, new: str) -> list[str]:
         """Paths whose content differs between two commits."""
         out = self.repo.git.diff("--name-only", "-z", *DIFF_SAFETY, old, new, "--")
@@ -149,13 +167,15 @@ class GitStore:
         trailers: Mapping[str, str] | None = None,
         start: str | None = None,
         expect: str | None = None,
+        sign: bool = False,
     ) -> str:
         """Commit `files` (path → content, None deletes) onto `branch`.
 
         A new branch starts at `start`. The ref moves by compare-and-swap, so a concurrent
         writer makes this fail instead of losing a commit; `expect` is the tip the caller
         read its content from (the commit then goes exactly onto it). A branch checked out
-        in the workspace root gets its working tree fast-forwarded.
+        in the workspace root gets its working tree fast-forwarded. `sign`: sign the commit
+        with the user's configured key (git's `user.signingkey`, `gpg.format`).
         """
         ref = f"refs/heads/{branch}"
         old = expect or self.rev(ref)
@@ -181,7 +201,18 @@ class GitStore:
             tree = self.repo.git.write_tree(env=env)
             full = with_trailers(message, trailers) if trailers else message
             args = [tree, "-m", full] + (["-p", parent] if parent else [])
-            commit = self.repo.git.commit_tree(*args, env=env)
+            try:
+                commit = self.repo.git.commit_tree(*args, *(["-S"] if sign else []), env=env)
+            except git.GitCommandError as exc:
+                if not sign:
+                    raise
+                raise EvoError(
+                    "git could not sign the commit: "
+                    + " ".join((exc.stderr or "").split())[-200:],
+                    where=str(self.root),
+                    hint="this workspace's approvals are signed: configure git's signing "
+                    "(git config gpg.format ssh; git config user.signingkey ~/.ssh/KEY.pub)",
+                ) from None
         self._check_checkout_follows(branch, old, commit)
         self._move_ref(ref, commit, old)
         self._sync_checked_out(branch, old, commit)

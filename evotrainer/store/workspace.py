@@ -24,6 +24,9 @@ from evotrainer.store.git import GitStore, branch_name
 from evotrainer.store.records import DecisionRecord, DiagnosisRecord, RunRecord
 
 PROJECT_FILE = "spec/project.yaml"
+# Where main keeps the SSH keys whose signatures make an approval (git's allowed-signers
+# format). Absent: an approval is proven by the controller's seal alone.
+ALLOWED_SIGNERS = "spec/allowed_signers"
 STATE_DIR = ".evotrainer"
 RECORD_FILES = ("run.yaml", "diagnosis.yaml", "decision.yaml")
 
@@ -241,6 +244,7 @@ class Workspace:
         message: str,
         trailers: dict[str, str],
         approval: dict | None = None,
+        sign: bool = False,
     ) -> str:
         """The one way the controller writes a version's records (and its approval):
         `files` (runs/<name>/… and, with `approval`, the spec carrying that block) committed
@@ -265,7 +269,7 @@ class Workspace:
         if approval is not None:
             sealed["approval"] = seal.approval_mac(self.record_key, name, approval)
         files = {**files, paths[seal.SEAL_FILE]: seal.seal_text(sealed)}
-        return self.git.commit_files(branch, files, message, trailers, expect=tip)
+        return self.git.commit_files(branch, files, message, trailers, expect=tip, sign=sign)
 
     def version(self, name: str, states: dict[str, VersionState] | None = None) -> VersionState:
         states = states if states is not None else self.versions()
@@ -328,8 +332,9 @@ class Workspace:
     ) -> str:
         """`approved` (the approval is the controller's and its digest matches the content
         now), `unapproved`, `unbound` (an approval block without a digest), `forged` (an
-        approval block the controller did not write: its seal does not verify) or `stale`
-        (the content changed since it was approved)."""
+        approval block the controller did not write: its seal does not verify), `stale`
+        (the content changed since it was approved) or `unsigned` (main keeps allowed
+        signers, and no allowed key signed the approval commit)."""
         if not state.approved:
             return "unapproved"
         recorded = state.approval.get("digest")
@@ -341,7 +346,26 @@ class Workspace:
             current = self.approval_digest(state.name, states)
         except EvoError:
             return "stale"  # the lineage no longer resolves: nothing it approved holds
-        return "approved" if recorded == current else "stale"
+        if recorded != current:
+            return "stale"
+        if self.allowed_signers is not None and self.approval_signer(state) is None:
+            return "unsigned"
+        return "approved"
+
+    @cached_property
+    def allowed_signers(self) -> bytes | None:
+        """main's allowed-signers file: when present, an approval must also be a commit
+        signed by one of its keys (`evotrainer approve` signs with git's signing setup)."""
+        return self.git.read("refs/heads/main", ALLOWED_SIGNERS)
+
+    def approval_signer(self, state: VersionState) -> str | None:
+        """Who signed the commit that wrote `state`'s approval (the last commit of its
+        spec), if an allowed signer did."""
+        commit = self.git.repo.git.log("-1", "--format=%H", state.sha, "--",
+                                       version_spec_path(state.name)).strip()
+        if not commit or self.allowed_signers is None:
+            return None
+        return self.git.signed_by(commit, self.allowed_signers)
 
     def unapproved_changes(self, state: VersionState) -> list[str]:
         """The files the branch changed since its approval commit (the last commit of its

@@ -356,3 +356,20 @@ def test_signed_approvals_where_main_keeps_allowed_signers(workspace, tmp_path, 
     assert fresh.approval_status(fresh.version("v1")) == "unsigned"
     note = plans_by_version(fresh)["v1"].note
     assert "awaiting a signed approval" in note
+
+
+def test_a_reader_without_the_key_verifies_nothing_and_acts_on_nothing(workspace, cli,
+                                                                       monkeypatch):
+    """A fork's CI (no secret) plans read-only: every recorded version says it cannot be
+    verified there, nothing is launched, and plan does not fail on it."""
+    propose(workspace, "v1", standin_skill=0.6)
+    converge(workspace)
+    (workspace.state_dir / seal.KEY_FILE).rename(workspace.root.parent / "kept.key")
+    out = cli("-C", str(workspace.root), "plan", "--json")
+    assert out.code in (0, 2), out.output
+    rows = {r["version"]: r for r in json.loads(out.out)["versions"]}
+    assert rows["v1"]["action"] is None and "cannot be verified here" in rows["v1"]["reason"]
+    assert not (workspace.state_dir / seal.KEY_FILE).exists()  # a reader makes no key
+    monkeypatch.setenv(seal.KEY_ENV, (workspace.root.parent / "kept.key").read_text().strip())
+    rows = plans_by_version(Workspace(workspace.root))
+    assert rows["v1"].error is None and rows["v1"].note.startswith("done")

@@ -50,6 +50,7 @@ from evotrainer.store.clock import now_iso
 from evotrainer.store.git import PRUNED_TAG_PREFIX, branch_name
 from evotrainer.store.recipe import deep_merge, digest
 from evotrainer.store.records import DecisionRecord, DiagnosisRecord, RunRecord
+from evotrainer.store.seal import KEY_ENV
 from evotrainer.store.validation import Validation, check_workspace, job_env
 from evotrainer.store.workspace import VersionState, Workspace, run_path
 from evotrainer.trackers.records import log_gate, run_identity
@@ -548,6 +549,13 @@ def plan_version(ctx: Context, state: VersionState) -> VersionPlan:
         if kind == "seal":
             return error_plan(state.name, str(err))
         return error_plan(state.name, f"unreadable {kind} record: {err.message}")
+    if state.unverified:
+        run = state.run
+        return VersionPlan(
+            state.name, "Unverified", run.state if run else "—", None,
+            note="its records and approval cannot be verified here: this machine holds no "
+            f"record key (set {KEY_ENV} to the controller's); nothing is done with them",
+        )
     try:
         return decide_next(observe(ctx, state))
     except VERSION_ERRORS as err:

@@ -38,10 +38,11 @@ SEALED_FILES = ("run.yaml", "scores.csv", "diagnosis.yaml", "decision.yaml")
 APPROVAL_FIELDS = ("approved", "by", "at", "digest")
 
 
-def record_key(state_dir: Path) -> bytes:
+def record_key(state_dir: Path, create: bool = True) -> bytes | None:
     """The controller's key: the environment's, else the workspace's own key file (made, with
-    mode 0600, when there is none yet). A key file that is a link or not a plain file is
-    refused: a branch or a neighbour must not be able to point the controller at its key."""
+    mode 0600, when there is none yet and `create`; None when there is none and not). A key
+    file that is a link or not a plain file is refused: a branch or a neighbour must not be
+    able to point the controller at its key."""
     from_env = os.environ.get(KEY_ENV, "")
     if from_env:
         return from_env.encode()
@@ -49,7 +50,8 @@ def record_key(state_dir: Path) -> bytes:
     try:
         return _read_key(path)
     except FileNotFoundError:
-        pass
+        if not create:
+            return None
     state_dir.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)

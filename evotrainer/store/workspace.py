@@ -57,6 +57,8 @@ class VersionState:
     record_errors: dict[str, EvoError] = field(default_factory=dict)
     # The approval block carries the controller's seal (see store/seal.py).
     approval_sealed: bool = False
+    # Records or an approval this reader cannot check: it holds no record key.
+    unverified: bool = False
 
     def record_where(self, kind: str) -> str:
         return f"{branch_name(self.name)}:{run_path(self.name, kind + '.yaml')}"
@@ -101,6 +103,7 @@ class Workspace:
     def __init__(self, root: Path) -> None:
         self.root = root.resolve()
         self.git = GitStore(self.root)
+        self._record_key: bytes | None = None
         if not (self.root / PROJECT_FILE).is_file():
             raise EvoError(
                 f"no {PROJECT_FILE} here, so this is not an EvoTrainer workspace",
@@ -214,14 +217,18 @@ class Workspace:
         """Trust the version's records and approval only as far as the controller's seal
         proves it wrote them: records that do not verify refuse the version (named as
         forged); an approval block that does not verify is not an approval."""
+        key = self.record_key
+        recorded = any(files[f] is not None for f in seal.SEALED_FILES)
+        if key is None:  # a reader without the key (a fork's CI): nothing can be verified
+            state.unverified = recorded or state.approved
+            return
         found = seal.read_seal(files[seal.SEAL_FILE])
         if state.approved:
-            expected = seal.approval_mac(self.record_key, state.name, state.approval)
+            expected = seal.approval_mac(key, state.name, state.approval)
             state.approval_sealed = seal.same(found.get("approval"), expected)
-        if all(files[f] is None for f in seal.SEALED_FILES):
+        if not recorded:
             return
-        if not seal.same(found.get("records"), seal.records_mac(self.record_key, state.name,
-                                                               files)):
+        if not seal.same(found.get("records"), seal.records_mac(key, state.name, files)):
             written = ", ".join(run_path(state.name, f) for f in seal.SEALED_FILES
                                 if files[f] is not None)
             state.record_errors["seal"] = EvoError(
@@ -233,9 +240,12 @@ class Workspace:
                 f"{seal.KEY_ENV} to the key of the controller that wrote them",
             )
 
-    @cached_property
-    def record_key(self) -> bytes:
-        return seal.record_key(self.state_dir)
+    @property
+    def record_key(self) -> bytes | None:
+        """The controller's key, or None where there is none (only writers make one)."""
+        if self._record_key is None:
+            self._record_key = seal.record_key(self.state_dir, create=False)
+        return self._record_key
 
     def commit_records(
         self,
@@ -250,6 +260,7 @@ class Workspace:
         `files` (runs/<name>/… and, with `approval`, the spec carrying that block) committed
         with a fresh seal over the records as this commit leaves them, onto exactly the tip
         they were read from (compare-and-swap: a concurrent commit makes this fail)."""
+        key = self._record_key = seal.record_key(self.state_dir, create=True)
         branch = branch_name(name)
         tip = self.git.rev(f"refs/heads/{branch}")
         paths = {f: run_path(name, f) for f in (*seal.SEALED_FILES, seal.SEAL_FILE)}
@@ -257,7 +268,7 @@ class Workspace:
         before = {f: current.get((tip, p)) for f, p in paths.items()}
         sealed = seal.read_seal(before[seal.SEAL_FILE])
         if any(before[f] is not None for f in seal.SEALED_FILES) and not seal.same(
-            sealed.get("records"), seal.records_mac(self.record_key, name, before)
+            sealed.get("records"), seal.records_mac(key, name, before)
         ):  # never seal over what someone else wrote
             raise EvoError(
                 f"forged records on {branch}: the controller did not write runs/{name}/",
@@ -265,9 +276,9 @@ class Workspace:
                 hint=f"remove runs/{name}/ from the branch; nothing was committed",
             )
         after = {f: files.get(p, before[f]) for f, p in paths.items()}
-        sealed["records"] = seal.records_mac(self.record_key, name, after)
+        sealed["records"] = seal.records_mac(key, name, after)
         if approval is not None:
-            sealed["approval"] = seal.approval_mac(self.record_key, name, approval)
+            sealed["approval"] = seal.approval_mac(key, name, approval)
         files = {**files, paths[seal.SEAL_FILE]: seal.seal_text(sealed)}
         return self.git.commit_files(branch, files, message, trailers, expect=tip, sign=sign)
 
@@ -332,7 +343,8 @@ class Workspace:
     ) -> str:
         """`approved` (the approval is the controller's and its digest matches the content
         now), `unapproved`, `unbound` (an approval block without a digest), `forged` (an
-        approval block the controller did not write: its seal does not verify), `stale`
+        approval block the controller did not write: its seal does not verify),
+        `unverified` (this reader holds no record key to check it), `stale`
         (the content changed since it was approved) or `unsigned` (main keeps allowed
         signers, and no allowed key signed the approval commit)."""
         if not state.approved:
@@ -340,6 +352,8 @@ class Workspace:
         recorded = state.approval.get("digest")
         if not isinstance(recorded, str) or not recorded:
             return "unbound"
+        if state.unverified:
+            return "unverified"
         if not state.approval_sealed:
             return "forged"
         try:

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from sealing import controller_commit
 
 from evotrainer.agent.skills import load_library
 from evotrainer.control.versions import new_version
@@ -179,7 +180,7 @@ def test_skills_name_their_backtest() -> None:
 def trained(workspace):
     """v1 with a run record whose artifact dir holds rollouts without a `partial` column."""
     new_version(workspace, "v1", "v0", rationale="first try")
-    artifact_dir = ".evotrainer/artifacts/v1/job-1"
+    artifact_dir = ".evotrainer/artifacts/v1/evo-v1-a1-0123456789"
     cfg = workspace.resolved_recipe("v1")["domain"]
     train, _ = make_domain(cfg).split(cfg["train_size"], cfg["val_size"])
     rows = [row(f"g{g}", 0.0, task_id=t.task_id, response=str(int(t.answer) + d), correct=0.0,
@@ -189,8 +190,8 @@ def trained(workspace):
     path.parent.mkdir(parents=True)
     pq.write_table(table(rows), path)
     record = {"apiVersion": "evotrainer/v1", "kind": "Run", "version": "v1",
-              "job_id": "job-1", "artifact_dir": artifact_dir}
-    workspace.git.commit_files("evo/v1", {"runs/v1/run.yaml": dump(record).encode()}, "run v1")
+              "job_id": "evo-v1-a1-0123456789", "artifact_dir": artifact_dir}
+    controller_commit(workspace, "v1", {"runs/v1/run.yaml": dump(record).encode()}, "run v1")
     return workspace
 
 
@@ -240,10 +241,10 @@ def test_a_run_record_pointing_elsewhere_cannot_feed_the_backtest(trained, cli, 
     planted there are never read."""
     elsewhere = tmp_path / "planted" / "rollouts"
     elsewhere.mkdir(parents=True)
-    shutil.copy(trained.root / ".evotrainer/artifacts/v1/job-1/rollouts/train.parquet",
-                elsewhere / "train.parquet")
+    artifacts = trained.root / ".evotrainer/artifacts/v1/evo-v1-a1-0123456789"
+    shutil.copy(artifacts / "rollouts/train.parquet", elsewhere / "train.parquet")
     record = {"apiVersion": "evotrainer/v1", "kind": "Run", "version": "v1",
-              "job_id": "job-1", "artifact_dir": str(elsewhere.parent)}
+              "job_id": "evo-v1-a1-0123456789", "artifact_dir": str(elsewhere.parent)}
     trained.git.commit_files("evo/v1", {"runs/v1/run.yaml": dump(record).encode()}, "tamper")
     out = cli("backtest", "reward", "v1", "--component", "partial", "--weight", "0.1",
               cwd=trained.root)

@@ -164,6 +164,9 @@ def signature(root: Path) -> dict:
     for ref in repo.heads:
         files = {}
         for blob in ref.commit.tree.traverse():
+            # A seal is the MAC of timestamped records: that it verifies is checked apart.
+            if blob.path.endswith("/seal.yaml"):
+                continue
             if blob.type == "blob" and blob.path.startswith(("runs/", "spec/versions/")):
                 data = yaml.safe_load(blob.data_stream.read()) if blob.path.endswith(
                     ".yaml") else blob.data_stream.read()
@@ -212,6 +215,7 @@ def test_crash_at_every_action_boundary_converges_to_the_same_state(workspace, t
         ws = Workspace(ws_dir)
         converge(ws)
         assert signature(ws_dir) == expected, f"diverged after a crash at boundary {boundary}"
+        assert not any(s.record_errors or s.unverified for s in ws.versions().values())
         launches = [p for p in ws.artifact_root.glob("*/evo-*/job.json")]
         assert len(launches) == 2  # one job per version: no duplicate launch
         if crashed.returncode == 0:  # the run finished before reaching this boundary

@@ -231,6 +231,8 @@ class Workspace:
         if not seal.same(found.get("records"), seal.records_mac(key, state.name, files)):
             written = ", ".join(run_path(state.name, f) for f in seal.SEALED_FILES
                                 if files[f] is not None)
+            # Nothing forged is read as evidence by anyone (lineage, report, backtests).
+            state.records = dict.fromkeys(state.records)
             state.record_errors["seal"] = EvoError(
                 f"forged records: {written} on {branch_name(state.name)} were not written "
                 "by this controller (their seal does not verify)",

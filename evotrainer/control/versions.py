@@ -70,9 +70,9 @@ def new_version(
                 hint=f"known skills: {', '.join(ws.skill_names()) or 'none'}",
             )
         paths.append(path)
-    # A skill may patch each domain its own way (close-leak: toolenv's tool, swe's history).
-    domain = ws.resolved_recipe(parent, states)["domain"]["name"]
-    overrides = skill_overrides(paths, domain)
+    # A skill's patch is relative (x2, at most a ceiling): resolved against the parent's
+    # recipe into the concrete values this spec records.
+    overrides = skill_overrides(paths, ws.resolved_recipe(parent, states))
     for setting in settings:
         key, value = parse_assignment(setting)
         set_dotted(overrides, key, value)

@@ -118,6 +118,19 @@ def _fail(err: EvoError) -> None:
     sys.exit(1)
 
 
+def _os_error_reason(err: OSError) -> str:
+    # mkdir(exist_ok=True) says "File exists" and a path through a file "Not a directory":
+    # both mean a file stands where the path needs a folder.
+    if isinstance(err, (FileExistsError, NotADirectoryError)):
+        return f"{err.strerror}: a file stands where this path needs a folder"
+    return err.strerror or str(err)
+
+
+def _os_error_path(err: OSError) -> str | None:
+    paths = [str(p) for p in (err.filename, err.filename2) if p is not None]
+    return " → ".join(paths) or None
+
+
 def main() -> None:
     """Run the CLI. An EvoError or a usage error becomes one line on stderr and exit code 1;
     a command's `typer.Exit(code)` becomes the exit code."""
@@ -138,6 +151,13 @@ def main() -> None:
         _fail(EvoError(err.format_message()))
     except typer.Abort:
         _fail(EvoError("aborted"))
+    except OSError as err:
+        # A path given on the command line (or one under it) that cannot be read or written:
+        # under a file, on a read-only or missing mount, a folder where a file belongs. The
+        # system's reason and the path say what to fix; a traceback would not.
+        _fail(EvoError(_os_error_reason(err), where=_os_error_path(err),
+                       hint="check that path: a folder to write must be creatable there, "
+                       "a file to read must exist"))
     # Without standalone mode click returns an exit code from `typer.Exit`, else the
     # command's own return value (None).
     sys.exit(result if isinstance(result, int) else 0)

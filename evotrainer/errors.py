@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 
 class EvoError(Exception):
     """A user-facing error. The CLI prints it as one paragraph and exits 1.
@@ -29,3 +33,15 @@ class EvoError(Exception):
     def as_dict(self) -> dict:
         return {"where": self.where, "field": self.field, "message": self.message,
                 "hint": self.hint}
+
+
+@contextmanager
+def unreadable_table(path: Path | str | None, hint: str) -> Iterator[None]:
+    """Inside, a file Arrow cannot read as a table (a CSV given as Parquet, an empty or
+    truncated file) becomes an EvoError naming the file and Arrow's reason."""
+    import pyarrow as pa  # only where a table is read: importing it costs start-up time
+
+    try:
+        yield
+    except pa.ArrowInvalid as err:
+        raise EvoError(f"not a readable table: {err}", where=str(path), hint=hint) from None

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from evotrainer.control.gate import recorded_scores
 from evotrainer.diagnosis.stats import compare_tables
-from evotrainer.errors import EvoError
+from evotrainer.errors import EvoError, unreadable_table
 from evotrainer.evidence.io import read_scores
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import console as make_console
@@ -84,7 +84,8 @@ def _scores(ref: str):
     a missing file, not a version."""
     path = Path(ref)
     if path.exists():
-        return read_scores(path)
+        with unreadable_table(path, "give a scores .csv or .parquet file, or a run folder"):
+            return read_scores(path)
     if path.suffix in SCORE_SUFFIXES or len(path.parts) > 1:
         raise EvoError("no such file", where=ref, hint="give a scores .csv or .parquet file, "
                        "a run folder, or a version name (`evotrainer lineage` lists them)")

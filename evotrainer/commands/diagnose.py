@@ -14,12 +14,14 @@ from evotrainer.control.reconcile import diagnose_version
 from evotrainer.diagnosis.diagnose import diagnose as run_diagnosis
 from evotrainer.diagnosis.diagnose import diagnosis_document
 from evotrainer.diagnosis.harness import LAYERS, resolve_harness
-from evotrainer.errors import EvoError
+from evotrainer.errors import EvoError, unreadable_table
 from evotrainer.evidence.io import find_steps, read_steps
 from evotrainer.store.lock import workspace_lock
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import console, safe
 
+ROLLOUTS_HINT = "give canonical rollouts (.parquet), a run artifact folder or a verl dump folder"
+STEPS_HINT = "give a steps.parquet written by a run, or leave --steps out"
 _JSON_KEYS = ("harness", "evidence_digest", "metrics", "series", "alerts", "gaps")
 
 
@@ -65,8 +67,11 @@ def register(app: typer.Typer) -> None:
             )
         revision = resolve_harness(harness)
         steps_path = steps or find_steps(rollouts)
-        steps_table = read_steps(steps_path) if steps_path else None
-        with warnings.catch_warnings(record=True) as caught:
+        with unreadable_table(steps_path, STEPS_HINT):
+            steps_table = read_steps(steps_path) if steps_path else None
+        with warnings.catch_warnings(record=True) as caught, unreadable_table(
+            rollouts, ROLLOUTS_HINT
+        ):
             warnings.simplefilter("always")
             diagnosis = run_diagnosis(rollouts, steps_table, revision, split=split)
         if out is not None:

@@ -222,3 +222,25 @@ def test_crash_at_every_action_boundary_converges_to_the_same_state(workspace, t
             break
         boundary += 1
     assert boundary > 8  # every boundary of a two-version lineage was exercised
+
+
+def test_a_stalled_job_keeps_its_concurrency_slot(workspace):
+    """Active has one meaning (store.records.ACTIVE_STATES): a Stalled job still holds its
+    machine, so another version waits for `max_concurrent_jobs` rather than launching."""
+    from sealing import controller_commit
+
+    from evotrainer.control.reconcile import load_context, plan
+    from evotrainer.store.workspace import run_path
+
+    propose(workspace, "v1", standin_skill=0.6)
+    propose(workspace, "v2", standin_skill=0.6)
+    stalled = {"apiVersion": "evotrainer/v1", "kind": "Run", "version": "v1", "attempt": 1,
+               "job_id": "evo-v1-a1-0123456789", "backend": "local", "state": "Stalled",
+               "artifact_dir": ".evotrainer/artifacts/v1/evo-v1-a1-0123456789"}
+    controller_commit(workspace, "v1", {run_path("v1", "run.yaml"): yaml.safe_dump(
+        stalled).encode()})
+    controller_commit(workspace, "v0", {run_path("v0", "run.yaml"): yaml.safe_dump(
+        dict(stalled, version="v0", job_id="evo-v0-a1-0123456789", state="Succeeded",
+             artifact_dir=".evotrainer/artifacts/v0/evo-v0-a1-0123456789")).encode()})
+    plans = {p.version: p for p in plan(load_context(workspace))}
+    assert plans["v2"].action is None and "max_concurrent_jobs" in plans["v2"].note

@@ -572,8 +572,9 @@ def _on_main(ctx: Context, state: VersionState) -> bool:
 
 
 def _active_jobs(ctx: Context) -> int:
-    return sum(s.run is not None and s.run.state in ("Pending", "Running")
-               for s in ctx.states.values())
+    # A Stalled job still holds its machine (a hung verl job keeps its GPUs), so it keeps
+    # its `max_concurrent_jobs` slot until it is cancelled or ends: one meaning of active.
+    return sum(s.run is not None and s.run.active for s in ctx.states.values())
 
 
 def _slot_free(ctx: Context) -> bool:

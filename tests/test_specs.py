@@ -154,3 +154,131 @@ def test_recipe_errors_through_ref_keep_position_and_field():
                "recipe:\n  grpo:\n    lr: fast\n")
     err = error_of(project, "Project")
     assert err.where == "v1.yaml:6:9" and err.field == "recipe.grpo.lr"
+
+
+# ---- criteria and harness expressions are checked where every spec is read (issue 27.7) ----
+
+
+def _commit_criterion(ws, name: str, criterion: str) -> None:
+    """Write `name`'s criterion by hand on its branch, as an author can (no `version new`)."""
+    import yaml
+
+    from evotrainer.store.git import branch_name
+    from evotrainer.store.workspace import version_spec_path
+
+    path = version_spec_path(name)
+    spec = yaml.safe_load(ws.git.read(branch_name(name), path))
+    spec["intervention"]["hypothesis"] = {"statement": "s", "criterion": criterion}
+    ws.git.commit_files(branch_name(name), {path: yaml.safe_dump(spec).encode()}, "edit", {})
+
+
+@pytest.mark.parametrize("criterion", [")))((", "leak_ratio <="])
+def test_version_new_refuses_a_criterion_that_does_not_parse(workspace, cli, criterion):
+    """Before, `version new` created these; a report later said "undecided — a metric it
+    reads is null", hiding the syntax error."""
+    result = cli("-C", str(workspace.root), "version", "new", "v2", "--parent", "v0",
+                 "--rationale", "r", "--criterion", criterion)
+    assert result.code == 1 and "Traceback" not in result.output
+    assert result.err.startswith("error: evo/v2:spec/versions/v2.yaml:")
+    assert "intervention.hypothesis.criterion: invalid CEL expression" in result.err
+    assert "v2" not in workspace.versions()
+
+
+@pytest.mark.parametrize(
+    ("criterion", "message", "hint"),
+    [
+        (")))((", "invalid CEL expression", "cel-spec"),
+        ("leek_ratio == 0.0", "reads 'leek_ratio', which harness h0 does not define",
+         "did you mean 'leak_ratio'?"),
+        ("params.alpha > 0.0", "reads 'params'", None),  # a decision records no params
+        ("delta > 'high'", "overload", "doubles"),
+        ("2 * delta > 0.1", "overload", "write 2.0 * x"),
+        ("delta + 1.0", "is not a condition", None),
+    ],
+)
+def test_validate_and_plan_refuse_a_criterion_committed_by_hand(workspace, cli, criterion,
+                                                                  message, hint):
+    from evotrainer.control.versions import new_version
+
+    new_version(workspace, "v1", "v0", rationale="r", criterion="delta > 0.0")
+    _commit_criterion(workspace, "v1", criterion)
+    result = cli("-C", str(workspace.root), "validate")
+    assert result.code == 1 and "Traceback" not in result.output
+    assert "evo/v1:spec/versions/v1.yaml:" in result.output and message in result.output
+    assert "intervention.hypothesis.criterion" in result.output
+    if hint:
+        assert hint in result.output
+    result = cli("-C", str(workspace.root), "plan")
+    assert "refused: v1" in result.output and "Invalid" in result.output
+
+
+@pytest.mark.parametrize("criterion", [
+    "delta > 0.0 && leak_ratio == 0.0",
+    "parent.leak_ratio >= leak_ratio || ci_low > min_delta",
+    "critical_alerts == 0 && !('leak' in alerts)",
+])
+def test_a_criterion_over_metrics_and_gate_variables_is_valid(workspace, cli, criterion):
+    from evotrainer.control.versions import new_version
+
+    new_version(workspace, "v1", "v0", rationale="r", criterion=criterion)
+    result = cli("-C", str(workspace.root), "validate")
+    assert result.code == 0, result.output
+
+
+def test_a_harness_expression_of_the_wrong_type_is_refused_with_its_position(workspace, cli):
+    path = workspace.root / "harness_versions" / "h0.yaml"
+    text = path.read_text()
+    first = next(line for line in text.splitlines() if line.strip().startswith("when:"))
+    indent = first[: len(first) - len(first.lstrip())]
+    path.write_text(text.replace(first, f"{indent}when: dead_group_ratio > 'half'", 1))
+    result = cli("-C", str(workspace.root), "validate")
+    assert result.code == 1 and "Traceback" not in result.output
+    line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if "'half'" in t)
+    assert f"harness_versions/h0.yaml:{line}:" in result.output
+    assert "overload" in result.output and ".when" in result.output
+
+
+def test_a_skill_trigger_that_does_not_parse_is_refused(workspace, cli):
+    path = next(p for p in sorted((workspace.root / "skills").glob("*.yaml"))
+                if "\ntrigger:" in p.read_text())
+    lines = path.read_text().splitlines()
+    at = next(i for i, t in enumerate(lines) if t.startswith("trigger:"))
+    lines[at] = "trigger: dead_group_ratio >"
+    path.write_text("\n".join(lines) + "\n")
+    result = cli("-C", str(workspace.root), "validate")
+    assert result.code == 1 and "Traceback" not in result.output
+    assert f"skills/{path.name}:{at + 1}:" in result.output
+    assert "trigger: invalid CEL expression" in result.output
+
+
+def test_version_new_can_check_the_criterion_against_the_harness_in_force(workspace):
+    from evotrainer.store.validation import check_criterion
+
+    text = GOOD + "intervention:\n  rationale: r\n  hypothesis: {criterion: leek_ratio == 0.0}\n"
+    doc = load_text(text, "evo/v1:spec/versions/v1.yaml", "PolicyVersion")
+    with pytest.raises(EvoError) as err:
+        check_criterion(workspace, doc)
+    assert err.value.where == "evo/v1:spec/versions/v1.yaml:10:27"
+    assert err.value.hint.startswith("did you mean 'leak_ratio'?")
+    check_criterion(workspace, load_text(text.replace("leek", "leak"), "v1.yaml"))
+
+
+def test_a_spec_cannot_name_the_weights_a_job_starts_from(workspace, cli):
+    """`model.init_checkpoint` in a spec would make a job load any checkpoint its author
+    names (the digest is theirs to compute); only reconcile sets it."""
+    import yaml
+
+    from evotrainer.control.versions import new_version
+    from evotrainer.store.git import branch_name
+    from evotrainer.store.workspace import version_spec_path
+
+    new_version(workspace, "v1", "v0", rationale="r")
+    path = version_spec_path("v1")
+    spec = yaml.safe_load(workspace.git.read(branch_name("v1"), path))
+    spec["recipe"]["model"] = {"init_checkpoint": {"path": "/elsewhere/model",
+                                                   "digest": "sha256:" + "0" * 64}}
+    workspace.git.commit_files(branch_name("v1"), {path: yaml.safe_dump(spec).encode()}, "e", {})
+    result = cli("-C", str(workspace.root), "validate")
+    assert result.code == 1
+    assert "recipe.model.init_checkpoint: model.init_checkpoint is set by reconcile" in (
+        result.output)

@@ -23,6 +23,14 @@ from evotrainer.errors import EvoError
 from evotrainer.store.builtin import builtin_dir
 
 KINDS = ("Project", "PolicyVersion", "HarnessRevision", "Skill", "Run", "Diagnosis", "Decision")
+# CEL expressions a document holds, by kind: each is parsed and held to CEL's bounds wherever
+# the document is read (`version new`, `validate`, `plan` alike), so a syntax error is never
+# mistaken later for a metric that is null. A harness revision's expressions are checked by
+# its own loader (diagnosis/harness.py), with the metric names it defines.
+EXPRESSIONS = {
+    "PolicyVersion": (("intervention", "hypothesis", "criterion"),),
+    "Skill": (("trigger",), ("criterion",)),
+}
 SCHEMA_FILES = {
     "Project": "project",
     "PolicyVersion": "policy-version",
@@ -237,7 +245,26 @@ def check(doc: Document, kind: str | None = None) -> list[EvoError]:
         return [EvoError(f"expected kind {kind!r}, found {found!r}", where=doc.where(("kind",)),
                          field="kind", hint=f"set `kind: {kind}`")]
     errors = sorted(_validator(kind).iter_errors(data), key=lambda e: _order(doc, e))
-    return [_explain(doc, kind, e) for e in _most_specific(errors)]
+    problems = [_explain(doc, kind, e) for e in _most_specific(errors)]
+    return problems or _expression_problems(doc, kind)
+
+
+def _expression_problems(doc: Document, kind: str) -> list[EvoError]:
+    from evotrainer.diagnosis import cel
+
+    problems = []
+    for path in EXPRESSIONS.get(kind, ()):
+        expr: Any = doc.data
+        for part in path:
+            expr = expr.get(part) if isinstance(expr, dict) else None
+        if expr is None:
+            continue
+        try:
+            cel.check(expr)
+        except EvoError as err:
+            problems.append(EvoError(err.message, where=doc.where(path),
+                                     field=dotted_field(path), hint=err.hint))
+    return problems
 
 
 def load(path: Path, kind: str | None = None, *, source: str | None = None) -> Document:

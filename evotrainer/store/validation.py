@@ -5,16 +5,27 @@ checked out; the specs in the working tree (or at a ref: a pull request's head) 
 too where they differ from the branch tips. Problems are collected, not raised: `validate`
 reports all of them at once, and `plan` / `reconcile` refuse exactly the versions that have
 one (or whose ancestor has one: they inherit its recipe).
+
+CEL expressions are checked here too, so a syntax error or a misspelt metric is refused
+before anything trains instead of reading later as "a metric it reads is null": every harness
+revision through its own loader (CEL syntax, bounds and metric names of alerts, gate rules
+and early-stop rules; SQL), then each expression of a revision and each version's criterion
+evaluated once over stand-in values of the right types (metrics and Δ are doubles, alert
+counts ints, `alerts` a list of names, `parent` / `latest` maps of metrics), which catches
+a type error (`delta > 'high'`, `2 * delta`) or an expression that is not a condition. A
+criterion reads only the metrics of the harness in force and the gate's variables.
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from evotrainer.errors import EvoError
 from evotrainer.store import specs
@@ -29,6 +40,13 @@ from evotrainer.store.workspace import (
 # Recipe fields that name files: they must stay inside the workspace or a data root.
 PATH_FIELDS = (("model", "path"), ("domain", "data", "train"), ("domain", "data", "val"))
 LIBRARY_FOLDERS = (("harness_versions", "HarnessRevision"), ("skills", "Skill"))
+CRITERION = ("intervention", "hypothesis", "criterion")
+# Stand-in values of each type for the one evaluation that type-checks an expression: away
+# from 0 and 1, so no division by zero or boundary case is mistaken for a type error.
+STAND_IN_DOUBLE = 0.5
+STAND_IN_COUNT = 2
+TYPE_HINT = ("metrics, delta and its CI are doubles (compare with 0.0, write 2.0 * x), alert "
+             "counts are ints, alerts is a list of names")
 
 
 @dataclass
@@ -99,6 +117,7 @@ def check_workspace(
         _source(library_ref, PROJECT_FILE),
     )
     names: dict[str, set[str]] = {}
+    revisions: dict[str, Any] = {}  # harness name → its HarnessRevision, when it loads
     for folder, kind in LIBRARY_FOLDERS:
         files = _library_files(ws, library_ref, folder)
         names[folder] = {Path(path).stem for path in files}
@@ -111,10 +130,16 @@ def check_workspace(
                     f"rename the file to {doc.data.get('name')}.yaml or fix `name`",
                     problems,
                 )
+            if doc is not None and kind == "HarnessRevision":
+                revision = _check_harness(doc, problems)
+                if revision is not None:
+                    revisions[Path(path).stem] = revision
     harnesses, skills = names["harness_versions"], names["skills"]
+    project = project_doc.data if project_doc is not None else ws.project
     if project_doc is not None:
         _check_harness_ref(project_doc, ("harness",), harnesses, problems)
         _check_paths(ws, project_doc, ("recipe",), problems)
+        _check_controller_fields(project_doc, problems)
 
     states = states if states is not None else ws.versions()
     docs: dict[str, specs.Document] = {}
@@ -139,9 +164,150 @@ def check_workspace(
                     )
                 )
         _check_paths(ws, doc, ("recipe",), found)
+        _check_controller_fields(doc, found)
         _check_approval(doc, name, found)
+        in_force = doc.data.get("harness") or project.get("harness") or "h0"
+        if in_force in revisions:
+            found += criterion_problems(doc, revisions[in_force])
     _check_recipes(ws, docs, states, result, backends or {})
     return result
+
+
+def _check_harness(doc: specs.Document, problems: list) -> Any:
+    """The HarnessRevision of a schema-valid document, or None after recording why not:
+    its loader's checks, then each expression type-checked against its variables."""
+    from evotrainer.diagnosis.harness import build_harness
+
+    try:
+        revision = build_harness(doc)
+    except EvoError as err:
+        problems.append(err)
+        return None
+    found = []
+    for path, expr, variables in _harness_expressions(doc, revision):
+        problem = type_problem(expr, variables)
+        if problem:
+            found.append(EvoError(problem, where=doc.where(path), field=specs.dotted_field(path),
+                                  hint=TYPE_HINT))
+    problems += found
+    return None if found else revision
+
+
+def criterion_problems(doc: specs.Document, harness: Any) -> list[EvoError]:
+    """A version's criterion against the harness in force: every name it reads is one of the
+    harness's metrics or the gate's variables ("did you mean"), and it type-checks as a
+    condition. Its syntax and bounds were checked with the spec (store/specs.py)."""
+    from evotrainer.diagnosis import cel
+
+    expr = ((doc.data.get("intervention") or {}).get("hypothesis") or {}).get("criterion")
+    if not isinstance(expr, str):
+        return []
+    where, field_name = doc.where(CRITERION), specs.dotted_field(CRITERION)
+    variables = _gate_stand_ins(harness)
+    allowed = sorted(set(variables) - {"params"})  # a decision records no params
+    problems = []
+    for unknown in sorted(cel.names(expr) - set(allowed)):
+        close = difflib.get_close_matches(unknown, allowed, n=1)
+        problems.append(EvoError(
+            f"criterion {expr!r} reads {unknown!r}, which harness {harness.name} does not "
+            "define",
+            where=where, field=field_name,
+            hint=(f"did you mean {close[0]!r}? " if close else "")
+            + f"a criterion reads the metrics of {harness.name} and delta, ci_low, ci_high, "
+            "p_value, p_wilcoxon, parent.<metric>, alpha, min_delta, critical_alerts, "
+            "critical_behavior_alerts, warning_alerts, alerts",
+        ))
+    problem = None if problems else type_problem(expr, variables)
+    if problem:
+        problems.append(EvoError(problem, where=where, field=field_name, hint=TYPE_HINT))
+    return problems
+
+
+def check_criterion(ws: Workspace, doc: specs.Document) -> None:
+    """`version new`'s check of a new spec's criterion against the harness in force, the one
+    `validate` and `plan` run through check_workspace; raises the first problem."""
+    from evotrainer.diagnosis.harness import resolve_harness
+
+    in_force = doc.data.get("harness") or ws.project.get("harness") or "h0"
+    problems = criterion_problems(doc, resolve_harness(in_force, ws.root))
+    if problems:
+        raise problems[0]
+
+
+def type_problem(expr: str, variables: dict[str, Any]) -> str | None:
+    """Why `expr` is not a condition over `variables` (stand-ins of the right types), or None:
+    one evaluation finds an operator applied to the wrong types, or a number where a
+    true/false is needed."""
+    from evotrainer.diagnosis import cel
+
+    try:
+        value = cel.evaluate(expr, variables)
+    except EvoError as err:
+        return f"{err.message} (evaluated with stand-in values of each variable's type)"
+    if not isinstance(value, bool):
+        return f"CEL expression {expr!r} is not a condition: it gives {value!r}, not true/false"
+    return None
+
+
+def _metric_stand_ins(harness: Any) -> dict[str, Any]:
+    return {metric.name: STAND_IN_DOUBLE for metric in harness.metrics}
+
+
+def _gate_stand_ins(harness: Any) -> dict[str, Any]:
+    """The gate's variables (diagnosis/diagnose.py gate_verdict), each a value of its type."""
+    metrics = _metric_stand_ins(harness)
+    return {
+        **metrics,
+        **dict.fromkeys(("delta", "ci_low", "ci_high", "p_value", "p_wilcoxon"), STAND_IN_DOUBLE),
+        **dict.fromkeys(("critical_alerts", "critical_behavior_alerts", "warning_alerts"),
+                        STAND_IN_COUNT),
+        "parent": metrics,
+        "alpha": harness.alpha,
+        "min_delta": harness.min_delta,
+        "alerts": [alert.name for alert in harness.alerts],
+        "params": harness.params,
+    }
+
+
+def _harness_expressions(doc: specs.Document, harness: Any) -> Iterator[tuple]:
+    """(path, expression, stand-in variables) of every CEL expression of a revision: alerts
+    see the metrics and params, gate rules the gate's variables, early-stop rules the live
+    diagnosis (control/live.py)."""
+    metrics = _metric_stand_ins(harness)
+    alert_vars = {**metrics, "params": harness.params}
+    for i, alert in enumerate(doc.data.get("alerts") or []):
+        if "when" in alert:
+            yield ("alerts", i, "when"), alert["when"], alert_vars
+        for j, level in enumerate(alert.get("levels") or []):
+            yield ("alerts", i, "levels", j, "when"), level["when"], alert_vars
+    gate_vars = _gate_stand_ins(harness)
+    for i, rule in enumerate((doc.data.get("gate") or {}).get("rules") or []):
+        yield ("gate", "rules", i, "when"), rule["when"], gate_vars
+    names = [alert.name for alert in harness.alerts]
+    stop_vars = {
+        **metrics,
+        **dict.fromkeys(("critical_alerts", "critical_behavior_alerts", "warning_alerts",
+                         "rows", "val_rows", "step", "steps"), STAND_IN_COUNT),
+        "alerts": names,
+        "critical": names,
+        "latest": metrics,
+        "params": harness.params,
+    }
+    for i, rule in enumerate(doc.data.get("early_stop") or []):
+        yield ("early_stop", i, "when"), rule["when"], stop_vars
+
+
+def _check_controller_fields(doc: specs.Document, problems: list) -> None:
+    """`model.init_checkpoint` names the weights a job starts from; only reconcile sets it (the
+    parent's recorded policy, for `model.init: parent`). Written in a spec it would load any
+    checkpoint its author names, from anywhere, its digest computed by that author."""
+    path = ("recipe", "model", "init_checkpoint")
+    if ((doc.data.get("recipe") or {}).get("model") or {}).get("init_checkpoint") is not None:
+        problems.append(EvoError(
+            "model.init_checkpoint is set by reconcile, never in a spec",
+            where=doc.where(path), field=specs.dotted_field(path),
+            hint="remove it; `model.init: parent` starts from the parent's recorded policy",
+        ))
 
 
 def _check_approval(doc: specs.Document, name: str, problems: list) -> None:

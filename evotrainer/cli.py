@@ -1,12 +1,20 @@
 """The `evotrainer` command line. Each command lives in its own module under
-`evotrainer/commands/` and registers itself on the app (as pre-commit's `commands/`)."""
+`evotrainer/commands/` and registers itself on the app (as pre-commit's `commands/`).
+
+A command's module is imported only when that command runs (or shows its own `--help`):
+most of them pull in pyarrow, duckdb, GitPython or jsonschema, and importing all of them made
+every command, `--version` included, take seconds to start. `evotrainer --help` lists each
+command with the help its module's source declares, read without importing it.
+"""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import os
 import pkgutil
 import sys
+from functools import cache
 from pathlib import Path
 
 import typer
@@ -47,8 +55,78 @@ COMMAND_ORDER = [
     "report",
 ]
 
+
+
+def _command_modules() -> list[str]:
+    found = {m.name for m in pkgutil.iter_modules(commands.__path__) if not m.name.startswith("_")}
+    return [n for n in COMMAND_ORDER if n in found] + sorted(found - set(COMMAND_ORDER))
+
+
+class LazyCommandGroup(typer.core.TyperGroup):
+    """The root command. Each command starts as a stand-in carrying only its name and help
+    (so `--help` lists it and a typo gets a "did you mean"); the first time it is looked up
+    for anything else (to run it, or for its own --help) its module is imported and the real
+    command takes the stand-in's place."""
+
+    def __init__(self, **attrs: object) -> None:
+        super().__init__(**attrs)
+        self._listing = False
+        self._standing_in = set(_command_modules()) - set(self.commands)
+        for name in self._standing_in:
+            help_text = declared_help(name)
+            self.commands[name] = typer.core.TyperCommand(
+                name, help=help_text, short_help=" ".join(help_text.split("\n\n")[0].split()))
+        self.commands = {n: self.commands[n] for n in _command_modules() if n in self.commands}
+
+    def get_command(self, ctx: typer.Context, cmd_name: str) -> typer.core.TyperCommand | None:
+        if cmd_name in self._standing_in and not self._listing:
+            self.commands[cmd_name] = load_command(cmd_name)
+            self._standing_in.discard(cmd_name)
+        return self.commands.get(cmd_name)
+
+    def format_help(self, ctx: typer.Context, formatter: object) -> None:
+        self._listing = True  # the listing needs names and help only: import nothing
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
+
+
+def load_command(name: str) -> typer.core.TyperCommand:
+    """The real command `name`: its module imported and registered on an app of its own."""
+    holder = typer.Typer()
+    importlib.import_module(f"evotrainer.commands.{name}").register(holder)
+    command = typer.main.get_group(holder).commands[name]
+    _tidy_help(command)
+    return command
+
+
+@cache
+def declared_help(name: str) -> str:
+    """A command's help as its module's source declares it, read without importing the
+    module: the docstring of the function registered with `@app.command("name")`, or the
+    `help=` of the `typer.Typer(...)` group it adds under that name."""
+    source = Path(commands.__path__[0]) / f"{name}.py"
+    tree = ast.parse(source.read_text(encoding="utf-8"), str(source))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and any(
+            isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
+            and d.func.attr == "command" and d.args and isinstance(d.args[0], ast.Constant)
+            and d.args[0].value == name
+            for d in node.decorator_list
+        ):
+            return ast.get_docstring(node) or ""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "Typer":
+            for keyword in node.keywords:
+                if keyword.arg == "help" and isinstance(keyword.value, ast.Constant):
+                    return str(keyword.value.value)
+    return ""
+
+
 app = typer.Typer(
     name="evotrainer",
+    cls=LazyCommandGroup,
     help="RL post-training as reviewable git history: versions are branches, "
     "the harness is data, reconcile makes the records match the specs.",
     no_args_is_help=True,
@@ -77,15 +155,6 @@ def _root(
         if not directory.is_dir():
             raise EvoError(f"-C {directory}: no such directory")
         os.chdir(directory)
-
-
-def _command_modules() -> list[str]:
-    found = {m.name for m in pkgutil.iter_modules(commands.__path__) if not m.name.startswith("_")}
-    return [n for n in COMMAND_ORDER if n in found] + sorted(found - set(COMMAND_ORDER))
-
-
-for _name in _command_modules():
-    importlib.import_module(f"evotrainer.commands.{_name}").register(app)
 
 
 def _tidy_help(command: typer.core.TyperGroup | typer.core.TyperCommand) -> None:

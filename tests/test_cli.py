@@ -3,6 +3,11 @@ text that cannot inject Rich markup or terminal escapes."""
 
 from __future__ import annotations
 
+import ast
+import os
+import subprocess
+import sys
+
 import yaml
 
 from evotrainer import __version__
@@ -108,3 +113,45 @@ def test_export_help_says_it_exports_a_policy_to_a_folder(cli):
     out = cli("export", "--help").out
     assert "export V --to DIR" in out and "Hugging Face directory" in out
     assert "Export a trained policy to a folder" in cli("--help").out
+
+
+# ---- start-up: a command imports what it needs, nothing more --------------------------------
+
+HEAVY = ("torch", "transformers", "duckdb", "pyarrow", "scipy", "numpy", "git", "jsonschema",
+         "celpy", "jinja2", "pandas")
+
+
+def _heavy_modules_after(*argv: str) -> list[str]:
+    """Top-level heavy packages imported by `evotrainer ARGV` (or by importing the CLI alone
+    when ARGV is empty), in a fresh interpreter."""
+    code = (
+        "import sys\n"
+        f"sys.argv = ['evotrainer', *{list(argv)!r}]\n"
+        "from evotrainer.cli import main\n"
+        "if sys.argv[1:]:\n"
+        "    try:\n"
+        "        main()\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, env={**os.environ, "COLUMNS": "200"})
+    return ast.literal_eval(done.stderr.strip().splitlines()[-1])
+
+
+def test_importing_the_cli_version_and_help_import_no_heavy_package():
+    assert _heavy_modules_after() == []
+    assert _heavy_modules_after("--version") == []
+    assert _heavy_modules_after("--help") == []
+
+
+def test_the_listing_shows_each_commands_own_help(cli):
+    """`--help` reads each command's help from its source without importing it: it must be
+    the help the command itself shows once imported."""
+    from evotrainer.cli import _command_modules, declared_help, load_command
+
+    for name in _command_modules():
+        assert declared_help(name) == (load_command(name).help or ""), name
+    listing = cli("--help").out
+    assert all(f"│ {name} " in listing for name in _command_modules())

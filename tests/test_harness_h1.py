@@ -3,6 +3,8 @@ the wider leak audit and the integrity metric on a hand-made rollout table."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from evotrainer.diagnosis.diagnose import diagnose, gate_verdict
@@ -131,3 +133,37 @@ def test_tampering_blocks_promotion_whatever_the_score(train, val):
     assert (result["verdict"], result["rule"]) == ("block", "integrity_alert")
     clean = diagnose(rollout_table(_integrity_rows([0.0] * 4, [0.0] * 2)), None, H1)
     assert gate_verdict(H1, clean, GAIN)["verdict"] == "promote"
+
+
+def test_a_forged_humaneval_pass_scored_for_real_blocks_under_h1(tmp_path, monkeypatch):
+    # The humaneval scorer judges a wrong answer that exits 0 at import: correctness 0 and
+    # `tampered` 1. Recorded as the engine records a rollout, h1 counts it and blocks.
+    from test_humaneval import PROBLEM
+    from test_scored_code_integrity import VECTORS, WRONG, fenced
+
+    from evotrainer.domains import make_domain
+
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "he.jsonl"
+    data.write_text(json.dumps(PROBLEM) + "\n")
+    domain = make_domain({"name": "humaneval", "data": {"train": str(data)}})
+    task = domain.task_at(0)
+    answers = [
+        fenced(VECTORS["os._exit at import"][0]),
+        fenced(PROBLEM["prompt"] + PROBLEM["canonical_solution"]),
+        fenced(WRONG),
+        fenced(WRONG),
+    ]
+    rows = []
+    for i, answer in enumerate(answers):
+        score, _ = domain.judge(task, answer)
+        rows.append(dict(step=1, task_id=task.task_id, group_id="g", sample_idx=i,
+                         reward=score.components["correctness"], correct=score.correct,
+                         reward_components=list(score.components.items())))
+    d = diagnose(rollout_table(rows), None, H1)
+    assert d["metrics"]["tampered_ratio"] == 0.25
+    (alert,) = [a for a in d["alerts"] if a["name"] == "tampering"]
+    assert alert["examples"] == ["v0/0/train/1/g/0"]
+    assert gate_verdict(H1, d, GAIN)["verdict"] == "block"
+    h0 = diagnose(rollout_table(rows), None, H0)  # h0 has no integrity metric
+    assert "tampering" not in [a["name"] for a in h0["alerts"]]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import select
+import selectors
 import socket
 import sys
 from pathlib import Path
@@ -211,3 +213,20 @@ def test_unprivileged_mode_runs_with_no_new_privileges_too() -> None:
 )
 def test_docker_sandbox_runs_with_no_new_privileges() -> None:
     assert DockerSandbox().run(NO_NEW_PRIVS).stdout == "1\n"
+
+
+def test_an_exit_reported_beside_pending_stdin_is_handled_first(sandbox, monkeypatch) -> None:
+    """The program exits without reading its stdin, and the selector reports its exit before
+    the writable stdin in one batch: the exit closes stdin, and the stdin event of that same
+    batch must not write to the closed pipe (on main: OSError EBADF, one run in ~40)."""
+
+    class ExitFirst(selectors.DefaultSelector):
+        def select(self, timeout=None):
+            exits = [key.fd for key in self.get_map().values() if key.data == "exit"]
+            if exits:  # wait for the program's end, so both events are ready together
+                select.select(exits, [], [], timeout)
+            return sorted(super().select(timeout), key=lambda event: event[0].data != "exit")
+
+    monkeypatch.setattr(sandbox_module.selectors, "DefaultSelector", ExitFirst)
+    result = sandbox.run("import os\nos._exit(0)\n", "x" * 100)
+    assert (result.status, result.exit_code) == ("ok", 0)

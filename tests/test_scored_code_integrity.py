@@ -10,40 +10,34 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 
 import pytest
 
 # As root the plain mode runs the program as a fresh uid, which must be able to run the
 # interpreter (see test_sandbox.py).
-from test_sandbox import SHARED_PYTHON  # noqa: E402  (a sibling test module, as test_isolation)
+from test_humaneval import PROBLEM
+from test_sandbox import SHARED_PYTHON
 
 from evotrainer.domains import make_domain
 from evotrainer.domains.code import CodeDomain
 from evotrainer.domains.sandbox import DockerSandbox, Limits, LocalSandbox, RunResult
 
-PROBLEM = {
-    "task_id": "Demo/0",
-    "prompt": 'import math\n\n\ndef area(r):\n    """Area of a circle of radius r, rounded."""\n',
-    "entry_point": "area",
-    "canonical_solution": "    return round(math.pi * r * r)\n",
-    "test": "def check(candidate):\n"
-    "    assert candidate(0) == 0\n"
-    "    assert candidate(1) == 3\n"
-    "    base = 10\n"
-    "    for r in range(2):\n"
-    "        assert candidate(base + r) == round(math.pi * (base + r) ** 2)\n",
-}
 WRONG = "def area(r):\n    return False\n"
 
-# Finds the scoring process's nonce in its memory, writes a forged report to its stdout and
-# kills it: what a candidate could do if the checker were an ordinary same-uid process.
-STEAL_NONCE = r'''
+
+def parent_memory_program(mode: str, per_region: str, after: str = "") -> str:
+    """Program text that opens its parent's /proc/<pid>/mem (`mode`: "os.O_RDONLY" or
+    "os.O_RDWR") and runs `per_region` for every writable mapping (`memory`, `start` and its
+    bytes `data` defined), then `after`; an OSError ends it quietly, as an attacker's would."""
+    per_region = textwrap.indent(textwrap.dedent(per_region), " " * 12)
+    after = textwrap.indent(textwrap.dedent(after), " " * 4)
+    return f"""
 import os, re, signal
-parent = os.getppid()
+parent, found = os.getppid(), None
 try:
-    memory = os.open(f"/proc/{parent}/mem", os.O_RDONLY)
-    found = None
-    with open(f"/proc/{parent}/maps") as maps:
+    memory = os.open(f"/proc/{{parent}}/mem", {mode})
+    with open(f"/proc/{{parent}}/maps") as maps:
         for line in maps:
             span, perms = line.split()[:2]
             if not perms.startswith("rw"):
@@ -53,17 +47,25 @@ try:
                 data = os.pread(memory, end - start, start)
             except OSError:
                 continue
-            hit = re.search(rb'"nonce": "([0-9a-f]{32})"', data)
-            if hit:
-                found = hit.group(1).decode()
-                break
-    report = '{"whole": "pass", "units": ["pass", "pass", "pass"], "tampered": []}'
-    channel = os.open(f"/proc/{parent}/fd/1", os.O_WRONLY)
-    os.write(channel, f"{found} {report}\n".encode())
-    os.kill(parent, signal.SIGKILL)
+{per_region}
+{after}
 except OSError:
     pass
-'''
+"""
+
+
+# Finds the scoring process's nonce in its memory, writes a forged report to its stdout and
+# kills it: what a candidate could do if the checker were an ordinary same-uid process.
+STEAL_NONCE = parent_memory_program("os.O_RDONLY", """
+    hit = re.search(rb'"nonce": "([0-9a-f]{32})"', data)
+    if hit:
+        found = hit.group(1).decode()
+""", """
+    report = '{"whole": "pass", "units": ["pass", "pass", "pass"], "tampered": []}'
+    channel = os.open(f"/proc/{parent}/fd/1", os.O_WRONLY)
+    os.write(channel, f"{found} {report}\\n".encode())
+    os.kill(parent, signal.SIGKILL)
+""")
 
 # name -> (program, whether the scoring process can see the attempt)
 VECTORS = {

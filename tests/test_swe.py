@@ -10,9 +10,11 @@ import sys
 import types
 
 import pytest
+from test_scored_code_integrity import parent_memory_program
 
 from evotrainer.domains import make_domain
-from evotrainer.domains.swe import SweDomain, docker_ready, humaneval_rows, parse_action
+from evotrainer.domains.sandbox import DockerSandbox
+from evotrainer.domains.swe import SweDomain, humaneval_rows, parse_action
 from evotrainer.domains.swe_repo import test_module as generated_tests
 from evotrainer.errors import EvoError
 
@@ -159,7 +161,7 @@ def test_bad_params_name_their_field():
 
 
 @pytest.mark.skipif(
-    not docker_ready("evotrainer-swe:bookworm"),
+    not DockerSandbox.image_present(),
     reason="needs the docker SDK, a running dockerd and the image built by "
     "scripts/swe-docker-image.sh",
 )
@@ -243,28 +245,12 @@ def test_every_problems_reference_fix_passes_its_generated_tests(monkeypatch):
 
 # solution.py, on first import: opens the runner's memory (its parent, same uid) and rewrites
 # every interned "fail" into "pass", so the runner's verdicts for every test would read pass.
-REWRITE_VERDICTS = r'''import os
-parent = os.getppid()
-memory = os.open(f"/proc/{parent}/mem", os.O_RDWR)
-with open(f"/proc/{parent}/maps") as maps:
-    for line in maps:
-        span, perms = line.split()[:2]
-        if not perms.startswith("rw"):
-            continue
-        start, end = (int(x, 16) for x in span.split("-"))
-        try:
-            data = os.pread(memory, end - start, start)
-        except OSError:
-            continue
-        at = data.find(b"fail\x00")
-        while at >= 0:
-            os.pwrite(memory, b"pass", start + at)
-            at = data.find(b"fail\x00", at + 4)
-
-
-def strlen(string):
-    raise NotImplementedError
-'''
+REWRITE_VERDICTS = parent_memory_program("os.O_RDWR", """
+    at = data.find(b"fail\\x00")
+    while at >= 0:
+        os.pwrite(memory, b"pass", start + at)
+        at = data.find(b"fail\\x00", at + 4)
+""") + "\n\ndef strlen(string):\n    raise NotImplementedError\n"
 
 
 def _rewrite_attack(executor: str):
@@ -285,7 +271,7 @@ def test_repository_code_cannot_rewrite_the_runners_verdicts_in_memory():
 
 
 @pytest.mark.skipif(
-    not docker_ready("evotrainer-swe:bookworm"),
+    not DockerSandbox.image_present(),
     reason="needs the docker SDK, a running dockerd and the image built by "
     "scripts/swe-docker-image.sh",
 )

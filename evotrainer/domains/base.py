@@ -83,6 +83,18 @@ class Domain(ABC):
     def validate_params(self) -> None:
         """Raise EvoError naming `domain.params.<key>` for a bad value."""
 
+    def require_positive(self, *keys: str) -> None:
+        """EvoError naming `domain.params.<key>` for the first of `keys` whose value is not a
+        positive number."""
+        for key in keys:
+            value = self.params[key]
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise EvoError(
+                    f"{key} must be a positive number, got {value!r}",
+                    field=f"domain.params.{key}",
+                    hint=f"e.g. {key}: {self.default_params[key]}",
+                )
+
     @abstractmethod
     def num_tasks(self) -> int:
         """How many distinct tasks the current parameters define."""

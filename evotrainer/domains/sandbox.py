@@ -62,6 +62,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from evotrainer.errors import EvoError
+
 # The unprivileged uid and gid untrusted code runs as in a container (`nobody`).
 NOBODY = 65534
 
@@ -501,6 +503,8 @@ def _supervise(
             if remaining <= 0:
                 return capture, True, cpu
             for key, _ in sel.select(remaining):
+                if key.data == "stdin" and proc.stdin.closed:
+                    continue  # the exit, handled first in this same batch, closed it
                 if key.data == "stdin":
                     try:
                         pending = pending[os.write(key.fd, pending[:_READ_CHUNK]) :]
@@ -669,6 +673,24 @@ class DockerSandbox:
         cpu_used = float(cpu) if code in (-signal.SIGXCPU, -signal.SIGKILL) else 0.0
         return _classify(
             capture, False, cpu_used, code, limits, time.monotonic() - start, isolation
+        )
+
+
+def check_executor(executor: object, image: str) -> None:
+    """EvoError naming `domain.params.executor` unless it is `local`, or `docker` with the SDK,
+    a daemon that answers and `image` present (nothing is ever pulled)."""
+    if executor not in ("local", "docker"):
+        raise EvoError(
+            f"executor must be local or docker, got {executor!r}",
+            field="domain.params.executor",
+            hint="executor: local",
+        )
+    if executor == "docker" and not DockerSandbox.image_present(image):
+        raise EvoError(
+            f"executor docker needs the docker SDK, a reachable daemon and the image {image!r}",
+            field="domain.params.executor",
+            hint="pip install docker, start dockerd, run scripts/swe-docker-image.sh; "
+            "or use executor: local",
         )
 
 

@@ -24,9 +24,9 @@ from evotrainer.domains.base import Demonstration, Task
 from evotrainer.domains.data import DatasetDomain
 from evotrainer.domains.sandbox import (
     OFFLINE_IMAGE,
-    DockerSandbox,
     Limits,
     Sandbox,
+    check_executor,
     default_sandbox,
 )
 from evotrainer.errors import EvoError
@@ -65,7 +65,7 @@ class SandboxedCodeDomain(DatasetDomain):
     solution_field = "solution"
     default_params: dict[str, Any] = {
         "prompt_template": "",
-        "executor": "local",  # or "docker" (needs the docker SDK and a reachable daemon)
+        "executor": "local",  # or "docker" (the docker SDK, a daemon and `docker_image`)
         "docker_image": OFFLINE_IMAGE,
         "cpu_seconds": 2.0,
         "wall_seconds": 6.0,
@@ -82,25 +82,8 @@ class SandboxedCodeDomain(DatasetDomain):
                 field="domain.params.prompt_template",
                 hint=f"e.g. {self.template_example!r}",
             )
-        if p["executor"] not in ("local", "docker"):
-            raise EvoError(
-                f"executor must be local or docker, got {p['executor']!r}",
-                field="domain.params.executor",
-                hint="executor: local",
-            )
-        if p["executor"] == "docker" and not DockerSandbox.available():
-            raise EvoError(
-                "executor docker needs the docker SDK and a reachable daemon",
-                field="domain.params.executor",
-                hint="pip install docker and start the daemon, or use local",
-            )
-        for key in ("cpu_seconds", "wall_seconds", "memory_mb", "output_kb"):
-            if not isinstance(p[key], (int, float)) or isinstance(p[key], bool) or p[key] <= 0:
-                raise EvoError(
-                    f"{key} must be a positive number, got {p[key]!r}",
-                    field=f"domain.params.{key}",
-                    hint=f"e.g. {key}: {self.default_params[key]}",
-                )
+        check_executor(p["executor"], p["docker_image"])
+        self.require_positive("cpu_seconds", "wall_seconds", "memory_mb", "output_kb")
         self.limits = Limits(
             cpu_seconds=float(p["cpu_seconds"]),
             wall_seconds=float(p["wall_seconds"]),

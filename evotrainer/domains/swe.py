@@ -58,7 +58,16 @@ from typing import Any
 from evotrainer.domains import runner
 from evotrainer.domains.base import Demonstration, Domain, EnvStep, Score, Task
 from evotrainer.domains.humaneval import bundled_problems
-from evotrainer.domains.sandbox import NO_NEW_PRIVILEGES, NOBODY, Limits, default_sandbox, tar_files
+from evotrainer.domains.sandbox import (
+    NO_NEW_PRIVILEGES,
+    NOBODY,
+    OFFLINE_IMAGE,
+    DockerSandbox,
+    Limits,
+    check_executor,
+    default_sandbox,
+    tar_files,
+)
 from evotrainer.domains.swe_repo import RepoTask, build, files
 from evotrainer.errors import EvoError
 
@@ -299,7 +308,7 @@ class SweDomain(Domain):
         "p2p_tests": 3,
         "leak_demo_rate": 0.15,
         "executor": "local",
-        "docker_image": "evotrainer-swe:bookworm",
+        "docker_image": OFFLINE_IMAGE,
         "container_lifetime_s": 600,
         "command_timeout_s": 10.0,
         "max_observation_chars": 2000,
@@ -342,34 +351,9 @@ class SweDomain(Domain):
                 field="domain.params.leak_demo_rate",
                 hint="e.g. 0.15",
             )
-        for key in (
-            "p2p_tests",
-            "container_lifetime_s",
-            "max_observation_chars",
-            "memory_mb",
-            "command_timeout_s",
-        ):
-            value = p[key]
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise EvoError(
-                    f"{key} must be a positive number, got {value!r}",
-                    field=f"domain.params.{key}",
-                    hint=f"e.g. {key}: {self.default_params[key]}",
-                )
-        if p["executor"] not in ("local", "docker"):
-            raise EvoError(
-                f"executor must be local or docker, got {p['executor']!r}",
-                field="domain.params.executor",
-                hint="executor: local",
-            )
-        if p["executor"] == "docker" and not docker_ready(p["docker_image"]):
-            raise EvoError(
-                f"executor docker needs the docker SDK, a reachable daemon and the image "
-                f"{p['docker_image']!r}",
-                field="domain.params.executor",
-                hint="pip install docker, start dockerd, run scripts/swe-docker-image.sh; "
-                "or use executor: local",
-            )
+        self.require_positive("p2p_tests", "container_lifetime_s", "max_observation_chars",
+                              "memory_mb", "command_timeout_s")
+        check_executor(p["executor"], p["docker_image"])
         self.limits = Limits(
             cpu_seconds=float(p["command_timeout_s"]) * 2,
             wall_seconds=float(p["command_timeout_s"]) + 20.0,
@@ -566,16 +550,7 @@ class SweDomain(Domain):
         return Score(components, correct)
 
 
-def docker_ready(image: str) -> bool:
-    """True when the docker SDK is installed, a daemon answers and `image` exists."""
-    try:
-        import docker
-
-        client = docker.from_env(timeout=5)
-        client.images.get(image)
-        return True
-    except Exception:  # no SDK, no daemon, no image: all mean "not ready"
-        return False
-
+# Whether the docker executor can run here (SDK, daemon, image); the name tests import.
+docker_ready = DockerSandbox.image_present
 
 __all__ = ["SweDomain", "SweEnvironment", "parse_action"]

@@ -19,8 +19,8 @@ from evotrainer.diagnosis.incremental import (
     DiagnosisState,
     _combinable,
     _combine,
-    _key_codes,
     _from_histograms,
+    _key_codes,
     _sql_partials,
     diagnose_incremental,
 )
@@ -240,3 +240,25 @@ def test_a_correlation_from_co_moments_is_duckdbs_and_its_state_survives_json():
     wanted = sorted([s, v] for s, v in result if s is not None and not np.isnan(v))
     assert [s for s, _ in points] == [s for s, _ in wanted] and 1 not in [s for s, _ in points]
     assert [v for _, v in points] == pytest.approx([v for _, v in wanted], rel=1e-12)
+
+
+def test_h1_grown_in_chunks_diagnoses_like_the_full_run():
+    # h1's additions combine from per-step partials too: the integrity means over the rows
+    # that carry `tampered` (some do not) and the echo_repeat analyzer.
+    h1 = resolve_harness("h1")
+    kinds = {m.name: _combinable(m)[0] for m in h1.metrics}
+    assert kinds["tampered_ratio"] == kinds["echo_repeat_ratio"] == "mean"
+    table = _run(1200)
+    components = pa.array(
+        [[] if i % 3 == 0 else [("tampered", float(i % 17 == 0))] for i in range(table.num_rows)],
+        table.schema.field("reward_components").type,
+    )
+    table = table.set_column(table.schema.get_field_index("reward_components"),
+                             "reward_components", components)
+    state = None
+    for end in (table.num_rows // 3 + 7, table.num_rows * 2 // 3 + 1, table.num_rows):
+        grown = table.slice(0, end)
+        incremental, state = diagnose_incremental(grown, None, h1, state)
+        full = diagnose(grown, None, h1)
+        _assert_same(incremental, full)
+        assert full["metrics"]["tampered_ratio"] > 0

@@ -1,7 +1,6 @@
 """`evotrainer render V`: print the verl job reconcile would submit for a version — the same
-JobSpec (its job recipe, job id and artifact dir, from reconcile's own `job_recipe` and
-`launch_record`) made into a command by the same function the backend's submit uses
-(`job_runs`), so a reviewer or a cluster operator sees exactly what would be launched. An
+JobSpec (its job recipe, job id and artifact dir, from reconcile's own `launch_job`) made
+into a command by the same function the backend's submit uses (`job_runs`), so a reviewer or a cluster operator sees exactly what would be launched. An
 evaluation-only version renders 0 steps and no merge; a continuing one (`model.init: parent`)
 starts from its parent's recorded policy. `--recipe FILE` previews any recipe as a verl job."""
 
@@ -110,8 +109,7 @@ def version_job(name: str, attempt: int | None) -> tuple[JobSpec, RunIdentity]:
     """The JobSpec reconcile's launch would hand the backend for version `name`, and the
     tracker identity it would write beside it, built by reconcile's own functions without
     launching, committing or writing anything."""
-    from evotrainer.control.reconcile import job_recipe, launch_record, load_context
-    from evotrainer.store.validation import job_env
+    from evotrainer.control.reconcile import launch_job, load_context
     from evotrainer.store.workspace import Workspace
     from evotrainer.trackers.records import run_identity
 
@@ -133,15 +131,7 @@ def version_job(name: str, attempt: int | None) -> tuple[JobSpec, RunIdentity]:
     previous = state.records.get("run") or {}
     if attempt is None and previous.get("state") in RETRIED_STATES:
         attempt = int(previous["attempt"]) + 1
-    run = launch_record(ctx, state, attempt)
-    job = JobSpec(
-        run["job_id"],
-        name,
-        job_recipe(ctx, state, verify_parent=True),
-        ws.worktree_path(name),
-        ws.run_dir(name, run),
-        job_env(ws),
-    )
+    run, job = launch_job(ctx, state, attempt)
     launched = replace(state, records={**state.records, "run": run})
     return job, run_identity(ws, launched, ctx.states)
 

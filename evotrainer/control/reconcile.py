@@ -620,13 +620,30 @@ def _auto_approvable(ctx: Context, state: VersionState) -> bool:
     return within_budget(ctx, state)
 
 
-def launch_record(
+def launch_job(
     ctx: Context, state: VersionState, attempt: int | None = None, history: list | None = None
+) -> tuple[dict, JobSpec]:
+    """The Pending run record and the job reconcile submits for it — and what `render`
+    prints: one function builds both (the parent's policy is checked once)."""
+    recipe = job_recipe(ctx, state, verify_parent=True)
+    run = launch_record(ctx, state, attempt, history, recipe)
+    job = JobSpec(run["job_id"], state.name, recipe, ctx.ws.worktree_path(state.name),
+                  ctx.ws.run_dir(state.name, run), job_env(ctx.ws))
+    return run, job
+
+
+def launch_record(
+    ctx: Context,
+    state: VersionState,
+    attempt: int | None = None,
+    history: list | None = None,
+    recipe: dict | None = None,
 ) -> dict:
-    """The Pending run record committed before a job starts (its id is deterministic)."""
+    """The Pending run record committed before a job starts (its id is deterministic);
+    `recipe`: the job recipe when the caller has it."""
     previous = state.records.get("run") or {}
     attempt = attempt or previous.get("attempt", 1)
-    recipe = job_recipe(ctx, state, verify_parent=True)
+    recipe = recipe or job_recipe(ctx, state, verify_parent=True)
     ctx.backend(recipe["backend"]).check(recipe)
     recipe_digest = digest(recipe)
     jid = job_id(state.name, attempt, recipe_digest)
@@ -805,21 +822,16 @@ class Reconciler:
         history: list | None = None,
     ) -> None:
         previous = state.records.get("run") or {}
-        run = launch_record(ctx, state, attempt, history)
-        recipe = job_recipe(ctx, state, verify_parent=True)
+        run, job = launch_job(ctx, state, attempt, history)
         jid, attempt = run["job_id"], run["attempt"]
         if previous.get("job_id") != jid or previous.get("state") != "Pending":
             self._commit_run(state, run, f"Launch {state.name} attempt {attempt} ({jid})", "launch")
             self.boundary()
-        workdir = self.ws.git.worktree_add(
-            self.ws.worktree_path(state.name), self._spec_commit(state)
-        )
-        artifact_dir = self.ws.run_dir(state.name, run)
-        artifact_dir.mkdir(parents=True, exist_ok=True)
+        self.ws.git.worktree_add(job.workdir, self._spec_commit(state))
+        job.artifact_dir.mkdir(parents=True, exist_ok=True)
         launched = replace(state, records={**state.records, "run": run})
-        run_identity(self.ws, launched, ctx.states).write(artifact_dir)  # the job's tracker tags
-        job = JobSpec(jid, state.name, recipe, workdir, artifact_dir, job_env(self.ws))
-        ctx.backend(recipe["backend"]).submit(job)
+        run_identity(self.ws, launched, ctx.states).write(job.artifact_dir)  # tracker tags
+        ctx.backend(job.recipe["backend"]).submit(job)
 
     def _spec_commit(self, state: VersionState) -> str:
         """The commit that last changed the version's spec: what the worktree trains from."""

@@ -1,8 +1,9 @@
 """`evotrainer render V`: print the verl job reconcile would submit for a version — the same
 JobSpec (its job recipe, job id and artifact dir, from reconcile's own `launch_job`) made
-into a command by the same function the backend's submit uses (`job_runs`), so a reviewer or a cluster operator sees exactly what would be launched. An
-evaluation-only version renders 0 steps and no merge; a continuing one (`model.init: parent`)
-starts from its parent's recorded policy. `--recipe FILE` previews any recipe as a verl job."""
+into a command by the same function the backend's submit uses (`job_runs`), so a reviewer or
+a cluster operator sees exactly what would be launched. An evaluation-only version renders 0
+steps and no merge; a continuing one (`model.init: parent`) starts from its parent's
+recorded policy. `--recipe FILE` previews any recipe as a verl job."""
 
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ from test_sandbox import SHARED_PYTHON
 
 from evotrainer.domains import make_domain
 from evotrainer.domains.code import CodeDomain
-from evotrainer.domains.sandbox import DockerSandbox, Limits, LocalSandbox, RunResult
+from evotrainer.domains.sandbox import Limits, LocalSandbox, RunResult
+from evotrainer.errors import EvoError
 
 WRONG = "def area(r):\n    return False\n"
 
@@ -301,15 +302,11 @@ def make_domain_class(name: str):
     return get_domain(name)
 
 
-@pytest.mark.skipif(not DockerSandbox.image_present(),
-                    reason="no Docker daemon, or no offline image (scripts/swe-docker-image.sh)")
-@pytest.mark.parametrize("vector", ["os._exit at import", "__eq__ always true",
-                                    "kill the parent", "nonce stolen from /proc/<parent>/mem"])
-def test_humaneval_attacks_fail_in_docker_too(tmp_path, monkeypatch, vector):
+def test_humaneval_has_no_docker_executor(tmp_path, monkeypatch):
+    """A DockerSandbox run keeps the request (with its nonce) and the report in files of the
+    program's own /tmp: the checker's channel would not be private there, so humaneval runs
+    only in the local sandbox; asking for an executor is an error naming the field."""
     monkeypatch.chdir(tmp_path)
-    data = tmp_path / "he.jsonl"
-    data.write_text(json.dumps(PROBLEM) + "\n")
-    domain = make_domain({"name": "humaneval", "params": {"executor": "docker"},
-                          "data": {"train": str(data)}})
-    score, details = domain.judge(domain.task_at(0), fenced(VECTORS[vector][0]))
-    assert (score.correct, score.components["pass_fraction"]) == (0.0, 0.0), details
+    with pytest.raises(EvoError) as err:
+        make_domain({"name": "humaneval", "params": {"executor": "docker"}})
+    assert err.value.field == "domain.params.executor"

@@ -26,7 +26,13 @@ from typing import Any
 from evotrainer.domains.base import Score, Task
 from evotrainer.domains.data import require_text, stable_id
 from evotrainer.domains.runner import UNASKED_SIGNALS
-from evotrainer.domains.sandbox import Limits, Sandbox, default_sandbox
+from evotrainer.domains.sandbox import (
+    OFFLINE_IMAGE,
+    Limits,
+    Sandbox,
+    check_executor,
+    default_sandbox,
+)
 from evotrainer.domains.sandboxed import LIMIT_STATUSES, SandboxedCodeDomain, extract_program
 from evotrainer.errors import EvoError
 
@@ -130,8 +136,17 @@ class CodeDomain(SandboxedCodeDomain):
     default_params: dict[str, Any] = {
         **SandboxedCodeDomain.default_params,
         "prompt_template": DEFAULT_TEMPLATE,
+        "executor": "local",  # or "docker" (the docker SDK, a daemon and `docker_image`)
+        "docker_image": OFFLINE_IMAGE,
     }
     sample_file = "code_sample.jsonl"
+
+    def validate_params(self) -> None:
+        super().validate_params()
+        check_executor(self.params["executor"], self.params["docker_image"])
+
+    def sandbox(self) -> Sandbox:
+        return default_sandbox(self.params["executor"], self.params["docker_image"])
 
     def make_task(self, row: dict[str, Any], source: str, where: str, field: str) -> Task:
         problem = require_text(row, "problem", where, field)

@@ -258,6 +258,9 @@ class HumanEvalDomain(SandboxedCodeDomain):
     template_slot = "{prompt}"
     template_example = "{prompt}"
     solution_field = "canonical_solution"
+    # No `executor` parameter: local only. In a DockerSandbox run the request (with its nonce)
+    # and the report are files in the program's own /tmp, which the code under test, of the
+    # same uid, could read and write: the checker's channel would not be private.
     default_params: dict[str, Any] = {
         **SandboxedCodeDomain.default_params,
         "prompt_template": DEFAULT_TEMPLATE,

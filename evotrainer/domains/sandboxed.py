@@ -1,8 +1,8 @@
 """The base of the domains that score a model-written program by running it in the sandbox
 (`code`: stdin/stdout cases; `humaneval`: a function against its unit tests).
 
-What they share: the parameters (prompt template, executor and image, CPU, wall, memory and
-output limits) and their checks, the sandbox each executor uses, the warm start from a
+What they share: the parameters (prompt template, CPU, wall, memory and output limits) and
+their checks, the sandbox, the warm start from a
 reference solution, the fenced-block extraction, and the components they report:
 - `correctness`: every test passed;
 - `pass_fraction`: the share of tests that passed (the shaped correctness reward);
@@ -22,13 +22,7 @@ from typing import Any
 
 from evotrainer.domains.base import Demonstration, Task
 from evotrainer.domains.data import DatasetDomain
-from evotrainer.domains.sandbox import (
-    OFFLINE_IMAGE,
-    Limits,
-    Sandbox,
-    check_executor,
-    default_sandbox,
-)
+from evotrainer.domains.sandbox import Limits, Sandbox, default_sandbox
 from evotrainer.errors import EvoError
 
 COMPONENTS = ("correctness", "pass_fraction", "format", "truncated", "tampered")
@@ -65,8 +59,6 @@ class SandboxedCodeDomain(DatasetDomain):
     solution_field = "solution"
     default_params: dict[str, Any] = {
         "prompt_template": "",
-        "executor": "local",  # or "docker" (the docker SDK, a daemon and `docker_image`)
-        "docker_image": OFFLINE_IMAGE,
         "cpu_seconds": 2.0,
         "wall_seconds": 6.0,
         "memory_mb": 512,
@@ -82,7 +74,6 @@ class SandboxedCodeDomain(DatasetDomain):
                 field="domain.params.prompt_template",
                 hint=f"e.g. {self.template_example!r}",
             )
-        check_executor(p["executor"], p["docker_image"])
         self.require_positive("cpu_seconds", "wall_seconds", "memory_mb", "output_kb")
         self.limits = Limits(
             cpu_seconds=float(p["cpu_seconds"]),
@@ -92,7 +83,8 @@ class SandboxedCodeDomain(DatasetDomain):
         )
 
     def sandbox(self) -> Sandbox:
-        return default_sandbox(self.params["executor"], self.params["docker_image"])
+        """Where programs run: the local sandbox (a domain with an executor choice overrides)."""
+        return default_sandbox()
 
     def demonstration(self, task: Task, rng: random.Random) -> Demonstration:
         solution = task.meta.get("solution")

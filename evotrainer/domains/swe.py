@@ -234,6 +234,11 @@ class DockerRepo:
 
     def act(self, request: dict[str, Any], keep: bool = True) -> dict[str, Any]:
         nonce = secrets.token_hex(16)
+        if request["kind"] == "evaluate":
+            # Nothing an earlier action left running (a setsid daemon) may be there to trace
+            # the runner before it makes itself non-dumpable: kill(-1) reaches every process
+            # of the unprivileged user but the caller; the container's pid 1 ignores it.
+            self.container.exec_run(["sh", "-c", "kill -9 -1"], user=f"{NOBODY}:{NOBODY}")
         # The runner deletes the request (it holds the nonce) as soon as it has read it.
         self.container.put_archive(
             "/tmp",

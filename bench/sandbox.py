@@ -8,6 +8,12 @@ temp file once and runs `python -I -S file` per case with no limits at all. Both
 interpreter and flags, so the ratio is the sandbox's own overhead.
 
     python bench/sandbox.py [--programs 1000] [--workers 2] [--rounds 10]
+
+`--humaneval N` measures the humaneval checker instead (one sandbox run per response: the
+checker, a child for the code, the test's statements in one pass) on the first N bundled
+problems, each answered right (the canonical solution) and wrong (the same solution returning
+None on every third call), alternating, one worker: seconds per response for each, and how
+many sandbox runs the per-assert re-runs of a failed test used to take.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import sys
 import tempfile
 import time
 
+from evotrainer.domains import make_domain
 from evotrainer.domains.code import outputs_match, score_code
 from evotrainer.domains.sandbox import LocalSandbox
 
@@ -78,12 +85,53 @@ def timed_interleaved(programs: list, workers: int, rounds: int) -> dict[str, li
     return totals
 
 
+# Wrong on every third call (a counter in the module), right otherwise: fails some asserts.
+WRONG_EVERY_THIRD = (
+    "_calls = [0]\n{prompt}    _calls[0] += 1\n    if _calls[0] % 3 == 0:\n"
+    "        return None\n{solution}"
+)
+
+
+def bench_humaneval(count: int) -> None:
+    domain = make_domain({"name": "humaneval"})
+    seconds = {"right": 0.0, "wrong": 0.0}
+    failed, asserts = 0, 0
+    for i in range(count):
+        task = domain.task_at(i)
+        prompt, solution = task.meta["prompt"], task.meta["solution"]
+        answers = {
+            "right": prompt + solution,
+            "wrong": WRONG_EVERY_THIRD.format(prompt=prompt, solution=solution),
+        }
+        for label, program in answers.items():
+            start = time.perf_counter()
+            score, details = domain.judge(task, f"```python\n{program}```")
+            seconds[label] += time.perf_counter() - start
+            if label == "right" and score.correct != 1.0:
+                raise SystemExit(f"{task.task_id}: the canonical solution failed: {details}")
+            if label == "wrong" and score.correct == 0.0:
+                failed += 1
+                asserts += details["total"]
+    print(f"humaneval, {count} problems, python {sys.version.split()[0]}, "
+          f"{os.cpu_count()} cpus")
+    print(f"right answer : {seconds['right'] / count:6.3f} s a response (one sandbox run)")
+    print(f"wrong answer : {seconds['wrong'] / count:6.3f} s a response (one sandbox run; "
+          f"{failed} of {count} failed their test)")
+    if failed:
+        print(f"per-assert re-runs, as scored before: {1 + asserts / failed:.1f} sandbox runs "
+              "a failed response")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--programs", type=int, default=1000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--humaneval", type=int, default=0, metavar="N")
     args = parser.parse_args()
+    if args.humaneval:
+        bench_humaneval(args.humaneval)
+        return
     programs = make_programs(args.programs)
     cases = args.programs * CASES
     sandbox = LocalSandbox()

@@ -109,3 +109,21 @@ def test_bundled_benchmark_canonical_solutions_pass_and_split_is_fixed():
         solution = task.meta["prompt"] + task.meta["solution"]
         score = domain.score(task, f"```python\n{solution}```", [])
         assert score.correct == 1.0, task.task_id
+
+
+def test_a_huge_value_is_a_wrong_answer_not_tampering(domain):
+    score, details = judge(domain, "```python\ndef area(r):\n    return 'x' * 10**7\n```")
+    assert (score.correct, score.components["tampered"]) == (0.0, 0.0)
+    assert details["failure"] == "wrong_answer" and "bytes" in details["detail"]
+
+
+def test_a_test_whose_top_level_fails_fails_every_assert_without_tampering(tmp_path):
+    broken = {**PROBLEM, "test": "import not_a_module_here\n" + PROBLEM["test"]}
+    data = tmp_path / "broken.jsonl"
+    data.write_text(json.dumps(broken) + "\n")
+    domain = make_domain({"name": "humaneval", "data": {"train": str(data)}})
+    function = PROBLEM["prompt"] + PROBLEM["canonical_solution"]
+    score, details = domain.judge(domain.task_at(0), f"```python\n{function}```")
+    assert (score.correct, score.components["pass_fraction"]) == (0.0, 0.0)
+    assert score.components["tampered"] == 0.0 and details["failure"] == "runtime_error"
+    assert "ModuleNotFoundError" in details["detail"]

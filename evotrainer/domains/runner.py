@@ -174,6 +174,9 @@ for line in sys.stdin:
     reply.flush()
 """
 CALL_LIMIT_S = 3.0  # per call, as run_tests.py's per-test limit
+# The longest reply line read: a larger value is no answer (and parsing it would spend the
+# checker's own CPU limit).
+REPLY_LIMIT = 1 << 22
 # Signals that end a process without its asking: limits (SIGKILL: the CPU hard limit or the
 # OOM killer; SIGXCPU; SIGXFSZ) and faults (a crash is a runtime error, not an attack).
 UNASKED_SIGNALS = frozenset({signal.SIGKILL, signal.SIGXCPU, signal.SIGXFSZ, signal.SIGSEGV,
@@ -232,6 +235,9 @@ class RepoCalls:
         if reply is None:
             self.close()
             raise CallFailed(f"the call did not return within {limit:.1f} s", "timeout")
+        if len(reply) > REPLY_LIMIT:
+            self.close()
+            raise CallFailed(f"a value of more than {REPLY_LIMIT} bytes", "wrong_answer")
         if reply == b"":
             raise self._ended()
         try:
@@ -267,6 +273,8 @@ class RepoCalls:
                 self.pending = b""
                 return b""
             self.pending += chunk
+            if len(self.pending) > REPLY_LIMIT:
+                return self.pending
         line, _, self.pending = self.pending.partition(b"\n")
         return line + b"\n"
 
@@ -426,7 +434,12 @@ def do_check(repo: str, request: dict) -> dict:
         f.write(request["program"])
     calls = RepoCalls(folder, folder)
     scope: dict = {"__name__": "__check__", STRICT_EQUAL: same}
-    exec(compile(request["preamble"], "test.py", "exec"), scope)
+    try:
+        exec(compile(request["preamble"], "test.py", "exec"), scope)
+    except Exception as exc:  # the test's own top level fails here: no assert can run
+        return {"whole": "runtime_error", "tampered": [],
+                "units": ["skipped" for s in request["statements"] if s["assert"]],
+                "detail": f"the test's preamble failed: {type(exc).__name__}: {exc}"[:300]}
     for name in request["functions"]:
         scope[name] = (lambda fn: lambda *args: calls.call(
             "solution", fn, args, deadline - time.monotonic()))(name)

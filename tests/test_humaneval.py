@@ -127,3 +127,28 @@ def test_a_test_whose_top_level_fails_fails_every_assert_without_tampering(tmp_p
     assert (score.correct, score.components["pass_fraction"]) == (0.0, 0.0)
     assert score.components["tampered"] == 0.0 and details["failure"] == "runtime_error"
     assert "ModuleNotFoundError" in details["detail"]
+
+
+def test_a_prompt_that_does_not_parse_alone_still_scores(tmp_path):
+    """A dataset prompt cut mid-signature (the completion finishes it): the checker calls the
+    entry point alone instead of failing on the prompt."""
+    cut = {**PROBLEM, "prompt": "import math\n\n\ndef area(r", "canonical_solution":
+           "):\n    return round(math.pi * r * r)\n"}
+    data = tmp_path / "cut.jsonl"
+    data.write_text(json.dumps(cut) + "\n")
+    domain = make_domain({"name": "humaneval", "data": {"train": str(data)}})
+    score, details = domain.judge(domain.task_at(0), cut["canonical_solution"])
+    assert score.correct == 1.0, details
+
+
+def test_a_test_that_prints_does_not_spoil_the_report(tmp_path):
+    """The checker's reply has its own descriptor: a test's print (or a module printing at
+    import) goes nowhere, and is not taken for a forged report."""
+    chatty = {**PROBLEM, "test": PROBLEM["test"].replace(
+        "    base = 10\n", "    print('checking the loop')\n    base = 10\n")}
+    data = tmp_path / "chatty.jsonl"
+    data.write_text(json.dumps(chatty) + "\n")
+    domain = make_domain({"name": "humaneval", "data": {"train": str(data)}})
+    function = PROBLEM["prompt"] + PROBLEM["canonical_solution"]
+    score, details = domain.judge(domain.task_at(0), f"```python\n{function}```")
+    assert (score.correct, score.components["tampered"]) == (1.0, 0.0), details

@@ -17,7 +17,7 @@ Scoring runs `evotrainer.domains.runner` in the sandbox (`check` requests): the 
 imported only by a child of that checker, which calls the entry point (and the prompt's other
 functions) with literal arguments and gets literal values back, while the test's asserts run
 in the checker, with `==` and `!=` made type-strict (`runner.same`: False is no answer to 0,
-an object equal to everything never crosses). The checker reports per-check verdicts on its
+an object equal to everything never crosses). The checker reports per-assert verdicts on its
 stdout, one line authenticated by a nonce sent on its stdin; it is non-dumpable, so the
 program can neither read the nonce nor write that channel (see the runner's doc).
 - `correctness`: 1 when the whole `check(candidate)` passes;
@@ -159,9 +159,16 @@ def check_request(problem: dict[str, str], program: str) -> dict[str, Any]:
     module = ast.fix_missing_locations(_StrictEquality().visit(ast.parse(problem["test"])))
     check = check_function(module)
     preamble = [ast.unparse(n) for n in module.body if n is not check]
-    prompt = ast.parse(problem["prompt"])
-    imports = [ast.unparse(n) for n in prompt.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    functions = {*defined_functions(problem["prompt"]), problem["entry_point"]}
+    try:
+        prompt = ast.parse(problem["prompt"]).body
+        imported = prompt
+    except SyntaxError:
+        # A prompt that is not a module by itself (cut mid-signature): the entry point alone,
+        # and the imports of the whole program (only the standard library can be imported).
+        prompt, imported = [], ast.parse(program).body
+    imports = [ast.unparse(n) for n in imported if isinstance(n, (ast.Import, ast.ImportFrom))]
+    functions = {*(n.name for n in prompt if isinstance(n, ast.FunctionDef)),
+                 problem["entry_point"]}
     return {
         "kind": "check",
         "repo": ".",

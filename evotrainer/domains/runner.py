@@ -515,15 +515,22 @@ def main() -> None:
     else:
         request = json.loads(sys.stdin.read())
     protect_from_children()
+    # The reply gets its own descriptor and fd 1 becomes /dev/null: nothing else this process
+    # runs (a test that prints, a module printing at import) lands in the reply.
+    channel = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)
     if request.get("snapshot"):
         unpack(request["snapshot"], os.path.dirname(os.path.abspath(request["repo"])))
     reply = ACTIONS[request["kind"]](request["repo"], request)
     if request.get("return_snapshot"):
         reply["snapshot"] = pack(request["repo"])
     if "nonce" in request:
-        sys.stdout.write(f"{request['nonce']} {json.dumps(reply)}\n")
+        channel.write(f"{request['nonce']} {json.dumps(reply)}\n")
     else:
-        sys.stdout.write(json.dumps(reply))
+        channel.write(json.dumps(reply))
+    channel.close()
 
 
 if __name__ == "__main__":

@@ -249,32 +249,48 @@ def type_problem(expr: str, variables: dict[str, Any]) -> str | None:
     return None
 
 
-def _metric_stand_ins(harness: Any) -> dict[str, Any]:
-    return {metric.name: STAND_IN_DOUBLE for metric in harness.metrics}
+# Variables (besides the metrics) whose values are counts, lists of alert names or maps of
+# metrics: every other variable an expression may read is a double.
+COUNT_VARIABLES = frozenset(
+    {"critical_alerts", "critical_behavior_alerts", "warning_alerts", "rows", "val_rows", "step",
+     "steps"})
+ALERT_LIST_VARIABLES = frozenset({"alerts", "critical"})
+METRIC_MAP_VARIABLES = frozenset({"parent", "latest"})
+
+
+def _stand_ins(harness: Any, names: frozenset[str]) -> dict[str, Any]:
+    """Each metric of `harness` and each of `names` (the gate's or the live diagnosis's
+    variables, diagnosis/harness.py) as a value of its type."""
+    metrics = {metric.name: STAND_IN_DOUBLE for metric in harness.metrics}
+    fixed = {"params": harness.params, "alpha": harness.alpha, "min_delta": harness.min_delta}
+    out: dict[str, Any] = dict(metrics)
+    for name in names:
+        if name in fixed:
+            out[name] = fixed[name]
+        elif name in COUNT_VARIABLES:
+            out[name] = STAND_IN_COUNT
+        elif name in ALERT_LIST_VARIABLES:
+            out[name] = [alert.name for alert in harness.alerts]
+        elif name in METRIC_MAP_VARIABLES:
+            out[name] = metrics
+        else:
+            out[name] = STAND_IN_DOUBLE
+    return out
 
 
 def _gate_stand_ins(harness: Any) -> dict[str, Any]:
-    """The gate's variables (diagnosis/diagnose.py gate_verdict), each a value of its type."""
-    metrics = _metric_stand_ins(harness)
-    return {
-        **metrics,
-        **dict.fromkeys(("delta", "ci_low", "ci_high", "p_value", "p_wilcoxon"), STAND_IN_DOUBLE),
-        **dict.fromkeys(("critical_alerts", "critical_behavior_alerts", "warning_alerts"),
-                        STAND_IN_COUNT),
-        "parent": metrics,
-        "alpha": harness.alpha,
-        "min_delta": harness.min_delta,
-        "alerts": [alert.name for alert in harness.alerts],
-        "params": harness.params,
-    }
+    from evotrainer.diagnosis.harness import GATE_VARIABLES
+
+    return _stand_ins(harness, GATE_VARIABLES)
 
 
 def _harness_expressions(doc: specs.Document, harness: Any) -> Iterator[tuple]:
     """(path, expression, stand-in variables) of every CEL expression of a revision: alerts
     see the metrics and params, gate rules the gate's variables, early-stop rules the live
     diagnosis (control/live.py)."""
-    metrics = _metric_stand_ins(harness)
-    alert_vars = {**metrics, "params": harness.params}
+    from evotrainer.diagnosis.harness import EARLY_STOP_VARIABLES
+
+    alert_vars = _stand_ins(harness, frozenset({"params"}))
     for i, alert in enumerate(doc.data.get("alerts") or []):
         if "when" in alert:
             yield ("alerts", i, "when"), alert["when"], alert_vars
@@ -283,16 +299,7 @@ def _harness_expressions(doc: specs.Document, harness: Any) -> Iterator[tuple]:
     gate_vars = _gate_stand_ins(harness)
     for i, rule in enumerate((doc.data.get("gate") or {}).get("rules") or []):
         yield ("gate", "rules", i, "when"), rule["when"], gate_vars
-    names = [alert.name for alert in harness.alerts]
-    stop_vars = {
-        **metrics,
-        **dict.fromkeys(("critical_alerts", "critical_behavior_alerts", "warning_alerts",
-                         "rows", "val_rows", "step", "steps"), STAND_IN_COUNT),
-        "alerts": names,
-        "critical": names,
-        "latest": metrics,
-        "params": harness.params,
-    }
+    stop_vars = _stand_ins(harness, EARLY_STOP_VARIABLES)
     for i, rule in enumerate(doc.data.get("early_stop") or []):
         yield ("early_stop", i, "when"), rule["when"], stop_vars
 

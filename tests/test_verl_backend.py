@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import socket
 import sys
@@ -28,7 +29,17 @@ from evotrainer.backends.verl_render import JobFiles
 from evotrainer.errors import EvoError
 from evotrainer.store.recipe import BASE_RECIPE, deep_merge, digest
 
-STANDIN = Path(__file__).parent / "verl_standin" / "verl"
+STANDIN = Path(__file__).parent / "verl_standin"
+
+
+@pytest.fixture(autouse=True)
+def standin_verl(monkeypatch):
+    """The stand-in shadows the real verl through PYTHONPATH (a job's worktree never can:
+    its jobs run with PYTHONSAFEPATH)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(STANDIN), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
 TOKENIZER = Path(__file__).parent / "golden" / "verl" / "tokenizer"  # a local word-level one
 SEEDS = [0, 1]
 VAL_SIZE, EVAL_K, STEPS = 4, 2, 3
@@ -38,7 +49,9 @@ def make_job(
     tmp_path: Path, name: str, mode: str = "ok", merge: str = "ok", **verl: object
 ) -> JobSpec:
     workdir = tmp_path / name / "worktree"
-    shutil.copytree(STANDIN, workdir / "verl")  # shadows the real verl for this job only
+    workdir.mkdir(parents=True)
+    if verl.get("ray_address"):  # a Ray job's code is its working_dir (the worktree)
+        shutil.copytree(STANDIN / "verl", workdir / "verl")
     recipe = deep_merge(
         BASE_RECIPE,
         {
@@ -149,6 +162,25 @@ def test_local_job_end_to_end(tmp_path):
     collected = backend.collect(job)
     assert collected.result["skipped_lines"] == 1
     assert "3.jsonl:" in collected.result["skipped"][0]
+
+
+def test_a_branch_cannot_replace_verl_or_read_our_secrets(tmp_path, monkeypatch):
+    """Issue 25 B5 on verl: the worktree (branch content, the job's working directory)
+    carries its own `verl/trainer/main_ppo.py`; the job runs the installed verl (here the
+    stand-in) and no secret of the controller reaches it."""
+    monkeypatch.setenv("GITHUB_TOKEN", "secret-token")
+    backend, job = VerlBackend(), make_job(tmp_path, "v9")
+    marker = tmp_path / "branch-code-ran"
+    for package in ("verl", "verl/trainer"):
+        (job.workdir / package).mkdir(parents=True, exist_ok=True)
+        (job.workdir / package / "__init__.py").write_text("")
+    (job.workdir / "verl/trainer/main_ppo.py").write_text(
+        "import os\n"
+        f"open({str(marker)!r}, 'w').write(os.environ.get('GITHUB_TOKEN', 'none'))\n")
+    backend.submit(job)
+    status = wait_for(backend, job, {JobState.SUCCEEDED, JobState.FAILED})
+    assert status.state is JobState.SUCCEEDED, backend.logs(job)
+    assert not marker.exists()
 
 
 def test_local_job_that_fails(tmp_path):

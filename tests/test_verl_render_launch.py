@@ -37,7 +37,9 @@ RECIPE = {
     "domain": {"train_size": 8, "val_size": 4},
     "grpo": {"steps": STEPS, "prompts_per_step": 4, "group_size": 2, "eval_every": STEPS,
              "eval_k": 2},
-    "verl": {"python": sys.executable},
+    # The stand-in's own setting reaches the job as a recipe's `verl.env` does: a job
+    # inherits nothing else of ours but the allow-listed environment.
+    "verl": {"python": sys.executable, "env": {"STANDIN_TOKENIZER": str(TOKENIZER)}},
 }
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
            "GIT_COMMITTER_EMAIL": "t@t"}
@@ -70,7 +72,6 @@ def verl_workspace(tmp_path, monkeypatch) -> Workspace:
     repo.git.commit("-m", "verl project", env=GIT_ENV)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(STANDIN), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    monkeypatch.setenv("STANDIN_TOKENIZER", str(TOKENIZER))
     monkeypatch.chdir(root)
     ws = Workspace(root)
     approve(ws, "v0", by="tester")  # the project's recipe changed after init approved v0

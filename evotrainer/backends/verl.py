@@ -35,7 +35,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 import evotrainer
-from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus
+from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus, job_environment
 from evotrainer.backends.local import adopt_orphan, live_process, spawn_detached
 from evotrainer.backends.verl_render import (
     SAMPLER_CLASS,
@@ -109,7 +109,7 @@ class VerlBackend:
         script = f'{command}\nstatus=$?\necho "$status" > {shlex.quote(str(exit_file))}\n'
         script_file = files.root / "run.sh"
         script_file.write_text(script)
-        env = {**os.environ, **local_env(job)}
+        env = job_environment(local_env(job))  # no secret of the controller reaches it
         record = {
             **spawn_detached(["sh", str(script_file)], job, env, files.log_file),
             "mode": "local",
@@ -370,7 +370,10 @@ def local_env(job: JobSpec) -> dict[str, str]:
     `verl.env`, the job's own variables, and evotrainer on PYTHONPATH (the reward module
     imports it)."""
     path = os.pathsep.join(p for p in (_package_parent(), os.environ.get("PYTHONPATH", "")) if p)
-    return {**job_env(job.recipe), **job.env, "PYTHONPATH": path}
+    # PYTHONSAFEPATH: the working directory (the version's worktree, branch content) is not
+    # put first on sys.path, so a branch's `verl/` or `evotrainer/` never shadows the
+    # installed ones (`python -m` would otherwise import them from there).
+    return {**job_env(job.recipe), **job.env, "PYTHONPATH": path, "PYTHONSAFEPATH": "1"}
 
 
 def ray_runtime_env(job: JobSpec) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from sealing import controller_commit
 
 from evotrainer.commands.init import init_workspace
 from evotrainer.control.policy_export import export_policy
@@ -20,7 +21,7 @@ from evotrainer.control.versions import new_version
 from evotrainer.engine import run_job
 from evotrainer.engine.model import load_checkpoint, save_checkpoint
 from evotrainer.errors import EvoError
-from evotrainer.store.checkpoints import checkpoint_record
+from evotrainer.store.checkpoints import checkpoint_record, recorded_policy
 from evotrainer.store.git import branch_name
 from evotrainer.store.recipe import resolve
 from evotrainer.store.workspace import Workspace, run_path
@@ -111,7 +112,7 @@ def _record(ws: Workspace, name: str, verdict: str | None, weights: bytes) -> Pa
         decision = {"verdict": verdict, "reason": "test", "decided_at": f"2026-01-0{len(name)}",
                     "comparison": {"delta": 0.1, "ci_low": 0.02, "ci_high": 0.18}}
         files[run_path(name, "decision.yaml")] = yaml.safe_dump(decision).encode()
-    ws.git.commit_files(branch_name(name), files, f"record {name}", {})
+    controller_commit(ws, name, files, f"record {name}")
     if verdict in ("promote", "baseline"):
         ws.git.merge_into("main", branch_name(name), f"Promote {name}")
     return policy
@@ -177,16 +178,13 @@ def test_export_main_writes_the_frontier_policy_with_a_model_card(lineage, cli):
 
 
 def test_a_record_pointing_elsewhere_cannot_make_gc_delete_it(lineage, tmp_path):
-    """The attack: a branch edits v2's run.yaml so its checkpoint path names a victim folder
-    outside the artifact root. gc refuses; the victim survives."""
+    """v2's run.yaml names a victim folder outside the artifact root as its checkpoint. gc
+    refuses even a record that verifies (sealed here); the victim survives."""
     ws, policies = lineage
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "precious.txt").write_text("keep me")
-    branch, path = branch_name("v2"), run_path("v2", "run.yaml")
-    run = yaml.safe_load(ws.git.read(branch, path))
-    run["artifacts"]["checkpoint"]["path"] = str(victim)
-    ws.git.commit_files(branch, {path: yaml.safe_dump(run).encode()}, "tamper", {})
+    _tamper(ws, "v2", lambda run: run["artifacts"]["checkpoint"].update(path=str(victim)))
     with pytest.raises(EvoError) as err:
         drops, _ = plan_gc(ws)
         apply_gc(ws, drops, "keep-promoted-and-open")
@@ -198,20 +196,26 @@ def test_a_record_pointing_elsewhere_cannot_make_gc_delete_it(lineage, tmp_path)
 # ---- gc reaches only the dropped version's own folder (issue 25 item 4) --------------------
 
 
-def _tamper(ws: Workspace, name: str, change) -> None:
-    """Commit an edited run.yaml onto `name`'s branch, as its author can."""
+def _tamper(ws: Workspace, name: str, change, sealed: bool = True) -> None:
+    """Commit an edited run.yaml onto `name`'s branch. Sealed (as if the controller had
+    written it): gc's own checks must hold whatever a record that verifies says. Unsealed:
+    as a branch author commits it."""
     branch, path = branch_name(name), run_path(name, "run.yaml")
     run = yaml.safe_load(ws.git.read(branch, path))
     change(run)
-    ws.git.commit_files(branch, {path: yaml.safe_dump(run).encode()}, "tamper", {})
+    if sealed:
+        controller_commit(ws, name, {path: yaml.safe_dump(run).encode()}, "tamper")
+    else:
+        ws.git.commit_files(branch, {path: yaml.safe_dump(run).encode()}, "tamper", {})
 
 
+@pytest.mark.parametrize("sealed", [True, False])
 def test_a_pruned_record_naming_the_promoted_job_cannot_make_gc_delete_its_weights(
-    lineage, cli
+    lineage, cli, sealed
 ):
     """The attack: on pruned v2's branch, `job_id: ../v1/<v1's job>` and v1's checkpoint
     path. Before, the path resolved inside the artifact root, so gc deleted v1's policy and
-    `export v1` failed."""
+    `export v1` failed. Sealed or not (a forged record is read by no one), v1 keeps it."""
     ws, policies = lineage
     v1_run = ws.version("v1").records["run"]
 
@@ -220,28 +224,29 @@ def test_a_pruned_record_naming_the_promoted_job_cannot_make_gc_delete_its_weigh
         run["artifact_dir"] = v1_run["artifact_dir"]
         run["artifacts"]["checkpoint"] = dict(v1_run["artifacts"]["checkpoint"])
 
-    _tamper(ws, "v2", point_at_v1)
+    _tamper(ws, "v2", point_at_v1, sealed)
     result = cli("-C", str(ws.root), "gc")
-    assert result.code == 1 and "Traceback" not in result.output
-    assert result.err.startswith("error: evo/v2:runs/v2/run.yaml: job_id: ")
-    assert "own artifact folder" in result.err and result.err.count("\n") == 1
+    assert result.code == 0 and "Traceback" not in result.output
+    assert "keep v2: its records are refused" in result.out
+    assert ("job_id '../v1/" if sealed else "forged records") in result.out
     assert (policies["v1"] / "model.safetensors").read_bytes() == b"w1" * 1000
     result = cli("-C", str(ws.root), "export", "v1", "--to", str(ws.root.parent / "v1-out"))
     assert result.code == 0, result.output
     assert (ws.root.parent / "v1-out" / "model.safetensors").read_bytes() == b"w1" * 1000
-    with pytest.raises(EvoError) as err:  # export reads through the same check
-        export_policy(ws, "v2", ws.root.parent / "v2-out")
-    assert err.value.field == "job_id"
 
 
-@pytest.mark.parametrize("job_id", ["a/b", "..", ".", ""])
-def test_a_job_id_is_one_plain_folder_name(lineage, job_id):
+@pytest.mark.parametrize("job_id", ["../v1/evo-v1-a1-0000000000", "a/b", "..", ".", ""])
+def test_gc_and_export_accept_only_a_job_folder_of_the_version_itself(lineage, job_id):
+    """Whatever a record holds (the record reader's own job-id check aside), the folder gc
+    deletes and export reads is one plain folder under the version's own."""
     ws, policies = lineage
-    _tamper(ws, "v2", lambda run: run.update(job_id=job_id))
+    run = dict(ws.version("v2").records["run"], job_id=job_id)
+    if job_id.startswith("../v1/"):
+        run["artifacts"] = ws.version("v1").records["run"]["artifacts"]
     with pytest.raises(EvoError) as err:
-        plan_gc(ws)
-    assert err.value.field == "job_id"
-    assert policies["v2"].is_dir()
+        recorded_policy(ws, "v2", run)
+    assert err.value.field == "job_id" and "own artifact folder" in err.value.message
+    assert policies["v1"].is_dir() and policies["v2"].is_dir()
 
 
 def test_a_link_in_a_dropped_runs_folder_leads_gc_nowhere(lineage, tmp_path, cli):
@@ -284,8 +289,8 @@ def test_a_folder_swapped_for_a_link_after_planning_is_not_deleted(lineage, tmp_
 
 
 def test_a_linked_version_folder_is_refused(lineage, tmp_path):
-    """<artifact root>/v2 replaced by a link to v1's folder: v2's record now resolves into
-    v1's weights; it must not count as v2's own folder."""
+    """<artifact root>/v2 replaced by a link to v1's folder (v2's record, well-formed and
+    sealed, unchanged): it now resolves into v1's weights, which are not v2's own folder."""
     ws, policies = lineage
     v1_job = ws.version("v1").records["run"]["job_id"]
     v2_job = ws.version("v2").records["run"]["job_id"]
@@ -356,8 +361,8 @@ def test_a_decided_promotion_not_yet_merged_keeps_its_weights(lineage):
     policies["v4"] = _record(ws, "v4", None, b"w4" * 1000)
     decision = {"verdict": "promote", "reason": "test", "decided_at": "2026-01-09",
                 "comparison": {"delta": 0.1, "ci_low": 0.02, "ci_high": 0.18}}
-    ws.git.commit_files(branch_name("v4"), {run_path("v4", "decision.yaml"):
-                                            yaml.safe_dump(decision).encode()}, "gate", {})
+    controller_commit(ws, "v4", {run_path("v4", "decision.yaml"):
+                                 yaml.safe_dump(decision).encode()}, "gate")
     drops, kept = plan_gc(ws)
     assert kept["v4"] == "promote, not yet merged into main"
     assert "v4" not in [d.version for d in drops]

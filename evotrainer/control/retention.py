@@ -41,7 +41,6 @@ from evotrainer.store.checkpoints import (
     recorded_policy,
 )
 from evotrainer.store.clock import now_iso
-from evotrainer.store.git import branch_name
 from evotrainer.store.workspace import VersionState, Workspace, run_path
 
 POLICIES = ("keep-promoted-and-open", "keep-frontier-and-open", "keep-all")
@@ -76,6 +75,11 @@ def plan_gc(
     continued = _continued_parents(ws, states)
     drops, kept = [], {}
     for name, state in sorted(states.items()):
+        if state.record_errors:  # forged or malformed: read by no one, gc included
+            errors = state.record_errors
+            problem = errors.get("seal") or next(iter(errors.values()))  # forged first
+            kept[name] = f"its records are refused ({problem.message})"
+            continue
         run = state.run
         if run is None or not run.artifacts.get(CHECKPOINT):
             continue
@@ -120,7 +124,7 @@ def main_frontier(states: dict[str, VersionState], on_main: set[str]) -> str | N
 
 
 def apply_gc(ws: Workspace, drops: list[Drop], policy: str) -> None:
-    """Record each drop on its branch, then delete its folders."""
+    """Record each drop on its branch (sealed), then delete its folders."""
     states = ws.versions()
     for drop in drops:
         if not drop.recorded:
@@ -130,8 +134,8 @@ def apply_gc(ws: Workspace, drops: list[Drop], policy: str) -> None:
                 "at": now_iso(), "reason": f"retention {policy}: {drop.reason}"
             }
             run["artifacts"] = artifacts
-            ws.git.commit_files(
-                branch_name(drop.version),
+            ws.commit_records(  # sealed, as every record the controller writes
+                drop.version,
                 {run_path(drop.version, "run.yaml"): record_text("run", run).encode()},
                 f"Drop the policy of {drop.version} ({drop.reason}); rollouts and records stay",
                 {"Action": "gc", "Version": drop.version},

@@ -65,10 +65,11 @@ def test_a_leaky_running_job_is_stopped_recorded_in_one_commit_and_pruned(worksp
     assert run["state"] == "Stopped" and run["stopped"]["rule"] == "leak"
     step = run["stopped"]["step"]
     assert 1 <= step < STEPS and run["result"]["steps_done"] == step
-    # One commit holds the stopped run, its (live) diagnosis and the prune decision.
+    # One commit holds the stopped run, its (live) diagnosis and the prune decision, with the
+    # controller's seal over them.
     [paths] = stop_commits(workspace, "v1")
     assert sorted(paths) == sorted(run_path("v1", f"{kind}.yaml")
-                                   for kind in ("run", "diagnosis", "decision"))
+                                   for kind in ("run", "diagnosis", "decision", "seal"))
     decision = record(workspace, "v1", "decision")
     assert decision["verdict"] == "prune" and decision["blocked_by"] == ["leak"]
     assert decision["rule"] == "early_stop.leak"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from sealing import controller_commit
 from standin import converge, propose, reconciler, record, standin_settings, wait_for
 
 from evotrainer.control.reconcile import diagnose_version, load_context, plan
@@ -129,14 +130,18 @@ def test_a_run_record_pointing_at_another_folder_is_refused(workspace, cli):
     from evotrainer.control.reconcile import record_text
 
     forged = dict(run, artifact_dir=v0_dir)  # diagnose v1 from v0's evidence
-    workspace.git.commit_files(
-        "evo/v1", {"runs/v1/run.yaml": record_text("run", forged).encode()}, "forged")
+    # Even a sealed record (a leaked key) reaches no folder but the version's own.
+    controller_commit(workspace, "v1", {"runs/v1/run.yaml": record_text("run", forged).encode()})
     with pytest.raises(EvoError, match="names .* not its artifact folder"):
         diagnose_version(Workspace(workspace.root), "v1")
     outside = dict(run, artifact_dir="/etc")
-    workspace.git.commit_files(
-        "evo/v1", {"runs/v1/run.yaml": record_text("run", outside).encode()}, "outside")
+    controller_commit(workspace, "v1", {"runs/v1/run.yaml": record_text("run", outside).encode()})
     with pytest.raises(EvoError, match="not its artifact folder"):
+        diagnose_version(Workspace(workspace.root), "v1")
+    # A branch author's record is not the controller's: v1 reads as never collected.
+    workspace.git.commit_files(
+        "evo/v1", {"runs/v1/run.yaml": record_text("run", forged).encode()}, "forged")
+    with pytest.raises(EvoError, match="no collected run"):
         diagnose_version(Workspace(workspace.root), "v1")
 
 

@@ -22,6 +22,7 @@ import pytest
 import typer
 import yaml
 from markupsafe import escape
+from sealing import controller_commit
 from typer.testing import CliRunner
 
 from evotrainer.commands.init import init_workspace
@@ -158,8 +159,8 @@ def test_a_run_result_without_seeds_shows_the_recipes(ws, tmp_path):
     stopped = {**run, "result": {"steps_done": 2}}
     from evotrainer.control.reconcile import record_text
 
-    copy.git.commit_files("evo/v1", {"runs/v1/run.yaml": record_text("run", stopped).encode()},
-                          "as an early stop records it", {})
+    controller_commit(copy, "v1", {"runs/v1/run.yaml": record_text("run", stopped).encode()},
+                      "as an early stop records it")
     seeds = copy.resolved_recipe("v1", copy.versions())["seeds"]
     page = (build_report(Workspace(copy.root), tmp_path / "site").parent / "versions" /
             "v1.html").read_text()

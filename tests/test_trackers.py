@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from sealing import controller_commit
 from standin import StandinBackend, standin_settings
 
 from evotrainer.backends import BACKEND_TYPES
@@ -399,11 +400,12 @@ def test_a_run_record_pointing_elsewhere_cannot_make_export_replace_files_there(
     real_dir = recorded.root / yaml.safe_load(original)["artifact_dir"]
     shutil.copy(real_dir / "steps.parquet", victim / "steps.parquet")
     tampered = {**yaml.safe_load(original), "artifact_dir": str(victim)}
-    recorded.git.commit_files(branch, {path: yaml.safe_dump(tampered).encode()}, "tamper", {})
+    # Sealed as the controller's (a leaked key): the path check still holds on its own.
+    controller_commit(recorded, "v1", {path: yaml.safe_dump(tampered).encode()}, "tamper")
     try:
         with pytest.raises(EvoError) as err:
             export_version(recorded, "v1", ["tensorboard"])
         assert err.value.field == "artifact_dir"
         assert precious.read_text() == "keep me"
     finally:
-        recorded.git.commit_files(branch, {path: original}, "restore", {})
+        controller_commit(recorded, "v1", {path: original}, "restore")

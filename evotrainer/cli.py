@@ -63,19 +63,17 @@ def _command_modules() -> list[str]:
 
 
 class LazyCommandGroup(typer.core.TyperGroup):
-    """The root command. Each command starts as a stand-in carrying only its name and help
-    (so `--help` lists it and a typo gets a "did you mean"); the first time it is looked up
-    for anything else (to run it, or for its own --help) its module is imported and the real
-    command takes the stand-in's place."""
+    """The root command. Each command starts as a stand-in carrying only its name (so a typo
+    gets a "did you mean"), and its help once `--help` lists it; the first time it is looked
+    up for anything else (to run it, or for its own --help) its module is imported and the
+    real command takes the stand-in's place."""
 
     def __init__(self, **attrs: object) -> None:
         super().__init__(**attrs)
         self._listing = False
         self._standing_in = set(_command_modules()) - set(self.commands)
         for name in self._standing_in:
-            help_text = declared_help(name)
-            self.commands[name] = typer.core.TyperCommand(
-                name, help=help_text, short_help=" ".join(help_text.split("\n\n")[0].split()))
+            self.commands[name] = typer.core.TyperCommand(name)
         self.commands = {n: self.commands[n] for n in _command_modules() if n in self.commands}
 
     def get_command(self, ctx: typer.Context, cmd_name: str) -> typer.core.TyperCommand | None:
@@ -86,6 +84,10 @@ class LazyCommandGroup(typer.core.TyperGroup):
 
     def format_help(self, ctx: typer.Context, formatter: object) -> None:
         self._listing = True  # the listing needs names and help only: import nothing
+        for name in self._standing_in:  # read here, not at start-up: only a listing shows it
+            help_text = declared_help(name)
+            self.commands[name].help = help_text
+            self.commands[name].short_help = " ".join(help_text.split("\n\n")[0].split())
         try:
             super().format_help(ctx, formatter)
         finally:

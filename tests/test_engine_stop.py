@@ -12,24 +12,18 @@ import sys
 import time
 
 import pytest
+from test_checkpoints import TINY
 
 from evotrainer.store.recipe import resolve
 
-LONG_RUN = {
-    "model": {
-        "tiny": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
-                 "num_heads": 2, "num_kv_heads": 2},
-        "warm_start": {"steps": 2, "batch_size": 4},
-    },
-    "domain": {"train_size": 8, "val_size": 2},
-    "grpo": {"group_size": 2, "prompts_per_step": 1, "steps": 100_000, "eval_k": 1},
-}
+# test_checkpoints' tiny recipe, with more steps than any test waits for.
+LONG_RUN = [{"grpo": {"steps": 100_000}}]
 
 
 @pytest.mark.slow
 def test_sigterm_is_recorded_as_a_stop_not_as_system_exit(tmp_path):
     recipe = tmp_path / "recipe.json"
-    recipe.write_text(json.dumps(resolve(LONG_RUN, [])))
+    recipe.write_text(json.dumps(resolve(TINY, LONG_RUN)))
     out = tmp_path / "run"
     job = subprocess.Popen(
         [sys.executable, "-m", "evotrainer.engine", str(recipe), str(out), "v1"],

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from evotrainer.engine import check_recipe, offline_environment
-from evotrainer.engine.outputs import write_json
+from evotrainer.engine.outputs import Stopped, write_json
 from evotrainer.errors import EvoError
 from evotrainer.evidence.layout import RunArtifacts
 
@@ -46,11 +46,6 @@ def main(argv: list[str]) -> int:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-class Stopped(BaseException):
-    """SIGTERM arrived. A BaseException, as SystemExit is, so that no `except Exception` on
-    the way out (a domain's, a library's) swallows it."""
 
 
 def _stop(signum: int, frame: object) -> None:

@@ -32,6 +32,12 @@ LOG_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 STEP_LINE = re.compile(r"^(\S+ \S+) seed (\d+) step (\d+): reward ", re.MULTILINE)
 
 
+class Stopped(BaseException):
+    """The job was told to stop (SIGTERM: `evotrainer cancel`, a harness early stop). A
+    BaseException, as SystemExit is, so that no `except Exception` on the way out (a
+    domain's, a library's) swallows it; train.log and result.json name it."""
+
+
 def seconds_per_step(log_text: str) -> float | None:
     """The training pace in train.log: the mean gap between consecutive step lines of one
     seed, so loading, GGUF conversion and the warm start before a seed's first step are not

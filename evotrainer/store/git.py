@@ -12,6 +12,7 @@ import hashlib
 import io
 import os
 import re
+import subprocess
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -101,15 +102,31 @@ class GitStore:
         return self.read_many([(ref, path)])[(ref, path)]
 
     def read_many(self, wanted: Iterable[tuple[str, str]]) -> dict[tuple[str, str], bytes | None]:
-        """Read files at refs through one persistent `cat-file --batch`; missing → None."""
+        """Read files at refs in one `git cat-file --batch` run: every request written at
+        once, the answers parsed from one stream (thousands of branches cost one process,
+        not a round trip each); a missing file or a non-blob → None."""
+        wanted = list(dict.fromkeys(wanted))
+        if not wanted:
+            return {}
+        if any("\n" in ref + path for ref, path in wanted):
+            raise EvoError("a ref or path holds a newline", hint="git names never do")
+        request = "".join(f"{ref}:{path}\n" for ref, path in wanted).encode()
+        out = subprocess.run(
+            ["git", *(arg for c in SAFE_CONFIG for arg in ("-c", c)), "cat-file", "--batch"],
+            cwd=self.root, input=request, capture_output=True, check=True,
+        ).stdout
         result: dict[tuple[str, str], bytes | None] = {}
-        for ref, path in wanted:
-            try:
-                _, kind, _, data = self.repo.git.get_object_data(f"{ref}:{path}")
-            except ValueError:  # cat-file answered "missing"
-                result[(ref, path)] = None
+        at = 0
+        for key in wanted:
+            end = out.index(b"\n", at)
+            header = out[at:end].split()
+            at = end + 1
+            if len(header) != 3 or header[-1] == b"missing":  # "<name> missing", ambiguous
+                result[key] = None
                 continue
-            result[(ref, path)] = data if kind == b"blob" else None
+            size = int(header[2])
+            result[key] = out[at:at + size] if header[1] == b"blob" else None
+            at += size + 1  # the content, then a newline
         return result
 
     def tree_digest(self, commit: str, exclude: frozenset[str]) -> str:

@@ -13,17 +13,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 
 from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus, job_environment
+from evotrainer.engine.outputs import STEP_LINE, seconds_per_step
 from evotrainer.errors import EvoError
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.store.checkpoints import CHECKPOINT
@@ -142,8 +141,6 @@ class LocalBackend:
         )
 
 
-# The engine's train.log line for a finished training step (engine/grpo.py).
-STEP_LINE = re.compile(r"^\S+ \S+ seed \d+ step \d+: reward ", re.MULTILINE)
 
 
 def running_status(job: JobSpec, record: dict) -> JobStatus:
@@ -155,11 +152,12 @@ def running_status(job: JobSpec, record: dict) -> JobStatus:
     log = RunArtifacts(job.artifact_dir).log
     if not total or not log.is_file():
         return status
-    done = min(len(STEP_LINE.findall(log.read_text(errors="replace"))), total)
+    text = log.read_text(errors="replace")
+    done = min(len(STEP_LINE.findall(text)), total)
     status.steps_done, status.steps_total, status.progress = done, total, done / total
-    elapsed = time.time() - float(record.get("create_time") or time.time())
-    if done:
-        status.seconds_left = elapsed / done * (total - done)
+    pace = seconds_per_step(text)  # the steps' own pace: start-up and warm start excluded
+    if pace is not None:
+        status.seconds_left = pace * (total - done)
     return status
 
 

@@ -29,22 +29,10 @@ def load_recipe(path: Path) -> dict:
         raise EvoError(
             "a recipe file must hold a mapping", where=str(path), hint="e.g. `grpo: {steps: 20}`"
         )
-    problems = recipe_problems(doc)
+    problems = specs.recipe_problems(doc)
     if problems:
         raise problems[0]
     return recipes.resolve(doc.data, [])
-
-
-def recipe_problems(doc: specs.Document) -> list[EvoError]:
-    """Schema problems of a bare recipe document, explained as `validate` explains them in a
-    project or version spec: the one recipe schema, through the spec loader's own registry
-    and wording (a Project's `recipe:` is a `$ref` to it, so refs resolve alike)."""
-    import jsonschema
-
-    recipe_schema = specs._resolved("Project", {"$ref": "recipe.schema.json"})
-    validator = jsonschema.Draft202012Validator(recipe_schema, registry=specs._registry())
-    errors = sorted(validator.iter_errors(doc.data), key=lambda e: specs._order(doc, e))
-    return [specs._explain(doc, "Project", e) for e in specs._most_specific(errors)]
 
 
 def register(app: typer.Typer) -> None:

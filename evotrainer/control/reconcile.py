@@ -151,7 +151,7 @@ def job_recipe(ctx: Context, state: VersionState, verify_parent: bool = False) -
     if init_mode(recipe) == "parent" and state.parent:
         parent_run = ctx.states[state.parent].records.get("run")
         if verify_parent:
-            policy = parent_checkpoint(ctx.ws.root, state.parent, parent_run)
+            policy = parent_checkpoint(ctx.ws, state.parent, parent_run)
         else:
             artifact = (ctx.states[state.parent].run or _NO_RUN).artifacts.get(CHECKPOINT) or {}
             policy = {"path": artifact.get("path"), "digest": artifact.get("digest")}

@@ -14,7 +14,12 @@ from evotrainer.store import specs
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import branch_name
 from evotrainer.store.recipe import deep_merge, set_dotted
-from evotrainer.store.validation import check_spec_recipe, check_workspace, declared_data_roots
+from evotrainer.store.validation import (
+    check_criterion,
+    check_spec_recipe,
+    check_workspace,
+    declared_data_roots,
+)
 from evotrainer.store.workspace import Workspace, version_spec_path
 
 
@@ -99,6 +104,7 @@ def new_version(
     text = spec_text(spec)
     source = f"{branch_name(name)}:{version_spec_path(name)}"
     doc = specs.load_text(text, source, "PolicyVersion")  # a bad --set fails here, unwritten
+    check_criterion(ws, doc)  # its names against the harness in force, as validate does
     with declared_data_roots(ws):
         check_spec_recipe(deep_merge(ws.resolved_recipe(parent, states), overrides), doc)
     ws.git.commit_files(

@@ -72,7 +72,11 @@ class _BoundedRunner(celpy.InterpretedRunner):
         return _BoundedEvaluator(self.ast, self.new_activation(), _Budget()).evaluate(context)
 
 
-_ENV = celpy.Environment(runner_class=_BoundedRunner)
+@lru_cache(maxsize=1)
+def _env() -> celpy.Environment:
+    """celpy's environment, built on first use: building its parser costs a quarter of a
+    second, which a command that evaluates no expression should not pay."""
+    return celpy.Environment(runner_class=_BoundedRunner)
 
 
 @lru_cache(maxsize=1024)
@@ -86,7 +90,7 @@ def _compile(expr: str) -> tuple[Any, frozenset[str]]:
             hint="split the condition over several alerts or rules",
         )
     try:
-        ast = _ENV.compile(expr)
+        ast = _env().compile(expr)
     except celpy.CELParseError as err:
         raise EvoError(
             f"invalid CEL expression {expr!r}: {' '.join(str(err).split())}",
@@ -103,7 +107,7 @@ def _compile(expr: str) -> tuple[Any, frozenset[str]]:
             hint="each nested macro multiplies the work by a list's length: test fewer "
             "combinations, or compute the value as a metric",
         )
-    return _ENV.program(ast), frozenset(_free_names(ast))
+    return _env().program(ast), frozenset(_free_names(ast))
 
 
 def _is_macro(node: Tree) -> bool:

@@ -122,6 +122,12 @@ def check_model(model: dict[str, Any]) -> None:
         f"must be base or parent, got {model.get('init')!r}",
         "base trains from the base model; parent continues from the parent version's policy",
     )
+    _require(
+        not model.get("lora") or find_spec("peft") is not None,
+        "model.lora",
+        "model.lora trains a LoRA adapter, which needs the peft package",
+        "pip install 'evotrainer[peft]', or remove model.lora to train every weight",
+    )
     start = model.get("init_checkpoint")
     _require(
         start is None

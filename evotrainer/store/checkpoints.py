@@ -88,8 +88,9 @@ def init_mode(recipe: dict[str, Any]) -> str:
     return (recipe.get("model") or {}).get("init") or "base"
 
 
-def parent_checkpoint(root: Path, parent: str, parent_run: dict[str, Any] | None) -> dict:
-    """`{path, digest}` of the parent's recorded policy for a continuing child, checked."""
+def parent_checkpoint(ws: Workspace, parent: str, parent_run: dict[str, Any] | None) -> dict:
+    """`{path, digest}` of the parent's recorded policy for a continuing child, checked: its
+    own folder (`recorded_policy`), its digest."""
     artifact = ((parent_run or {}).get("artifacts") or {}).get(CHECKPOINT)
     if not artifact:
         raise EvoError(
@@ -104,7 +105,7 @@ def parent_checkpoint(root: Path, parent: str, parent_run: dict[str, Any] | None
             field="recipe.model.init",
             hint=f"retrain {parent} (evotrainer retry {parent}) or set model.init: base",
         )
-    verify_directory(root / artifact["path"], artifact, parent)
+    verify_directory(recorded_policy(ws, parent, parent_run)[0], artifact, parent)
     return {"path": artifact["path"], "digest": artifact["digest"]}
 
 

@@ -61,7 +61,7 @@ class GitStore:
             raise EvoError(
                 "not a git repository",
                 where=str(root),
-                hint="run `evotrainer init DIR` to create a workspace, or `git init` here",
+                hint="run `evotrainer init DIR` to create a workspace, or pass -C DIR",
             ) from None
         self.root = Path(self.repo.working_tree_dir or root)
         self.identity_env = self._identity_env()

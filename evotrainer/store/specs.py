@@ -250,8 +250,6 @@ def check(doc: Document, kind: str | None = None) -> list[EvoError]:
 
 
 def _expression_problems(doc: Document, kind: str) -> list[EvoError]:
-    from evotrainer.diagnosis import cel
-
     problems = []
     for path in EXPRESSIONS.get(kind, ()):
         expr: Any = doc.data
@@ -259,12 +257,24 @@ def _expression_problems(doc: Document, kind: str) -> list[EvoError]:
             expr = expr.get(part) if isinstance(expr, dict) else None
         if expr is None:
             continue
+        from evotrainer.diagnosis import cel  # only a spec with an expression pays for CEL
+
         try:
             cel.check(expr)
         except EvoError as err:
             problems.append(EvoError(err.message, where=doc.where(path),
                                      field=dotted_field(path), hint=err.hint))
     return problems
+
+
+def recipe_problems(doc: Document) -> list[EvoError]:
+    """Schema problems of a bare recipe document (`evotrainer train FILE`), explained as in a
+    project or version spec: the one recipe schema, through the same registry and wording
+    (a Project's `recipe:` is a `$ref` to it, so refs resolve alike)."""
+    recipe_schema = _resolved("Project", {"$ref": "recipe.schema.json"})
+    validator = jsonschema.Draft202012Validator(recipe_schema, registry=_registry())
+    errors = sorted(validator.iter_errors(doc.data), key=lambda e: _order(doc, e))
+    return [_explain(doc, "Project", e) for e in _most_specific(errors)]
 
 
 def load(path: Path, kind: str | None = None, *, source: str | None = None) -> Document:

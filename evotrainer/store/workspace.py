@@ -116,7 +116,11 @@ class Workspace:
         for candidate in (start, *start.parents):
             if (candidate / PROJECT_FILE).is_file():
                 return cls(candidate)
-        return cls(start)  # raises the "not a workspace / not a git repository" error
+        raise EvoError(
+            f"not inside an EvoTrainer workspace (no {PROJECT_FILE} here or above)",
+            where=str(start),
+            hint="cd into a workspace or pass -C DIR; `evotrainer init DIR` creates one",
+        )
 
     # ---- desired state -----------------------------------------------------------------
 

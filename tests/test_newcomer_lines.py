@@ -1,0 +1,46 @@
+"""What a newcomer reads (issue 27 item 12): reconcile's time left at the steps' own pace,
+the hint outside a workspace, and a LoRA recipe without peft refused where every recipe is
+checked, not after a long GGUF conversion."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from evotrainer.backends.base import JobSpec
+from evotrainer.backends.local import running_status
+from evotrainer.engine import checks
+from evotrainer.errors import EvoError
+
+LOG = "\n".join([
+    "2026-01-01 10:00:00 run v1: recipe sha256:x, seeds [0]",
+    "2026-01-01 10:09:58 warm start step 250: loss 1.0, sampled accuracy 0.40",
+    "2026-01-01 10:10:00 seed 0 step 1: reward 0.100 (x)",
+    "2026-01-01 10:10:02 seed 0 step 2: reward 0.200 (x)",
+]) + "\n"
+
+
+def test_reconciles_time_left_is_at_the_steps_pace(tmp_path):
+    """The job started 10 minutes ago (a warm start) and its steps take 2 s: 38 steps left
+    are 76 s, not (600 s / 2) × 38 ≈ 3 hours."""
+    (tmp_path / "train.log").write_text(LOG)
+    job = JobSpec("evo-v1-a1-0123456789", "v1", {"grpo": {"steps": 40}, "seeds": [0]},
+                  tmp_path, tmp_path)
+    status = running_status(job, {"pid": 1, "create_time": time.time() - 602})
+    assert (status.steps_done, status.steps_total) == (2, 40)
+    assert status.seconds_left == 76.0
+
+
+def test_outside_a_workspace_the_hint_leads_somewhere(tmp_path, cli):
+    out = cli("lineage", cwd=tmp_path)
+    assert out.code == 1 and "Traceback" not in out.output
+    assert "not inside an EvoTrainer workspace" in out.err and "git init" not in out.err
+    assert "evotrainer init DIR" in out.err
+
+
+def test_a_lora_recipe_without_peft_is_refused_by_the_recipe_check(monkeypatch):
+    monkeypatch.setattr(checks, "find_spec", lambda name: None if name == "peft" else True)
+    with pytest.raises(EvoError) as err:
+        checks.check_model({"lora": {"r": 8}})
+    assert err.value.field == "model.lora" and "peft" in err.value.message

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from evotrainer.domains import make_domain
-from evotrainer.domains.swe import SweDomain, docker_ready
+from evotrainer.domains.sandbox import DockerSandbox
+from evotrainer.domains.swe import SweDomain
 from evotrainer.engine.model import build_tiny, char_tokenizer
 from evotrainer.engine.rollout import sample_episodes
 from evotrainer.store.recipe import BASE_RECIPE
@@ -60,7 +61,8 @@ def test_every_environment_is_closed_when_sampling_ends(tmp_path, monkeypatch):
     assert list(scratch.iterdir()) == []  # no scratch repository left behind
 
 
-@pytest.mark.skipif(not docker_ready(IMAGE), reason=f"needs dockerd and the image {IMAGE}")
+@pytest.mark.skipif(not DockerSandbox.image_present(IMAGE),
+                    reason=f"needs dockerd and the image {IMAGE}")
 def test_no_episode_container_outlives_sampling(monkeypatch):
     import docker
 

@@ -62,7 +62,6 @@ from evotrainer.domains.sandbox import (
     NO_NEW_PRIVILEGES,
     NOBODY,
     OFFLINE_IMAGE,
-    DockerSandbox,
     Limits,
     check_executor,
     default_sandbox,
@@ -553,9 +552,5 @@ class SweDomain(Domain):
             "tampered": float(bool(tampered)),
         }
         return Score(components, correct)
-
-
-# Whether the docker executor can run here (SDK, daemon, image); the name tests import.
-docker_ready = DockerSandbox.image_present
 
 __all__ = ["SweDomain", "SweEnvironment", "parse_action"]

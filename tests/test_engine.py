@@ -222,7 +222,7 @@ def test_arith_run_writes_every_output_in_its_schema(tmp_path):
     assert (out / "checkpoint" / "model.safetensors").is_file()
     assert (out / "checkpoint-seed1" / "config.json").is_file()
     assert "val avg@2" in (out / "train.log").read_text()
-    assert (tmp_path / "warm_start").is_dir()  # cache beside the run
+    assert (out / "cache").is_dir() and not (tmp_path / "warm_start").exists()  # inside --out
 
 
 @pytest.mark.slow

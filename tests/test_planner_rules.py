@@ -136,14 +136,14 @@ def test_no_trigger_proposes_the_default_and_an_unexplained_prune_a_harness_metr
     assert result.proposals[0].rationale.startswith("No skill trigger fired on v1")
     assert f"continue v1's policy for {steps} more steps" in result.proposals[0].rationale
     [harness] = result.harness
-    assert harness.name == "h1" and harness.document["parent"] == "h0"
+    assert harness.name == "h2" and harness.document["parent"] == "h0"
     added = {m["name"] for m in harness.document["metrics"]} - {
         m.name for m in view.harness.metrics}
     assert len(added) == 1
     assert harness.backtest["passed"] and {c["version"] for c in harness.backtest["cases"]} == {
         "v1", "v2"}
     # Committed on main, not in force: the project still names h0.
-    assert workspace.git.read("main", "harness_versions/h1.yaml") is not None
+    assert workspace.git.read("main", "harness_versions/h2.yaml") is not None
     assert Workspace(workspace.root).harness_in_force() == "h0"
     # The defaults are not proposed twice; neither is the metric.
     again = propose(workspace, "rules", 2)

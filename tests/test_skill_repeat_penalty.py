@@ -52,8 +52,8 @@ def _echo_group() -> list[dict]:
 
 def test_fires_on_the_echo_alert_of_looping_rollouts():
     table = rollout_table(_echo_group())
-    doc = diagnose(table, None, resolve_harness("h0"))
-    assert doc["metrics"]["echo_trap_ratio"] == 0.5
+    doc = diagnose(table, None, resolve_harness("h1"))
+    assert doc["metrics"]["echo_repeat_ratio"] == 0.5
     assert "echo_trap" in [a["name"] for a in doc["alerts"]]
     assert SKILL in [m.skill.name for m in match(LIBRARY, doc, domain="toolenv")]
     assert SKILL not in [m.skill.name for m in match(LIBRARY, doc, domain="arith")]

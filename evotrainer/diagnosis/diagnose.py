@@ -273,6 +273,8 @@ def evaluate_unless_null(expr: str, variables: dict[str, Any]) -> Any:
     bound = {**dict.fromkeys(referenced), **variables}
     try:
         return cel.evaluate(expr, bound)
+    except cel.CostExceeded:
+        raise  # past the evaluation budget: an error, never "undecided"
     except EvoError:
         if any(
             bound[name] is None or (isinstance(bound[name], dict) and name != "params")

@@ -16,8 +16,8 @@ raises reveal use: the behaviour a leak audit must catch.
 compare `ECHO_REPEATS` more times and never answers. A repeated compare gets the same reply
 and so tells nothing new; once the warm-started policy has repeated itself, the context looks
 like those demonstrations and it keeps repeating until the turn budget runs out: a failing
-rollout that calls the same tool with the same arguments turn after turn (what h0's
-`echo_trap_ratio` counts). The `no_repeat` reward component (the share of actions that are
+rollout that calls the same tool with the same arguments turn after turn (what h1's
+`echo_repeat_ratio` counts). The `no_repeat` reward component (the share of actions that are
 not a repeat of the one before) gives GRPO a signal against it even in groups that all fail.
 """
 

@@ -41,7 +41,7 @@ from evotrainer.engine.model import (
     uses_chat_template,
     with_lora,
 )
-from evotrainer.engine.outputs import RunLog, RunOutputs, write_json
+from evotrainer.engine.outputs import RunLog, RunOutputs, Stopped, write_json
 from evotrainer.engine.rollout import Episode, batch_tensors, sample_episodes, token_logprobs
 from evotrainer.engine.warm_start import warm_start
 from evotrainer.evidence.groups import dead_group_ratio
@@ -428,6 +428,11 @@ def run_job(
             )
         result["val_avg"] = float(np.mean(list(result["val_avg_by_seed"].values())))
         result["status"] = "ok"
+    except Stopped as exc:  # cancel or an early stop: a stop, with its cause, not a failure
+        result["status"] = "failed"
+        result["error"] = str(exc)
+        log(f"stopped: {exc}")
+        raise
     except BaseException as exc:
         result["status"] = "failed"
         result["error"] = f"{type(exc).__name__}: {exc}"

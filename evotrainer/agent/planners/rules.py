@@ -53,6 +53,7 @@ from evotrainer.diagnosis.replay import (
     version_rollouts,
 )
 from evotrainer.errors import EvoError
+from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.checkpoints import init_mode
 
 # Fix what makes the score untrustworthy first; then stabilise a policy that diverged (its
@@ -417,8 +418,15 @@ class RulesPlanner:
                 defined |= {m.get("name") for m in doc.get("metrics") or []}
             except (OSError, yaml.YAMLError, AttributeError):
                 continue  # an unreadable revision defines nothing; `validate` reports it
-            if doc.get("parent") == view.harness.name:
-                return None  # one revision of the harness in force awaits review already
+            shipped = builtin_dir("harness_versions") / f"{name}.yaml"
+            as_shipped = (
+                shipped.is_file()
+                and shipped.read_bytes() == view.ws.harness_path(name).read_bytes()
+            )
+            if doc.get("parent") == view.harness.name and not as_shipped:
+                # One revision of the harness in force awaits review already; a built-in
+                # revision as shipped (h1) is part of the library, not a pending proposal.
+                return None
         base = yaml.safe_load(Path(view.harness.source).read_text(encoding="utf-8"))
         best: tuple[float, dict, dict] | None = None
         for entry in METRIC_CATALOGUE:

@@ -16,9 +16,10 @@ def register(app: typer.Typer) -> None:
         name: str = typer.Argument(..., help="Version to approve."),
         by: str = typer.Option(None, "--by", help="Approver (default: git user.name)."),
     ) -> None:
-        """Approve a version so reconcile may launch it. Review `git diff evo/PARENT..evo/V`
-        first. The approval records the digest of the spec and its resolved recipe: any
-        later change (on the branch or inherited) needs a new approval."""
+        """Approve a version so reconcile may launch it. Review `git diff evo/PARENT...evo/V`
+        first. The approval binds the whole branch (spec, resolved recipe, every other file
+        it would merge) and is sealed with this controller's record key (signed too where
+        main keeps spec/allowed_signers): any later change needs a new approval."""
         ws = Workspace.find()
         states = ws.versions()
         already = ws.approval_status(ws.version(name, states), states) == "approved"

@@ -109,6 +109,20 @@ def live_dir(ws: Workspace, version: str) -> Path:
     return ws.state_dir / LIVE_DIR / version
 
 
+def saved_stop(
+    ws: Workspace, version: str, job_id: str, harness: HarnessRevision
+) -> dict | None:
+    """The early stop the last live look at job `job_id` decided under `harness`, read
+    without looking again and without writing anything (what `plan` shows; reconcile
+    looks again before it stops a job)."""
+    saved = read_json(live_dir(ws, version) / STATE_FILE)
+    if not isinstance(saved, dict) or (saved.get("job_id"), saved.get("harness_digest")) != (
+        job_id, harness.digest
+    ):
+        return None
+    return saved.get("stop")
+
+
 def observe_running(
     ws: Workspace,
     state: VersionState,

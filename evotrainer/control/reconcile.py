@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import git
 import pyarrow as pa
@@ -32,7 +33,7 @@ from evotrainer.backends import Backends
 from evotrainer.backends.base import Backend, JobSpec, JobState, JobStatus, job_id
 from evotrainer.control.gate import decide, recorded_scores
 from evotrainer.control.lineage import stop_progress, stopped_text, tree_order
-from evotrainer.control.live import observe_running, stop_records
+from evotrainer.control.live import LiveView, observe_running, saved_stop, stop_records
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
 from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
 from evotrainer.errors import EvoError
@@ -102,24 +103,90 @@ def error_plan(name: str, message: str, health: str = "—") -> VersionPlan:
 
 @dataclass
 class Context:
-    """Everything a pass reads once: specs and records from git, the harness in force."""
+    """Everything a pass reads once: specs and records from git, the harness in force, and
+    the few lineage-wide facts the rules need (jobs holding a slot, steps spent, pruned
+    tags, versions on main), kept current as the pass acts (`refreshed`).
+
+    `live`: whether observing a running job looks at its evidence now (reconcile: a live
+    diagnosis, saved under .evotrainer/live/) or reads the last look saved there (`plan`,
+    which writes nothing)."""
 
     ws: Workspace
     states: dict[str, VersionState]
     harness: HarnessRevision
     backends: Backends = field(default_factory=Backends)
     validation: Validation = field(default_factory=Validation)
+    live: bool = False
+    # (version, job id) → the live look this context took of that job: one per pass.
+    live_looks: dict[tuple[str, str], LiveView] = field(default_factory=dict)
+    # Jobs holding a `max_concurrent_jobs` slot and training steps spent: counted over all
+    # versions when the context is read, then adjusted by each action's change.
+    active_jobs: int | None = None
+    steps_spent: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.active_jobs is None:
+            self.active_jobs = sum(_holds_slot(s) for s in self.states.values())
+        if self.steps_spent is None:
+            self.steps_spent = sum(_steps_of(s) for s in self.states.values())
 
     def backend(self, name: str) -> Backend:
         return self.backends[name]
 
+    @cached_property
+    def pruned(self) -> set[str]:
+        return set(self.ws.git.tags(PRUNED_TAG_PREFIX))
+
+    @cached_property
+    def on_main(self) -> set[str]:
+        """Versions whose branch tip main contains (one git call for all of them)."""
+        if self.ws.git.rev("refs/heads/main") is None:
+            return set()
+        return self.ws.git.merged_versions("refs/heads/main")
+
+    def refreshed(self, name: str, kind: str) -> Context | None:
+        """This context after `kind` was applied to `name`: that version re-read from its
+        branch and the lineage-wide facts adjusted by its change, at a cost that does not
+        grow with the number of branches. None when the action may have changed more than
+        that version's records (an approval rewrites its spec, a promotion or an evidence
+        filing moves main; so may a commit someone else made to the spec meanwhile): the
+        caller then reads everything again. The tags and main are read again on first use
+        (one git call each)."""
+        if kind in FULL_RELOAD_ACTIONS:
+            return None
+        before = self.states.get(name)
+        states = self.ws.reread(self.states, [name])
+        after = states.get(name)
+        if before is None or after is None or after.spec_raw != before.spec_raw:
+            return None
+        return replace(  # the same validation: no spec changed
+            self, states=states,
+            active_jobs=self.active_jobs + _holds_slot(after) - _holds_slot(before),
+            steps_spent=self.steps_spent + _steps_of(after) - _steps_of(before),
+        )
+
+
+# Actions whose commit reaches beyond the acted version's records (see Context.refreshed).
+FULL_RELOAD_ACTIONS = frozenset({"approve", "promote", "evidence"})
+
+
+def _holds_slot(state: VersionState) -> bool:
+    # A Stalled job still holds its machine (a hung verl job keeps its GPUs), so it keeps
+    # its `max_concurrent_jobs` slot until it is cancelled or ends: one meaning of active.
+    return state.run is not None and state.run.active
+
+
+def _steps_of(state: VersionState) -> int:
+    return state.run.steps_spent if state.run is not None else 0
+
 
 def load_context(
-    ws: Workspace, backends: Backends | Mapping[str, Backend] | None = None
+    ws: Workspace, backends: Backends | Mapping[str, Backend] | None = None, live: bool = False
 ) -> Context:
     """Read the pass's inputs and run `validate`'s checks on them. Problems of the
     workspace-wide files (project, harness revisions, skills) refuse the whole pass.
-    `backends`: the ones to use by name (default: the registry's, made on first use)."""
+    `backends`: the ones to use by name (default: the registry's, made on first use);
+    `live`: look at running jobs' evidence now (reconcile) rather than read the last look."""
     if not isinstance(backends, Backends):
         backends = Backends(backends, ws.artifact_root / "cache")
     states = ws.versions()
@@ -134,7 +201,8 @@ def load_context(
             hint=(first.hint + "; " if first.hint else "") + "`evotrainer validate` lists all",
         )
     harness_name = ws.project.get("harness", "h0")
-    return Context(ws, states, resolve_harness(harness_name, ws.root), backends, validation)
+    return Context(ws, states, resolve_harness(harness_name, ws.root), backends, validation,
+                   live=live)
 
 
 # ---- planning: observe, then decide ---------------------------------------------------
@@ -244,11 +312,10 @@ def observe(ctx: Context, state: VersionState) -> Observed:
     """Read what the rules decide from; only the facts a rule may still need are fetched
     (the backend is asked about active jobs only, git about promotion once gated)."""
     run, diagnosis, decision = state.run, state.diagnosis, state.decision
-    approval = ctx.ws.approval_status(state, ctx.states)
     parent = ctx.states.get(state.parent) if state.parent else None
     parent_run = parent.run if parent else None
     verdict = decision.verdict if decision else None
-    pruned = verdict == "prune" and state.name in ctx.ws.git.tags(PRUNED_TAG_PREFIX)
+    pruned = verdict == "prune" and state.name in ctx.pruned
     job, live_stop, live_error = None, None, None
     # A Stopped run's job is asked about until the version is pruned: a pass that died
     # between the stop's commit and the cancel left it running.
@@ -256,9 +323,19 @@ def observe(ctx: Context, state: VersionState) -> Observed:
         job = ctx.backend(run.backend).status(job_for(ctx, state, state.records["run"]))
     if job is not None and run.active and job.state is JobState.RUNNING:
         live_stop, live_error = _live_stop(ctx, state)
-    on_main = verdict in ("promote", "baseline") and _on_main(ctx, state)
+    on_main = verdict in ("promote", "baseline") and state.name in ctx.on_main
+    promoting = verdict in ("promote", "baseline") and not on_main
+    # The approval (a digest of the branch's whole tree) is checked only where a rule reads
+    # it: before a launch, a relaunch or a retry (a run not yet started, pending or failed,
+    # or a spec drifted from its run) and before a promotion. Elsewhere no rule asks.
+    approval = (
+        ctx.ws.approval_status(state, ctx.states)
+        if run is None or run.state in ("Pending", "Failed") or promoting
+        or run.spec_digest != state.spec_digest
+        else "not needed"
+    )
     unapproved_files: tuple[str, ...] = ()
-    if verdict in ("promote", "baseline") and not on_main and approval != "approved":
+    if promoting and approval != "approved":
         unapproved_files = tuple(ctx.ws.unapproved_changes(state))
     recipe = ctx.ws.resolved_recipe(state.name, ctx.states)
     parent_policy = None
@@ -271,7 +348,8 @@ def observe(ctx: Context, state: VersionState) -> Observed:
         spec_digest=state.spec_digest,
         reapproved_after_run=run is not None
         and state.approval.get("at", "") > run.created_at,
-        auto_approvable=approval != "approved" and _auto_approvable(ctx, state),
+        auto_approvable=approval not in ("approved", "not needed")
+        and _auto_approvable(ctx, state),
         slot_free=_slot_free(ctx),
         max_attempts=int(ctx.ws.project.get("max_attempts", 2)),
         job=job,
@@ -296,18 +374,31 @@ def observe(ctx: Context, state: VersionState) -> Observed:
 
 def _live_stop(ctx: Context, state: VersionState) -> tuple[dict | None, str | None]:
     """(the early stop decided for the running job, or None; why the live look failed, or
-    None). Whatever goes wrong reading or diagnosing evidence that is still being written
-    (a torn file, a harness rule erring on partial data) must never stop reconcile nor the
-    job: it becomes the plan's note, and the full diagnosis after collect decides."""
+    None). In a read-only context (`plan`) the stop is the one the last live look saved,
+    if it was for this job and this harness. Whatever goes wrong reading or diagnosing
+    evidence that is still being written (a torn file, a harness rule erring on partial
+    data) must never stop reconcile nor the job: it becomes the plan's note, and the full
+    diagnosis after collect decides."""
+    run = state.records["run"]
+    if not ctx.live:
+        return saved_stop(ctx.ws, state.name, run["job_id"], ctx.harness), None
     try:
-        view = observe_running(
-            ctx.ws, state, state.records["run"], ctx.harness, job_recipe(ctx, state)
-        )
+        view = live_look(ctx, state)
     except EvoError as err:
         return None, err.message
     except Exception as err:  # noqa: BLE001 — see above: any failure is reported, not raised
         return None, f"{err.__class__.__name__}: {err}"
     return view.stop, None
+
+
+def live_look(ctx: Context, state: VersionState) -> LiveView:
+    """The context's one live look at the version's running job (taken on first use)."""
+    run = state.records["run"]
+    key = (state.name, run["job_id"])
+    if key not in ctx.live_looks:
+        ctx.live_looks[key] = observe_running(ctx.ws, state, run, ctx.harness,
+                                              job_recipe(ctx, state))
+    return ctx.live_looks[key]
 
 
 def _parent_policy_gap(parent: str, parent_run: RunRecord | None) -> str | None:
@@ -566,20 +657,9 @@ def plan(ctx: Context) -> list[VersionPlan]:
     return [plan_version(ctx, ctx.states[name]) for name in tree_order(ctx.states)]
 
 
-def _on_main(ctx: Context, state: VersionState) -> bool:
-    main = ctx.ws.git.rev("refs/heads/main")
-    return main is not None and ctx.ws.git.is_ancestor(state.sha, main)
-
-
-def _active_jobs(ctx: Context) -> int:
-    # A Stalled job still holds its machine (a hung verl job keeps its GPUs), so it keeps
-    # its `max_concurrent_jobs` slot until it is cancelled or ends: one meaning of active.
-    return sum(s.run is not None and s.run.active for s in ctx.states.values())
-
-
 def _slot_free(ctx: Context) -> bool:
     limit = (ctx.ws.project.get("autonomy") or {}).get("max_concurrent_jobs", 1)
-    return _active_jobs(ctx) < limit
+    return (ctx.active_jobs or 0) < limit
 
 
 # What a failure of the machine (not of the training) looks like in a job's detail.
@@ -610,7 +690,7 @@ def own_failures(run: RunRecord) -> int:
 
 def steps_spent(ctx: Context) -> int:
     """Training steps of every run recorded so far (the autonomy budget's unit)."""
-    return sum(s.run.steps_spent for s in ctx.states.values() if s.run is not None)
+    return ctx.steps_spent or 0
 
 
 def _auto_approvable(ctx: Context, state: VersionState) -> bool:
@@ -748,18 +828,20 @@ class Reconciler:
         An error belongs to its version: it is logged and kept in the plan (and in
         `errors`), and the pass goes on with the others."""
         applied = 0
-        ctx = load_context(self.ws, self.backends)
+        ctx = load_context(self.ws, self.backends, live=True)
         plans = plan(ctx)
         for i, version_plan in enumerate(plans):
             if version_plan.error:
                 self._error(version_plan.version, version_plan.error)
             if version_plan.action is None:
                 continue
-            # Earlier actions of this pass changed git: re-read before acting.
-            ctx = load_context(self.ws, self.backends)
-            current = plan_version(ctx, ctx.states[version_plan.version])
-            if current.action is None:
-                continue
+            current = version_plan
+            if applied:  # earlier actions of this pass changed git: decide again from it
+                if current.version not in ctx.states:
+                    continue
+                current = plan_version(ctx, ctx.states[current.version])
+                if current.action is None:
+                    continue
             try:
                 self.apply(ctx, ctx.states[current.version], current.action)
             except VERSION_ERRORS as err:
@@ -767,6 +849,13 @@ class Reconciler:
                 self._error(current.version, message)
                 plans[i] = error_plan(current.version, message, current.health)
                 continue
+            finally:
+                # What the action (or its failure half-way) changed, re-read: that version
+                # alone where only its records changed, else everything.
+                looks = ctx.live_looks
+                ctx = (ctx.refreshed(current.version, current.action.kind)
+                       or load_context(self.ws, self.backends, live=True))
+                ctx.live_looks = looks  # each running job is looked at once a pass
             applied += 1
             self.boundary()
         return plans, applied
@@ -991,7 +1080,7 @@ class Reconciler:
         leaves a Stopped run whose job still runs, and the next pass only cancels it."""
         run = state.records["run"]
         if run["state"] != "Stopped":
-            view = observe_running(self.ws, state, run, ctx.harness, job_recipe(ctx, state))
+            view = live_look(ctx, state)
             records = stop_records(state, run, ctx.harness, view)
             self.ws.commit_records(
                 state.name,

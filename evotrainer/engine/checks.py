@@ -5,6 +5,7 @@ Imports no torch, so the validator can call it cheaply.
 
 from __future__ import annotations
 
+import json
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -256,6 +257,25 @@ def check_recipe(recipe: dict[str, Any]) -> None:
     )
 
 
+# The domain settings whose split was built once in this process: a generated domain's
+# split is a function of its settings alone, so building it again for each of a thousand
+# versions that share them (validate, plan) checks nothing new.
+_SPLITS_BUILT: set[str] = set()
+
+
+def _check_split(domain: Any, domain_cfg: dict[str, Any]) -> None:
+    """Build the train/val split once per distinct settings (it raises when the domain has
+    too few tasks). A domain reading data files is built every time: the key would name
+    the files, not their content."""
+    key = None if domain_cfg.get("data") else json.dumps(domain_cfg, sort_keys=True,
+                                                         default=repr)
+    if key is not None and key in _SPLITS_BUILT:
+        return
+    domain.split(domain_cfg["train_size"], domain_cfg["val_size"])
+    if key is not None:
+        _SPLITS_BUILT.add(key)
+
+
 def check_contract(recipe: dict[str, Any]) -> None:
     """The recipe contract every backend checks first, whatever runs it: loggers, domain and
     data, GRPO settings and their cross-field rules (clip_high >= clip_low, prompts per step
@@ -273,7 +293,7 @@ def check_contract(recipe: dict[str, Any]) -> None:
             f"must be a positive integer, got {domain_cfg.get(key)!r}",
             f"e.g. {key}: 32",
         )
-    domain.split(domain_cfg["train_size"], domain_cfg["val_size"])
+    _check_split(domain, domain_cfg)
 
     g = recipe.get("grpo") or {}
     _require(

@@ -24,6 +24,7 @@ from evotrainer.errors import EvoError
 
 BRANCH_PREFIX = "evo/"
 PRUNED_TAG_PREFIX = "pruned/"
+FULL_SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 # Every git the controller runs ignores what the repository's own config could make it run:
 # hooks, an fsmonitor program (both run on ordinary reads and commits), and — with the flags
 # in DIFF_SAFETY — external diff drivers and textconv filters. A workspace's .git/config is
@@ -64,6 +65,7 @@ class GitStore:
                 hint="run `evotrainer init DIR` to create a workspace, or pass -C DIR",
             ) from None
         self.root = Path(self.repo.working_tree_dir or root)
+        self._tree_digests: dict[tuple[str, frozenset[str]], str] = {}
         self.identity_env = self._identity_env()
 
     def _identity_env(self) -> dict[str, str]:
@@ -90,6 +92,23 @@ class GitStore:
             ref, sha = line.split(" ")
             branches[ref.removeprefix("refs/heads/" + BRANCH_PREFIX)] = sha
         return branches
+
+    def version_tips(self, names: Iterable[str]) -> dict[str, str]:
+        """{version name: tip sha} of the named versions that have a branch, in one git
+        call however many branches the repository holds."""
+        names = list(names)
+        refs = [f"refs/heads/{branch_name(name)}" for name in names]
+        if not refs:
+            return {}
+        out = self.repo.git.for_each_ref("--format=%(refname) %(objectname)", *refs)
+        wanted = set(names)
+        tips = {}
+        for line in out.splitlines():
+            ref, sha = line.split(" ")
+            name = ref.removeprefix("refs/heads/" + BRANCH_PREFIX)
+            if name in wanted:  # a pattern also matches the refs below it
+                tips[name] = sha
+        return tips
 
     def tags(self, prefix: str) -> dict[str, str]:
         out = self.repo.git.for_each_ref("--format=%(refname) %(objectname)", "refs/tags/" + prefix)
@@ -132,9 +151,16 @@ class GitStore:
     def tree_digest(self, commit: str, exclude: frozenset[str]) -> str:
         """sha256 of every file of `commit`'s tree (path, mode and blob id) but `exclude`:
         what an approval binds, so any other change to the tree makes it stale."""
-        listing = self.repo.git.ls_tree("-r", "--full-tree", "-z", commit)
-        kept = sorted(e for e in listing.split("\0") if e and e.split("\t", 1)[1] not in exclude)
-        return "sha256:" + hashlib.sha256("\0".join(kept).encode()).hexdigest()
+        # A commit's tree never changes: the digest is remembered by the commit's full id
+        # (a branch name or a short id is looked up every time).
+        key = (commit, exclude)
+        if not FULL_SHA.fullmatch(commit) or key not in self._tree_digests:
+            listing = self.repo.git.ls_tree("-r", "--full-tree", "-z", commit)
+            kept = sorted(e for e in listing.split("\0")
+                          if e and e.split("\t", 1)[1] not in exclude)
+            self._tree_digests[key] = "sha256:" + hashlib.sha256(
+                "\0".join(kept).encode()).hexdigest()
+        return self._tree_digests[key]
 
     def signed_by(self, commit: str, allowed_signers: bytes) -> str | None:
         """The principal whose SSH signature on `commit` verifies against `allowed_signers`

@@ -12,7 +12,10 @@ runs/<name>/                 run.yaml, scores.csv, diagnosis.yaml, decision.yaml
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,7 @@ from evotrainer.errors import EvoError
 from evotrainer.store import recipe as recipes
 from evotrainer.store import seal, specs
 from evotrainer.store.git import GitStore, branch_name
+from evotrainer.store.recipe import copy_tree
 from evotrainer.store.records import DecisionRecord, DiagnosisRecord, RunRecord
 
 PROJECT_FILE = "spec/project.yaml"
@@ -59,6 +63,11 @@ class VersionState:
     approval_sealed: bool = False
     # Records or an approval this reader cannot check: it holds no record key.
     unverified: bool = False
+
+    def copy(self) -> VersionState:
+        """A copy whose spec and records can be changed without changing this one."""
+        return replace(self, spec=copy_tree(self.spec), records=copy_tree(self.records),
+                       record_errors=dict(self.record_errors))
 
     def record_where(self, kind: str) -> str:
         return f"{branch_name(self.name)}:{run_path(self.name, kind + '.yaml')}"
@@ -104,6 +113,11 @@ class Workspace:
         self.root = root.resolve()
         self.git = GitStore(self.root)
         self._record_key: bytes | None = None
+        # name → (commit, record key, state) of each branch read so far: see `_states`.
+        self._read: dict[str, tuple[str, bytes | None, VersionState]] = {}
+        # Resolved recipes by what they are resolved from: see `resolved_recipe`.
+        self._recipes: dict[str, dict] = {}
+        self.branches_read = 0  # branches read from git so far (a pass's cost, in tests)
         if not (self.root / PROJECT_FILE).is_file():
             raise EvoError(
                 f"no {PROJECT_FILE} here, so this is not an EvoTrainer workspace",
@@ -185,25 +199,54 @@ class Workspace:
     # ---- recorded state ----------------------------------------------------------------
 
     def versions(self) -> dict[str, VersionState]:
-        """Every version branch with its spec and records, read in batch."""
-        branches = self.git.version_branches()
+        """Every version branch with its spec and records, read in batch. Branches whose tip
+        this workspace already read (same commit, same record key) are not read again."""
+        return self._states(self.git.version_branches())
+
+    def reread(
+        self, states: dict[str, VersionState], names: Iterable[str]
+    ) -> dict[str, VersionState]:
+        """`states` with the versions `names` read again at their branch tips (a version
+        whose branch is gone drops out): what reconcile re-reads after acting on them, at a
+        cost that does not grow with the number of branches."""
+        names = list(names)
+        tips = self.git.version_tips(names)
+        fresh = self._states(tips)
+        out = {name: state for name, state in states.items() if name not in names}
+        out.update(fresh)
+        return out
+
+    def _states(self, branches: dict[str, str]) -> dict[str, VersionState]:
+        """The states of `branches` (name → tip commit), each a fresh copy callers may
+        change. A state read before is reused only for the same commit and the same record
+        key: the commit fixes every byte read, the key every seal verdict."""
+        key = self.record_key
+        stale = {name: sha for name, sha in branches.items()
+                 if self._read.get(name, (None, None, None))[:2] != (sha, key)}
+        if stale:
+            for name, state in self._read_states(stale).items():
+                self._read[name] = (state.sha, key, state)
+        return {name: self._read[name][2].copy() for name in branches}
+
+    def _read_states(self, branches: dict[str, str]) -> dict[str, VersionState]:
+        """Read and check the specs and records of `branches` at exactly those commits."""
+        self.branches_read += len(branches)
         wanted = []
-        for name in branches:
-            ref = branch_name(name)
-            wanted.append((ref, version_spec_path(name)))
-            wanted += [(ref, run_path(name, f)) for f in (*seal.SEALED_FILES, seal.SEAL_FILE)]
+        for name, sha in branches.items():
+            wanted.append((sha, version_spec_path(name)))
+            wanted += [(sha, run_path(name, f)) for f in (*seal.SEALED_FILES, seal.SEAL_FILE)]
         blobs = self.git.read_many(wanted)
         states = {}
         for name, sha in branches.items():
             ref = branch_name(name)
             source = f"{ref}:{version_spec_path(name)}"
-            raw = blobs[(ref, version_spec_path(name))]
+            raw = blobs[(sha, version_spec_path(name))]
             state = VersionState(name, sha, None, source, raw)
             spec = safe_yaml(raw, source)  # `validate` reports a broken spec; listing goes on
             state.spec = spec if isinstance(spec, dict) else None
             for f in RECORD_FILES:
                 kind, where = f.removesuffix(".yaml"), f"{ref}:{run_path(name, f)}"
-                blob = blobs[(ref, run_path(name, f))]
+                blob = blobs[(sha, run_path(name, f))]
                 try:
                     state.records[kind] = load_record(blob, where)
                     # A record of the wrong shape (a list for `result`, text for `attempt`)
@@ -212,7 +255,7 @@ class Workspace:
                 except EvoError as err:
                     state.records[kind] = None
                     state.record_errors[kind] = err
-            self._check_seal(state, {f: blobs[(ref, run_path(name, f))]
+            self._check_seal(state, {f: blobs[(sha, run_path(name, f))]
                                      for f in (*seal.SEALED_FILES, seal.SEAL_FILE)})
             states[name] = state
         return states
@@ -316,9 +359,23 @@ class Workspace:
         return out[::-1]
 
     def resolved_recipe(self, name: str, states: dict[str, VersionState] | None = None) -> dict:
+        """The project's recipe with every override root → `name` merged in. Each link is
+        resolved once from its parent's result, remembered under the digest of everything
+        it is resolved from (the project's recipe and each override on the way), so a tree
+        of thousands of versions costs one merge per version, not one per ancestor."""
         states = states if states is not None else self.versions()
-        chain = [s.spec.get("recipe") or {} for s in self.chain(name, states)]
-        return recipes.resolve(self.project.get("recipe") or {}, chain)
+        project = self.project.get("recipe") or {}
+        key = _link_key("project", project)
+        recipe = self._recipes.get(key)
+        if recipe is None:
+            recipe = self._recipes[key] = recipes.resolve(project, [])
+        for state in self.chain(name, states):
+            overrides = state.spec.get("recipe") or {}
+            key = _link_key(key, overrides)
+            if key not in self._recipes:
+                self._recipes[key] = recipes.deep_merge(recipe, overrides)
+            recipe = self._recipes[key]
+        return copy_tree(recipe)
 
     # ---- approvals ---------------------------------------------------------------------
 
@@ -396,6 +453,13 @@ class Workspace:
             return []
         unbound = self.unbound_paths(state.name)
         return [p for p in self.git.changed_paths(approved, state.sha) if p not in unbound]
+
+
+def _link_key(before: str, overrides: Any) -> str:
+    """The digest of a resolved recipe's inputs: the key of what it merges onto, then its
+    overrides (any YAML value: one a schema would refuse still gets a key of its own)."""
+    text = json.dumps([before, overrides], sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def load_record(blob: bytes | None, source: str) -> dict | None:

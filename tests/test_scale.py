@@ -1,0 +1,142 @@
+"""Scale (issue 28, C4/C5/E9): a reconcile pass re-reads after an action only what the
+action changed, so an action costs the same however many branches the workspace holds
+(counted in files read from git and git processes, never timed); `plan` writes nothing,
+not even while a job runs (the live look is reconcile's)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from standin import StandinBackend, propose, reconciler, wait_for
+from test_early_stop import flushing_version, job_pid
+
+from evotrainer.control.reconcile import Reconciler, load_context
+from evotrainer.store.git import GitStore
+from evotrainer.store.workspace import PROJECT_FILE, Workspace
+
+pytestmark = pytest.mark.usefixtures("standin")
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "lineage.py"
+
+
+def bench_build(root: Path, count: int) -> Workspace:
+    """bench/lineage.py's workspace: `count` unapproved versions in a binary tree."""
+    spec = importlib.util.spec_from_file_location("bench_lineage", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build(root, count)
+
+
+class Counter:
+    """Files read from git (through GitStore.read_many) and git processes started."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.files = self.processes = 0
+        read_many, popen_init = GitStore.read_many, subprocess.Popen.__init__
+
+        def counted_read_many(store, wanted):
+            wanted = list(wanted)
+            self.files += len(wanted)
+            return read_many(store, wanted)
+
+        def counted_popen(process, args, *rest, **kwargs):
+            if (args[0] if isinstance(args, list | tuple) else str(args)).endswith("git"):
+                self.processes += 1
+            return popen_init(process, args, *rest, **kwargs)
+
+        monkeypatch.setattr(GitStore, "read_many", counted_read_many)
+        monkeypatch.setattr(subprocess.Popen, "__init__", counted_popen)
+
+    def snapshot(self) -> tuple[int, int]:
+        return self.files, self.processes
+
+
+class NoJobBackend(StandinBackend):
+    """Launches nothing: what is counted is reconcile's own work around the action."""
+
+    def submit(self, job) -> None:
+        pass
+
+
+def action_cost(root: Path, branches: int, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
+    """(files read, git processes) a pass spends beyond reading the workspace once, in a
+    workspace of `branches` unapproved versions plus two approved ones to launch."""
+    ws = bench_build(root, branches)
+    project = ws.root / PROJECT_FILE
+    data = yaml.safe_load(project.read_text())
+    data["autonomy"] = {**(data.get("autonomy") or {}), "max_concurrent_jobs": 2}
+    project.write_text(yaml.safe_dump(data, sort_keys=False))
+    propose(ws, "wa")
+    propose(ws, "wb")
+    counter = Counter(monkeypatch)
+    reading = Reconciler(Workspace(ws.root), log=lambda _: None,
+                         backends={"local": NoJobBackend()})
+    before = counter.snapshot()
+    load_context(reading.ws, reading.backends)  # no job runs: nothing to look at live
+    read_once = [after - then for after, then in zip(counter.snapshot(), before, strict=True)]
+    # The same pass from a fresh workspace object: nothing is remembered from the read above.
+    passing = Reconciler(Workspace(ws.root), log=lambda _: None,
+                         backends={"local": NoJobBackend()})
+    before = counter.snapshot()
+    plans, applied = passing.pass_once()
+    spent = [after - then for after, then in zip(counter.snapshot(), before, strict=True)]
+    assert applied == 2 and sorted(p.version for p in plans if p.action) == ["wa", "wb"]
+    monkeypatch.undo()
+    return spent[0] - read_once[0], spent[1] - read_once[1]
+
+
+def test_the_cost_of_an_action_does_not_grow_with_the_branches(tmp_path, monkeypatch):
+    """Two launches in a pass over 20 branches, then over 120: the files read from git and
+    the git processes beyond the pass's one read of the workspace are the same count (the
+    old pass read every branch again before each action: 5 files a branch)."""
+    small = action_cost(tmp_path / "small", 20, monkeypatch)
+    large = action_cost(tmp_path / "large", 120, monkeypatch)
+    assert large == small
+    assert small[0] < 5 * 20  # the acted versions' files, not another read of every branch
+
+
+def snapshot(ws: Workspace) -> dict[str, object]:
+    """Everything `plan` could write: refs, the working tree, and .evotrainer/ (files,
+    their bytes and mtimes) but for the artifact folders the running job itself writes."""
+    state: dict[str, object] = {
+        "refs": ws.git.repo.git.for_each_ref(),
+        "status": ws.git.repo.git.status("--porcelain", "--ignored"),
+    }
+    artifacts = ws.artifact_root.resolve()
+    for path in sorted(ws.root.rglob("*")):
+        if ".git" in path.relative_to(ws.root).parts or path.resolve().is_relative_to(artifacts):
+            continue
+        info = path.lstat()
+        state[str(path)] = (info.st_mtime_ns, path.read_bytes() if path.is_file() else None)
+    return state
+
+
+def test_plan_writes_nothing_while_a_job_runs(workspace, cli):
+    """A job is running and reconcile has looked at its evidence (.evotrainer/live/). `plan`
+    shows it without writing: no ref, no file of the tree, nothing under .evotrainer/ (the
+    old plan took a live look of its own and rewrote the live state)."""
+    reconciler(workspace).run(wait=True, poll_s=0.05)
+    flushing_version(workspace, "v1", leak=False)
+    running = reconciler(workspace)
+    running.pass_once()  # launch
+    pid = job_pid(workspace, "v1")
+    live_state = workspace.state_dir / "live" / "v1" / "state.json"
+
+    def looked_at() -> bool:
+        running.pass_once()  # polls it to Running, then looks at its evidence
+        return (workspace.version("v1").run.state == "Running" and live_state.is_file()
+                and json.loads(live_state.read_text())["progress"]["rows"] > 0)
+
+    try:
+        wait_for(looked_at)
+        before = snapshot(workspace)
+        result = cli("-C", str(workspace.root), "plan", "--json")
+        assert result.code in (0, 2) and '"version": "v1"' in result.out
+        assert snapshot(workspace) == before
+    finally:
+        psutil.Process(pid).kill()

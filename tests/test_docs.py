@@ -25,3 +25,21 @@ def test_every_column_of_the_rollout_table_is_documented():
     from evotrainer.evidence.schema import COLUMN_DOCS, ROLLOUT_SCHEMA
 
     assert list(COLUMN_DOCS) == ROLLOUT_SCHEMA.names
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+    """The README's two commands stay on its first screen and its test block is, byte for
+    byte, the command `.ci/run` runs (issue 28 item 10)."""
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    blocks = readme.split("```bash\n")
+    install = blocks[1].split("```")[0]
+    test_block = next(b.split("```")[0] for b in blocks if b.startswith("python3 -m venv .venv"
+                                                                       " && .venv/bin/pip "
+                                                                       "install torch==2.13.0 \\"))
+    assert test_block.strip() in ci
+    assert install.startswith("python3 -m venv .venv && .venv/bin/pip install torch==2.13.0")
+    first_screen = "\n".join(readme.splitlines()[:50])
+    assert install in first_screen and "bash .ci/run" in first_screen
+    assert test_block in first_screen
+    assert len(readme.splitlines()) <= 200

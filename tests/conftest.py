@@ -46,6 +46,15 @@ def standin(monkeypatch):
 
 
 @pytest.fixture
+def standin_verl(monkeypatch):
+    """verl jobs import tests/verl_standin's verl instead of the real one, through
+    PYTHONPATH (a job's worktree never can: its jobs run with PYTHONSAFEPATH)."""
+    standin = str(Path(__file__).resolve().parent / "verl_standin")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [standin, *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
+@pytest.fixture
 def workspace(tmp_path: Path) -> Workspace:
     return Workspace(init_workspace(tmp_path / "ws", "arith"))
 

@@ -8,6 +8,7 @@ import re
 
 import pytest
 import yaml
+from sealing import controller_commit
 
 from evotrainer.agent.skills import (
     fires,
@@ -283,8 +284,8 @@ def test_cli_match_reads_the_version_diagnosis(workspace, cli) -> None:
     diag = {"apiVersion": "evotrainer/v1", "kind": "Diagnosis", "version": "v1",
             "harness": {"name": "h0", "digest": "sha256:x"},
             **diagnosis(("dead_groups",), dead_group_ratio=0.6, echo_trap_ratio=0.3)}
-    workspace.git.commit_files("evo/v1", {"runs/v1/diagnosis.yaml": specs.dump(diag).encode()},
-                               "diagnose v1", {"Action": "diagnose", "Version": "v1"})
+    controller_commit(workspace, "v1", {"runs/v1/diagnosis.yaml": specs.dump(diag).encode()},
+                      "diagnose v1")
     out = cli("skills", "match", "v1", "--json", cwd=workspace.root)
     assert out.exit_code == 0, out.output
     result = json.loads(out.output)

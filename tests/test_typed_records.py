@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import yaml
+from sealing import controller_commit
 from test_checkpoints import lineage  # noqa: F401  (the fixture: v1 promoted, v2 pruned, v3 open)
 
 from evotrainer.control.retention import plan_gc
@@ -15,7 +16,7 @@ from evotrainer.diagnosis.harness_backtest import recorded_versions
 from evotrainer.report.views import _Evidence
 from evotrainer.store.git import branch_name
 from evotrainer.store.records import DecisionRecord, RunRecord
-from evotrainer.store.workspace import run_path
+from evotrainer.store.workspace import Workspace, run_path
 
 
 def test_null_fields_read_as_their_defaults_not_as_the_text_none():
@@ -42,8 +43,8 @@ def test_a_decision_without_a_verdict_keeps_its_policy_from_gc(lineage):  # noqa
     (read as "" or "None" it would be dropped as if the gate had pruned it)."""
     ws, policies = lineage
     path = run_path("v3", "decision.yaml")
-    ws.git.commit_files(branch_name("v3"), {path: yaml.safe_dump(
-        {"verdict": None, "reason": "interrupted"}).encode()}, "a verdict-less decision", {})
+    controller_commit(ws, "v3", {path: yaml.safe_dump(
+        {"verdict": None, "reason": "interrupted"}).encode()}, "a verdict-less decision")
     drops, kept = plan_gc(ws)
     assert [d.version for d in drops] == ["v2"]
     assert kept["v3"] == "open (no verdict yet)"
@@ -98,7 +99,13 @@ def test_a_record_pointing_elsewhere_cannot_make_the_report_show_its_rollouts(
     branch, path = branch_name("v2"), run_path("v2", "run.yaml")
     run = yaml.safe_load(ws.git.read(branch, path))
     run["artifact_dir"] = str(elsewhere)
-    ws.git.commit_files(branch, {path: yaml.safe_dump(run).encode()}, "tamper", {})
+    # Sealed (as if the controller itself had written it), the folder check still refuses it.
+    controller_commit(ws, "v2", {path: yaml.safe_dump(run).encode()}, "elsewhere")
     evidence = _Evidence(ws, ws.version("v2"))
     assert evidence.folder is None and "not its artifact folder" in evidence.missing()
+    # Committed by a branch author, the record is forged: the report says so.
+    run["artifact_dir"] = str(elsewhere / "rollouts" / "..")
+    ws.git.commit_files(branch, {path: yaml.safe_dump(run).encode()}, "tamper", {})
+    evidence = _Evidence(ws, Workspace(ws.root).version("v2"))
+    assert evidence.folder is None and "forged records" in evidence.missing()
     assert _Evidence(ws, ws.version("v1")).missing() is None  # an untouched record reads

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import socket
 import sys
@@ -29,15 +28,11 @@ from evotrainer.backends.verl_render import JobFiles
 from evotrainer.errors import EvoError
 from evotrainer.store.recipe import BASE_RECIPE, deep_merge, digest
 
-STANDIN = Path(__file__).parent / "verl_standin"
+STANDIN = Path(__file__).parent / "verl_standin"  # a Ray job ships it in its worktree
 
 
-@pytest.fixture(autouse=True)
-def standin_verl(monkeypatch):
-    """The stand-in shadows the real verl through PYTHONPATH (a job's worktree never can:
-    its jobs run with PYTHONSAFEPATH)."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(STANDIN), *filter(None, [os.environ.get("PYTHONPATH")])]))
+# The stand-in shadows the real verl through PYTHONPATH (conftest.py's `standin_verl`).
+pytestmark = pytest.mark.usefixtures("standin_verl")
 
 
 TOKENIZER = Path(__file__).parent / "golden" / "verl" / "tokenizer"  # a local word-level one

@@ -159,7 +159,7 @@ def test_our_reward_module_carries_the_dataset_row_into_a_legacy_dump(tmp_path):
     assert set(groups["task_id_count"].to_pylist()) == {N}
 
 
-def test_a_legacy_verl_job_is_collected_with_exact_groups(tmp_path):
+def test_a_legacy_verl_job_is_collected_with_exact_groups(tmp_path, standin_verl):
     """The verl backend end to end with the legacy trainer (`trainer.use_v1=false`, balanced
     train batches): collect groups every step's rows by dataset row."""
     backend = VerlBackend()

@@ -145,10 +145,11 @@ def test_data_root_allows_outside_path(workspace, cli, tmp_path):
 
 def test_not_a_git_repo_or_workspace(tmp_path, cli):
     result = cli("-C", str(tmp_path), "lineage")
-    assert result.code == 1 and "not a git repository" in result.err
+    assert result.code == 1 and "not inside an EvoTrainer workspace" in result.err
+    assert "git init" not in result.err  # it would only lead to a second error
     git.Repo.init(tmp_path)
     result = cli("-C", str(tmp_path), "validate")
-    assert result.code == 1 and "not an EvoTrainer workspace" in result.err
+    assert result.code == 1 and "EvoTrainer workspace" in result.err
 
 
 def test_init_refuses_non_empty_dir(tmp_path, cli):

@@ -100,8 +100,11 @@ def compute_score(
         **scored.components,
         "task_id": task.task_id,
         "data_source": data_source,
-        "index": str(info["index"]),
     }
+    # The row's place in the dataset, for exact groups on ingest; ours always carries it, a
+    # dataset written elsewhere may not.
+    if "index" in info:
+        out["index"] = str(info["index"])
     if domain.tools:
         out["tool_calls"] = json.dumps(calls)
         turns = info.get("num_turns")  # a numpy integer from verl's batch

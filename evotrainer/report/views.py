@@ -199,7 +199,9 @@ class _Evidence:
         self.folder: Path | None = None
         self.refused: str | None = None
         self.tables: dict[str, pa.Table | None] = {}
-        if state.run and state.run.artifact_dir:
+        if "seal" in state.record_errors:  # forged: no folder it names is read
+            self.refused = state.record_errors["seal"].message
+        elif state.run and state.run.artifact_dir:
             try:  # a record edited on a branch cannot show another folder's rollouts
                 self.folder = ws.run_dir(state.name, state.records["run"])
             except EvoError as err:

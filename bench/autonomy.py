@@ -38,9 +38,9 @@ from typing import Any
 
 import yaml
 
+from evotrainer.agent.evolve import evolve
 from evotrainer.backends.base import Backend
 from evotrainer.commands.init import init_workspace
-from evotrainer.control.evolve import evolve
 from evotrainer.control.gate import recorded_scores
 from evotrainer.control.versions import approve
 from evotrainer.diagnosis.diagnose import diagnose

@@ -10,11 +10,11 @@ import typer
 from standin import StandinBackend
 from typer.testing import CliRunner
 
+from evotrainer.agent.evolve import evolve
 from evotrainer.backends import BACKEND_TYPES
 from evotrainer.backends.base import JobSpec
 from evotrainer.commands.evolve import register
 from evotrainer.commands.init import init_workspace
-from evotrainer.control.evolve import evolve
 from evotrainer.control.lineage import lineage_rows
 from evotrainer.errors import EvoError
 from evotrainer.store.recipe import deep_merge

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import typer
 
+from evotrainer.agent.evolve import Round, evolve
 from evotrainer.commands.lineage import describe, lineage_tree
 from evotrainer.commands.propose import PLANNER_HELP, print_result
-from evotrainer.control.evolve import Round, evolve
 from evotrainer.control.lineage import lineage_rows
 from evotrainer.control.reconcile import VersionPlan
 from evotrainer.store.workspace import Workspace

@@ -14,6 +14,9 @@ from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import console as make_console
 from evotrainer.terminal import safe
 
+# Versions awaiting approval shown one a row after a reconcile; the rest are counted.
+SHOWN_WAITING = 20
+
 
 def reconcile_workspace(ws: Workspace, wait: bool, console: Console) -> list[VersionPlan]:
     """Apply the plan; the plans returned carry each version's error, if it had one."""
@@ -58,7 +61,15 @@ def register(app: typer.Typer) -> None:
         when any failed."""
         console = make_console()
         plans = reconcile_workspace(Workspace.find(), wait, console)
-        console.print(plan_table(plans))
+        waiting = [p for p in plans if p.action is None and not p.error
+                   and p.note.startswith("awaiting approval")]
+        if len(waiting) > SHOWN_WAITING:  # thousands of proposals: a count, not a row each
+            hidden = {p.version for p in waiting[SHOWN_WAITING:]}
+            console.print(plan_table([p for p in plans if p.version not in hidden]))
+            console.print(f"… and {len(hidden)} more versions awaiting approval "
+                          "(`evotrainer plan` lists every version)")
+        else:
+            console.print(plan_table(plans))
         failed = [p.version for p in plans if p.error]
         if failed:
             console.print(f"[red]errors:[/] {safe(', '.join(failed))}; the others went ahead")

@@ -46,5 +46,6 @@ def register(app: typer.Typer) -> None:
             for problem in problems:
                 console.print(f"[red]✗[/] {safe(problem)}", highlight=False, soft_wrap=True)
             if not problems and ws is not None:
-                console.print(f"[green]✓[/] workspace valid ({len(ws.versions())} versions)")
+                count = len(ws.git.version_branches())
+                console.print(f"[green]✓[/] workspace valid ({count} versions)")
         raise typer.Exit(1 if problems else 0)

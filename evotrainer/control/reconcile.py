@@ -190,7 +190,7 @@ def load_context(
     if not isinstance(backends, Backends):
         backends = Backends(backends, ws.artifact_root / "cache")
     states = ws.versions()
-    validation = check_workspace(ws, states, backends=backends)
+    validation = check_workspace(ws, states, backends=backends, remember=live)
     if validation.workspace:
         first = validation.workspace[0]
         more = len(validation.workspace) - 1
@@ -337,9 +337,9 @@ def observe(ctx: Context, state: VersionState) -> Observed:
     unapproved_files: tuple[str, ...] = ()
     if promoting and approval != "approved":
         unapproved_files = tuple(ctx.ws.unapproved_changes(state))
-    recipe = ctx.ws.resolved_recipe(state.name, ctx.states)
-    parent_policy = None
-    if parent is not None and init_mode(recipe) == "parent":
+    parent_policy = None  # read by a launch only, which an approval precedes
+    if (parent is not None and approval == "approved"
+            and init_mode(ctx.ws.resolved_recipe(state.name, ctx.states)) == "parent"):
         parent_policy = _parent_policy_gap(parent.name, parent_run)
     return Observed(
         name=state.name,

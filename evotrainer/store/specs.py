@@ -8,8 +8,11 @@ rejected with a "did you mean ..." when a known key is close.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
-from dataclasses import dataclass
+import os
+import tempfile
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -57,7 +60,16 @@ class Document:
 
     data: Any
     source: str  # shown in errors: a path, or `ref:path` for a file read from git
-    marks: dict[Path_, tuple[int, int]]  # field path → (line, column), 1-based
+    # field path → (line, column), 1-based; None: found from `raw` when first asked (a
+    # document whose data came from the checked-documents cache, see `cached_valid`)
+    _marks: dict[Path_, tuple[int, int]] | None = None
+    raw: bytes | str | None = field(default=None, repr=False)
+
+    @property
+    def marks(self) -> dict[Path_, tuple[int, int]]:
+        if self._marks is None:
+            self._marks = parse(self.raw, self.source).marks if self.raw is not None else {}
+        return self._marks
 
     def where(self, path: Path_ = ()) -> str:
         # The closest enclosing field that has a position.
@@ -99,6 +111,50 @@ def _resolved(kind: str, subschema: dict) -> dict:
         return subschema
     target = _registry().resolver(base_uri=schema(kind)["$id"]).lookup(subschema["$ref"])
     return {**target.contents, **{k: v for k, v in subschema.items() if k != "$ref"}}
+
+
+@cache
+def rules_digest() -> str:
+    """What a document's validity depends on besides its bytes: every schema and the code
+    that checks it (this module, and CEL's for the expressions it holds), byte for byte."""
+    here = Path(__file__).resolve()
+    code = [here, here.parents[1] / "diagnosis" / "cel.py"]
+    digest = hashlib.sha256(API_VERSION.encode())
+    for path in [*code, *sorted(builtin_dir("spec/schemas").glob("*.schema.json"))]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _cache_file(folder: Path, raw: bytes, kind: str) -> Path:
+    return folder / f"{kind}-{rules_digest()}-{hashlib.sha256(raw).hexdigest()}.json"
+
+
+def cached_valid(raw: bytes, source: str, kind: str, folder: Path) -> Document | None:
+    """The document `raw` is, when these very bytes were checked valid as `kind` before,
+    under these schemas and this code (`remember_valid`); None otherwise (parse and check
+    it). The key is the content's digest, never a name: other bytes are other entries."""
+    try:
+        data = json.loads(_cache_file(folder, raw, kind).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return Document(data, source, None, raw)
+
+
+def remember_valid(doc: Document, raw: bytes, kind: str, folder: Path | None) -> None:
+    """Record that `raw` checked valid as `kind`, with its data, for `cached_valid`; only
+    data JSON keeps exactly (a YAML date, say, would come back a string: not kept)."""
+    if folder is None:
+        return
+    text = json.dumps(doc.data, sort_keys=True)
+    if json.loads(text) != doc.data:
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as out:
+            out.write(text)
+        os.replace(out.name, _cache_file(folder, raw, kind))
+    except OSError:
+        pass  # a cache that cannot be written is only slower
 
 
 def parse(text: bytes | str, source: str) -> Document:

@@ -80,9 +80,9 @@ class Validation:
 def validate_workspace(ws: Workspace, ref: str | None = None) -> list[EvoError]:
     """Every problem: the branch tips, plus the working tree (or `ref`, e.g. a pull
     request's head) where its files differ from them. Each problem once."""
-    problems = check_workspace(ws).problems()
-    overlay = _tree_specs(ws, ref)
     states = ws.versions()
+    problems = check_workspace(ws, dict(states), remember=True).problems()
+    overlay = _tree_specs(ws, ref)
     changed = {
         name: (source, raw)
         for name, (source, raw) in overlay.items()
@@ -98,7 +98,8 @@ def validate_workspace(ws: Workspace, ref: str | None = None) -> list[EvoError]:
             parsed = safe_yaml(raw)
             states[name].spec = parsed if isinstance(parsed, dict) else None
         if tree_ws is not None:
-            problems += check_workspace(tree_ws, states, library_ref=ref).problems()
+            problems += check_workspace(tree_ws, states, library_ref=ref,
+                                        remember=True).problems()
     return _unique(problems)
 
 
@@ -107,9 +108,12 @@ def check_workspace(
     states: dict[str, VersionState] | None = None,
     library_ref: str | None = None,
     backends: dict | None = None,
+    remember: bool = False,
 ) -> Validation:
     """The checks `validate` runs, grouped: plan and reconcile refuse invalid versions.
-    `backends` (name → backend) check the recipes they will run; default: by name."""
+    `backends` (name → backend) check the recipes they will run; default: by name.
+    `remember`: record the version specs found valid by their content digest, so the next
+    run reads them without parsing and checking them again (`plan`, read-only, does not)."""
     result = Validation()
     problems = result.workspace
     project_doc = _check_bytes(
@@ -145,7 +149,7 @@ def check_workspace(
     docs: dict[str, specs.Document] = {}
     for name, state in sorted(states.items()):
         found: list[EvoError] = []
-        doc = _check_version(state, found)
+        doc = _check_version(state, found, ws.checked_dir, remember)
         if doc is not None:
             docs[name] = doc
         result.versions[name] = found
@@ -415,7 +419,7 @@ def _check_each_recipe(
         ):
             continue  # a broken lineage has no resolved recipe
         try:
-            recipe = ws.resolved_recipe(name, states)
+            recipe = ws.resolved_recipe(name, states, shared=True)
             check_spec_recipe(recipe, doc, backends.get(recipe.get("backend", "local")))
         except EvoError as err:
             if project_problem is None or (err.field, err.message.split(" (inherited")[0]) != (
@@ -478,7 +482,11 @@ def _check_name(doc: specs.Document, expected: str, hint: str, problems: list) -
         )
 
 
-def _check_version(state: VersionState, problems: list) -> specs.Document | None:
+def _check_version(
+    state: VersionState, problems: list, checked: Path, remember: bool
+) -> specs.Document | None:
+    """The version's spec document when it is schema-valid (read from `checked` when
+    these bytes were found valid before); its problems appended otherwise."""
     if state.spec_raw is None:
         problems.append(
             EvoError(
@@ -489,15 +497,19 @@ def _check_version(state: VersionState, problems: list) -> specs.Document | None
             )
         )
         return None
-    try:
-        doc = specs.parse(state.spec_raw, state.spec_source)
-    except EvoError as err:
-        problems.append(err)
-        return None
-    found = specs.check(doc, "PolicyVersion")
-    problems.extend(found)
-    if found:
-        return None
+    doc = specs.cached_valid(state.spec_raw, state.spec_source, "PolicyVersion", checked)
+    if doc is None:
+        try:
+            doc = specs.parse(state.spec_raw, state.spec_source)
+        except EvoError as err:
+            problems.append(err)
+            return None
+        found = specs.check(doc, "PolicyVersion")
+        problems.extend(found)
+        if found:
+            return None
+        if remember:
+            specs.remember_valid(doc, state.spec_raw, "PolicyVersion", checked)
     _check_name(
         doc,
         state.name,

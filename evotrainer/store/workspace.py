@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -116,7 +116,7 @@ class Workspace:
         # name → (commit, record key, state) of each branch read so far: see `_states`.
         self._read: dict[str, tuple[str, bytes | None, VersionState]] = {}
         # Resolved recipes by what they are resolved from: see `resolved_recipe`.
-        self._recipes: dict[str, dict] = {}
+        self._recipes: dict[Hashable, dict] = {}
         self.branches_read = 0  # branches read from git so far (a pass's cost, in tests)
         if not (self.root / PROJECT_FILE).is_file():
             raise EvoError(
@@ -145,6 +145,11 @@ class Workspace:
     @property
     def state_dir(self) -> Path:
         return self.root / STATE_DIR
+
+    @property
+    def checked_dir(self) -> Path:
+        """The documents checked valid before, by content digest (specs.cached_valid)."""
+        return self.state_dir / "cache" / "checked"
 
     @property
     def artifact_root(self) -> Path:
@@ -242,7 +247,9 @@ class Workspace:
             source = f"{ref}:{version_spec_path(name)}"
             raw = blobs[(sha, version_spec_path(name))]
             state = VersionState(name, sha, None, source, raw)
-            spec = safe_yaml(raw, source)  # `validate` reports a broken spec; listing goes on
+            known = raw and specs.cached_valid(raw, source, "PolicyVersion", self.checked_dir)
+            # `validate` reports a broken spec; listing goes on
+            spec = known.data if known else safe_yaml(raw, source)
             state.spec = spec if isinstance(spec, dict) else None
             for f in RECORD_FILES:
                 kind, where = f.removesuffix(".yaml"), f"{ref}:{run_path(name, f)}"
@@ -358,24 +365,31 @@ class Workspace:
             current = state.parent
         return out[::-1]
 
-    def resolved_recipe(self, name: str, states: dict[str, VersionState] | None = None) -> dict:
+    def resolved_recipe(
+        self, name: str, states: dict[str, VersionState] | None = None, *, shared: bool = False
+    ) -> dict:
         """The project's recipe with every override root → `name` merged in. Each link is
-        resolved once from its parent's result, remembered under the digest of everything
-        it is resolved from (the project's recipe and each override on the way), so a tree
-        of thousands of versions costs one merge per version, not one per ancestor."""
+        resolved once from its parent's result, remembered under everything it is resolved
+        from (the project's recipe and each override on the way), so a tree of thousands of
+        versions costs one merge per version, not one per ancestor. `shared`: the
+        remembered recipe itself, for a reader that changes nothing (validation's checks);
+        otherwise a copy of it."""
         states = states if states is not None else self.versions()
         project = self.project.get("recipe") or {}
-        key = _link_key("project", project)
+        key: Hashable = _link_key("project", project)
         recipe = self._recipes.get(key)
         if recipe is None:
             recipe = self._recipes[key] = recipes.resolve(project, [])
         for state in self.chain(name, states):
             overrides = state.spec.get("recipe") or {}
-            key = _link_key(key, overrides)
+            # The spec's bytes are the key where the spec was parsed from them (every state
+            # read from git, or from the working tree by `validate`), else its overrides.
+            key = (key, state.spec_raw if state.spec_raw is not None
+                   else _link_key("overrides", overrides))
             if key not in self._recipes:
                 self._recipes[key] = recipes.deep_merge(recipe, overrides)
             recipe = self._recipes[key]
-        return copy_tree(recipe)
+        return recipe if shared else copy_tree(recipe)
 
     # ---- approvals ---------------------------------------------------------------------
 
@@ -455,10 +469,10 @@ class Workspace:
         return [p for p in self.git.changed_paths(approved, state.sha) if p not in unbound]
 
 
-def _link_key(before: str, overrides: Any) -> str:
-    """The digest of a resolved recipe's inputs: the key of what it merges onto, then its
-    overrides (any YAML value: one a schema would refuse still gets a key of its own)."""
-    text = json.dumps([before, overrides], sort_keys=True, default=repr)
+def _link_key(kind: str, overrides: Any) -> str:
+    """The digest of recipe overrides (any YAML value: one a schema would refuse still gets
+    a key of its own)."""
+    text = json.dumps([kind, overrides], sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

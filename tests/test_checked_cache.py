@@ -1,0 +1,45 @@
+"""The record of checked documents (.evotrainer/cache/checked, store/specs.py
+`cached_valid`): a spec found valid is read again without parsing and checking it, keyed
+by the digest of its bytes, never by its name; what it reports is what a full check
+reports."""
+
+from __future__ import annotations
+
+from evotrainer.control.versions import spec_text
+from evotrainer.store.git import branch_name
+from evotrainer.store.workspace import Workspace, version_spec_path
+
+
+def commit_spec(ws: Workspace, name: str, recipe: dict) -> None:
+    """Commit `name`'s spec (forked from v0, unapproved) straight onto its branch."""
+    spec = {"apiVersion": "evotrainer/v1", "kind": "PolicyVersion", "name": name,
+            "parent": "v0", "intervention": {"rationale": "scale", "skills": [], "factors": 1},
+            "recipe": recipe, "approval": {"approved": False}}
+    ws.git.commit_files(branch_name(name), {version_spec_path(name): spec_text(spec).encode()},
+                        f"Propose {name}", start=branch_name("v0"))
+
+
+def test_a_spec_checked_valid_once_is_checked_again_when_its_bytes_change(workspace, cli):
+    """`validate` records the specs it found valid by the digest of their bytes. The branch
+    then changes v1 into a spec the schema refuses, under the same name and path: the new
+    bytes are checked, and refused, by validate and plan alike (a cache keyed by the name
+    would have kept reading the old verdict)."""
+    commit_spec(workspace, "v1", {"grpo": {"lr": 3e-4}})
+    assert cli("-C", str(workspace.root), "validate").code == 0
+    assert list(workspace.checked_dir.glob("PolicyVersion-*.json"))
+    commit_spec(workspace, "v1", {"grpo": {"lr": 3e-4, "lrr": 1}})
+    result = cli("-C", str(workspace.root), "validate")
+    assert result.code == 1 and "unknown key 'lrr'" in result.err and "grpo.lrr" in result.err
+    planned = cli("-C", str(workspace.root), "plan", "--json")
+    assert planned.code == 1 and "unknown key 'lrr'" in planned.out
+
+
+def test_a_remembered_spec_reports_a_recipe_problem_at_the_same_line(workspace, cli):
+    """A spec the schema accepts, whose recipe the backend refuses (clip_high below
+    clip_low): the second validate reads the spec from the record of valid documents and
+    still names the file, line and column of the field, as the first did."""
+    commit_spec(workspace, "v1", {"grpo": {"clip_low": 0.3, "clip_high": 0.2}})
+    first = cli("-C", str(workspace.root), "validate")
+    assert first.code == 1 and "evo/v1:spec/versions/v1.yaml:" in first.err
+    assert list(workspace.checked_dir.glob("PolicyVersion-*.json"))
+    assert cli("-C", str(workspace.root), "validate").err == first.err

@@ -373,3 +373,13 @@ def test_a_reader_without_the_key_verifies_nothing_and_acts_on_nothing(workspace
     monkeypatch.setenv(seal.KEY_ENV, (workspace.root.parent / "kept.key").read_text().strip())
     rows = plans_by_version(Workspace(workspace.root))
     assert rows["v1"].error is None and rows["v1"].note.startswith("done")
+
+
+def test_an_alias_bomb_for_a_seal_is_read_within_the_bounds():
+    """The seal file is branch content: a 600-byte billion-laughs document is refused by the
+    bounded loader (it would expand to a billion strings) and counts as no seal."""
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [" + ", ".join([f"*{chr(97 + i)}"] * 10) + "]\n"
+        for i in range(8))
+    assert len(bomb) < 4096
+    assert seal.read_seal(bomb.encode()) == {}

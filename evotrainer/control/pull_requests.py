@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import git
-import yaml
 
 from evotrainer.control.github_client import GitHubRepo
 from evotrainer.control.versions import approve
@@ -35,6 +34,7 @@ from evotrainer.diagnosis.harness import HarnessRevision, parse_harness_text, re
 from evotrainer.diagnosis.harness_backtest import backtest_harness
 from evotrainer.errors import EvoError
 from evotrainer.store.git import BRANCH_PREFIX, DIFF_SAFETY, PRUNED_TAG_PREFIX, branch_name
+from evotrainer.store.specs import load_yaml
 from evotrainer.store.workspace import PROJECT_FILE, VersionState, Workspace
 
 STATUS_MARKER = "<!-- evotrainer:status -->"
@@ -378,7 +378,10 @@ def sync(ws: Workspace, gh: GitHubRepo, base: str = "main", remote: str | None =
 
 def _harness_of(ws: Workspace, ref: str) -> str:
     raw = ws.git.read(ref, PROJECT_FILE)
-    doc = yaml.safe_load(raw) if raw else None
+    try:  # the PR's own project file: read within the bounds, as every spec is
+        doc = load_yaml(raw, f"{ref}:{PROJECT_FILE}") if raw else None
+    except EvoError:
+        doc = None  # `validate --ref` reports it; the summary compares with h0
     return (doc or {}).get("harness", "h0") if isinstance(doc, dict) else "h0"
 
 

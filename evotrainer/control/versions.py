@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import yaml
-
 from evotrainer import API_VERSION
 from evotrainer.agent.skills import skill_overrides
 from evotrainer.errors import EvoError
@@ -30,7 +28,7 @@ def parse_assignment(text: str) -> tuple[str, Any]:
         raise EvoError(
             f"--set {text!r} is not KEY=VALUE", field="--set", hint="e.g. --set grpo.lr=3e-4"
         )
-    value = yaml.safe_load(raw)
+    value = specs.load_yaml(raw, f"--set {key}")
     if isinstance(value, str):
         # YAML 1.1 reads `3e-4` as a string; every RL engineer means the number.
         with contextlib.suppress(ValueError):

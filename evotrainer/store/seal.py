@@ -29,6 +29,7 @@ from pathlib import Path
 import yaml
 
 from evotrainer.errors import EvoError
+from evotrainer.store import specs
 
 KEY_ENV = "EVOTRAINER_RECORD_KEY"
 KEY_FILE = "record.key"
@@ -106,9 +107,9 @@ def read_seal(blob: bytes | None) -> dict[str, str]:
     """The seal file's MACs ({} when absent or not a mapping of strings)."""
     if blob is None or len(blob) > 4096:
         return {}
-    try:
-        data = yaml.safe_load(blob)
-    except yaml.YAMLError:
+    try:  # bounded: a 600-byte alias bomb is branch content too
+        data = specs.load_yaml(blob, SEAL_FILE)
+    except EvoError:
         return {}
     if not isinstance(data, dict):
         return {}

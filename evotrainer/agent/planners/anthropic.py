@@ -30,7 +30,6 @@ from typing import Any
 
 import jinja2
 import jsonschema
-import yaml
 
 from evotrainer import API_VERSION
 from evotrainer.agent.planners.base import HarnessProposal, PlannerResult, Proposal, View, next_name
@@ -59,6 +58,7 @@ from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.store import specs
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.recipe import set_dotted
+from evotrainer.store.specs import load_yaml
 
 DEFAULT_MODEL = "claude-sonnet-5"
 DEFAULT_TOKENS_PER_DECISION = 100_000
@@ -477,7 +477,7 @@ class _Tools:
             raise EvoError("one harness revision per decision")
         if not 1 <= len(metrics) <= 3:
             raise EvoError("add one to three metrics per revision")
-        base = yaml.safe_load(Path(view.harness.source).read_text(encoding="utf-8"))
+        base = load_yaml(Path(view.harness.source).read_bytes(), view.harness.source)
         name = next_name(view.ws.harness_names(), "h")
         document = {**base, "name": name, "parent": view.harness.name,
                     "description": f"{view.harness.name} plus "

@@ -25,6 +25,7 @@ from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import CHECKPOINT, is_dropped
 from evotrainer.store.git import PRUNED_TAG_PREFIX
 from evotrainer.store.recipe import canonical_json, set_dotted
+from evotrainer.store.specs import load_yaml
 from evotrainer.store.workspace import VersionState, Workspace
 
 PLANNERS = ("rules", "score", "anthropic")
@@ -254,7 +255,7 @@ def write_harness_revision(ws: Workspace, harness: HarnessProposal) -> str:
         "# yaml-language-server: $schema=../spec/schemas/harness-revision.schema.json\n"
         + yaml.safe_dump(harness.document, sort_keys=False, allow_unicode=True)
     )
-    parse_harness(yaml.safe_load(text), source=path)  # never commit an invalid revision
+    parse_harness(load_yaml(text, path), source=path)  # never commit an invalid revision
     summary = ""
     if harness.backtest:
         cases = harness.backtest.get("cases") or []

@@ -32,8 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from evotrainer.agent.planners.base import (
     HarnessProposal,
     PlannerResult,
@@ -55,6 +53,7 @@ from evotrainer.diagnosis.replay import (
 from evotrainer.errors import EvoError
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.checkpoints import init_mode
+from evotrainer.store.specs import load_yaml
 
 # Fix what makes the score untrustworthy first; then stabilise a policy that diverged (its
 # truncation or dead groups are symptoms of the divergence, not of the budget or the reward);
@@ -414,9 +413,9 @@ class RulesPlanner:
         defined = set()
         for name in view.ws.harness_names():
             try:
-                doc = yaml.safe_load(view.ws.harness_path(name).read_text())
+                doc = load_yaml(view.ws.harness_path(name).read_bytes(), name)
                 defined |= {m.get("name") for m in doc.get("metrics") or []}
-            except (OSError, yaml.YAMLError, AttributeError):
+            except (OSError, EvoError, AttributeError):
                 continue  # an unreadable revision defines nothing; `validate` reports it
             shipped = builtin_dir("harness_versions") / f"{name}.yaml"
             as_shipped = (
@@ -427,7 +426,7 @@ class RulesPlanner:
                 # One revision of the harness in force awaits review already; a built-in
                 # revision as shipped (h1) is part of the library, not a pending proposal.
                 return None
-        base = yaml.safe_load(Path(view.harness.source).read_text(encoding="utf-8"))
+        base = load_yaml(Path(view.harness.source).read_bytes(), view.harness.source)
         best: tuple[float, dict, dict] | None = None
         for entry in METRIC_CATALOGUE:
             if entry["metric"]["name"] in defined | {m.name for m in view.harness.metrics}:

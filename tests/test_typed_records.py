@@ -13,6 +13,7 @@ from test_checkpoints import lineage  # noqa: F401  (the fixture: v1 promoted, v
 
 from evotrainer.control.retention import plan_gc
 from evotrainer.diagnosis.harness_backtest import recorded_versions
+from evotrainer.errors import EvoError
 from evotrainer.report.views import _Evidence
 from evotrainer.store.git import branch_name
 from evotrainer.store.records import DecisionRecord, RunRecord
@@ -109,3 +110,19 @@ def test_a_record_pointing_elsewhere_cannot_make_the_report_show_its_rollouts(
     evidence = _Evidence(ws, Workspace(ws.root).version("v2"))
     assert evidence.folder is None and "forged records" in evidence.missing()
     assert _Evidence(ws, ws.version("v1")).missing() is None  # an untouched record reads
+
+
+def test_a_run_record_carries_its_stop_times_exit_code_and_log_tail_typed():
+    """What reconcile and lineage read of a run (its stop, start and end, a failure's exit
+    code and log tail) comes from the typed view; a wrong shape names its field."""
+    base = {"state": "Failed", "job_id": "evo-v1-a1-0123456789", "attempt": 1}
+    run = RunRecord.from_record({**base, "exit_code": 3, "log_tail": "oom", "started_at": "t0",
+                                 "finished_at": "t1", "stopped": {"rule": "leak", "step": 4}})
+    assert (run.exit_code, run.log_tail, run.started_at, run.finished_at) == (3, "oom", "t0", "t1")
+    assert run.stopped == {"rule": "leak", "step": 4}
+    quiet = RunRecord.from_record(base)
+    assert quiet.exit_code is None and quiet.stopped is None and quiet.log_tail == ""
+    for key, value in (("exit_code", "crashed"), ("stopped", ["leak"])):
+        with pytest.raises(EvoError) as err:
+            RunRecord.from_record({**base, key: value}, "evo/v1:runs/v1/run.yaml")
+        assert err.value.field == key and err.value.where == "evo/v1:runs/v1/run.yaml"

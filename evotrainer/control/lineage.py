@@ -59,7 +59,7 @@ def lineage_rows(ws: Workspace, states: dict[str, VersionState] | None = None) -
             alerts=[a.get("name", "?") for a in diagnosis.alerts] if diagnosis else [],
             pruned=name in pruned,
             on_main=name in on_main,
-            stopped=(state.records.get("run") or {}).get("stopped") if run else None,
+            stopped=run.stopped if run else None,
         ))
     return rows
 

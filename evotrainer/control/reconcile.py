@@ -355,7 +355,7 @@ def observe(ctx: Context, state: VersionState) -> Observed:
         job=job,
         live_stop=live_stop,
         live_error=live_error,
-        stopped=(state.records["run"] or {}).get("stopped") if run is not None else None,
+        stopped=run.stopped if run is not None else None,
         parent=parent.name if parent else None,
         parent_run_state=parent_run.state if parent_run else None,
         parent_diagnosed=parent is None or parent.diagnosis is not None,
@@ -379,9 +379,8 @@ def _live_stop(ctx: Context, state: VersionState) -> tuple[dict | None, str | No
     evidence that is still being written (a torn file, a harness rule erring on partial
     data) must never stop reconcile nor the job: it becomes the plan's note, and the full
     diagnosis after collect decides."""
-    run = state.records["run"]
     if not ctx.live:
-        return saved_stop(ctx.ws, state.name, run["job_id"], ctx.harness), None
+        return saved_stop(ctx.ws, state.name, (state.run or _NO_RUN).job_id, ctx.harness), None
     try:
         view = live_look(ctx, state)
     except EvoError as err:
@@ -393,10 +392,9 @@ def _live_stop(ctx: Context, state: VersionState) -> tuple[dict | None, str | No
 
 def live_look(ctx: Context, state: VersionState) -> LiveView:
     """The context's one live look at the version's running job (taken on first use)."""
-    run = state.records["run"]
-    key = (state.name, run["job_id"])
+    key = (state.name, (state.run or _NO_RUN).job_id)
     if key not in ctx.live_looks:
-        ctx.live_looks[key] = observe_running(ctx.ws, state, run, ctx.harness,
+        ctx.live_looks[key] = observe_running(ctx.ws, state, state.records["run"], ctx.harness,
                                               job_recipe(ctx, state))
     return ctx.live_looks[key]
 
@@ -770,11 +768,11 @@ def request_retry(ws: Workspace, name: str, by: str) -> dict:
     refusal = ctx.validation.refusal(name, ctx.states)
     if refusal:
         raise EvoError(f"{name} is invalid: {refusal}", hint="fix it; `evotrainer validate`")
-    run = state.records.get("run") or {}
-    if run.get("state") not in ("Failed", "Cancelled"):
+    run = state.run
+    if run is None or run.state not in ("Failed", "Cancelled"):
         raise EvoError(
             f"{name} has no failed or cancelled run to retry "
-            f"(state: {run.get('state', 'not run')})",
+            f"(state: {run.state if run else 'not run'})",
             hint="retry restarts a Failed or Cancelled run; `evotrainer plan` shows what "
             "reconcile does",
         )
@@ -783,9 +781,9 @@ def request_retry(ws: Workspace, name: str, by: str) -> dict:
             f"{name} is not approved as it is now",
             hint=f"review and approve it first: evotrainer approve {name}",
         )
-    history = attempt_history(run)
+    history = attempt_history(state.records["run"])
     history[-1]["retried_by"] = by
-    record = launch_record(ctx, state, attempt=run["attempt"] + 1, history=history)
+    record = launch_record(ctx, state, attempt=run.attempt + 1, history=history)
     ws.commit_records(
         name,
         {run_path(name, "run.yaml"): record_text("run", record).encode()},
@@ -1137,8 +1135,7 @@ def verify_artifacts(
     `skip`) before anything is concluded from it: a file swapped or damaged under a recorded
     run is refused, naming the file. The committed scores.csv is held to its recorded digest
     too; a recorded policy (a directory) to its manifest digest, unless it was dropped."""
-    run = state.records.get("run") or {}
-    for kind, artifact in (run.get("artifacts") or {}).items():
+    for kind, artifact in (state.run or _NO_RUN).artifacts.items():
         if only and kind not in only or kind in skip or not artifact.get("digest"):
             continue
         if kind == CHECKPOINT:
@@ -1196,7 +1193,7 @@ def diagnose_version(ws: Workspace, name: str) -> tuple[dict, HarnessRevision]:
     (what reconcile does after collecting; here on demand)."""
     ctx = load_context(ws)
     state = ws.version(name, ctx.states)
-    if (state.records.get("run") or {}).get("state") != "Succeeded":
+    if state.run is None or not state.run.succeeded:
         raise EvoError(
             f"{name} has no collected run to diagnose",
             hint="`evotrainer reconcile --wait` trains and collects it first",

@@ -148,6 +148,23 @@ class GitStore:
             at += size + 1  # the content, then a newline
         return result
 
+    def present(self, wanted: Iterable[tuple[str, str]]) -> set[tuple[str, str]]:
+        """Which (ref, path) name an object (a file or a folder), in one `git cat-file
+        --batch-check` run: a folder's absence answers for every file under it."""
+        wanted = list(dict.fromkeys(wanted))
+        if not wanted:
+            return set()
+        if any("\n" in ref + path for ref, path in wanted):
+            raise EvoError("a ref or path holds a newline", hint="git names never do")
+        request = "".join(f"{ref}:{path}\n" for ref, path in wanted).encode()
+        out = subprocess.run(
+            ["git", *(arg for c in SAFE_CONFIG for arg in ("-c", c)), "cat-file",
+             "--batch-check"],
+            cwd=self.root, input=request, capture_output=True, check=True,
+        ).stdout.splitlines()
+        return {key for key, line in zip(wanted, out, strict=True)
+                if len(line.split()) == 3 and not line.endswith(b" missing")}
+
     def tree_digest(self, commit: str, exclude: frozenset[str]) -> str:
         """sha256 of every file of `commit`'s tree (path, mode and blob id) but `exclude`:
         what an approval binds, so any other change to the tree makes it stale."""

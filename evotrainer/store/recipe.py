@@ -79,29 +79,36 @@ def copy_tree(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def deep_merge(base: Any, override: Any, *, keep_nulls: bool = False) -> Any:
+def deep_merge(
+    base: Any, override: Any, *, keep_nulls: bool = False, share_base: bool = False
+) -> Any:
     """Return `base` with `override` merged in (neither argument is modified).
 
     `keep_nulls` composes two sets of overrides: a null stays, to remove the key when the
-    result is later merged onto a recipe.
+    result is later merged onto a recipe. `share_base`: the result shares the parts of
+    `base` the override leaves as they are, for a base nobody changes (the resolved recipes
+    a Workspace remembers); otherwise the result shares nothing with either argument.
     """
     if isinstance(base, dict) and isinstance(override, dict):
-        merged = copy_tree(base)
+        merged = dict(base) if share_base else copy_tree(base)
         for key, value in override.items():
             if value is None and not keep_nulls:
                 merged.pop(key, None)
             elif key in merged and value is not None:
-                merged[key] = deep_merge(merged[key], value, keep_nulls=keep_nulls)
+                # `merged[key]` is ours already (copied above) or shared by request.
+                merged[key] = deep_merge(merged[key], value, keep_nulls=keep_nulls,
+                                         share_base=True)
             else:
                 merged[key] = copy_tree(value)
         return merged
     if _is_named_list(base) and _is_named_list(override):
-        merged_list = copy_tree(base)
+        merged_list = list(base) if share_base else copy_tree(base)
         index = {item["name"]: i for i, item in enumerate(merged_list)}
         for item in override:
             if item["name"] in index:
                 i = index[item["name"]]
-                merged_list[i] = deep_merge(merged_list[i], item, keep_nulls=keep_nulls)
+                merged_list[i] = deep_merge(merged_list[i], item, keep_nulls=keep_nulls,
+                                            share_base=True)
             else:
                 merged_list.append(copy_tree(item))
         return merged_list

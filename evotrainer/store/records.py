@@ -35,6 +35,11 @@ class RunRecord:
     attempts: list[dict] = field(default_factory=list)
     result: dict = field(default_factory=dict)
     artifacts: dict = field(default_factory=dict)
+    started_at: str = ""
+    finished_at: str = ""
+    exit_code: int | None = None  # a failed job's, as its backend reported it
+    log_tail: str = ""  # a failed job's last log lines
+    stopped: dict | None = None  # an early stop's rule, alert and step (state Stopped)
 
     @classmethod
     def from_record(cls, data: dict | None, where: str | None = None) -> RunRecord | None:
@@ -62,6 +67,12 @@ class RunRecord:
             attempts=_mappings(data, "attempts", where),
             result=_mapping(data, "result", where),
             artifacts=_mapping(data, "artifacts", where),
+            started_at=str(data.get("started_at") or ""),
+            finished_at=str(data.get("finished_at") or ""),
+            exit_code=None if data.get("exit_code") is None
+            else _whole_number(data, "exit_code", 0, where),
+            log_tail=str(data.get("log_tail") or ""),
+            stopped=_optional_mapping(data, "stopped", where),
         )
 
     @property

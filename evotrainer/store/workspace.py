@@ -117,6 +117,7 @@ class Workspace:
         self._read: dict[str, tuple[str, bytes | None, VersionState]] = {}
         # Resolved recipes by what they are resolved from: see `resolved_recipe`.
         self._recipes: dict[Hashable, dict] = {}
+        self._project_key: tuple[Any, str] = (None, "")
         self.branches_read = 0  # branches read from git so far (a pass's cost, in tests)
         if not (self.root / PROJECT_FILE).is_file():
             raise EvoError(
@@ -236,11 +237,19 @@ class Workspace:
     def _read_states(self, branches: dict[str, str]) -> dict[str, VersionState]:
         """Read and check the specs and records of `branches` at exactly those commits."""
         self.branches_read += len(branches)
+        # Most branches of a large lineage are proposals without records: their runs/
+        # folder is looked up once, and only the files of those that have one are read.
+        recorded = self.git.present((sha, f"runs/{name}") for name, sha in branches.items())
         wanted = []
         for name, sha in branches.items():
             wanted.append((sha, version_spec_path(name)))
-            wanted += [(sha, run_path(name, f)) for f in (*seal.SEALED_FILES, seal.SEAL_FILE)]
-        blobs = self.git.read_many(wanted)
+            if (sha, f"runs/{name}") in recorded:
+                wanted += [(sha, run_path(name, f))
+                           for f in (*seal.SEALED_FILES, seal.SEAL_FILE)]
+        blobs = dict.fromkeys(
+            ((sha, run_path(name, f)) for name, sha in branches.items()
+             for f in (*seal.SEALED_FILES, seal.SEAL_FILE)), None)
+        blobs.update(self.git.read_many(wanted))
         states = {}
         for name, sha in branches.items():
             ref = branch_name(name)
@@ -376,7 +385,9 @@ class Workspace:
         otherwise a copy of it."""
         states = states if states is not None else self.versions()
         project = self.project.get("recipe") or {}
-        key: Hashable = _link_key("project", project)
+        if self._project_key[0] is not project:  # the digest once per project document
+            self._project_key = (project, _link_key("project", project))
+        key: Hashable = self._project_key[1]
         recipe = self._recipes.get(key)
         if recipe is None:
             recipe = self._recipes[key] = recipes.resolve(project, [])
@@ -387,7 +398,7 @@ class Workspace:
             key = (key, state.spec_raw if state.spec_raw is not None
                    else _link_key("overrides", overrides))
             if key not in self._recipes:
-                self._recipes[key] = recipes.deep_merge(recipe, overrides)
+                self._recipes[key] = recipes.deep_merge(recipe, overrides, share_base=True)
             recipe = self._recipes[key]
         return recipe if shared else copy_tree(recipe)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -413,6 +414,9 @@ def _check_each_recipe(
     ws: Workspace, docs: dict, states: dict, result: Validation, backends: dict
 ) -> None:
     project_problem = _project_recipe_problem(ws, backends)
+    # Versions resolving to the same recipe (most of a large lineage) get the same verdict:
+    # the backend checks each distinct recipe once in this validation, the same moment.
+    verdicts: dict[str, EvoError | None] = {}
     for name, doc in docs.items():
         if result.refusal(name, states) or any(
             name not in docs for name in _ancestors(name, states)
@@ -420,7 +424,12 @@ def _check_each_recipe(
             continue  # a broken lineage has no resolved recipe
         try:
             recipe = ws.resolved_recipe(name, states, shared=True)
-            check_spec_recipe(recipe, doc, backends.get(recipe.get("backend", "local")))
+            key = json.dumps(recipe, sort_keys=True, default=repr)
+            if key not in verdicts:
+                verdicts[key] = recipe_problem(recipe, backends.get(recipe.get("backend",
+                                                                               "local")))
+            if verdicts[key] is not None:
+                raise located_in_spec(verdicts[key], doc)
         except EvoError as err:
             if project_problem is None or (err.field, err.message.split(" (inherited")[0]) != (
                 f"recipe.{project_problem.field}" if project_problem.field else None,
@@ -497,7 +506,9 @@ def _check_version(
             )
         )
         return None
-    doc = specs.cached_valid(state.spec_raw, state.spec_source, "PolicyVersion", checked)
+    doc = state.checked
+    if doc is None or doc.raw != state.spec_raw:
+        doc = specs.cached_valid(state.spec_raw, state.spec_source, "PolicyVersion", checked)
     if doc is None:
         try:
             doc = specs.parse(state.spec_raw, state.spec_source)
@@ -628,16 +639,29 @@ def check_path(ws: Workspace, value: str) -> str | None:
 def check_spec_recipe(recipe: dict, doc: specs.Document, backend=None) -> None:
     """The backend's own checks of a resolved recipe (by `backend`, default the recipe's
     backend by name), located in the version spec."""
+    problem = recipe_problem(recipe, backend)
+    if problem is not None:
+        raise located_in_spec(problem, doc)
+
+
+def recipe_problem(recipe: dict, backend=None) -> EvoError | None:
+    """The first problem the backend's checks find in a resolved recipe, or None."""
     from evotrainer.backends import get_backend
 
     try:
         (backend or get_backend(recipe.get("backend", "local"))).check(recipe)
     except EvoError as err:
-        field = tuple(err.field.split(".")) if err.field else ()
-        inherited = bool(field) and ("recipe", *field) not in doc.marks
-        raise EvoError(
-            err.message + (" (inherited: set in the project or an ancestor)" if inherited else ""),
-            where=doc.where(("recipe", *field)),
-            field=f"recipe.{err.field}" if err.field else None,
-            hint=err.hint,
-        ) from None
+        return err
+    return None
+
+
+def located_in_spec(err: EvoError, doc: specs.Document) -> EvoError:
+    """A recipe problem at the version spec's field that sets it, or said to be inherited."""
+    field = tuple(err.field.split(".")) if err.field else ()
+    inherited = bool(field) and ("recipe", *field) not in doc.marks
+    return EvoError(
+        err.message + (" (inherited: set in the project or an ancestor)" if inherited else ""),
+        where=doc.where(("recipe", *field)),
+        field=f"recipe.{err.field}" if err.field else None,
+        hint=err.hint,
+    )

@@ -63,6 +63,9 @@ class VersionState:
     approval_sealed: bool = False
     # Records or an approval this reader cannot check: it holds no record key.
     unverified: bool = False
+    # The spec as a document found valid before (specs.cached_valid), when it was: what
+    # validation reads instead of looking it up again.
+    checked: specs.Document | None = field(default=None, repr=False, compare=False)
 
     def copy(self) -> VersionState:
         """A copy whose spec and records can be changed without changing this one."""
@@ -256,9 +259,11 @@ class Workspace:
             source = f"{ref}:{version_spec_path(name)}"
             raw = blobs[(sha, version_spec_path(name))]
             state = VersionState(name, sha, None, source, raw)
-            known = raw and specs.cached_valid(raw, source, "PolicyVersion", self.checked_dir)
+            state.checked = raw and specs.cached_valid(raw, source, "PolicyVersion",
+                                                       self.checked_dir) or None
             # `validate` reports a broken spec; listing goes on
-            spec = known.data if known else safe_yaml(raw, source)
+            # (the data is shared with `checked`: callers get copies of this state)
+            spec = state.checked.data if state.checked else safe_yaml(raw, source)
             state.spec = spec if isinstance(spec, dict) else None
             for f in RECORD_FILES:
                 kind, where = f.removesuffix(".yaml"), f"{ref}:{run_path(name, f)}"

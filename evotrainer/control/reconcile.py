@@ -825,7 +825,7 @@ class Reconciler:
 
         An error belongs to its version: it is logged and kept in the plan (and in
         `errors`), and the pass goes on with the others."""
-        applied = 0
+        applied, acted = 0, False
         ctx = load_context(self.ws, self.backends, live=True)
         plans = plan(ctx)
         for i, version_plan in enumerate(plans):
@@ -834,12 +834,14 @@ class Reconciler:
             if version_plan.action is None:
                 continue
             current = version_plan
-            if applied:  # earlier actions of this pass changed git: decide again from it
+            if acted:  # an earlier action of this pass (even one that failed half-way)
+                # may have changed what this version's decision reads: decide again
                 if current.version not in ctx.states:
                     continue
                 current = plan_version(ctx, ctx.states[current.version])
                 if current.action is None:
                     continue
+            acted = True
             try:
                 self.apply(ctx, ctx.states[current.version], current.action)
             except VERSION_ERRORS as err:

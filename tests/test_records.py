@@ -13,7 +13,7 @@ import git
 import psutil
 import pytest
 import standin
-from standin import StandinBackend, converge, propose, record
+from standin import StandinBackend, converge, propose, record, wait_for
 
 from evotrainer.backends.base import JobSpec, JobState
 from evotrainer.backends.local import JOB_FILE, spawn_detached
@@ -116,7 +116,9 @@ def test_crash_between_spawn_and_job_record_adopts_the_job(tmp_path):
                    artifact_dir / "process.log")
     backend = StandinBackend()
     try:
-        assert backend.status(job).state is JobState.RUNNING  # found by its job id
+        # Found by its job id (once the child has exec'd: before, its environment is still
+        # the parent's, which names no job — a later pass finds it then).
+        wait_for(lambda: backend.status(job).state is JobState.RUNNING, timeout=20)
         adopted = json.loads((artifact_dir / JOB_FILE).read_text())
         assert adopted["adopted"] and psutil.pid_exists(adopted["pid"])
         launched = []

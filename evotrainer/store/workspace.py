@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -119,9 +119,8 @@ class Workspace:
         # name → (commit, record key, state) of each branch read so far: see `_states`.
         self._read: dict[str, tuple[str, bytes | None, VersionState]] = {}
         # Resolved recipes by what they are resolved from: see `resolved_recipe`.
-        self._recipes: dict[Hashable, dict] = {}
+        self._recipes: dict[str, dict] = {}
         self._project_key: tuple[Any, str] = (None, "")
-        self.branches_read = 0  # branches read from git so far (a pass's cost, in tests)
         if not (self.root / PROJECT_FILE).is_file():
             raise EvoError(
                 f"no {PROJECT_FILE} here, so this is not an EvoTrainer workspace",
@@ -239,7 +238,6 @@ class Workspace:
 
     def _read_states(self, branches: dict[str, str]) -> dict[str, VersionState]:
         """Read and check the specs and records of `branches` at exactly those commits."""
-        self.branches_read += len(branches)
         # Most branches of a large lineage are proposals without records: their runs/
         # folder is looked up once, and only the files of those that have one are read.
         recorded = self.git.present((sha, f"runs/{name}") for name, sha in branches.items())
@@ -392,16 +390,18 @@ class Workspace:
         project = self.project.get("recipe") or {}
         if self._project_key[0] is not project:  # the digest once per project document
             self._project_key = (project, _link_key("project", project))
-        key: Hashable = self._project_key[1]
+        key = self._project_key[1]
         recipe = self._recipes.get(key)
         if recipe is None:
             recipe = self._recipes[key] = recipes.resolve(project, [])
         for state in self.chain(name, states):
             overrides = state.spec.get("recipe") or {}
-            # The spec's bytes are the key where the spec was parsed from them (every state
-            # read from git, or from the working tree by `validate`), else its overrides.
-            key = (key, state.spec_raw if state.spec_raw is not None
-                   else _link_key("overrides", overrides))
+            # The spec's bytes stand for its overrides where it was parsed from them (every
+            # state read from git, or from the working tree by `validate`). One flat digest
+            # a link, so a chain thousands of versions deep keys in constant size.
+            link = state.spec_raw if state.spec_raw is not None else _link_key(
+                "overrides", overrides).encode()
+            key = hashlib.sha256(key.encode() + b"\0" + link).hexdigest()
             if key not in self._recipes:
                 self._recipes[key] = recipes.deep_merge(recipe, overrides, share_base=True)
             recipe = self._recipes[key]

@@ -41,9 +41,9 @@ import yaml
 from evotrainer.agent.evolve import evolve
 from evotrainer.backends.base import Backend
 from evotrainer.commands.init import init_workspace
-from evotrainer.control.gate import recorded_scores
 from evotrainer.control.versions import approve
 from evotrainer.diagnosis.diagnose import diagnose
+from evotrainer.diagnosis.gate import recorded_scores
 from evotrainer.diagnosis.harness import resolve_harness
 from evotrainer.diagnosis.replay import version_rollouts
 from evotrainer.diagnosis.stats import compare_tables

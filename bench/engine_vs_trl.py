@@ -104,7 +104,7 @@ def recipe(setup: Setup, model_dir: Path) -> dict:
 def prepare(name: str, workdir: Path) -> Path:
     """The checkpoint directory both trainers load."""
     if name == "smollm2":
-        from evotrainer.engine.checks import package_checkpoint
+        from evotrainer.contract.recipe import package_checkpoint
         from evotrainer.engine.model import converted_gguf
 
         return converted_gguf(package_checkpoint("smollm2"), CACHE)

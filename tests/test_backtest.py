@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from sealing import controller_commit
 
-from evotrainer.agent.skills import load_library
+from evotrainer.contract.filters import StdGroupFilter
 from evotrainer.control.versions import new_version
 from evotrainer.diagnosis.replay import (
     backtest_filter,
@@ -22,8 +22,8 @@ from evotrainer.diagnosis.replay import (
     skill_filter,
     skill_reward,
 )
+from evotrainer.diagnosis.skills import load_library
 from evotrainer.domains import make_domain
-from evotrainer.engine.filters import StdGroupFilter
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 from evotrainer.store.recipe import BASE_RECIPE

@@ -1,7 +1,7 @@
 import pytest
 
-from evotrainer.diagnosis import cel
 from evotrainer.errors import EvoError
+from evotrainer.store import cel
 
 
 def test_evaluate_plain_values():

@@ -10,9 +10,9 @@ import yaml
 from standin import converge
 from standin import propose as train
 
-from evotrainer.control.gate import decide
 from evotrainer.control.reconcile import load_context
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document, evaluate_unless_null
+from evotrainer.diagnosis.gate import decide
 from evotrainer.diagnosis.harness import parse_harness, resolve_harness
 from evotrainer.diagnosis.harness_backtest import backtest_harness
 from evotrainer.diagnosis.sql import ReadOnlyQuery

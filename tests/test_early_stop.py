@@ -14,11 +14,11 @@ import psutil
 import pytest
 from standin import converge, reconciler, record, standin_settings, wait_for
 
-from evotrainer.control.lineage import lineage_rows
 from evotrainer.control.live import live_dir
 from evotrainer.control.reconcile import load_context, plan, steps_spent
 from evotrainer.control.versions import approve, new_version
 from evotrainer.store.git import PRUNED_TAG_PREFIX
+from evotrainer.store.lineage import lineage_rows
 from evotrainer.store.workspace import Workspace, run_path
 
 pytestmark = pytest.mark.usefixtures("standin")

@@ -10,8 +10,8 @@ import git
 import pytest
 import yaml
 
-from evotrainer.control.gate import decide
 from evotrainer.control.reconcile import load_context
+from evotrainer.diagnosis.gate import decide
 from evotrainer.store.workspace import Workspace
 
 TINY = {

@@ -21,9 +21,9 @@ import yaml
 from typer.testing import CliRunner
 
 from evotrainer.commands.train import register
+from evotrainer.contract.recipe import check_recipe, environment_config
 from evotrainer.domains import make_domain
-from evotrainer.engine import check_recipe, run_job
-from evotrainer.engine.checks import environment_config
+from evotrainer.engine import run_job
 from evotrainer.engine.grpo import group_advantages, policy_loss
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from evotrainer.engine.filters import FILTERS, StdGroupFilter, make_filter
+from evotrainer.contract.filters import FILTERS, StdGroupFilter, make_filter
 from evotrainer.errors import EvoError
 
 

@@ -11,9 +11,9 @@ import pytest
 from standin import converge, record, standin_settings
 from test_engine import tiny_recipe
 
+from evotrainer.contract.recipe import check_recipe, evaluation_sampling
 from evotrainer.control.versions import approve, new_version
-from evotrainer.engine import check_recipe, run_job
-from evotrainer.engine.checks import evaluation_sampling
+from evotrainer.engine import run_job
 from evotrainer.errors import EvoError
 from evotrainer.store.recipe import resolve
 from evotrainer.store.specs import load_text

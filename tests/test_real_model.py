@@ -11,8 +11,9 @@ import pytest
 import torch
 from real_checkpoint import chat_tokenizer, save_hf, tiny_llama, write_gguf
 
+from evotrainer.contract.recipe import check_recipe
 from evotrainer.domains import make_domain
-from evotrainer.engine import check_recipe, run_job
+from evotrainer.engine import run_job
 from evotrainer.engine.model import initial_model, uses_chat_template
 from evotrainer.engine.rollout import (
     batch_tensors,
@@ -190,7 +191,7 @@ def test_bad_model_settings_name_the_field(tmp_path, model, field):
 
 
 def test_missing_model_package_says_how_to_install_it(tmp_path, monkeypatch):
-    monkeypatch.setattr("evotrainer.engine.checks.find_spec", lambda name: None)
+    monkeypatch.setattr("evotrainer.contract.recipe.find_spec", lambda name: None)
     with pytest.raises(EvoError) as err:
         check_recipe(humaneval_recipe(tmp_path, {"package": "smollm2"}))
     assert err.value.field == "model.package"
@@ -202,7 +203,7 @@ def test_missing_model_package_says_how_to_install_it(tmp_path, monkeypatch):
 def test_init_of_the_smollm2_example_without_its_extra_is_one_line(tmp_path, monkeypatch):
     from evotrainer.commands.init import init_workspace
 
-    monkeypatch.setattr("evotrainer.engine.checks.find_spec", lambda name: None)
+    monkeypatch.setattr("evotrainer.contract.recipe.find_spec", lambda name: None)
     with pytest.raises(EvoError) as err:
         init_workspace(tmp_path / "ws", "humaneval-smollm2")
     # The example's model.lora needs peft too: init names the complete line (issue 27.5).

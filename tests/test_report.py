@@ -27,12 +27,12 @@ from typer.testing import CliRunner
 
 from evotrainer.commands.init import init_workspace
 from evotrainer.commands.report import register
-from evotrainer.control.lineage import LineageRow, lineage_rows
 from evotrainer.control.versions import approve, new_version
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 from evotrainer.report import build_report, markdown, svg
 from evotrainer.report.views import criterion_view, recipe_diff
+from evotrainer.store.lineage import LineageRow, lineage_rows
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import clean
 

@@ -21,7 +21,9 @@ from standin import propose as train
 from evotrainer.agent.planners.base import View
 from evotrainer.agent.planners.rules import RulesPlanner
 from evotrainer.agent.propose import propose
-from evotrainer.agent.skills import (
+from evotrainer.commands.init import EXAMPLES_DIR
+from evotrainer.control.versions import new_version
+from evotrainer.diagnosis.skills import (
     is_operation,
     load_library,
     load_skill,
@@ -30,8 +32,6 @@ from evotrainer.agent.skills import (
     resolve_skill,
     skill_overrides,
 )
-from evotrainer.commands.init import EXAMPLES_DIR
-from evotrainer.control.versions import new_version
 from evotrainer.errors import EvoError
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.recipe import BASE_RECIPE, deep_merge, resolve

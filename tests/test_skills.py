@@ -10,7 +10,11 @@ import pytest
 import yaml
 from sealing import controller_commit
 
-from evotrainer.agent.skills import (
+from evotrainer.backends import get_backend
+from evotrainer.commands.init import EXAMPLES_DIR
+from evotrainer.contract.filters import check_filter_spec
+from evotrainer.control.versions import new_version
+from evotrainer.diagnosis.skills import (
     fires,
     load_library,
     match,
@@ -20,14 +24,9 @@ from evotrainer.agent.skills import (
     search,
     trigger_variables,
 )
-from evotrainer.backends import get_backend
-from evotrainer.commands.init import EXAMPLES_DIR
-from evotrainer.control.versions import new_version
-from evotrainer.diagnosis import cel
 from evotrainer.domains import get_domain
-from evotrainer.engine.filters import check_filter_spec
 from evotrainer.errors import EvoError
-from evotrainer.store import specs
+from evotrainer.store import cel, specs
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.recipe import BASE_RECIPE, deep_merge
 

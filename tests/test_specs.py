@@ -252,7 +252,7 @@ def test_a_skill_trigger_that_does_not_parse_is_refused(workspace, cli):
 
 
 def test_version_new_can_check_the_criterion_against_the_harness_in_force(workspace):
-    from evotrainer.store.validation import check_criterion
+    from evotrainer.control.validation import check_criterion
 
     text = GOOD + "intervention:\n  rationale: r\n  hypothesis: {criterion: leek_ratio == 0.0}\n"
     doc = load_text(text, "evo/v1:spec/versions/v1.yaml", "PolicyVersion")

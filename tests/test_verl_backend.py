@@ -303,7 +303,7 @@ def test_ray_job_end_to_end_and_cancel(tmp_path, ray_head):
 def test_the_verl_backend_checks_the_recipe_contract_before_anything_is_recorded(
     tmp_path, override, field
 ):
-    """The contract every backend shares (engine/checks.check_contract) runs in verl's check,
+    """The contract every backend shares (contract/recipe.check_contract) runs in verl's check,
     so `validate` and `version new` refuse what the embedded engine would refuse."""
     job = make_job(tmp_path, "contract")
     with pytest.raises(EvoError) as err:

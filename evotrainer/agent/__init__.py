@@ -1,1 +1,2 @@
-"""The trainer agent: planners and the skill library."""
+"""The trainer agent: planners, proposals and the evolve loop (the skill library they read
+lives in `evotrainer.diagnosis.skills`)."""

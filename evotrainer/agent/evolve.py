@@ -18,9 +18,9 @@ from evotrainer.agent.planners.base import PlannerResult
 from evotrainer.agent.propose import get_planner, propose
 from evotrainer.backends import Backends
 from evotrainer.backends.base import Backend
-from evotrainer.control.lineage import LineageRow, lineage_rows
 from evotrainer.control.reconcile import Reconciler, VersionPlan, load_context, within_budget
 from evotrainer.control.versions import approve
+from evotrainer.store.lineage import LineageRow, lineage_rows
 from evotrainer.store.lock import workspace_lock
 from evotrainer.store.workspace import Workspace
 

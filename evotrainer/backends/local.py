@@ -51,7 +51,7 @@ class LocalBackend:
         self.cache_dir = cache_dir  # shared warm-start cache under the artifact root
 
     def check(self, recipe: dict) -> None:
-        from evotrainer.engine import check_recipe
+        from evotrainer.contract.recipe import check_recipe
 
         check_recipe(recipe)
 

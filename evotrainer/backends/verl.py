@@ -47,8 +47,8 @@ from evotrainer.backends.verl_render import (
     render_job,
     verl_settings,
 )
+from evotrainer.contract.recipe import check_contract
 from evotrainer.domains import Task, make_domain
-from evotrainer.engine.checks import check_contract
 from evotrainer.errors import EvoError
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA, SCORE_SCHEMA

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from evotrainer.engine.checks import evaluation_sampling
+from evotrainer.contract.recipe import evaluation_sampling
 from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import seed_checkpoint_name
 from evotrainer.trackers import logger_names

@@ -3,7 +3,7 @@
 verl's own dynamic sampling (`algorithm.filter_groups`) evicts a finished group only when its
 metric is identical across the group. This subclass, loaded through verl's custom-sampler hook
 (`trainer.v1.sampler.custom_sampler.{path,name}`, copied beside the job's data at submit),
-asks the recipe's filter from `evotrainer.engine.filters` instead, so the embedded engine, the
+asks the recipe's filter from `evotrainer.contract.filters` instead, so the embedded engine, the
 backtests and verl agree on which groups are dropped. Evicted groups are refilled with fresh
 prompts, as with verl's filter.
 
@@ -21,7 +21,7 @@ import numpy as np
 import transfer_queue as tq
 from verl.trainer.ppo.v1.replay_buffer import FILTER_GROUPS_REWARD_METRIC, ReplayBuffer
 
-from evotrainer.engine.filters import make_filter
+from evotrainer.contract.filters import make_filter
 
 
 class EvoGroupFilterReplayBuffer(ReplayBuffer):

@@ -9,7 +9,6 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from evotrainer.agent.skills import get_skill, workspace_library
 from evotrainer.control.versions import parse_assignment
 from evotrainer.diagnosis.replay import (
     backtest_filter,
@@ -18,6 +17,7 @@ from evotrainer.diagnosis.replay import (
     skill_reward,
     version_rollouts,
 )
+from evotrainer.diagnosis.skills import get_skill, workspace_library
 from evotrainer.errors import EvoError
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import console, safe

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from evotrainer.control.gate import recorded_scores
+from evotrainer.diagnosis.gate import recorded_scores
 from evotrainer.diagnosis.stats import compare_tables
 from evotrainer.errors import EvoError, unreadable_table
 from evotrainer.evidence.io import read_scores

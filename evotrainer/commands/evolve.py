@@ -7,8 +7,8 @@ import typer
 from evotrainer.agent.evolve import Round, evolve
 from evotrainer.commands.lineage import describe, lineage_tree
 from evotrainer.commands.propose import PLANNER_HELP, print_result
-from evotrainer.control.lineage import lineage_rows
 from evotrainer.control.reconcile import VersionPlan
+from evotrainer.store.lineage import lineage_rows
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import console as make_console
 from evotrainer.terminal import safe

@@ -11,7 +11,7 @@ import git
 import typer
 
 from evotrainer import API_VERSION
-from evotrainer.engine.checks import package_checkpoint
+from evotrainer.contract.recipe import package_checkpoint
 from evotrainer.errors import EvoError
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.git import GitStore, branch_name, with_trailers

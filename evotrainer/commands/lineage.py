@@ -7,7 +7,7 @@ import json
 import typer
 from rich.tree import Tree
 
-from evotrainer.control.lineage import LineageRow, lineage_rows, stopped_text
+from evotrainer.store.lineage import LineageRow, lineage_rows, stopped_text
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import console as make_console
 from evotrainer.terminal import safe

@@ -7,7 +7,7 @@ import json
 import typer
 from rich.table import Table
 
-from evotrainer.agent.skills import (
+from evotrainer.diagnosis.skills import (
     Match,
     Skill,
     get_skill,

@@ -50,7 +50,8 @@ def register(app: typer.Typer) -> None:
         """Train one job on the embedded GRPO engine (warm start, GRPO, evaluation) and write
         rollouts, steps, scores, checkpoint and result.json under DIR."""
         recipe = load_recipe(recipe_file)
-        from evotrainer.engine import check_recipe, run_job
+        from evotrainer.contract.recipe import check_recipe
+        from evotrainer.engine import run_job
 
         try:
             check_recipe(recipe)

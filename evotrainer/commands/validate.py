@@ -6,8 +6,8 @@ import json
 
 import typer
 
+from evotrainer.control.validation import validate_workspace
 from evotrainer.errors import EvoError
-from evotrainer.store.validation import validate_workspace
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import console as make_console
 from evotrainer.terminal import safe

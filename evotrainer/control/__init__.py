@@ -1,1 +1,2 @@
-"""Control: plan and reconcile, the gate, versions, lineage and the evolve loop."""
+"""Control: plan and reconcile, versions, jobs, live diagnosis, retention, pull requests and
+validation of the whole workspace."""

@@ -36,8 +36,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from evotrainer.control.gate import decision_header
 from evotrainer.diagnosis.diagnose import diagnosis_document, evaluate_unless_null
+from evotrainer.diagnosis.gate import decision_header
 from evotrainer.diagnosis.harness import HarnessRevision
 from evotrainer.diagnosis.incremental import DiagnosisState, diagnose_incremental
 from evotrainer.engine.outputs import STEP_LINE, seconds_per_step

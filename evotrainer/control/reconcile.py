@@ -28,14 +28,14 @@ import git
 import pyarrow as pa
 
 from evotrainer import API_VERSION
-from evotrainer.agent.skills import pending_evidence, record_evidence
 from evotrainer.backends import Backends
 from evotrainer.backends.base import Backend, JobSpec, JobState, JobStatus, job_id
-from evotrainer.control.gate import decide, recorded_scores
-from evotrainer.control.lineage import stop_progress, stopped_text, tree_order
 from evotrainer.control.live import LiveView, observe_running, saved_stop, stop_records
+from evotrainer.control.validation import Validation, check_workspace, job_env
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
+from evotrainer.diagnosis.gate import decide, recorded_scores
 from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
+from evotrainer.diagnosis.skills import pending_evidence, record_evidence
 from evotrainer.errors import EvoError
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.store import specs
@@ -49,10 +49,10 @@ from evotrainer.store.checkpoints import (
 )
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import PRUNED_TAG_PREFIX, branch_name
+from evotrainer.store.lineage import stop_progress, stopped_text, tree_order
 from evotrainer.store.recipe import deep_merge, digest
 from evotrainer.store.records import DecisionRecord, DiagnosisRecord, RunRecord
 from evotrainer.store.seal import KEY_ENV
-from evotrainer.store.validation import Validation, check_workspace, job_env
 from evotrainer.store.workspace import VersionState, Workspace, run_path
 from evotrainer.trackers.records import log_gate, run_identity
 

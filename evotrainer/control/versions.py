@@ -6,18 +6,18 @@ import contextlib
 from typing import Any
 
 from evotrainer import API_VERSION
-from evotrainer.agent.skills import skill_overrides
-from evotrainer.errors import EvoError
-from evotrainer.store import specs
-from evotrainer.store.clock import now_iso
-from evotrainer.store.git import branch_name
-from evotrainer.store.recipe import deep_merge, set_dotted
-from evotrainer.store.validation import (
+from evotrainer.control.validation import (
     check_criterion,
     check_spec_recipe,
     check_workspace,
     declared_data_roots,
 )
+from evotrainer.diagnosis.skills import skill_overrides
+from evotrainer.errors import EvoError
+from evotrainer.store import specs
+from evotrainer.store.clock import now_iso
+from evotrainer.store.git import branch_name
+from evotrainer.store.recipe import deep_merge, set_dotted
 from evotrainer.store.workspace import Workspace, version_spec_path
 
 

@@ -1,1 +1,2 @@
-"""Diagnosis: harness revisions, CEL, statistics and backtests over stored rollouts."""
+"""Diagnosis: harness revisions, statistics, the gate, the skill library and backtests over
+stored rollouts."""

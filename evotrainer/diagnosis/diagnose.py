@@ -16,7 +16,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from evotrainer.diagnosis import cel
 from evotrainer.diagnosis.analyzers import ANALYZERS, call_table
 from evotrainer.diagnosis.harness import Alert, HarnessRevision, Metric
 from evotrainer.diagnosis.sql import (
@@ -42,6 +41,7 @@ from evotrainer.evidence.io import (
     val_scores,
 )
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
+from evotrainer.store import cel
 
 
 class SandboxFactory(Protocol):

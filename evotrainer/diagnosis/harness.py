@@ -18,12 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evotrainer.diagnosis import cel
 from evotrainer.diagnosis.analyzers import ANALYZERS
 from evotrainer.diagnosis.sql import check_select, sql_params
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
-from evotrainer.store import specs
+from evotrainer.store import cel, specs
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.recipe import digest
 

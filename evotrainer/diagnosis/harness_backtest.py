@@ -13,13 +13,13 @@ import dataclasses
 import re
 from typing import Any
 
-from evotrainer.control.gate import decide, recorded_scores
-from evotrainer.control.lineage import tree_order
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
+from evotrainer.diagnosis.gate import decide, recorded_scores
 from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts, read_steps
 from evotrainer.evidence.layout import RunArtifacts
+from evotrainer.store.lineage import tree_order
 from evotrainer.store.workspace import PROJECT_FILE, VersionState, Workspace
 
 

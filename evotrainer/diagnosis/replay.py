@@ -21,9 +21,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from evotrainer.agent.skills import Skill
+from evotrainer.contract.filters import make_filter
+from evotrainer.diagnosis.skills import Skill
 from evotrainer.domains import make_domain
-from evotrainer.engine.filters import make_filter
 from evotrainer.errors import EvoError
 from evotrainer.evidence.groups import dead_groups
 from evotrainer.evidence.io import read_rollouts

@@ -1,6 +1,7 @@
 """The embedded GRPO engine (torch + transformers, CPU-friendly).
 
-`check_recipe` is importable without torch; `run_job` imports the training stack on first use.
+`run_job` imports the training stack on first use; the recipe contract it checks first is
+`evotrainer.contract.recipe`, shared with every backend.
 The algorithm reads top to bottom in `evotrainer/engine/grpo.py`.
 """
 
@@ -9,8 +10,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any
-
-from evotrainer.engine.checks import check_recipe
 
 # The CPU kernels every x86-64 machine with AVX2 runs alike. Left to itself, torch picks its
 # kernels by the CPU (AVX-512 on one machine, AVX2 on another of the "same" kind) and so do
@@ -56,4 +55,4 @@ def run_job(
     return _run_job(recipe, out_dir, version, progress, cache_dir)
 
 
-__all__ = ["check_recipe", "offline_environment", "run_job"]
+__all__ = ["offline_environment", "run_job"]

@@ -9,7 +9,8 @@ import signal
 import sys
 from pathlib import Path
 
-from evotrainer.engine import check_recipe, offline_environment
+from evotrainer.contract.recipe import check_recipe
+from evotrainer.engine import offline_environment
 from evotrainer.engine.outputs import Stopped, write_json
 from evotrainer.errors import EvoError
 from evotrainer.evidence.layout import RunArtifacts

@@ -29,10 +29,10 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from evotrainer.contract.filters import make_filter
+from evotrainer.contract.recipe import check_recipe, environment_config, evaluation_sampling
 from evotrainer.domains import Domain, Task, make_domain
 from evotrainer.engine import offline_environment
-from evotrainer.engine.checks import check_recipe, environment_config, evaluation_sampling
-from evotrainer.engine.filters import make_filter
 from evotrainer.engine.model import (
     AdapterOff,
     continued_model,

@@ -38,8 +38,8 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from evotrainer.contract.recipe import package_checkpoint
 from evotrainer.domains.data import resolve_data_path
-from evotrainer.engine.checks import package_checkpoint
 from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import directory_digest, file_sha256
 

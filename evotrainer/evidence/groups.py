@@ -7,7 +7,7 @@ The engine's logged metric (`dead_groups` over a step's reward matrix), the harn
 `groups` view's `dead` column, from DEAD_GROUP_SQL) and the replay backtests all read it here,
 so TensorBoard and a diagnosis say the same thing under one name.
 
-Not the same concept: a group filter's "all rewards equal" test (engine/filters.py ZERO_STD),
+Not the same concept: a group filter's "all rewards equal" test (contract/filters.py ZERO_STD),
 which drops groups whose advantages are exactly zero.
 """
 

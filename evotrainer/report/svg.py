@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from evotrainer.control.lineage import LineageRow
+from evotrainer.store.lineage import LineageRow
 
 # Status → CSS class suffix; anything else (a backend's own state name) draws as "other".
 STATUS_CLASSES = {

@@ -18,15 +18,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import yaml
 
-from evotrainer.agent.skills import Skill, workspace_library
-from evotrainer.control.lineage import LineageRow, _natural, lineage_rows
 from evotrainer.control.reconcile import Context, steps_spent
 from evotrainer.diagnosis.harness import LAYERS, HarnessRevision, load_harness, resolve_harness
+from evotrainer.diagnosis.skills import Skill, workspace_library
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.report import svg
 from evotrainer.store import specs
+from evotrainer.store.lineage import LineageRow, _natural, lineage_rows
 from evotrainer.store.recipe import BASE_RECIPE
 from evotrainer.store.workspace import VersionState, Workspace
 

@@ -1,1 +1,1 @@
-"""The store: specs, recipes, git, the workspace, its lock and validation."""
+"""The store: specs, recipes, CEL, git, the workspace, its lock and the lineage of versions."""

@@ -313,7 +313,7 @@ def _expression_problems(doc: Document, kind: str) -> list[EvoError]:
             expr = expr.get(part) if isinstance(expr, dict) else None
         if expr is None:
             continue
-        from evotrainer.diagnosis import cel  # only a spec with an expression pays for CEL
+        from evotrainer.store import cel  # only a spec with an expression pays for CEL
 
         try:
             cel.check(expr)

@@ -33,10 +33,7 @@ import jsonschema
 
 from evotrainer import API_VERSION
 from evotrainer.agent.planners.base import HarnessProposal, PlannerResult, Proposal, View, next_name
-from evotrainer.agent.skills import get_skill, resolve_skill, search
-from evotrainer.control.gate import metric_values
-from evotrainer.control.lineage import lineage_rows
-from evotrainer.diagnosis import cel
+from evotrainer.diagnosis.gate import metric_values
 from evotrainer.diagnosis.harness import (
     GATE_VARIABLES,
     HarnessRevision,
@@ -51,12 +48,14 @@ from evotrainer.diagnosis.replay import (
     skill_reward,
     version_rollouts,
 )
+from evotrainer.diagnosis.skills import get_skill, resolve_skill, search
 from evotrainer.diagnosis.sql import ReadOnlyQuery, check_select
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts
 from evotrainer.evidence.layout import RunArtifacts
-from evotrainer.store import specs
+from evotrainer.store import cel, specs
 from evotrainer.store.builtin import builtin_dir
+from evotrainer.store.lineage import lineage_rows
 from evotrainer.store.recipe import set_dotted
 from evotrainer.store.specs import load_yaml
 

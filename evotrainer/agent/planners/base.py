@@ -17,13 +17,13 @@ from typing import Any, Protocol
 
 import yaml
 
-from evotrainer.agent.skills import Skill, workspace_library
-from evotrainer.control.lineage import tree_order
 from evotrainer.control.versions import new_version, parse_assignment
 from evotrainer.diagnosis.harness import HarnessRevision, parse_harness, resolve_harness
+from evotrainer.diagnosis.skills import Skill, workspace_library
 from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import CHECKPOINT, is_dropped
 from evotrainer.store.git import PRUNED_TAG_PREFIX
+from evotrainer.store.lineage import tree_order
 from evotrainer.store.recipe import canonical_json, set_dotted
 from evotrainer.store.specs import load_yaml
 from evotrainer.store.workspace import VersionState, Workspace

@@ -40,7 +40,6 @@ from evotrainer.agent.planners.base import (
     next_name,
     overrides_key,
 )
-from evotrainer.agent.skills import Match, match, refusals, resolve_skill
 from evotrainer.diagnosis.harness import parse_harness
 from evotrainer.diagnosis.harness_backtest import backtest_harness, recorded_versions
 from evotrainer.diagnosis.replay import (
@@ -50,6 +49,7 @@ from evotrainer.diagnosis.replay import (
     skill_reward,
     version_rollouts,
 )
+from evotrainer.diagnosis.skills import Match, match, refusals, resolve_skill
 from evotrainer.errors import EvoError
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.checkpoints import init_mode

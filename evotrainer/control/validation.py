@@ -202,7 +202,7 @@ def criterion_problems(doc: specs.Document, harness: Any) -> list[EvoError]:
     """A version's criterion against the harness in force: every name it reads is one of the
     harness's metrics or the gate's variables ("did you mean"), and it type-checks as a
     condition. Its syntax and bounds were checked with the spec (store/specs.py)."""
-    from evotrainer.diagnosis import cel
+    from evotrainer.store import cel
 
     expr = ((doc.data.get("intervention") or {}).get("hypothesis") or {}).get("criterion")
     if not isinstance(expr, str):
@@ -243,7 +243,7 @@ def type_problem(expr: str, variables: dict[str, Any]) -> str | None:
     """Why `expr` is not a condition over `variables` (stand-ins of the right types), or None:
     one evaluation finds an operator applied to the wrong types, or a number where a
     true/false is needed."""
-    from evotrainer.diagnosis import cel
+    from evotrainer.store import cel
 
     try:
         value = cel.evaluate(expr, variables)

@@ -1,4 +1,6 @@
-"""`check_recipe`: reject a bad resolved recipe before any compute, naming the field and the fix.
+"""The recipe contract: `check_recipe` rejects a bad resolved recipe before any compute, naming
+the field and the fix; `check_contract` is the part every backend shares, and
+`evaluation_sampling` the evaluation settings the engine, the verl renderer and the gate read.
 
 Imports no torch, so the validator can call it cheaply.
 """
@@ -10,8 +12,8 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
+from evotrainer.contract.filters import check_filter_spec
 from evotrainer.domains import make_domain
-from evotrainer.engine.filters import check_filter_spec
 from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import INIT_CHOICES
 from evotrainer.trackers import EXTRAS as TRACKER_EXTRAS

@@ -10,9 +10,9 @@ from pathlib import Path
 import pyarrow as pa
 
 from evotrainer import API_VERSION
+from evotrainer.contract.recipe import evaluation_sampling
 from evotrainer.diagnosis.diagnose import evaluate_unless_null, gate_verdict, parent_comparison
 from evotrainer.diagnosis.harness import HarnessRevision
-from evotrainer.engine.checks import evaluation_sampling
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_scores
 from evotrainer.store.clock import now_iso

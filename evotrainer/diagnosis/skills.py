@@ -52,10 +52,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from evotrainer.diagnosis import cel
 from evotrainer.diagnosis.diagnose import evaluate_unless_null
 from evotrainer.errors import EvoError
-from evotrainer.store import specs
+from evotrainer.store import cel, specs
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.recipe import _is_named_list, deep_merge
 

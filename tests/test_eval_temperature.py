@@ -58,9 +58,13 @@ def test_recipe_check_refuses_a_bad_eval_top_p(value):
 
 
 def test_recipe_check_accepts_set_and_unset_evaluation_sampling():
-    fixed = {"grpo": {"eval_temperature": 0.7, "eval_top_p": 0.95}}
-    assert check_recipe(resolve(fixed, [])) is None
-    assert check_recipe(resolve({"grpo": {"eval_temperature": None}}, [])) is None
+    fixed = resolve({"grpo": {"eval_temperature": 0.7, "eval_top_p": 0.95}}, [])
+    check_recipe(fixed)
+    assert evaluation_sampling(fixed["grpo"]) == (0.7, 0.95)
+    unset = resolve({"grpo": {"temperature": 0.4, "eval_temperature": None}}, [])
+    check_recipe(unset)
+    assert "eval_temperature" not in unset["grpo"]  # null removes the key: no fixed protocol
+    assert evaluation_sampling(unset["grpo"]) == (0.4, unset["grpo"]["top_p"])
 
 
 SPEC = """\
@@ -92,9 +96,11 @@ def test_schema_refuses_a_bad_eval_temperature_at_its_position(value, expected):
     assert "above 0; null: grpo.temperature" in (err.value.hint or err.value.message)
 
 
-def test_schema_accepts_a_positive_or_null_eval_temperature():
-    for value in ("1.0", "null"):
-        load_text(SPEC.format(value=value), "v1.yaml", "PolicyVersion")
+@pytest.mark.parametrize(("value", "loaded"), [("1.0", 1.0), ("0.05", 0.05), ("null", None)])
+def test_schema_accepts_a_positive_or_null_eval_temperature(value, loaded):
+    doc = load_text(SPEC.format(value=value), "v1.yaml", "PolicyVersion")
+    assert doc.data["recipe"] == {"grpo": {"eval_temperature": loaded}}
+    assert doc.where(("recipe", "grpo", "eval_temperature")) == "v1.yaml:7:23"
 
 
 # --------------------------------------------------------------------------- the engine

@@ -134,7 +134,11 @@ def test_names_git_cannot_use_are_rejected(name):
 
 @pytest.mark.parametrize("name", ["v1.2", "v1_lock", "a.locks", "a" * 63, "0"])
 def test_names_git_accepts_pass(name):
-    load_text(GOOD.replace("name: v1", f"name: {name!r}"), "v1.yaml", "PolicyVersion")
+    doc = load_text(GOOD.replace("name: v1", f"name: {name!r}"), "v1.yaml", "PolicyVersion")
+    # Loaded as written: the name a string (not "0" read as a number), the rest untouched.
+    assert doc.data["name"] == name
+    assert doc.data["recipe"] == {"grpo": {"lr": 0.0003}}
+    assert doc.where(("name",)) == "v1.yaml:3:7"
 
 
 # ---- one recipe contract -------------------------------------------------------------------

@@ -118,7 +118,7 @@ def rules_digest() -> str:
     """What a document's validity depends on besides its bytes: every schema and the code
     that checks it (this module, and CEL's for the expressions it holds), byte for byte."""
     here = Path(__file__).resolve()
-    code = [here, here.parents[1] / "diagnosis" / "cel.py"]
+    code = [here, here.parent / "cel.py"]
     digest = hashlib.sha256(API_VERSION.encode())
     for path in [*code, *sorted(builtin_dir("spec/schemas").glob("*.schema.json"))]:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")

@@ -19,6 +19,7 @@ LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 def lint_imports(repo: Path) -> subprocess.CompletedProcess[str]:
     """Run the contract over the `evotrainer` package found in `repo` (not the installed one)."""
+    assert LINT_IMPORTS.exists(), "lint-imports comes with the dev extra: pip install -e '.[dev]'"
     env = {**os.environ, "PYTHONPATH": str(repo)}
     return subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=repo, env=env,
                           capture_output=True, text=True, timeout=120)

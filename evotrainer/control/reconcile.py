@@ -49,7 +49,7 @@ from evotrainer.store.checkpoints import (
 )
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import PRUNED_TAG_PREFIX, branch_name
-from evotrainer.store.lineage import stop_progress, stopped_text, tree_order
+from evotrainer.store.lineage import merged_into_main, stop_progress, stopped_text, tree_order
 from evotrainer.store.recipe import deep_merge, digest
 from evotrainer.store.records import DecisionRecord, DiagnosisRecord, RunRecord
 from evotrainer.store.seal import KEY_ENV
@@ -139,10 +139,7 @@ class Context:
 
     @cached_property
     def on_main(self) -> set[str]:
-        """Versions whose branch tip main contains (one git call for all of them)."""
-        if self.ws.git.rev("refs/heads/main") is None:
-            return set()
-        return self.ws.git.merged_versions("refs/heads/main")
+        return merged_into_main(self.ws)
 
     def refreshed(self, name: str, kind: str) -> Context | None:
         """This context after `kind` was applied to `name`: that version re-read from its

@@ -41,6 +41,7 @@ from evotrainer.store.checkpoints import (
     recorded_policy,
 )
 from evotrainer.store.clock import now_iso
+from evotrainer.store.lineage import main_frontier, merged_into_main, verdict_of
 from evotrainer.store.workspace import VersionState, Workspace, run_path
 
 POLICIES = ("keep-promoted-and-open", "keep-frontier-and-open", "keep-all")
@@ -69,8 +70,7 @@ def plan_gc(
     """What gc would delete, and why each version with a policy on disk is kept."""
     states = states if states is not None else ws.versions()
     policy = retention_policy(ws)
-    main = ws.git.rev("refs/heads/main")
-    on_main = ws.git.merged_versions("main") & states.keys() if main else set()
+    on_main = merged_into_main(ws) & states.keys()
     frontier = main_frontier(states, on_main)
     continued = _continued_parents(ws, states)
     drops, kept = [], {}
@@ -84,7 +84,7 @@ def plan_gc(
         if run is None or not run.artifacts.get(CHECKPOINT):
             continue
         folder, artifact = recorded_policy(ws, name, state.records["run"])
-        verdict = _verdict(state)
+        verdict = verdict_of(state)
         reason = None
         if name in continued:
             kept[name] = f"{continued[name]} continues from it"
@@ -110,17 +110,6 @@ def plan_gc(
         drops.append(Drop(name, reason, folders, sum(_size(f) for f in folders),
                           folder.parent, is_dropped(artifact)))
     return drops, kept
-
-
-def main_frontier(states: dict[str, VersionState], on_main: set[str]) -> str | None:
-    """The policy main stands for: its latest promotion, else its baseline (a root on main
-    gated `baseline`); None while main holds neither."""
-    promoted = [(states[n].decision.decided_at, n) for n in on_main
-                if _verdict(states[n]) == "promote"]
-    if promoted:
-        return max(promoted)[1]
-    return min((n for n in on_main if states[n].parent is None and _verdict(states[n])),
-               default=None)
 
 
 def apply_gc(ws: Workspace, drops: list[Drop], policy: str) -> None:
@@ -152,16 +141,11 @@ def apply_gc(ws: Workspace, drops: list[Drop], policy: str) -> None:
             shutil.rmtree(folder)  # fd-based: never follows a link inside the folder
 
 
-def _verdict(state: VersionState) -> str | None:
-    decision = state.decision
-    return (decision.verdict or None) if decision else None  # "": a record without one
-
-
 def _continued_parents(ws: Workspace, states: dict[str, VersionState]) -> dict[str, str]:
     """parent → an open child that starts from the parent's policy (model.init: parent)."""
     out = {}
     for name, state in states.items():
-        if not state.parent or _verdict(state) is not None:
+        if not state.parent or verdict_of(state) is not None:
             continue
         if state.run and state.run.succeeded:
             continue  # trained already: it no longer needs its parent's weights

@@ -26,7 +26,7 @@ from evotrainer.evidence.io import read_rollouts
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.report import svg
 from evotrainer.store import specs
-from evotrainer.store.lineage import LineageRow, _natural, lineage_rows
+from evotrainer.store.lineage import LineageRow, _natural, lineage_rows, main_frontier
 from evotrainer.store.recipe import BASE_RECIPE
 from evotrainer.store.workspace import VersionState, Workspace
 
@@ -384,15 +384,15 @@ class Site:
 
 def _promoted_path(rows: list[LineageRow], ws: Workspace,
                    states: dict[str, VersionState]) -> list[str]:
-    """Root → the deepest version merged into main (main holds one chain of promotions)."""
-    on_main = [r.name for r in rows if r.on_main]
-    if not on_main:
+    """Root → main's frontier (main holds one chain of promotions); the first root while
+    main holds no promotion nor baseline."""
+    frontier = main_frontier(states, {r.name for r in rows if r.on_main})
+    if frontier is None:
         return [rows[0].name] if rows else []
     try:
-        chains = [[s.name for s in ws.chain(name, states)] for name in on_main]
+        return [s.name for s in ws.chain(frontier, states)]
     except EvoError:
-        return on_main
-    return max(chains, key=len)
+        return [frontier]
 
 
 def _tokens(states: dict[str, VersionState]) -> list[TokenRow]:

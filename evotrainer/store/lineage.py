@@ -40,10 +40,36 @@ def status_of(state: VersionState, approval: str | None = None) -> str:
     return {"approved": "approved", "stale": "stale"}.get(approval, "proposed")
 
 
+def merged_into_main(ws: Workspace) -> set[str]:
+    """Versions whose branch tip main contains (one git call for all of them); none while
+    main does not exist. The one definition of "on main": planners, reconcile, retention and
+    the report all read it from here."""
+    if ws.git.rev("refs/heads/main") is None:
+        return set()
+    return ws.git.merged_versions("refs/heads/main")
+
+
+def main_frontier(states: dict[str, VersionState], on_main: set[str]) -> str | None:
+    """The policy main stands for: its latest promotion, else its baseline (a root on main
+    with a verdict); None while main holds neither. `on_main` is `merged_into_main`."""
+    merged = on_main & states.keys()
+    promoted = [(states[n].decision.decided_at, n) for n in merged
+                if verdict_of(states[n]) == "promote"]
+    if promoted:
+        return max(promoted)[1]
+    return min((n for n in merged if states[n].parent is None and verdict_of(states[n])),
+               default=None)
+
+
+def verdict_of(state: VersionState) -> str | None:
+    decision = state.decision
+    return (decision.verdict or None) if decision else None  # "": a record without one
+
+
 def lineage_rows(ws: Workspace, states: dict[str, VersionState] | None = None) -> list[LineageRow]:
     states = states if states is not None else ws.versions()
     pruned = set(ws.git.tags(PRUNED_TAG_PREFIX))
-    on_main = ws.git.merged_versions("main") if ws.git.rev("refs/heads/main") else set()
+    on_main = merged_into_main(ws)
     rows = []
     for name in tree_order(states):
         state = states[name]

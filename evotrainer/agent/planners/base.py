@@ -23,7 +23,7 @@ from evotrainer.diagnosis.skills import Skill, workspace_library
 from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import CHECKPOINT, is_dropped
 from evotrainer.store.git import PRUNED_TAG_PREFIX
-from evotrainer.store.lineage import tree_order
+from evotrainer.store.lineage import main_frontier, merged_into_main, tree_order
 from evotrainer.store.recipe import canonical_json, set_dotted
 from evotrainer.store.specs import load_yaml
 from evotrainer.store.workspace import VersionState, Workspace
@@ -128,16 +128,11 @@ class View:
         )
 
     def frontier(self) -> str:
-        """The latest promoted version on main; the root when nothing was promoted yet."""
-        main = self.ws.git.rev("refs/heads/main")
-        promoted = [
-            (decision.get("decided_at", ""), name)
-            for name, state in self.states.items()
-            if (decision := state.records.get("decision") or {}).get("verdict") == "promote"
-            and main and self.ws.git.is_ancestor(state.sha, main)
-        ]
-        if promoted:
-            return max(promoted)[1]
+        """Main's frontier (its latest promotion, else its baseline); the first root while
+        main holds neither, so the first proposals start from the baseline being gated."""
+        frontier = main_frontier(self.states, merged_into_main(self.ws))
+        if frontier is not None:
+            return frontier
         roots = [n for n in tree_order(self.states) if self.states[n].parent is None]
         if not roots:
             raise EvoError("no root version", hint="run `evotrainer init DIR` to get v0")

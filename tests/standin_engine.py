@@ -7,8 +7,9 @@ drawn from a seeded Bernoulli whose rate the test sets through `domain.params`:
 - `standin_fail` (default false): exit 1 without results, as a crashed job does;
 - `standin_disk_full` (a path): while that file exists, fail as a full disk does;
 - `standin_corrupt` (default false): write a val.parquet that is not Parquet;
-- `standin_step_s` (default 0): seconds per training step, each logged to train.log as the
-  engine does (`seed S step K: reward ...`): a job that runs long enough to watch or cancel;
+- `standin_step_s` (default 0): seconds per training step, each logged to train.log and
+  recorded in progress.json as the engine does (the engine's own `ProgressRecord`): a job
+  that runs long enough to watch or cancel;
 - `standin_flush` (default false): after each step, (atomically) rewrite
   rollouts/train.parquet with the rows of the steps so far, as the engine flushes its
   evidence: what a live look (and an early stop) reads while the job runs.
@@ -32,6 +33,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from evotrainer.engine.outputs import ProgressRecord
+from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 from evotrainer.store.recipe import digest
 
@@ -84,14 +87,18 @@ def main(recipe_file: str, out_dir: str, version: str) -> int:
     start = (recipe.get("model") or {}).get("init_checkpoint")
     model = {k: v for k, v in (recipe.get("model") or {}).items() if k != "init_checkpoint"}
     seed = int(digest({**recipe, "model": model})[7:15], 16)
+    progress = ProgressRecord(RunArtifacts(out).progress)
+    progress.begin_seed(0, recipe["grpo"]["steps"] * len(recipe.get("seeds") or [0]))
     with (out / "train.log").open("a") as log:
         log.write(f"stand-in run of {version}\n")
         if start:
             log.write(f"continuing from {start['path']} {start['digest']}\n")
         for step in range(1, recipe["grpo"]["steps"] + 1):
+            began = time.monotonic()
             time.sleep(float(params.get("standin_step_s", 0)))
             log.write(f"2025-01-01 00:00:00 seed 0 step {step}: reward 0.500 kept 1.00\n")
             log.flush()
+            progress.stepped(step, time.monotonic() - began)
             if params.get("standin_flush"):
                 flush(out, rows(version, "train", list(range(1, step + 1)), skill, leak, seed))
     (out / "rollouts").mkdir(parents=True, exist_ok=True)
@@ -109,6 +116,7 @@ def main(recipe_file: str, out_dir: str, version: str) -> int:
     (policy / "config.json").write_text(json.dumps({"standin": version, "seed": seed}))
     (policy / "model.safetensors").write_bytes(seed.to_bytes(8, "little") * 64)
     accuracy = float(np.mean([r["correct"] for r in val]))
+    progress.evaluated(recipe["grpo"]["steps"], accuracy)
     (out / "result.json").write_text(json.dumps({
         "status": "ok", "val_avg": accuracy, "steps_done": recipe["grpo"]["steps"],
         "eval_k": GROUP, "seeds": [0], "wall_time_s": 0.01}))

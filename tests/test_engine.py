@@ -25,6 +25,7 @@ from evotrainer.contract.recipe import check_recipe, environment_config
 from evotrainer.domains import make_domain
 from evotrainer.engine import run_job
 from evotrainer.engine.grpo import group_advantages, policy_loss
+from evotrainer.engine.outputs import read_progress
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 from evotrainer.evidence.steps import STEPS_SCHEMA
@@ -223,6 +224,20 @@ def test_arith_run_writes_every_output_in_its_schema(tmp_path):
     assert (out / "checkpoint-seed1" / "config.json").is_file()
     assert "val avg@2" in (out / "train.log").read_text()
     assert (out / "cache").is_dir() and not (tmp_path / "warm_start").exists()  # inside --out
+    # The progress record matches the steps trained; its pace holds the steps' wall times
+    # (steps.parquet's time_per_step) and not the warm starts before each seed's first step.
+    record = json.loads((out / "progress.json").read_text())
+    assert {k: record[k] for k in ("seed", "step", "steps_done", "steps_total")} == {
+        "seed": 1, "step": 3, "steps_done": 6, "steps_total": 6}
+    assert record["evaluation"] == {"seed": 1, "step": 3, "val_avg": result["val_avg_by_seed"]["1"]}
+    step_times = {(r["seed"], r["step"]): r["value"] for r in read_rows(out / "steps.parquet")
+                  if r["metric"] == "time_per_step"}
+    assert len(step_times) == 6 and record["step_s"] == step_times[(1, 3)]
+    assert sum(step_times.values()) <= record["stepping_s"] + 1e-6  # rounded to the µs
+    assert record["stepping_s"] < result["wall_time_s"]
+    progress = read_progress(out)
+    assert progress.steps_done == 6
+    assert progress.seconds_per_step == pytest.approx(record["stepping_s"] / 6)
 
 
 @pytest.mark.slow

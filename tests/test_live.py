@@ -22,8 +22,9 @@ from evotrainer.control.reconcile import record_text
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import load_harness, parse_harness, resolve_harness
 from evotrainer.diagnosis.incremental import DiagnosisState, diagnose_incremental
-from evotrainer.engine.outputs import seconds_per_step
+from evotrainer.engine.outputs import ProgressRecord, read_progress
 from evotrainer.errors import EvoError
+from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.evidence.synthetic import random_rollouts, rollout_table
 from evotrainer.evidence.verl import ingest_dump, read_new
 from evotrainer.store.builtin import builtin_dir
@@ -48,14 +49,14 @@ def _workspace(tmp_path: Path) -> tuple[SimpleNamespace, SimpleNamespace, dict, 
 
 
 def _flush(artifact: Path, table: pa.Table, step: int) -> None:
-    """What the engine leaves at an evaluation: the rows so far and its per-step log."""
+    """What the engine leaves at an evaluation: the rows so far and its progress record."""
     for split in ("train", "val"):
         rows = table.filter(pc.equal(table.column("split"), split))
         pq.write_table(rows, artifact / "rollouts" / f"{split}.parquet")
-    (artifact / "train.log").write_text(
-        "".join(f"2026-01-01 00:00:{s % 60:02d} seed 0 step {s}: reward 0.5\n"
-                for s in range(1, step + 1))
-    )
+    progress = ProgressRecord(RunArtifacts(artifact).progress)
+    progress.begin_seed(0, STEPS)
+    for done in range(1, step + 1):
+        progress.stepped(done, 1.0)
 
 
 def _run_rows(leak_from_step: int | None) -> pa.Table:
@@ -303,23 +304,28 @@ def test_watch_once_prints_progress_alerts_and_the_stop(monkeypatch):
     assert json.loads(result.output)[0]["stop"]["rule"] == "leak"
 
 
-def test_the_time_left_is_at_the_steps_own_pace_not_the_start_ups():
+def test_the_time_left_is_at_the_steps_own_pace_not_the_start_ups(tmp_path):
     """A 40-step job whose warm start took 10 minutes and whose steps take 2 s: after its
     second step it has 38 steps = 76 s left, not (10 min / 2) x 38. The gap between seeds
     (the next seed's warm start) is not a step either."""
-    log = "\n".join([
-        "2026-01-01 10:00:00 run v1: recipe sha256:x, seeds [0, 1]",
-        "2026-01-01 10:09:58 warm start step 250: loss 1.0, sampled accuracy 0.40",
-        "2026-01-01 10:10:00 seed 0 step 1: reward 0.100 (x)",
-        "2026-01-01 10:10:02 seed 0 step 2: reward 0.200 (x)",
-    ]) + "\n"
-    assert seconds_per_step(log) == 2.0
+    now = [0.0]
+    progress = ProgressRecord(RunArtifacts(tmp_path).progress, clock=lambda: now[0])
+
+    def steps(seed: int, start: float, step_s: float) -> None:
+        progress.begin_seed(seed, 40)
+        for step in (1, 2):
+            now[0] = start + step * step_s
+            progress.stepped(step, step_s)
+
+    progress.begin_seed(0, 40)
+    assert read_progress(tmp_path).seconds_per_step is None  # no step yet: no estimate
+    assert LiveView("v1", "j1", "local", step=0, steps=40, elapsed_s=600.0).eta_s is None
+    steps(0, start=600.0, step_s=2.0)  # the warm start took the first 10 minutes
+    assert read_progress(tmp_path).seconds_per_step == 2.0
     view = LiveView("v1", "j1", "local", step=2, steps=40, elapsed_s=602.0,
-                    step_s=seconds_per_step(log))
+                    step_s=read_progress(tmp_path).seconds_per_step)
     assert view.eta_s == 76.0
-    first_step_only = "2026-01-01 10:10:00 seed 0 step 1: reward 0.100 (x)\n"
-    assert seconds_per_step(first_step_only) is None
-    assert LiveView("v1", "j1", "local", step=1, steps=40, elapsed_s=600.0).eta_s is None
-    two_seeds = log + "2026-01-01 10:20:00 seed 1 step 1: reward 0.1 (x)\n" \
-        "2026-01-01 10:20:04 seed 1 step 2: reward 0.1 (x)\n"
-    assert seconds_per_step(two_seeds) == 3.0  # (2 + 4) / 2; the 10-minute gap is not a step
+    steps(1, start=1200.0, step_s=4.0)  # seed 1's warm start: 10 minutes more
+    two_seeds = read_progress(tmp_path)
+    assert two_seeds.steps_done == 4
+    assert two_seeds.seconds_per_step == 3.0  # (2 + 2 + 4 + 4) / 4; the gap is not a step

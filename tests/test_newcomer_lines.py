@@ -11,20 +11,20 @@ import pytest
 from evotrainer.backends.base import JobSpec
 from evotrainer.backends.local import running_status
 from evotrainer.contract import recipe as checks
+from evotrainer.engine.outputs import ProgressRecord
 from evotrainer.errors import EvoError
-
-LOG = "\n".join([
-    "2026-01-01 10:00:00 run v1: recipe sha256:x, seeds [0]",
-    "2026-01-01 10:09:58 warm start step 250: loss 1.0, sampled accuracy 0.40",
-    "2026-01-01 10:10:00 seed 0 step 1: reward 0.100 (x)",
-    "2026-01-01 10:10:02 seed 0 step 2: reward 0.200 (x)",
-]) + "\n"
+from evotrainer.evidence.layout import RunArtifacts
 
 
 def test_reconciles_time_left_is_at_the_steps_pace(tmp_path):
     """The job started 10 minutes ago (a warm start) and its steps take 2 s: 38 steps left
     are 76 s, not (600 s / 2) × 38 ≈ 3 hours."""
-    (tmp_path / "train.log").write_text(LOG)
+    now = [0.0]
+    progress = ProgressRecord(RunArtifacts(tmp_path).progress, clock=lambda: now[0])
+    progress.begin_seed(0, 40)
+    for step in (1, 2):  # the warm start ended at 600 s; each step takes 2 s
+        now[0] = 600.0 + 2 * step
+        progress.stepped(step, 2.0)
     job = JobSpec("evo-v1-a1-0123456789", "v1", {"grpo": {"steps": 40}, "seeds": [0]},
                   tmp_path, tmp_path)
     status = running_status(job, {"pid": 1, "create_time": time.time() - 602})

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 
 from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus, job_environment
-from evotrainer.engine.outputs import STEP_LINE, seconds_per_step
+from evotrainer.engine.outputs import read_progress
 from evotrainer.errors import EvoError
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.store.checkpoints import CHECKPOINT
@@ -144,20 +144,19 @@ class LocalBackend:
 
 
 def running_status(job: JobSpec, record: dict) -> JobStatus:
-    """A running job, with its progress from train.log: training steps finished over all of
-    the recipe's seeds, and the time left at the pace so far."""
+    """A running job, with its progress from the engine's progress record: training steps
+    finished over all of the recipe's seeds, and the time left at the steps' own pace
+    (start-up and warm start excluded). No record yet, or a torn one: no estimate."""
     status = JobStatus(JobState.RUNNING, f"pid {record['pid']}")
     grpo, seeds = job.recipe.get("grpo") or {}, job.recipe.get("seeds") or [0]
     total = int(grpo.get("steps") or 0) * len(seeds)
-    log = RunArtifacts(job.artifact_dir).log
-    if not total or not log.is_file():
+    progress = read_progress(job.artifact_dir)
+    if not total or progress is None:
         return status
-    text = log.read_text(errors="replace")
-    done = min(len(STEP_LINE.findall(text)), total)
+    done = min(progress.steps_done, total)
     status.steps_done, status.steps_total, status.progress = done, total, done / total
-    pace = seconds_per_step(text)  # the steps' own pace: start-up and warm start excluded
-    if pace is not None:
-        status.seconds_left = pace * (total - done)
+    if progress.seconds_per_step is not None:
+        status.seconds_left = progress.seconds_per_step * (total - done)
     return status
 
 

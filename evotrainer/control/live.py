@@ -40,7 +40,7 @@ from evotrainer.diagnosis.diagnose import diagnosis_document, evaluate_unless_nu
 from evotrainer.diagnosis.gate import decision_header
 from evotrainer.diagnosis.harness import HarnessRevision
 from evotrainer.diagnosis.incremental import DiagnosisState, diagnose_incremental
-from evotrainer.engine.outputs import STEP_LINE, seconds_per_step
+from evotrainer.engine.outputs import JobProgress, read_progress
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts, read_steps
 from evotrainer.evidence.layout import RunArtifacts
@@ -68,14 +68,14 @@ class LiveView:
     rows: int = 0  # train rollouts written so far
     val_rows: int = 0
     elapsed_s: float | None = None
-    step_s: float | None = None  # seconds a training step takes (the engine's log); verl: None
+    step_s: float | None = None  # seconds a training step takes (the engine's record); verl: None
     diagnosis: dict | None = None  # None: no evidence written yet
     stop: dict | None = None  # {rule, reason, alert, step, steps, rows, at} once a rule held
     fresh: bool = False  # whether this look diagnosed new evidence
 
     @property
     def eta_s(self) -> float | None:
-        """Seconds left at the steps' own pace when the engine's log gives it; for a job
+        """Seconds left at the steps' own pace when the engine's record gives it; for a job
         without it (verl), at the pace since the job started. None before the pace is known."""
         if not self.step or self.step >= self.steps:
             return None
@@ -168,11 +168,11 @@ def observe_running(
         else:  # unchanged evidence, not read again
             progress = saved.get("progress") or {}
             view.rows, view.val_rows = progress.get("rows", 0), progress.get("val_rows", 0)
-        view.step = _steps_done(artifact_dir, evidence.steps, seeds, view.backend)
+        progress = read_progress(artifact_dir) if view.backend != "verl" else None
+        view.step = _steps_done(progress, evidence.steps, seeds, view.steps)
         view.elapsed_s = _elapsed(artifact_dir, run)
-        log = RunArtifacts(artifact_dir).log
-        if view.backend != "verl" and log.is_file():
-            view.step_s = seconds_per_step(log.read_text(errors="replace"))
+        if progress is not None:
+            view.step_s = progress.seconds_per_step
         view.stop = saved.get("stop") if saved.get("harness_digest") == harness.digest else None
         if view.stop is None and diagnosis is not None:
             view.stop = early_stop(harness, view)
@@ -434,17 +434,15 @@ def _diagnose(folder: Path, evidence: _Evidence, harness: HarnessRevision) -> di
     return diagnosis
 
 
-def _steps_done(artifact_dir: Path, steps: pa.Table | None, seeds: list, backend: str) -> int:
-    """Training steps done over all seeds: the engine's log says it each step; otherwise
-    (verl) the latest step of each seed's metrics."""
+def _steps_done(progress: JobProgress | None, steps: pa.Table | None, seeds: list,
+                total: int) -> int:
+    """Training steps done over all seeds: the engine's progress record says it after each
+    step (finer than the evidence, flushed at each evaluation only); otherwise (verl) the
+    latest step of each seed's metrics."""
+    if progress is not None:
+        return min(progress.steps_done, total)
     latest: dict[int, int] = {}
-    log = RunArtifacts(artifact_dir).log
-    if backend != "verl" and log.is_file():
-        # The engine's per-step log line: finer progress than the evidence, which is
-        # flushed at each evaluation only.
-        for _, seed, step in STEP_LINE.findall(log.read_text(errors="replace")):
-            latest[int(seed)] = max(latest.get(int(seed), 0), int(step))
-    elif steps is not None and steps.num_rows:
+    if steps is not None and steps.num_rows:
         grouped = steps.group_by("seed").aggregate([("step", "max")])
         latest = dict(zip(grouped.column("seed").to_pylist(),
                           grouped.column("step_max").to_pylist(), strict=True))

@@ -243,6 +243,7 @@ class Trainer:
 
     def run(self) -> float:
         steps = self.g["steps"]
+        self.outputs.progress.begin_seed(self.seed, steps * len(self.recipe["seeds"]))
         try:
             val_avg = self.evaluate(0)
             with self.log.steps(steps, f"seed {self.seed}") as advance:
@@ -300,6 +301,7 @@ class Trainer:
             f"kept {stats['kept_group_ratio']:.2f} loss {stats.get('loss', 0.0):.4f} "
             f"({elapsed:.2f}s)"
         )
+        self.outputs.progress.stepped(step, elapsed)
 
     def evaluate(self, step: int) -> float:
         """eval_k samples per val task, at the evaluation temperature and top-p. A private RNG
@@ -328,6 +330,7 @@ class Trainer:
             for i, (e, s) in enumerate(zip(episodes, scores, strict=True))
         ]
         self.outputs.flush()
+        self.outputs.progress.evaluated(step, val_avg)
         self.log(f"seed {self.seed} step {step}: val avg@{k} {val_avg:.3f}")
         return val_avg
 

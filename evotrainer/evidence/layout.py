@@ -6,6 +6,7 @@ reconcile, diagnosis, backtests, the report and the trackers find files through 
 <artifact_dir>/steps.parquet                  per-step metrics, long format
 <artifact_dir>/scores.csv                     the final per-task score table
 <artifact_dir>/result.json, train.log          the job's result and log
+<artifact_dir>/progress.json                  the engine's progress (steps done, pace)
 ```
 """
 
@@ -41,3 +42,7 @@ class RunArtifacts:
     @property
     def log(self) -> Path:
         return self.root / "train.log"
+
+    @property
+    def progress(self) -> Path:
+        return self.root / "progress.json"

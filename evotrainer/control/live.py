@@ -168,11 +168,11 @@ def observe_running(
         else:  # unchanged evidence, not read again
             progress = saved.get("progress") or {}
             view.rows, view.val_rows = progress.get("rows", 0), progress.get("val_rows", 0)
-        progress = read_progress(artifact_dir) if view.backend != "verl" else None
-        view.step = _steps_done(progress, evidence.steps, seeds, view.steps)
+        engine_progress = read_progress(artifact_dir) if view.backend != "verl" else None
+        view.step = _steps_done(engine_progress, evidence.steps, seeds, view.steps)
         view.elapsed_s = _elapsed(artifact_dir, run)
-        if progress is not None:
-            view.step_s = progress.seconds_per_step
+        if engine_progress is not None:
+            view.step_s = engine_progress.seconds_per_step
         view.stop = saved.get("stop") if saved.get("harness_digest") == harness.digest else None
         if view.stop is None and diagnosis is not None:
             view.stop = early_stop(harness, view)

@@ -15,7 +15,7 @@ from evotrainer.contract.recipe import package_checkpoint
 from evotrainer.errors import EvoError
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.git import GitStore, branch_name, with_trailers
-from evotrainer.store.specs import dump
+from evotrainer.store.specs import dump, schema_modeline
 from evotrainer.store.workspace import PROJECT_FILE, STATE_DIR, version_spec_path
 from evotrainer.terminal import console as make_console
 from evotrainer.terminal import safe
@@ -36,12 +36,6 @@ EXAMPLE_INSTALL = {
 
 def examples() -> list[str]:
     return sorted(p.stem for p in EXAMPLES_DIR.glob("*.yaml"))
-
-
-def schema_modeline(doc_path: str, schema_file: str) -> str:
-    """`# yaml-language-server: $schema=...` relative to the document, for editors."""
-    depth = doc_path.count("/")
-    return f"# yaml-language-server: $schema={'../' * depth}spec/schemas/{schema_file}\n"
 
 
 def baseline_spec(now: str) -> dict:
@@ -136,7 +130,7 @@ def _scaffold(directory: Path, example: str) -> None:
     project_text = (EXAMPLES_DIR / f"{example}.yaml").read_text()
     (directory / "spec").mkdir()
     (directory / PROJECT_FILE).write_text(
-        schema_modeline(PROJECT_FILE, "project.schema.json") + project_text
+        schema_modeline(PROJECT_FILE, "Project") + project_text
     )
     shutil.copytree(builtin_dir("spec/schemas"), directory / "spec" / "schemas")
     for folder in ("harness_versions", "skills"):
@@ -158,7 +152,7 @@ def _scaffold(directory: Path, example: str) -> None:
 
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     path = version_spec_path(BASELINE)
-    text = schema_modeline(path, "policy-version.schema.json") + dump(baseline_spec(now))
+    text = schema_modeline(path, "PolicyVersion") + dump(baseline_spec(now))
     store.commit_files(
         branch_name(BASELINE),
         {path: text.encode()},

@@ -1169,10 +1169,9 @@ def verify_artifacts(
 def record_text(kind: str, document: dict) -> str:
     """A record as committed: floats to 6 significant digits and 12 decimals (readable diffs,
     and the same bytes whatever order a parallel aggregate summed in), schema-checked."""
-    text = f"# yaml-language-server: $schema=../../spec/schemas/{kind}.schema.json\n" + specs.dump(
-        _rounded(document)
-    )
-    specs.load_text(text, f"runs/{document['version']}/{kind}.yaml", kind.capitalize())
+    path = run_path(document["version"], f"{kind}.yaml")
+    text = specs.schema_modeline(path, kind.capitalize()) + specs.dump(_rounded(document))
+    specs.load_text(text, path, kind.capitalize())
     return text
 
 

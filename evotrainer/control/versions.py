@@ -38,8 +38,7 @@ def parse_assignment(text: str) -> tuple[str, Any]:
 
 def spec_text(spec: dict) -> str:
     path = version_spec_path(spec["name"])
-    modeline = f"# yaml-language-server: $schema={'../' * path.count('/')}spec/schemas/"
-    return modeline + "policy-version.schema.json\n" + specs.dump(spec)
+    return specs.schema_modeline(path, "PolicyVersion") + specs.dump(spec)
 
 
 def new_version(

@@ -81,6 +81,14 @@ class Document:
 
 
 @cache
+def schema_modeline(doc_path: str, kind: str) -> str:
+    """The first line of every document EvoTrainer writes: `# yaml-language-server:
+    $schema=...`, relative to `doc_path` (workspace-relative), so an editor checks the file
+    against `kind`'s schema as the reader will."""
+    up = "../" * doc_path.count("/")
+    return f"# yaml-language-server: $schema={up}spec/schemas/{SCHEMA_FILES[kind]}.schema.json\n"
+
+
 def schema(kind: str) -> dict:
     return _schema_file(f"{SCHEMA_FILES[kind]}.schema.json")
 

@@ -25,7 +25,7 @@ from evotrainer.store.checkpoints import CHECKPOINT, is_dropped
 from evotrainer.store.git import PRUNED_TAG_PREFIX
 from evotrainer.store.lineage import main_frontier, merged_into_main, tree_order
 from evotrainer.store.recipe import canonical_json, set_dotted
-from evotrainer.store.specs import load_yaml
+from evotrainer.store.specs import load_yaml, schema_modeline
 from evotrainer.store.workspace import VersionState, Workspace
 
 PLANNERS = ("rules", "score", "anthropic")
@@ -246,10 +246,8 @@ def write_harness_revision(ws: Workspace, harness: HarnessProposal) -> str:
     if ws.harness_path(harness.name).exists() or ws.git.read("main", path) is not None:
         raise EvoError(f"harness revision {harness.name!r} already exists", where=path,
                        hint="revisions are never overwritten; pick a new name")
-    text = (
-        "# yaml-language-server: $schema=../spec/schemas/harness-revision.schema.json\n"
-        + yaml.safe_dump(harness.document, sort_keys=False, allow_unicode=True)
-    )
+    text = schema_modeline(path, "HarnessRevision") + yaml.safe_dump(
+        harness.document, sort_keys=False, allow_unicode=True)
     parse_harness(load_yaml(text, path), source=path)  # never commit an invalid revision
     summary = ""
     if harness.backtest:

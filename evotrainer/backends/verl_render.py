@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from evotrainer.contract.recipe import evaluation_sampling
+from evotrainer.contract.recipe import evaluation_sampling, model_start
 from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import seed_checkpoint_name
 from evotrainer.trackers import logger_names
@@ -260,8 +260,11 @@ def render_run(
     settings = verl_settings(recipe)
     grpo, domain = recipe["grpo"], recipe["domain"]
     model = recipe.get("model") or {}
-    # A continuing version starts from its parent's merged policy (model.init: parent).
-    model_path = (model.get("init_checkpoint") or {}).get("path") or model.get("path")
+    # A continuing version starts from its parent's merged policy (model.init: parent); verl
+    # loads an HF checkpoint, so a package or the tiny model is no start it can use.
+    start = model_start(model)
+    model_path = start.source["path"] if start.kind == "parent" else (
+        start.source if start.kind == "path" else None)
     if not model_path:
         raise EvoError(
             "the verl backend trains a Hugging Face checkpoint, and model.path is not set",

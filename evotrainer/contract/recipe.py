@@ -8,9 +8,10 @@ Imports no torch, so the validator can call it cheaply.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from evotrainer.contract.filters import check_filter_spec
 from evotrainer.domains import make_domain
@@ -33,6 +34,36 @@ PACKAGES = {
 }
 KL_ESTIMATORS = ("k1", "k3")
 LOSS_AGGS = ("token-mean", "seq-mean")
+
+
+@dataclass(frozen=True)
+class ModelStart:
+    """The weights a job starts from. `kind`: parent (the parent's recorded policy,
+    `model.init_checkpoint` {path, digest}), package (`model.package`, its name), path
+    (`model.path`, an HF directory or a .gguf file) or tiny (`model.tiny`, its config)."""
+
+    kind: Literal["parent", "package", "path", "tiny"]
+    source: Any
+
+
+def model_start(model: dict[str, Any]) -> ModelStart:
+    """Which start a recipe's `model` section uses, the one precedence every reader follows
+    (engine, verl, checks, export, init): a continuing job's parent policy, else its base
+    (`base_model`)."""
+    if model.get("init_checkpoint"):
+        return ModelStart("parent", model["init_checkpoint"])
+    return base_model(model)
+
+
+def base_model(model: dict[str, Any]) -> ModelStart:
+    """The model a lineage trains from before any parent's policy: `model.package`, else
+    `model.path`, else the tiny model built from `model.tiny` (the checks refuse a recipe
+    that names both a package and a path)."""
+    if model.get("package"):
+        return ModelStart("package", model["package"])
+    if model.get("path"):
+        return ModelStart("path", model["path"])
+    return ModelStart("tiny", model.get("tiny"))
 
 
 def package_checkpoint(name: str) -> Path:
@@ -191,7 +222,7 @@ def check_recipe(recipe: dict[str, Any]) -> None:
     check_contract(recipe)
     model = recipe.get("model") or {}
     check_model(model)
-    if not (model.get("path") or model.get("package")):
+    if base_model(model).kind == "tiny":
         tiny = model.get("tiny") or {}
         _require(
             tiny.get("family", "qwen2") in FAMILIES,

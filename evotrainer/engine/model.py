@@ -38,7 +38,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from evotrainer.contract.recipe import package_checkpoint
+from evotrainer.contract.recipe import base_model, package_checkpoint
 from evotrainer.domains.data import resolve_data_path
 from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import directory_digest, file_sha256
@@ -123,11 +123,12 @@ def load_checkpoint(
 
 
 def checkpoint_source(model_cfg: dict[str, Any]) -> Path | None:
-    """The checkpoint a recipe names: `model.package`, else `model.path` (an HF directory or a
-    .gguf file, confined: `confined_model`), else None for the tiny model."""
-    if model_cfg.get("package"):
-        return package_checkpoint(model_cfg["package"])
-    return confined_model(model_cfg["path"]) if model_cfg.get("path") else None
+    """The checkpoint of a recipe's base model (`base_model`): a package's file, or `model.path`
+    (an HF directory or a .gguf file, confined: `confined_model`); None for the tiny model."""
+    base = base_model(model_cfg)
+    if base.kind == "package":
+        return package_checkpoint(base.source)
+    return confined_model(base.source) if base.kind == "path" else None
 
 
 def confined_model(value: str) -> Path:

@@ -17,6 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
+from evotrainer.contract.recipe import base_model
 from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import (
     directory_digest,
@@ -100,7 +101,8 @@ def model_card(
     comparison = (decision.comparison if decision else None) or {}
     recipe = ws.resolved_recipe(state.name, states)
     model = recipe.get("model") or {}
-    base = model.get("path") or model.get("package") or "a tiny model built from model.tiny"
+    start = base_model(model)
+    base = start.source if start.kind != "tiny" else "a tiny model built from model.tiny"
     lineage = " → ".join(s.name for s in ws.chain(state.name, states))
     result = run.result if run else {}
     project = quoted(ws.project.get("name", "evotrainer"), state.name)

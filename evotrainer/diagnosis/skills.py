@@ -57,6 +57,7 @@ from evotrainer.errors import EvoError
 from evotrainer.store import cel, specs
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.recipe import _is_named_list, deep_merge
+from evotrainer.store.specs import schema_modeline
 
 # Verdicts of the gate that count as evidence, and the list each one goes to.
 EVIDENCE_LISTS = {
@@ -64,7 +65,7 @@ EVIDENCE_LISTS = {
     "prune": "negative_evidence",
     "revert": "negative_evidence",
 }
-SKILL_MODELINE = "# yaml-language-server: $schema=../spec/schemas/skill.schema.json\n"
+SKILL_MODELINE = schema_modeline("skills/x.yaml", "Skill")
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,12 @@ import torch
 from transformers import PreTrainedModel
 
 from evotrainer.contract.filters import make_filter
-from evotrainer.contract.recipe import check_recipe, environment_config, evaluation_sampling
+from evotrainer.contract.recipe import (
+    check_recipe,
+    environment_config,
+    evaluation_sampling,
+    model_start,
+)
 from evotrainer.domains import Domain, Task, make_domain
 from evotrainer.engine import offline_environment
 from evotrainer.engine.model import (
@@ -175,12 +180,12 @@ class Trainer:
         self.train_tasks, self.val_tasks = domain.split(
             recipe["domain"]["train_size"], recipe["domain"]["val_size"]
         )
-        start = recipe["model"].get("init_checkpoint")
-        if start:  # continuing the parent's policy: it is already past any warm start
+        start = model_start(recipe["model"])
+        if start.kind == "parent":  # the parent's policy: it is already past any warm start
             self.model, self.tokenizer = continued_model(recipe["model"])
             self.chat = uses_chat_template(recipe["model"], self.tokenizer)
             self.warm_start: dict[str, Any] = {
-                "steps": 0, "cached": False, "continued_from": start["digest"]
+                "steps": 0, "cached": False, "continued_from": start.source["digest"]
             }
         else:
             model, self.tokenizer = initial_model(recipe["model"], seed, cache_root, log)

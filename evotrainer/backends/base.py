@@ -96,7 +96,10 @@ JOB_ENV_PREFIXES = (
     "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_",
     "TORCH_", "PYTORCH_", "ATEN_", "ONEDNN_", "DNNL_", "VLLM_", "RAY_", "EVOTRAINER_",
 )
-SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL", "AUTH")
+# Words of a variable's name (split at `_`) that say it holds a secret: RAY_AUTH_TOKEN and
+# HF_TOKEN are dropped, TOKENIZERS_PARALLELISM is not.
+SECRET_WORDS = frozenset({"TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL",
+                          "CREDENTIALS", "AUTH", "PAT"})
 
 
 def job_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -105,7 +108,7 @@ def job_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     inherited = {
         name: value for name, value in os.environ.items()
         if (name in JOB_ENV_NAMES or name.startswith(JOB_ENV_PREFIXES))
-        and not any(marker in name.upper() for marker in SECRET_MARKERS)
+        and not SECRET_WORDS & set(name.upper().split("_"))
     }
     return {**inherited, **(extra or {})}
 

@@ -913,16 +913,11 @@ class Reconciler:
         if previous.get("job_id") != jid or previous.get("state") != "Pending":
             self._commit_run(state, run, f"Launch {state.name} attempt {attempt} ({jid})", "launch")
             self.boundary()
-        self.ws.git.worktree_add(job.workdir, self._spec_commit(state))
+        self.ws.git.worktree_add(job.workdir, self.ws.spec_commit(state))
         job.artifact_dir.mkdir(parents=True, exist_ok=True)
         launched = replace(state, records={**state.records, "run": run})
         run_identity(self.ws, launched, ctx.states).write(job.artifact_dir)  # tracker tags
         ctx.backend(job.recipe["backend"]).submit(job)
-
-    def _spec_commit(self, state: VersionState) -> str:
-        """The commit that last changed the version's spec: what the worktree trains from."""
-        path = f"spec/versions/{state.name}.yaml"
-        return self.ws.git.repo.git.log("-1", "--format=%H", state.sha, "--", path)
 
     def _retry(self, ctx: Context, state: VersionState) -> None:
         run = state.records["run"]

@@ -465,11 +465,16 @@ class Workspace:
         signed by one of its keys (`evotrainer approve` signs with git's signing setup)."""
         return self.git.read("refs/heads/main", ALLOWED_SIGNERS)
 
+    def spec_commit(self, state: VersionState) -> str:
+        """The commit that last changed the version's spec ("" for none): the approval
+        commit when it is approved, what its worktree trains from and its trackers name."""
+        return self.git.repo.git.log("-1", "--format=%H", state.sha, "--",
+                                     version_spec_path(state.name)).strip()
+
     def approval_signer(self, state: VersionState) -> str | None:
         """Who signed the commit that wrote `state`'s approval (the last commit of its
         spec), if an allowed signer did."""
-        commit = self.git.repo.git.log("-1", "--format=%H", state.sha, "--",
-                                       version_spec_path(state.name)).strip()
+        commit = self.spec_commit(state)
         if not commit or self.allowed_signers is None:
             return None
         return self.git.signed_by(commit, self.allowed_signers)
@@ -477,8 +482,7 @@ class Workspace:
     def unapproved_changes(self, state: VersionState) -> list[str]:
         """The files the branch changed since its approval commit (the last commit of its
         spec), records of the controller's aside: what a stale approval did not see."""
-        approved = self.git.repo.git.log("-1", "--format=%H", state.sha, "--",
-                                         version_spec_path(state.name)).strip()
+        approved = self.spec_commit(state)
         if not approved:
             return []
         unbound = self.unbound_paths(state.name)

@@ -13,13 +13,8 @@ from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_steps
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.store import recipe as recipes
-from evotrainer.store.workspace import VersionState, Workspace, version_spec_path
+from evotrainer.store.workspace import VersionState, Workspace
 from evotrainer.trackers import RunIdentity, logger_names, open_trackers
-
-
-def spec_commit(ws: Workspace, state: VersionState) -> str:
-    """The commit that last changed the version's spec: what its worktree trains from."""
-    return ws.git.repo.git.log("-1", "--format=%H", state.sha, "--", version_spec_path(state.name))
 
 
 def run_identity(
@@ -39,7 +34,7 @@ def run_identity(
         "skills": ",".join(str(s) for s in intervention.get("skills") or []),
         "harness": ws.harness_in_force(state),
         "recipe_digest": recipe_digest,
-        "spec_commit": spec_commit(ws, state),
+        "spec_commit": ws.spec_commit(state),
     }
     hypothesis = intervention.get("hypothesis") or {}
     if hypothesis.get("criterion"):

@@ -20,8 +20,10 @@ from evotrainer.backends.base import JobSpec, job_environment
 from evotrainer.backends.local import LocalBackend, spawn_detached
 from evotrainer.control.reconcile import load_context, plan
 from evotrainer.control.versions import new_version, spec_text
+from evotrainer.errors import EvoError
 from evotrainer.store import seal
 from evotrainer.store.git import branch_name
+from evotrainer.store.records import RunRecord
 from evotrainer.store.workspace import PROJECT_FILE, Workspace, run_path, version_spec_path
 
 pytestmark = pytest.mark.usefixtures("standin")
@@ -93,9 +95,7 @@ def test_a_job_id_that_names_another_folder_is_refused(workspace):
     converge(workspace)
     run = record(workspace, "v1", "run")
     for bad in (f"../v0/{run['job_id']}", "evo-v1-a1-../../x", "evo-v1/a1-0123456789"):
-        from evotrainer.store.records import RunRecord
-
-        with pytest.raises(Exception) as err:
+        with pytest.raises(EvoError) as err:
             RunRecord.from_record(dict(run, job_id=bad), "runs/v1/run.yaml")
         assert "job_id" in str(err.value) and "not an id the controller generates" in str(
             err.value)
@@ -183,7 +183,7 @@ def test_a_key_file_that_is_a_link_is_refused(tmp_path):
     state.mkdir()
     (tmp_path / "elsewhere.key").write_text("x" * 64)
     (state / seal.KEY_FILE).symlink_to(tmp_path / "elsewhere.key")
-    with pytest.raises(Exception) as err:
+    with pytest.raises(EvoError) as err:
         seal.record_key(state)
     assert "not a plain file" in str(err.value)
     fresh = tmp_path / "fresh"
@@ -274,8 +274,10 @@ def test_job_environment_names_no_secret_even_under_an_allowed_prefix(monkeypatc
     monkeypatch.setenv("EVOTRAINER_RECORD_KEY", "x")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("RAY_AUTH_TOKEN", "x")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # a setting, not a token
     env = job_environment()
     assert "EVOTRAINER_RECORD_KEY" not in env and "RAY_AUTH_TOKEN" not in env
+    assert env["TOKENIZERS_PARALLELISM"] == "false"
     assert env["HF_HUB_OFFLINE"] == "1"
     assert os.environ["EVOTRAINER_RECORD_KEY"] == "x"  # ours is untouched
 

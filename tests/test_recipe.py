@@ -41,3 +41,25 @@ def test_composed_overrides_keep_nulls_until_merged_onto_a_recipe():
     assert patch == {"group_filter": {"name": "zero_std", "params": None}}
     recipe = resolve({"group_filter": {"name": "std_group_filter", "params": {"z": 1}}}, [patch])
     assert recipe["group_filter"] == {"name": "zero_std"}
+
+
+# Digests computed on main at 1a23fc3, before the recipe became typed: approvals bind a
+# version's resolved-recipe digest, so neither the defaults nor resolution may move them.
+DEFAULT_DIGEST = "sha256:3fb948eb375aef5bf0f0f0fa1c4f4b996f3ead33ef7a788048400346aa0a4de6"
+# The `recipe:` of evotrainer/examples/arith.yaml as it was then, with a version's override.
+ARITH_PROJECT_RECIPE = {
+    "backend": "local",
+    "domain": {"name": "arith", "params": {"ops": ["+", "*"]}, "train_size": 160,
+               "val_size": 40},
+    "grpo": {"steps": 150, "lr": 3.0e-4, "eval_every": 50, "eval_k": 16},
+}
+ARITH_DIGEST = "sha256:d375950a47326d3a086327ae0e2e909fda79dd8b08f5616582a7655eb2eb9575"
+ARITH_CHILD = {"grpo": {"lr": 1e-4}, "reward": {"components": [{"name": "format",
+                                                                "weight": 0.1}]}}
+ARITH_CHILD_DIGEST = "sha256:23b982e22e379290734606659a21d3fd5e3e872d7b0836b208ffb03439d5c5fb"
+
+
+def test_resolved_recipe_digests_are_pinned():
+    assert digest(resolve({}, [])) == DEFAULT_DIGEST
+    assert digest(resolve(ARITH_PROJECT_RECIPE, [])) == ARITH_DIGEST
+    assert digest(resolve(ARITH_PROJECT_RECIPE, [ARITH_CHILD])) == ARITH_CHILD_DIGEST

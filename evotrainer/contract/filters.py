@@ -1,18 +1,26 @@
-"""Group filters: which GRPO groups enter the loss.
+"""Group filters: which GRPO groups (and, for `dual_level`, which trajectories) enter the loss.
 
 A filter sees one batch of groups at a time as plain arrays of rewards and answers a boolean
 mask; it may keep state across calls (the EMA filter does). The engine calls it once per
 training step, and the backtest tool replays it over stored rollouts the same way, so the
 numbers agree. Registry: `FILTERS` (name → class) and `make_filter(spec)` for the recipe's
-`group_filter: {name, params}`.
+`group_filter: {name, params}`; each class declares its parameters as `params_schema`.
+
+A filter may also exclude single trajectories before the group level (`exclude`, the method's
+level 1: abandonment, idle failure, echo traps, truncation). `filter_batch` applies both
+levels in the one order every caller uses: excluded trajectories leave their group first (no
+loss, not counted in the group's statistics), then the group test runs on what is left.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import Any, ClassVar
 
+import jsonschema
 import numpy as np
 
 from evotrainer.errors import EvoError
@@ -25,17 +33,43 @@ ZERO_STD = 1e-8
 
 
 def group_stds(group_rewards: Sequence[np.ndarray]) -> np.ndarray:
-    return np.array([float(np.std(np.asarray(r, dtype=float))) for r in group_rewards])
+    """Population std of each group; a group with no reward left (all excluded) has none to
+    spread, so 0 (np.std of nothing is nan)."""
+    return np.array(
+        [float(np.std(a)) if (a := np.asarray(r, dtype=float)).size else 0.0 for r in group_rewards]
+    )
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """What the trajectory level reads of one rollout. `turns` and `tool_calls` are None for a
+    single-turn domain (its rules about acting on the task do not apply); `truncated` None when
+    the length is unknown (a verl reward function never sees it)."""
+
+    correct: float
+    turns: int | None = None
+    tool_calls: Sequence[Mapping[str, str]] | None = None
+    truncated: bool | None = None
 
 
 class GroupFilter:
-    """Base: keep every group. Subclasses declare `defaults` (their parameters)."""
+    """Base: keep every group and every trajectory. Subclasses declare `defaults` (their
+    parameters) and `params_schema` (the JSON Schema of `group_filter.params`)."""
 
     name: ClassVar[str] = "none"
     defaults: ClassVar[dict[str, Any]] = {}
+    params_schema: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "properties": {},
+        "additionalProperties": False,
+    }
 
     def __init__(self, **params: Any) -> None:
         self.params = {**self.defaults, **params}
+
+    def exclude(self, trajectory: Trajectory) -> str | None:
+        """Why this trajectory leaves its group before the group test (None: it stays)."""
+        return None
 
     def keep(self, group_rewards: Sequence[np.ndarray]) -> np.ndarray:
         return np.ones(len(group_rewards), dtype=bool)
@@ -46,6 +80,7 @@ class ZeroStdFilter(GroupFilter):
     the token-mean (DAPO's dynamic-sampling criterion without the resampling)."""
 
     name = "zero_std"
+    params_schema = GroupFilter.params_schema
 
     def keep(self, group_rewards: Sequence[np.ndarray]) -> np.ndarray:
         return group_stds(group_rewards) > ZERO_STD
@@ -71,6 +106,17 @@ class StdGroupFilter(GroupFilter):
         "min_keep_ratio": 0.5,
         "ema_decay": 0.1,
         "min_std_threshold": 0.01,
+    }
+    params_schema = {
+        "type": "object",
+        "properties": {
+            "mode": {"enum": ["top_p", "absolute"]},
+            "keep_ratio": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+            "min_keep_ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+            "ema_decay": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+            "min_std_threshold": {"type": "number", "minimum": 0},
+        },
+        "additionalProperties": False,
     }
 
     def __init__(self, **params: Any) -> None:
@@ -114,9 +160,142 @@ class StdGroupFilter(GroupFilter):
         self.ema_var = (1 - decay) * (self.ema_var + decay * delta * delta)
 
 
+# Tool calls that are not an action on the task: a call that did not parse, or reached a tool
+# the environment does not offer (the domains record both under these names).
+NOT_AN_ACTION = ("invalid", "unavailable")
+
+
+class DualLevelFilter(GroupFilter):
+    """The method's Dual-Level filter: trajectory-level anomaly exclusion (level 1), then
+    StdGroupFilter on what is left of each group (level 2).
+
+    Level 1 (the reference env's −999 cases), for a multi-turn trajectory:
+    - `abandonment`: at most `abandon_max_turns` turns and no action on the task;
+    - `idle`: no action on the task and incorrect;
+    - `echo_trap`: more than `echo_min_turns` turns and incorrect, or (`echo_min_repeats` set)
+      that many identical calls in a row and incorrect;
+    and for any trajectory `truncated` (cut at the length budget) when `exclude_truncated`.
+    An action is a tool call named in `action_tools`, or, when that is null, any call that
+    parsed and reached an offered tool. Dropping degenerate trajectories first can raise a
+    group's spread (the reference's rationale); a group left with fewer than two has none and
+    is dropped by level 2. Level 2's parameters are StdGroupFilter's, with its defaults.
+    """
+
+    name = "dual_level"
+    trajectory_defaults: ClassVar[dict[str, Any]] = {
+        "abandon_max_turns": 3,
+        "echo_min_turns": 60,
+        "echo_min_repeats": None,
+        "exclude_truncated": True,
+        "action_tools": None,
+    }
+    defaults = {**trajectory_defaults, **StdGroupFilter.defaults}
+    params_schema = {
+        "type": "object",
+        "properties": {
+            "abandon_max_turns": {"type": "integer", "minimum": 0},
+            "echo_min_turns": {"type": "integer", "minimum": 1},
+            "echo_min_repeats": {"type": ["integer", "null"], "minimum": 2},
+            "exclude_truncated": {"type": "boolean"},
+            "action_tools": {"type": ["array", "null"], "items": {"type": "string"}},
+            **StdGroupFilter.params_schema["properties"],
+        },
+        "additionalProperties": False,
+    }
+
+    def __init__(self, **params: Any) -> None:
+        super().__init__(**params)
+        self.group_level = StdGroupFilter(
+            **{key: self.params[key] for key in StdGroupFilter.defaults}
+        )
+
+    def exclude(self, trajectory: Trajectory) -> str | None:
+        p = self.params
+        if p["exclude_truncated"] and trajectory.truncated:
+            return "truncated"
+        if trajectory.turns is None or trajectory.tool_calls is None:
+            return None  # single-turn: no tool to act with
+        names = [str(call.get("name", "")) for call in trajectory.tool_calls]
+        actions = p["action_tools"]
+        acted = any(
+            (n in actions) if actions is not None else (n not in NOT_AN_ACTION) for n in names
+        )
+        failed = not trajectory.correct
+        if not acted and trajectory.turns <= p["abandon_max_turns"]:
+            return "abandonment"
+        if not acted and failed:
+            return "idle"
+        if failed and trajectory.turns > p["echo_min_turns"]:
+            return "echo_trap"
+        repeats = p["echo_min_repeats"]
+        if failed and repeats is not None and longest_repeat(trajectory.tool_calls) >= repeats:
+            return "echo_trap"
+        return None
+
+    def keep(self, group_rewards: Sequence[np.ndarray]) -> np.ndarray:
+        return self.group_level.keep(group_rewards)
+
+    def threshold(self) -> float:
+        return self.group_level.threshold()
+
+
+def longest_repeat(tool_calls: Sequence[Mapping[str, str]]) -> int:
+    """The longest run of identical consecutive calls (same name and arguments)."""
+    longest = run = 0
+    previous: tuple[str, str] | None = None
+    for call in tool_calls:
+        current = (str(call.get("name", "")), str(call.get("args", "")))
+        run = run + 1 if current == previous else 1
+        longest, previous = max(longest, run), current
+    return longest
+
+
 FILTERS: dict[str, type[GroupFilter]] = {
-    cls.name: cls for cls in (GroupFilter, ZeroStdFilter, StdGroupFilter)
+    cls.name: cls for cls in (GroupFilter, ZeroStdFilter, StdGroupFilter, DualLevelFilter)
 }
+
+
+@dataclass
+class BatchDecision:
+    """One step's filtering: the groups kept, each group's excluded members (True = out),
+    and how many trajectories each level-1 rule took out."""
+
+    keep_groups: np.ndarray
+    excluded: list[np.ndarray]
+    reasons: Counter = field(default_factory=Counter)
+
+    def sample_mask(self) -> np.ndarray:
+        """Per trajectory, in group order: does it enter the loss?"""
+        if not self.excluded:
+            return np.zeros(0, dtype=bool)
+        return np.concatenate(
+            [keep & ~out for keep, out in zip(self.keep_groups, self.excluded, strict=True)]
+        )
+
+
+def filter_batch(
+    group_filter: GroupFilter,
+    group_rewards: Sequence[np.ndarray],
+    trajectories: Sequence[Sequence[Trajectory]] | None = None,
+) -> BatchDecision:
+    """Both levels over one step's groups: level 1 on each trajectory (when `trajectories`,
+    parallel to `group_rewards`, is given), then the group test on each group's remaining
+    rewards. Without trajectories nothing is excluded (a table with no turns, tool calls or
+    lengths: the group level alone)."""
+    rewards = [np.asarray(r, dtype=float) for r in group_rewards]
+    reasons: Counter = Counter()
+    excluded = []
+    for index, group in enumerate(rewards):
+        out = np.zeros(group.size, dtype=bool)
+        if trajectories is not None:
+            for member, trajectory in enumerate(trajectories[index]):
+                reason = group_filter.exclude(trajectory)
+                if reason is not None:
+                    out[member] = True
+                    reasons[reason] += 1
+        excluded.append(out)
+    keep = group_filter.keep([group[~out] for group, out in zip(rewards, excluded, strict=True)])
+    return BatchDecision(np.asarray(keep, dtype=bool), excluded, reasons)
 
 
 def check_filter_spec(spec: dict[str, Any] | None) -> None:
@@ -138,27 +317,16 @@ def check_filter_spec(spec: dict[str, Any] | None) -> None:
                 field=f"group_filter.params.{key}",
                 hint=f"known parameters: {', '.join(cls.defaults) or 'none'}",
             )
-    p = {**cls.defaults, **params}
-    if cls is StdGroupFilter:
-        if p["mode"] not in ("top_p", "absolute"):
-            raise EvoError(
-                f"mode must be top_p or absolute, got {p['mode']!r}",
-                field="group_filter.params.mode",
-                hint="mode: top_p",
-            )
-        for key in ("keep_ratio", "min_keep_ratio"):
-            if not 0 < p[key] <= 1 or (key == "keep_ratio" and p[key] >= 1):
-                raise EvoError(
-                    f"{key} must be in (0, 1), got {p[key]!r}",
-                    field=f"group_filter.params.{key}",
-                    hint=f"{key}: 0.9",
-                )
-        if not 0 < p["ema_decay"] <= 1:
-            raise EvoError(
-                f"ema_decay must be in (0, 1], got {p['ema_decay']!r}",
-                field="group_filter.params.ema_decay",
-                hint="ema_decay: 0.1",
-            )
+    problem = jsonschema.exceptions.best_match(
+        jsonschema.Draft202012Validator(cls.params_schema).iter_errors(params)
+    )
+    if problem is not None:
+        where = ".".join(str(part) for part in problem.absolute_path)
+        raise EvoError(
+            f"group filter {name!r}: {problem.message}",
+            field=f"group_filter.params.{where}" if where else "group_filter.params",
+            hint=f"defaults: {cls.defaults}",
+        )
 
 
 def make_filter(spec: dict[str, Any] | None) -> GroupFilter:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import random
 
+import jsonschema
 import pytest
 
 from evotrainer import domains
-from evotrainer.domains import get_domain, make_domain
+from evotrainer.domains import REGISTRY, get_domain, make_domain
 from evotrainer.domains.toolenv import ECHO_REPEATS, ToolEnvDomain
 from evotrainer.errors import EvoError
 
@@ -27,9 +28,34 @@ def test_unknown_domain_parameter_is_named():
     with pytest.raises(EvoError) as err:
         make_domain({"name": "arith", "params": {"digit": 2}})
     assert err.value.field == "domain.params.digit"
+    assert err.value.hint == "known keys: digits, ops"
     with pytest.raises(EvoError) as err:
         make_domain({"name": "arith", "params": {"ops": ["/"]}})
-    assert err.value.field == "domain.params.ops"
+    assert err.value.field == "domain.params.ops[0]"
+    assert str(err.value) == "domain.params.ops[0]: must be one of: +, -, *, got '/' Hint: " \
+        "set it to one of: +, -, *"
+    with pytest.raises(EvoError) as err:
+        make_domain({"name": "arith", "params": {"digits": 5}})
+    assert err.value.message == "must be an integer from 1 to 4, got 5"
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_each_domain_declares_the_schema_of_its_params(name):
+    """A domain's `params_schema` names exactly its parameters, its defaults satisfy it, and
+    it is a valid JSON Schema: `domain.params` is checked against it, not by hand."""
+    domain = get_domain(name)
+    jsonschema.Draft202012Validator.check_schema(domain.params_schema)
+    assert sorted(domain.params_schema["properties"]) == sorted(domain.default_params)
+    assert domain.params_schema["additionalProperties"] is False
+    jsonschema.validate(domain.default_params, domain.params_schema)
+
+
+def test_a_cross_field_params_rule_stays_in_code():
+    """toolenv's widths are bounded by max_value, which no schema fragment can say."""
+    with pytest.raises(EvoError) as err:
+        make_domain({"name": "toolenv", "params": {"max_value": 10, "widths": [16]}})
+    assert err.value.field == "domain.params.widths"
+    assert "max_value + 1 (11)" in err.value.message
 
 
 @pytest.mark.parametrize("name", ["arith", "toolenv"])

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 from evotrainer.domains.base import Demonstration, Domain, Score, Task
-from evotrainer.errors import EvoError
 
 OPS = {
     "+": ("add", lambda a, b: a + b),
@@ -27,21 +26,20 @@ class ArithDomain(Domain):
     components = ("correctness", "format", "partial")
     default_params: dict[str, Any] = {"digits": 1, "ops": ["+", "-", "*"]}
 
-    def validate_params(self) -> None:
-        digits, ops = self.params["digits"], self.params["ops"]
-        if not isinstance(digits, int) or not 1 <= digits <= 4:
-            raise EvoError(
-                f"digits must be an integer from 1 to 4, got {digits!r}",
-                field="domain.params.digits",
-                hint="e.g. digits: 2",
-            )
-        if not isinstance(ops, list) or not ops or any(op not in OPS for op in ops):
-            raise EvoError(
-                f"ops must be a non-empty list drawn from {sorted(OPS)}, got {ops!r}",
-                field="domain.params.ops",
-                hint='e.g. ops: ["+", "-"]',
-            )
-        self._base = 10**digits
+    params_schema: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "properties": {
+            "digits": {"type": "integer", "minimum": 1, "maximum": 4,
+                       "description": "operand width in digits, e.g. digits: 2"},
+            "ops": {"type": "array", "items": {"enum": list(OPS)}, "minItems": 1,
+                    "description": 'the operators tasks use, e.g. ops: ["+", "-"]'},
+        },
+        "additionalProperties": False,
+    }
+
+    @property
+    def _base(self) -> int:
+        return 10 ** self.params["digits"]
 
     def num_tasks(self) -> int:
         return len(self.params["ops"]) * self._base**2

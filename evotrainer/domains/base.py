@@ -10,8 +10,9 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
+from evotrainer.domains.params import check_params
 from evotrainer.errors import EvoError
 
 
@@ -64,36 +65,26 @@ class Domain(ABC):
     # Multi-turn domains end each action with this character; None means single-turn.
     turn_end: str | None = None
     default_params: dict[str, Any] = {}
+    # The JSON Schema fragment `domain.params` is checked against: every parameter's type and
+    # bounds, no unknown key. What one parameter allows given another (a cross-field rule)
+    # is `validate_params`'s.
+    params_schema: ClassVar[dict[str, Any]] = {"type": "object", "additionalProperties": False}
+    # The reward components that take `params`, each with the JSON Schema fragment its
+    # `reward.components[i].params` is checked against; any other component takes none.
+    component_params_schema: ClassVar[dict[str, dict[str, Any]]] = {}
     # Environment defaults merged under the recipe's `environment` (multi-turn domains only).
     default_environment: dict[str, Any] | None = None
 
     def __init__(self, params: dict[str, Any] | None = None) -> None:
         params = dict(params or {})
-        unknown = sorted(set(params) - set(self.default_params))
-        if unknown:
-            raise EvoError(
-                f"domain {self.name!r} has no parameter {unknown[0]!r}",
-                field=f"domain.params.{unknown[0]}",
-                hint=f"known parameters: {', '.join(sorted(self.default_params)) or 'none'}",
-            )
+        check_params(params, self.params_schema, "domain.params")
         self.params = {**self.default_params, **params}
         self.validate_params()
 
-    @abstractmethod
     def validate_params(self) -> None:
-        """Raise EvoError naming `domain.params.<key>` for a bad value."""
-
-    def require_positive(self, *keys: str) -> None:
-        """EvoError naming `domain.params.<key>` for the first of `keys` whose value is not a
-        positive number."""
-        for key in keys:
-            value = self.params[key]
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise EvoError(
-                    f"{key} must be a positive number, got {value!r}",
-                    field=f"domain.params.{key}",
-                    hint=f"e.g. {key}: {self.default_params[key]}",
-                )
+        """Raise EvoError naming `domain.params.<key>` for a value its schema allows but the
+        other parameters rule out (none by default)."""
+        return None
 
     @abstractmethod
     def num_tasks(self) -> int:

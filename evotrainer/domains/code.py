@@ -21,7 +21,7 @@ exit status other than 0 fails the case whatever was printed.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 from evotrainer.domains.base import Score, Task
 from evotrainer.domains.data import require_text, stable_id
@@ -33,7 +33,13 @@ from evotrainer.domains.sandbox import (
     check_executor,
     default_sandbox,
 )
-from evotrainer.domains.sandboxed import LIMIT_STATUSES, SandboxedCodeDomain, extract_program
+from evotrainer.domains.sandboxed import (
+    EXECUTOR_PARAMS,
+    LIMIT_STATUSES,
+    SandboxedCodeDomain,
+    extract_program,
+    sandboxed_params_schema,
+)
 from evotrainer.errors import EvoError
 
 DEFAULT_TEMPLATE = (
@@ -131,8 +137,9 @@ def score_code(
 
 class CodeDomain(SandboxedCodeDomain):
     name = "code"
-    template_slot = "{problem}"
-    template_example = "{problem}\nAnswer with a ```python block."
+    params_schema: ClassVar[dict[str, Any]] = sandboxed_params_schema(
+        "{problem}", "{problem}\nAnswer with a ```python block.", **EXECUTOR_PARAMS
+    )
     default_params: dict[str, Any] = {
         **SandboxedCodeDomain.default_params,
         "prompt_template": DEFAULT_TEMPLATE,
@@ -142,7 +149,6 @@ class CodeDomain(SandboxedCodeDomain):
     sample_file = "code_sample.jsonl"
 
     def validate_params(self) -> None:
-        super().validate_params()
         check_executor(self.params["executor"], self.params["docker_image"])
 
     def sandbox(self) -> Sandbox:

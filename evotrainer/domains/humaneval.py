@@ -42,13 +42,17 @@ import secrets
 from dataclasses import replace
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from evotrainer.domains import runner
 from evotrainer.domains.base import Score, Task
 from evotrainer.domains.data import require_text
 from evotrainer.domains.sandbox import Limits, Sandbox
-from evotrainer.domains.sandboxed import SandboxedCodeDomain, extract_program
+from evotrainer.domains.sandboxed import (
+    SandboxedCodeDomain,
+    extract_program,
+    sandboxed_params_schema,
+)
 from evotrainer.errors import EvoError
 
 DEFAULT_TEMPLATE = (
@@ -262,8 +266,7 @@ def score_humaneval(
 
 class HumanEvalDomain(SandboxedCodeDomain):
     name = "humaneval"
-    template_slot = "{prompt}"
-    template_example = "{prompt}"
+    params_schema: ClassVar[dict[str, Any]] = sandboxed_params_schema("{prompt}", "{prompt}")
     solution_field = "canonical_solution"
     # No `executor` parameter: local only. In a DockerSandbox run the request (with its nonce)
     # and the report are files in the program's own /tmp, which the code under test, of the

@@ -17,11 +17,10 @@ from __future__ import annotations
 import random
 import re
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 from evotrainer.domains.base import Demonstration, Score, Task
 from evotrainer.domains.data import DatasetDomain, require_text, stable_id
-from evotrainer.errors import EvoError
 
 DEFAULT_TEMPLATE = (
     "Solve the following problem. Reason step by step, then put the final answer in "
@@ -118,14 +117,18 @@ class MathDomain(DatasetDomain):
     default_params: dict[str, Any] = {"prompt_template": DEFAULT_TEMPLATE}
     sample_file = "math_sample.jsonl"
 
-    def validate_params(self) -> None:
-        template = self.params["prompt_template"]
-        if not isinstance(template, str) or "{problem}" not in template:
-            raise EvoError(
-                "prompt_template must be a string containing {problem}",
-                field="domain.params.prompt_template",
-                hint='e.g. "Solve: {problem}\\nPut the answer in \\\\boxed{}."',
-            )
+    params_schema: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "properties": {
+            "prompt_template": {
+                "type": "string",
+                "pattern": r"\{problem\}",
+                "description": "a string containing {problem}, e.g. "
+                '"Solve: {problem}\\nPut the answer in \\\\boxed{}."',
+            },
+        },
+        "additionalProperties": False,
+    }
 
     def make_task(self, row: dict[str, Any], source: str, where: str, field: str) -> Task:
         problem = require_text(row, "problem", where, field)

@@ -2,7 +2,7 @@
 (`code`: stdin/stdout cases; `humaneval`: a function against its unit tests).
 
 What they share: the parameters (prompt template, CPU, wall, memory and output limits) and
-their checks, the sandbox, the warm start from a
+their schema, the sandbox, the warm start from a
 reference solution, the fenced-block extraction, and the components they report:
 - `correctness`: every test passed;
 - `pass_fraction`: the share of tests that passed (the shaped correctness reward);
@@ -47,14 +47,44 @@ def extract_program(response: str) -> tuple[str | None, bool]:
     return program, False
 
 
+def _positive(example: float) -> dict[str, Any]:
+    return {"type": "number", "exclusiveMinimum": 0, "description": f"e.g. {example}"}
+
+
+# `executor` and `docker_image`, for the domains that can run programs in Docker.
+EXECUTOR_PARAMS: dict[str, Any] = {
+    "executor": {"enum": ["local", "docker"],
+                 "description": "local, or docker (the docker SDK, a daemon and docker_image)"},
+    "docker_image": {"type": "string"},
+}
+
+
+def sandboxed_params_schema(
+    slot: str, example: str, **more: dict[str, Any]
+) -> dict[str, Any]:
+    """The params schema of a sandboxed-code domain whose prompt template must contain `slot`
+    (`example` shows one), with `more` parameters of its own."""
+    return {
+        "type": "object",
+        "properties": {
+            "prompt_template": {"type": "string", "pattern": re.escape(slot),
+                                "description": f"a string containing {slot}, e.g. {example!r}"},
+            "cpu_seconds": _positive(2.0),
+            "wall_seconds": _positive(6.0),
+            "memory_mb": _positive(512),
+            "output_kb": _positive(1024),
+            **more,
+        },
+        "additionalProperties": False,
+    }
+
+
 class SandboxedCodeDomain(DatasetDomain):
-    """A dataset domain whose answers are programs run in the sandbox. Subclasses set the
-    template slot, the row field holding the reference solution, and `judge`."""
+    """A dataset domain whose answers are programs run in the sandbox. Subclasses set their
+    parameters' schema (`sandboxed_params_schema`), the row field holding the reference
+    solution, and `judge`."""
 
     components = COMPONENTS
-    # The placeholder the prompt template must contain, and an example template for the hint.
-    template_slot = ""
-    template_example = ""
     # The row field a warm-start demonstration comes from (stored as meta["solution"]).
     solution_field = "solution"
     default_params: dict[str, Any] = {
@@ -65,17 +95,11 @@ class SandboxedCodeDomain(DatasetDomain):
         "output_kb": 1024,
     }
 
-    def validate_params(self) -> None:
+    @property
+    def limits(self) -> Limits:
+        """The sandbox limits every test of a response runs under."""
         p = self.params
-        slot = self.template_slot
-        if not isinstance(p["prompt_template"], str) or slot not in p["prompt_template"]:
-            raise EvoError(
-                f"prompt_template must be a string containing {slot}",
-                field="domain.params.prompt_template",
-                hint=f"e.g. {self.template_example!r}",
-            )
-        self.require_positive("cpu_seconds", "wall_seconds", "memory_mb", "output_kb")
-        self.limits = Limits(
+        return Limits(
             cpu_seconds=float(p["cpu_seconds"]),
             wall_seconds=float(p["wall_seconds"]),
             memory_bytes=int(p["memory_mb"] * 2**20),

@@ -53,7 +53,7 @@ import secrets
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any
+from typing import Any, ClassVar
 
 from evotrainer.domains import runner
 from evotrainer.domains.base import Demonstration, Domain, EnvStep, Score, Task
@@ -67,8 +67,8 @@ from evotrainer.domains.sandbox import (
     default_sandbox,
     tar_files,
 )
+from evotrainer.domains.sandboxed import EXECUTOR_PARAMS
 from evotrainer.domains.swe_repo import RepoTask, build, files
-from evotrainer.errors import EvoError
 
 TURN_END = "`"
 TOOLS = ("shell", "write", "patch", "submit")
@@ -324,39 +324,29 @@ class SweDomain(Domain):
         "tools": [{"name": tool, "enabled": True} for tool in TOOLS],
     }
 
+    params_schema: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "properties": {
+            "prompt_template": {"type": "string", "description": "it may use {entry_point}"},
+            "clear_git_log": {"type": "boolean"},
+            "max_solution_lines": {"type": ["integer", "null"], "minimum": 1,
+                                   "description": "e.g. 1, or null for all"},
+            "p2p_tests": {"type": "number", "exclusiveMinimum": 0},
+            "leak_demo_rate": {"type": "number", "minimum": 0, "maximum": 1,
+                               "description": "e.g. 0.15"},
+            **EXECUTOR_PARAMS,
+            "container_lifetime_s": {"type": "number", "exclusiveMinimum": 0},
+            "command_timeout_s": {"type": "number", "exclusiveMinimum": 0},
+            "max_observation_chars": {"type": "number", "exclusiveMinimum": 0},
+            "memory_mb": {"type": "number", "exclusiveMinimum": 0},
+            "memoize": {"type": "boolean"},
+        },
+        "additionalProperties": False,
+    }
+
     def validate_params(self) -> None:
         p = self.params
-        if not isinstance(p["prompt_template"], str):
-            raise EvoError(
-                "prompt_template must be a string",
-                field="domain.params.prompt_template",
-                hint="it may use {entry_point}",
-            )
-        for key in ("clear_git_log", "memoize"):
-            if not isinstance(p[key], bool):
-                raise EvoError(
-                    f"{key} must be true or false, got {p[key]!r}",
-                    field=f"domain.params.{key}",
-                    hint=f"{key}: true",
-                )
         lines = p["max_solution_lines"]
-        if lines is not None and (
-            not isinstance(lines, int) or isinstance(lines, bool) or lines < 1
-        ):
-            raise EvoError(
-                f"max_solution_lines must be a positive integer or null, got {lines!r}",
-                field="domain.params.max_solution_lines",
-                hint="e.g. 1, or null for all",
-            )
-        rate = p["leak_demo_rate"]
-        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate <= 1:
-            raise EvoError(
-                f"leak_demo_rate must be in [0, 1], got {rate!r}",
-                field="domain.params.leak_demo_rate",
-                hint="e.g. 0.15",
-            )
-        self.require_positive("p2p_tests", "container_lifetime_s", "max_observation_chars",
-                              "memory_mb", "command_timeout_s")
         check_executor(p["executor"], p["docker_image"])
         self.limits = Limits(
             cpu_seconds=float(p["command_timeout_s"]) * 2,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 from evotrainer.domains.base import Demonstration, Domain, EnvStep, Score, Task
 from evotrainer.errors import EvoError
@@ -81,32 +81,32 @@ class ToolEnvDomain(Domain):
         "tools": [{"name": "compare", "enabled": True}, {"name": "reveal", "enabled": True}],
     }
 
+    params_schema: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "properties": {
+            "max_value": {"type": "integer", "minimum": 3, "maximum": 999,
+                          "description": "the largest hidden value, e.g. max_value: 63"},
+            "widths": {"type": "array", "items": {"type": "integer", "minimum": 2},
+                       "minItems": 1,
+                       "description": "range widths, each at most max_value + 1, e.g. "
+                       "widths: [16, 32]"},
+            "reveal_demo_rate": {"type": "number", "minimum": 0, "maximum": 1,
+                                 "description": "e.g. reveal_demo_rate: 0.15"},
+            "echo_demo_rate": {"type": "number", "minimum": 0, "maximum": 1,
+                               "description": "e.g. echo_demo_rate: 0.3"},
+        },
+        "additionalProperties": False,
+    }
+
     def validate_params(self) -> None:
         top, widths = self.params["max_value"], self.params["widths"]
-        if not isinstance(top, int) or not 3 <= top <= 999:
+        too_wide = [w for w in widths if w > top + 1]
+        if too_wide:
             raise EvoError(
-                f"max_value must be an integer from 3 to 999, got {top!r}",
-                field="domain.params.max_value",
-                hint="e.g. max_value: 63",
-            )
-        if (
-            not isinstance(widths, list)
-            or not widths
-            or any(not isinstance(w, int) or not 2 <= w <= top + 1 for w in widths)
-        ):
-            raise EvoError(
-                f"widths must be a list of integers from 2 to max_value + 1, got {widths!r}",
+                f"width {too_wide[0]} exceeds max_value + 1 ({top + 1})",
                 field="domain.params.widths",
-                hint="e.g. widths: [16, 32]",
+                hint=f"keep every width from 2 to {top + 1}, or raise domain.params.max_value",
             )
-        for name, example in (("reveal_demo_rate", "0.15"), ("echo_demo_rate", "0.3")):
-            rate = self.params[name]
-            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
-                raise EvoError(
-                    f"{name} must be a number in [0, 1], got {rate!r}",
-                    field=f"domain.params.{name}",
-                    hint=f"e.g. {name}: {example}",
-                )
         # Task blocks: one per width, (number of range starts) × width hidden values.
         self._blocks = [(w, (top - w + 2) * w) for w in widths]
 

@@ -1,8 +1,15 @@
-"""`evotrainer backtest reward|filter`: replay a version's stored rollouts under a change."""
+"""`evotrainer backtest reward|filter`: replay a version's stored rollouts under a change.
+
+`backtest reward --component judge:<name>` asks an LLM judge about every stored response
+(the dead-group rescue check before any training): the judge is the version's
+`reward.judges` entry of that name, or the one in `--judge FILE`; a `serve:` judge's server
+runs for the backtest's duration, and its replies are cached under `.evotrainer/cache`.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +25,10 @@ from evotrainer.diagnosis.replay import (
     version_rollouts,
 )
 from evotrainer.diagnosis.skills import get_skill, workspace_library
+from evotrainer.domains.judge import component_name
+from evotrainer.engine.judge_servers import served_judges
 from evotrainer.errors import EvoError
+from evotrainer.store.specs import load_yaml
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import console, safe
 
@@ -27,17 +37,38 @@ TARGET_HELP = "A version name, or a rollout file/folder (a .parquet, a run artif
 PAIRS = ("dead_groups", "dead_group_ratio", "reward_spread", "reward_mean")
 
 
-def _resolve(target: str, split: str) -> tuple[Path, dict[str, Any] | None, Workspace | None]:
-    """(rollout path, the version's domain section or None, workspace or None)."""
+def _resolve(target: str, split: str
+             ) -> tuple[Path, dict[str, Any] | None, Workspace | None, list[Any] | None]:
+    """(rollout path, the version's domain section or None, workspace or None, the
+    version's reward.judges or None)."""
     if Path(target).exists():
         try:
             ws = Workspace.find()
         except EvoError:
             ws = None
-        return Path(target), None, ws
+        return Path(target), None, ws, None
     ws = Workspace.find()
-    return (version_rollouts(ws, target, split),
-            ws.resolved_recipe(target)["domain"], ws)
+    recipe = ws.resolved_recipe(target)
+    return (version_rollouts(ws, target, split), recipe["domain"], ws,
+            (recipe.get("reward") or {}).get("judges"))
+
+
+def _judge_file(path: Path) -> list[Any]:
+    """The judges in a YAML file: one judge mapping, or a list of them (reward.judges)."""
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise EvoError(f"cannot read the judge file ({exc.strerror})", where=str(path),
+                       field="--judge", hint="give a YAML file holding a reward.judges entry"
+                       ) from None
+    data = load_yaml(text, str(path))
+    judges = [data] if isinstance(data, Mapping) else data
+    if not isinstance(judges, list) or not judges:
+        raise EvoError("a judge file holds one judge mapping or a list of them",
+                       where=str(path), field="--judge",
+                       hint="e.g. {name: if, endpoint: http://127.0.0.1:8000/v1, model: judge, "
+                       "preset: instruction_following}")
+    return judges
 
 
 def _print(report: dict[str, Any], title: str, as_json: bool) -> None:
@@ -82,12 +113,18 @@ def register(app: typer.Typer) -> None:
                                   "reward skill."),
         domain: str = typer.Option(None, "--domain", help="Domain that recomputes a component "
                                    "the rollouts did not record (default: the version's)."),
+        judge_file: Path = typer.Option(None, "--judge", help="YAML file with the judge of a "
+                                        "judge:<name> component (a reward.judges entry, or a "
+                                        "list); default: the version's reward.judges."),
         split: str = typer.Option("train", "--split", help="train or val."),
         as_json: bool = typer.Option(False, "--json", help="Machine-readable."),
     ) -> None:
         """Re-score each rollout as reward + WEIGHT × COMPONENT: dead groups before and after,
-        and the share of dead groups that regain variance."""
-        path, version_domain, ws = _resolve(target, split)
+        and the share of dead groups that regain variance. COMPONENT may be an LLM judge's,
+        judge:<name>: the judge is asked about every stored response."""
+        path, version_domain, ws, judges = _resolve(target, split)
+        if judge_file is not None:
+            judges = _judge_file(judge_file)
         if skill:
             if component or weight is not None:
                 raise EvoError("--skill takes the component and weight from the skill",
@@ -96,7 +133,17 @@ def register(app: typer.Typer) -> None:
         if not component or weight is None:
             raise EvoError("say what to add", field="--component",
                            hint="--component partial --weight 0.1, or --skill NAME")
-        report = backtest_reward(path, component, weight, domain or version_domain, split=split)
+        state = ws.state_dir if ws else Path(".evotrainer")
+        # Only the judge being backtested is served: another judge's model need not load.
+        wanted = [j for j in judges or [] if isinstance(j, Mapping)
+                  and component_name(str(j.get("name"))) == component]
+        with served_judges(wanted, state / "logs", state / "cache",
+                           log=lambda line: console(stderr=True).print(safe(line))
+                           ) as endpoints:
+            report = backtest_reward(path, component, weight, domain or version_domain,
+                                     split=split, judges=wanted or None,
+                                     cache_dir=state / "cache" / "judges",
+                                     endpoints=endpoints)
         _print(report, f"reward backtest: {target} + {weight:g} × {component}", as_json)
 
     @backtest_app.command("filter")
@@ -112,7 +159,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Replay a group filter over VERSION's groups in step order: keep ratio, dead-group
         ratio and reward spread of the kept groups against all groups."""
-        path, _, ws = _resolve(target, split)
+        path, _, ws, _ = _resolve(target, split)
         if skill:
             if name:
                 raise EvoError("--skill names the filter itself", field="--skill",

@@ -1,7 +1,9 @@
 """Backtests: replay a version's stored rollouts under a candidate change, without training.
 
 - `backtest_reward`: re-score every rollout with an extra reward component and count the dead
-  groups that regain variance (the method's dead-group rescue: 45% with the IF judge).
+  groups that regain variance (the method's dead-group rescue: 45% with the IF judge). The
+  component may be a judge's (`judge:<name>`, with its `reward.judges` entry): the judge is
+  asked about every stored response, in batches, before any training.
 - `backtest_filter`: replay a group filter over the groups in step order, as the engine would
   have called it, and report what it keeps.
 
@@ -23,7 +25,8 @@ import pyarrow.compute as pc
 
 from evotrainer.contract.filters import make_filter
 from evotrainer.diagnosis.skills import Skill
-from evotrainer.domains import make_domain
+from evotrainer.domains import JudgedDomain, ServedEndpoint, make_domain
+from evotrainer.domains.judge import COMPONENT_PREFIX
 from evotrainer.errors import EvoError
 from evotrainer.evidence.groups import dead_groups
 from evotrainer.evidence.io import read_rollouts
@@ -81,12 +84,21 @@ def _domain_config(domain: str | Mapping[str, Any] | None) -> dict[str, Any] | N
 
 
 def component_values(
-    table: pa.Table, component: str, domain: str | Mapping[str, Any] | None
+    table: pa.Table,
+    component: str,
+    domain: str | Mapping[str, Any] | None,
+    *,
+    judges: list[Mapping[str, Any]] | None = None,
+    cache_dir: Path | None = None,
+    endpoints: Mapping[str, ServedEndpoint] | None = None,
 ) -> tuple[np.ndarray, str]:
     """Each rollout's raw value of `component` and where it came from: `recorded` (the
     rollout's `reward_components`), `recomputed` (the domain's scorer over the stored
     response), or `mixed`. `domain` is the recipe's `domain` section (or just its name): its
-    train/val split reconstructs the tasks the rollouts were sampled from."""
+    train/val split reconstructs the tasks the rollouts were sampled from. A judge's
+    component (`judge:<name>`) needs its entry among `judges` (the recipe's
+    `reward.judges`); the judge alone is asked, all missing rows in one batch, and the
+    domain's own scoring does not run."""
     recorded = [dict(c or []).get(component) for c in table["reward_components"].to_pylist()]
     missing = [i for i, v in enumerate(recorded) if v is None]
     if not missing:
@@ -96,23 +108,33 @@ def component_values(
         raise EvoError(f"component {component!r} is not recorded in {len(missing)} rollouts, "
                        "and no domain was named to recompute it", field="--component",
                        hint="backtest a version (its recipe names the domain) or pass --domain")
-    scorer = make_domain(cfg)
+    judged = component.startswith(COMPONENT_PREFIX)
+    scorer = make_domain(cfg, judges if judged else None, cache_dir=cache_dir,
+                         endpoints=endpoints)
     if component not in scorer.components:
+        hint = (f"give the judge {component.removeprefix(COMPONENT_PREFIX)!r} (--judge FILE, "
+                "or the version's reward.judges)" if judged
+                else f"known components: {', '.join(scorer.components)}")
         raise EvoError(f"domain {scorer.name!r} has no reward component {component!r}",
-                       field="--component",
-                       hint=f"known components: {', '.join(scorer.components)}")
+                       field="--component", hint=hint)
     train, val = scorer.split(cfg["train_size"], cfg["val_size"])
     tasks = {t.task_id: t for t in train + val}
     task_ids, responses = table["task_id"].to_pylist(), table["response"].to_pylist()
     calls = table["tool_calls"].to_pylist()
+    items = []
     for i in missing:
         task = tasks.get(task_ids[i])
         if task is None:
             raise EvoError(f"task {task_ids[i]!r} is not among the domain's tasks",
                            field="domain", hint="the rollouts were sampled with another "
                            "domain configuration; pass the one they were made with")
-        score = scorer.score(task, responses[i] or "", calls[i] or [])
-        recorded[i] = score.components[component]
+        items.append((task, responses[i] or "", calls[i] or [], None))
+    if isinstance(scorer, JudgedDomain):
+        values = scorer.judge_values([component], items)[component]
+    else:
+        values = [scorer.score(*item).components[component] for item in items]
+    for i, value in zip(missing, values, strict=True):
+        recorded[i] = value
     source = "recomputed" if len(missing) == len(recorded) else "mixed"
     return np.array(recorded, dtype=float), source
 
@@ -124,10 +146,15 @@ def backtest_reward(
     domain: str | Mapping[str, Any] | None = None,
     *,
     split: str = "train",
+    judges: list[Mapping[str, Any]] | None = None,
+    cache_dir: Path | None = None,
+    endpoints: Mapping[str, ServedEndpoint] | None = None,
 ) -> dict[str, Any]:
-    """Re-score each rollout as reward + weight × component and compare the groups."""
+    """Re-score each rollout as reward + weight × component and compare the groups. A
+    judge's component is asked of the judge among `judges` (see `component_values`)."""
     table = _select(rollouts, split)
-    values, source = component_values(table, component, domain)
+    values, source = component_values(table, component, domain, judges=judges,
+                                      cache_dir=cache_dir, endpoints=endpoints)
     before = np.array(table["reward"].to_pylist(), dtype=float)
     after = before + weight * values
     groups = _groups(table)

@@ -3,12 +3,22 @@
 
 The unit is the task: each task's score is its mean `correct` (over samples, then seeds).
 Delta = B - A (candidate minus parent).
+
+How the gate runs the test is a harness field (`gate:` in a revision, gate.schema.json), read
+into a `GateProcedure`: the CI method (percentile, or BCa: bias-corrected and accelerated,
+Efron 1987, with the acceleration from the jackknife over tasks), the number of resamples B,
+the strata (by data_source, or none), and the comparison family with its multiple-comparison
+correction (gate.py). Absent fields keep the method's defaults, so a revision without them
+decides exactly as before.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from statistics import NormalDist
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -18,6 +28,66 @@ from evotrainer.errors import EvoError
 from evotrainer.evidence.io import first_bad_correct
 
 _CHUNK = 1000  # bootstrap replicates per vectorized batch (bounds memory)
+
+CI_METHODS = ("percentile", "bca")
+STRATA = ("data_source", "none")
+REFERENCES = ("parent", "frontier", "root")  # what a version may be compared with
+CORRECTIONS = ("holm", "bonferroni")
+
+
+@dataclass(frozen=True)
+class GateProcedure:
+    """How the gate tests a version (defaults: the method's paired bootstrap, §7)."""
+
+    alpha: float = 0.05
+    ci_method: str = "percentile"
+    resamples: int = 10_000
+    strata: str = "data_source"
+    compare_with: tuple[str, ...] = ("parent",)
+    correction: str = "holm"
+
+    @classmethod
+    def from_gate(cls, gate: Mapping[str, Any] | None) -> GateProcedure:
+        """From a harness revision's `gate:` section (schema-checked: gate.schema.json)."""
+        gate = gate or {}
+        default = cls()
+        compare_with = tuple(gate.get("compare_with") or default.compare_with)
+        if "parent" not in compare_with:
+            compare_with = ("parent", *compare_with)  # the verdict is always against the parent
+        return cls(
+            alpha=float(gate.get("alpha", default.alpha)),
+            ci_method=gate.get("ci_method", default.ci_method),
+            resamples=int(gate.get("resamples", default.resamples)),
+            strata=gate.get("strata", default.strata),
+            compare_with=compare_with,
+            correction=gate.get("correction", default.correction),
+        )
+
+    @property
+    def stratified(self) -> bool:
+        return self.strata != "none"
+
+    def compare(self, a: pa.Table, b: pa.Table, alpha: float | None = None) -> dict:
+        """`compare_tables` under this procedure (at `alpha`, when a correction lowers it)."""
+        return compare_tables(a, b, B=self.resamples, alpha=self.alpha if alpha is None else alpha,
+                              ci_method=self.ci_method, stratified=self.stratified)
+
+
+def adjust_p(p_values: list[float], correction: str) -> list[float]:
+    """Family-wise adjusted p-values, in the given order: Bonferroni (m·p) or Holm's
+    step-down (the k-th smallest times m-k+1, kept monotone), capped at 1."""
+    m = len(p_values)
+    if correction == "bonferroni":
+        return [min(1.0, m * p) for p in p_values]
+    if correction != "holm":
+        raise EvoError(f"unknown correction {correction!r}",
+                       hint=f"one of {', '.join(CORRECTIONS)}")
+    adjusted = [0.0] * m
+    running = 0.0
+    for rank, index in enumerate(sorted(range(m), key=lambda i: p_values[i])):
+        running = max(running, min(1.0, (m - rank) * p_values[index]))
+        adjusted[index] = running
+    return adjusted
 
 
 @dataclass
@@ -115,8 +185,41 @@ def _wilcoxon(diff: np.ndarray) -> tuple[float, float]:
     return float(result.statistic), float(result.pvalue)
 
 
-def _interval(reps: np.ndarray, point: float, alpha: float) -> dict[str, float]:
-    low, high = np.quantile(reps, [alpha / 2, 1 - alpha / 2])
+def _bca_levels(
+    reps: np.ndarray, point: float, jackknife: np.ndarray, alpha: float
+) -> tuple[float, float]:
+    """The BCa quantile levels for a two-sided 1 - alpha interval: bias correction z0 from
+    the share of replicates below the estimate, acceleration from the jackknife skewness.
+    Degenerate replicates (all on one side, or no jackknife spread) keep the percentile
+    levels: there is nothing to correct."""
+    normal = NormalDist()
+    below = (np.count_nonzero(reps < point) + 0.5 * np.count_nonzero(reps == point)) / len(reps)
+    if not 0.0 < below < 1.0:
+        return alpha / 2, 1 - alpha / 2
+    z0 = normal.inv_cdf(below)
+    spread = jackknife.mean() - jackknife
+    denominator = 6.0 * float(np.sum(spread**2)) ** 1.5
+    acceleration = float(np.sum(spread**3)) / denominator if denominator > 0 else 0.0
+    levels = []
+    for tail in (alpha / 2, 1 - alpha / 2):
+        z = z0 + normal.inv_cdf(tail)
+        levels.append(normal.cdf(z0 + z / (1 - acceleration * z)))
+    return levels[0], levels[1]
+
+
+def _jackknife(diff: np.ndarray) -> np.ndarray:
+    """Leave-one-task-out means of the per-task differences (the point estimate's jackknife)."""
+    if len(diff) < 2:
+        return np.zeros(len(diff))
+    return (diff.sum() - diff) / (len(diff) - 1)
+
+
+def _interval(
+    reps: np.ndarray, point: float, alpha: float, jackknife: np.ndarray | None = None
+) -> dict[str, float]:
+    levels = (alpha / 2, 1 - alpha / 2) if jackknife is None else _bca_levels(
+        reps, point, jackknife, alpha)
+    low, high = np.quantile(reps, levels)
     # Two-sided p under the shifted null: how often a replicate strays from the estimate by
     # at least the estimate's distance from zero.
     extreme = np.count_nonzero(np.abs(reps - point) >= abs(point) - 1e-12)
@@ -128,9 +231,20 @@ def _interval(reps: np.ndarray, point: float, alpha: float) -> dict[str, float]:
 
 
 def compare_tables(
-    a: pa.Table, b: pa.Table, *, B: int = 10_000, seed: int = 0, alpha: float = 0.05
+    a: pa.Table,
+    b: pa.Table,
+    *,
+    B: int = 10_000,
+    seed: int = 0,
+    alpha: float = 0.05,
+    ci_method: str = "percentile",
+    stratified: bool = True,
 ) -> dict:
-    """Compare per-task score tables A (parent) and B (candidate) over their common tasks."""
+    """Compare per-task score tables A (parent) and B (candidate) over their common tasks.
+    `ci_method` percentile (default) or bca; `stratified` False pools every data_source into
+    one stratum (the bootstrap then resamples tasks across sources)."""
+    if ci_method not in CI_METHODS:
+        raise EvoError(f"unknown CI method {ci_method!r}", hint=f"one of {', '.join(CI_METHODS)}")
     if B < 1:
         raise EvoError(f"the number of bootstrap resamples must be >= 1, not {B}")
     va, vb = _version(a, "A"), _version(b, "B")
@@ -145,7 +259,7 @@ def compare_tables(
     ib = np.array([row_b[t] for t in common])
     mean_a, mean_b = va.task_means[ia], vb.task_means[ib]
     diff = mean_b - mean_a
-    sources = np.array([va.sources[t] for t in common])
+    sources = np.array([va.sources[t] for t in common] if stratified else ["all"] * len(common))
     strata = sorted(set(sources))
     members = [np.flatnonzero(sources == s) for s in strata]
     weights = np.array([len(m) / len(common) for m in members])
@@ -161,6 +275,7 @@ def compare_tables(
     overall_reps = weights @ stratum_reps
     delta = float(diff.mean())
     statistic, p_wilcoxon = _wilcoxon(diff)
+    bca = ci_method == "bca"
 
     rows = []
     for j, (name, idx) in enumerate(zip(strata, members, strict=True)):
@@ -174,7 +289,7 @@ def compare_tables(
                 "mean_a": float(mean_a[idx].mean()),
                 "mean_b": float(mean_b[idx].mean()),
                 "delta": d,
-                **_interval(stratum_reps[j], d, alpha),
+                **_interval(stratum_reps[j], d, alpha, _jackknife(diff[idx]) if bca else None),
                 "p_wilcoxon": p_w,
             }
         )
@@ -185,6 +300,13 @@ def compare_tables(
     ]
     for row in pass_rows:
         row["delta"] = row["b"] - row["a"]
+    # Only what differs from the default procedure is added: a default comparison is
+    # recorded exactly as before.
+    procedure: dict[str, Any] = {}
+    if bca:
+        procedure["ci_method"] = "bca"
+    if not stratified:
+        procedure["stratified"] = False
     return {
         "n_tasks": len(common),
         "n_only_a": len(va.tasks) - len(common),
@@ -195,7 +317,7 @@ def compare_tables(
         "mean_a": float(mean_a.mean()),
         "mean_b": float(mean_b.mean()),
         "delta": delta,
-        **_interval(overall_reps, delta, alpha),
+        **_interval(overall_reps, delta, alpha, _jackknife(diff) if bca else None),
         "confidence": 1 - alpha,
         "p_wilcoxon": p_wilcoxon,
         "wilcoxon_statistic": statistic,
@@ -203,4 +325,5 @@ def compare_tables(
         "bootstrap_seed": seed,
         "pass_at_k": pass_rows,
         "strata": rows,
+        **procedure,
     }

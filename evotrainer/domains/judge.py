@@ -196,7 +196,12 @@ def _http_url(value: Any, field: str) -> str:
         raise EvoError(f"endpoint must be an http(s) URL, got {value!r}", field=field,
                        hint="the base of an OpenAI-compatible API, e.g. "
                        "http://127.0.0.1:8000/v1")
-    return value.rstrip("/")
+    if urlsplit(value).username or urlsplit(value).password:
+        # The recipe is committed: a password in it would be in git for good.
+        raise EvoError("the endpoint URL holds credentials", field=field,
+                       hint="remove user:password@ and name the variable holding the key in "
+                       "api_key_env")
+    return value
 
 
 def public_url(url: str) -> str:
@@ -246,6 +251,10 @@ class Judge:
         self.template_text = merged.get("template")
         self.template = self._check_template()
         self.endpoint, self.served = self._check_endpoint(config, served)
+        if self.endpoint is not None:  # the path goes before a query (?api-version=...)
+            parts = urlsplit(self.endpoint)
+            self._completions_url = urlunsplit(
+                parts._replace(path=parts.path.rstrip("/") + "/chat/completions"))
         self.model = config.get("model") or (served.served.get("model") if served else None)
         if not isinstance(self.model, str) or not self.model:
             raise EvoError("a judge names the model its endpoint serves",
@@ -477,7 +486,7 @@ class Judge:
                 self._count("retries")
                 time.sleep(min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S))
             try:
-                reply = client.post(f"{self.endpoint}/chat/completions", json=body)
+                reply = client.post(self._completions_url, json=body)
             except httpx.TimeoutException:
                 reason = f"no reply within timeout_s={self.timeout_s:g}"
                 continue

@@ -156,10 +156,14 @@ def load_library(folder: Path | None = None) -> dict[str, Skill]:
 
 
 def workspace_library(ws: Any | None) -> dict[str, Skill]:
-    """The workspace's `skills/` when it holds any skill, else the built-in library."""
-    if ws is not None and ws.skill_names():
-        return load_library(ws.root / "skills")
-    return load_library()
+    """The workspace's `skills/` when it holds any skill, else the built-in library; with
+    the shared library the project names (`skill_library`) merged in."""
+    if ws is None:
+        return load_library()
+    from evotrainer.diagnosis.skill_library import merged, shared_library
+
+    local = load_library(ws.root / "skills") if ws.skill_names() else load_library()
+    return merged(local, shared_library(ws))
 
 
 def skill_overrides(paths: list[Path], parent_recipe: dict[str, Any]) -> dict[str, Any]:
@@ -428,16 +432,15 @@ def _document(skill: Skill) -> list[str]:
     return words
 
 
-def search(skills: dict[str, Skill], text: str) -> list[tuple[Skill, float]]:
-    """Skills ranked by BM25 relevance to `text` (only those sharing a word with it)."""
-    query = set(tokens(text))
-    docs = {name: Counter(_document(skill)) for name, skill in skills.items()}
+def bm25(docs: dict[str, Counter], query: set[str]) -> dict[str, float]:
+    """BM25 relevance to the words `query` of each document (its words counted), for the
+    documents that share a word with it."""
     if not query or not docs:
-        return []
-    avg_len = sum(sum(d.values()) for d in docs.values()) / len(docs)
+        return {}
+    avg_len = sum(sum(d.values()) for d in docs.values()) / len(docs) or 1.0
     df = Counter(word for d in docs.values() for word in set(d) if word in query)
-    ranked = []
-    for name, counts in docs.items():
+    scores = {}
+    for key, counts in docs.items():
         length = sum(counts.values())
         score = 0.0
         for word in query & set(counts):
@@ -450,7 +453,14 @@ def search(skills: dict[str, Skill], text: str) -> list[tuple[Skill, float]]:
                 / (tf + _BM25_K1 * (1 - _BM25_B + _BM25_B * length / avg_len))
             )
         if score > 0:
-            ranked.append((skills[name], score))
+            scores[key] = score
+    return scores
+
+
+def search(skills: dict[str, Skill], text: str) -> list[tuple[Skill, float]]:
+    """Skills ranked by BM25 relevance to `text` (only those sharing a word with it)."""
+    docs = {name: Counter(_document(skill)) for name, skill in skills.items()}
+    ranked = [(skills[name], score) for name, score in bm25(docs, set(tokens(text))).items()]
     return sorted(ranked, key=lambda pair: (-pair[1], pair[0].name))
 
 
@@ -705,10 +715,13 @@ def pending_evidence(
         raw = ws.git.read("main", path)
         if raw is None and (builtin / f"{name}.yaml").is_file():
             raw = (builtin / f"{name}.yaml").read_bytes()  # first evidence on a built-in skill
+        if raw is None and name in (shared := _shared_skills(ws)):
+            # First evidence on a shared library's skill: the workspace keeps its own copy.
+            raw = (SKILL_MODELINE + specs.dump(shared[name].data)).encode()
         if raw is None:
             raise EvoError(
                 f"version {version!r} applied skill {name!r}, which is neither in "
-                "the workspace nor built in",
+                "the workspace, its shared library nor built in",
                 where=f"main:{path}",
                 hint=f"restore {path} on main",
             )
@@ -720,6 +733,13 @@ def pending_evidence(
         specs.load_text(text, f"main:{path}", "Skill")  # never commit an invalid skill
         files[path] = text.encode()
     return files
+
+
+def _shared_skills(ws: Any) -> dict[str, Skill]:
+    from evotrainer.diagnosis.skill_library import shared_library
+
+    shared = shared_library(ws)
+    return shared.skills if shared else {}
 
 
 def record_evidence(ws: Any, version: str, decision: dict[str, Any]) -> list[str]:

@@ -1,18 +1,24 @@
-"""`evotrainer skills list|show|search|match`: the skill library and what fires for a version."""
+"""`evotrainer skills list|show|search|match|retrieve|propose|share`: the skill library, what
+fires for a version, what the project's memory holds, and new knowledge proposed for review."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import typer
 from rich.table import Table
 
+from evotrainer.agent.retrieval import Query, query_for, retrieve
+from evotrainer.agent.skill_creation import propose_skill
+from evotrainer.diagnosis.skill_library import share_evidence
 from evotrainer.diagnosis.skills import (
     Match,
     Skill,
     get_skill,
     match_version,
     search,
+    version_domain,
     workspace_library,
 )
 from evotrainer.errors import EvoError
@@ -64,7 +70,8 @@ def _change(m: Match) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    skills_app = typer.Typer(help="The skill library: list, show, search, match.",
+    skills_app = typer.Typer(help="The skill library: list, show, search, match, retrieve, "
+                             "propose, share.",
                              no_args_is_help=True)
     app.add_typer(skills_app, name="skills")
 
@@ -138,3 +145,87 @@ def register(app: typer.Typer) -> None:
         for m in refused:
             why = "; ".join(e.get("note") or e["version"] for e in m.skill.negative_evidence)
             out.print(f"[red]refused[/] {safe(m.skill.name)}: known to hurt ({safe(why)})")
+
+    @skills_app.command("retrieve")
+    def retrieve_(
+        text: str = typer.Argument("", help="Words to look for, e.g. 'dead groups'."),
+        alert: list[str] = typer.Option([], "--alert", help="A fired alert name (repeat)."),
+        metric: list[str] = typer.Option([], "--metric", help="A metric name (repeat)."),
+        version: str = typer.Option(None, "--version", help="Ask what VERSION's diagnosis "
+                                    "asks: its alerts and domain."),
+        domain: str = typer.Option(None, "--domain", help="The asking domain (ranks first)."),
+        workspace: list[Path] = typer.Option([], "--workspace", help="Another workspace to "
+                                             "read (repeat; besides skill_library.workspaces)."),
+        limit: int = typer.Option(10, "--limit", min=1, help="Show at most this many."),
+        as_json: bool = typer.Option(False, "--json", help="Machine-readable."),
+    ) -> None:
+        """What the project's memory holds on a question: recorded decisions of this and the
+        listed workspaces, recurring alert patterns, skills and their cited evidence
+        (workspace and shared library), each with where it came from."""
+        ws = Workspace.find()
+        alerts, metrics = tuple(alert), tuple(metric)
+        if version:
+            state = ws.version(version)
+            asked = query_for(state.records.get("diagnosis"),
+                              version_domain(ws, version))
+            alerts, metrics = alerts + asked.alerts, metrics + asked.metrics
+            domain = domain or asked.domain
+        query = Query(text=text, alerts=alerts, metrics=metrics, domain=domain)
+        if not (text or alerts or metrics):
+            raise EvoError("nothing to look for", field="TEXT",
+                           hint="give words, --alert, --metric or --version")
+        found = retrieve(ws, query, limit, workspaces=tuple(str(p) for p in workspace))
+        if as_json:
+            print(json.dumps([r.as_dict() for r in found], indent=2, default=str))
+            return
+        if not found:
+            console().print("nothing recorded matches")
+            return
+        table = Table(title="retrieved")
+        for column in ("score", "kind", "domain", "what", "from"):
+            table.add_column(column, overflow="fold")
+        # Records of other workspaces and libraries are anyone's text: all through safe().
+        for r in found:
+            table.add_row(f"{r.score:.2f}", r.kind, safe(r.domain or ", ".join(r.domains)),
+                          safe(r.text if r.kind == "case" else r.title), safe(r.cite()))
+        console().print(table)
+
+    @skills_app.command("propose")
+    def propose_(
+        version: str = typer.Argument(..., help="A promoted version that applied no skill."),
+        name: str = typer.Option(None, "--name", help="The new skill's name."),
+        category: str = typer.Option(None, "--category", help="Its category (default: "
+                                     "from the recipe section it changes)."),
+        trigger: str = typer.Option(None, "--trigger", help="CEL over a diagnosis (default: "
+                                    "the parent's alerts the version removed)."),
+        as_json: bool = typer.Option(False, "--json", help="Machine-readable."),
+    ) -> None:
+        """Turn VERSION's promoted intervention into a new skill (trigger from the alerts
+        that motivated it, patch from its recipe diff, evidence from its gate), committed
+        on the branch skill/NAME for review: merge it into main to adopt it."""
+        result = propose_skill(Workspace.find(), version, name=name, category=category,
+                               trigger=trigger)
+        if as_json:
+            print(json.dumps(result, indent=2, default=str))
+            return
+        branch = safe(result["branch"])
+        console().print(f"Proposed skill {safe(result['name'])} on {branch} "
+                        f"({result['commit'][:12]}). Review: git diff main...{branch}; "
+                        f"adopt: git merge {branch}")
+
+    @skills_app.command("share")
+    def share_(as_json: bool = typer.Option(False, "--json", help="Machine-readable.")) -> None:
+        """Propose the gate evidence this workspace recorded on its skills (and the skills
+        it created) back to the shared library (`skill_library.repo`): one commit on the
+        library's branch evidence/PROJECT, never on its reviewed branch."""
+        result = share_evidence(Workspace.find())
+        if as_json:
+            print(json.dumps(result, indent=2))
+            return
+        if result is None:
+            console().print("the library already holds this workspace's evidence")
+            return
+        state = "proposed" if result["new"] else "already proposed"
+        console().print(f"{state} on the library's {safe(result['branch'])} "
+                        f"({result['commit'][:12]}): {safe(', '.join(result['skills']))}. "
+                        "A library reviewer merges it to share it.")

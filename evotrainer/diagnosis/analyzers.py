@@ -292,6 +292,32 @@ def echo_repeat(table: pa.Table, params: dict[str, Any]) -> np.ndarray:
     return np.where(calls.counts < 0, np.nan, hit.astype(float))
 
 
+def mean_by_step(steps: np.ndarray, values: np.ndarray) -> tuple[float | None, list[list[float]]]:
+    """(mean of `values`, [[step, mean of that step's values], ...]) with NaN values left
+    out; (None, []) when every value is NaN. How an analyzer's per-row numbers become a
+    metric and its series."""
+    keep = ~np.isnan(values)
+    if not keep.any():
+        return None, []
+    steps = steps[keep]
+    values = values[keep]
+    low, high = (int(steps.min()), int(steps.max())) if steps.dtype.kind == "i" else (0, -1)
+    if low <= high and high - low <= 4 * len(steps) + 1024:
+        # Step numbers are dense: bin them directly instead of sorting for np.unique.
+        # Both sum each step's values in row order, so the means are bit-identical.
+        counts = np.bincount(steps - low)
+        uniq = np.flatnonzero(counts)
+        sums = np.bincount(steps - low, weights=values)[uniq]
+        counts = counts[uniq]
+        uniq = uniq + low
+    else:
+        uniq, inverse = np.unique(steps, return_inverse=True)
+        sums = np.bincount(inverse, weights=values)
+        counts = np.bincount(inverse)
+    points = [[int(s), float(v)] for s, v in zip(uniq, sums / counts, strict=True)]
+    return float(values.mean()), points
+
+
 def call_table(table: pa.Table) -> pa.Table:
     """The `calls` SQL view of `table`: one row per tool call, with its rollout's `seed` and
     `step` (dictionary arrays over the rollouts' columns; SQL sees plain integers) and its

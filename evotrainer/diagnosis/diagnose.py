@@ -6,7 +6,6 @@ enough to find the row again in the version's rollout table.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -16,16 +15,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from evotrainer.diagnosis.analyzers import ANALYZERS, call_table
+from evotrainer.diagnosis.analyzers import ANALYZERS, call_table, mean_by_step
+from evotrainer.diagnosis.declared import run_declared
 from evotrainer.diagnosis.harness import Alert, HarnessRevision, Metric
 from evotrainer.diagnosis.sql import (
     MEMORY_LIMIT,
     READS_CALLS,
     READS_GROUPS,
     ReadOnlyQuery,
+    finite,
     fusable_query,
     fused_query,
     fused_value,
+    metric_result,
     query_columns,
     rows_where,
 )
@@ -197,8 +199,15 @@ def columns_read(harness: HarnessRevision, scores: bool = False) -> list[str] | 
         read |= set(_CALLS_READ) if READS_CALLS.search(sql) else set()
     for metric in harness.metrics:
         read |= set(metric.requires)
-        if metric.analyzer:
+        if metric.analyzer in ANALYZERS:
             read |= set(ANALYZERS[metric.analyzer].columns)
+    for declared in harness.analyzers:
+        read |= set(declared.inputs) | {"step"}  # run_declared keys rows by step
+        if declared.where is not None:
+            named = query_columns(f"SELECT 1 FROM rollouts WHERE ({declared.where})", everything)
+            if named is None:
+                return None
+            read |= named
     return [name for name in everything if name in read]
 
 
@@ -312,13 +321,6 @@ def _slope(points: list[list[float]]) -> float | None:
     return float(np.polyfit(steps, values, 1)[0])
 
 
-def _clean(value: Any) -> float | None:
-    if value is None:
-        return None
-    value = float(value)
-    return None if math.isnan(value) or math.isinf(value) else value
-
-
 class _Run:
     """One diagnosis: sandboxed connections and split tables, made on first use."""
 
@@ -353,7 +355,8 @@ class _Run:
         each result, or its error, in harness order as before. The views are made here first,
         so both threads share them."""
         for metric in self.harness.metrics:
-            if metric.analyzer and self.split_rows[metric.split]:
+            # A declared analyzer queries this thread's sandbox: it runs here, in `metric`.
+            if metric.analyzer in ANALYZERS and self.split_rows[metric.split]:
                 self._view(metric.split)
                 self.analyzed[metric.name] = pool.submit(self._analyzer, metric)
 
@@ -396,7 +399,7 @@ class _Run:
         if metric.comparison:
             if comparison is None:
                 return None, [], "no parent scores to compare with"
-            return _clean(comparison[metric.comparison]), [], None
+            return finite(comparison[metric.comparison]), [], None
         if not self.split_rows[metric.split]:
             return None, [], f"no {metric.split} rollouts"
         if metric.requires:
@@ -412,6 +415,14 @@ class _Run:
                 value, points = combined
             elif metric.sql:
                 value, points = self._sql(metric)
+            elif (declared := self.harness.declared(metric.analyzer)) is not None:
+                value, points = run_declared(
+                    declared,
+                    self.sandbox(declared.split or metric.split),
+                    {**self.harness.params, **metric.analyzer_params},
+                    timeout_s=self.timeout_s,
+                    memory_limit=self.memory_limit,
+                )
             elif metric.name in self.analyzed:
                 value, points = self.analyzed.pop(metric.name).result()
             else:
@@ -449,36 +460,17 @@ class _Run:
             columns, rows = self.fused.pop(metric.name)
         else:
             columns, rows = self.sandbox(metric.split).query(
-                metric.sql, self.harness.params, field=metric.name
+                metric.sql, self.harness.metric_params(metric), field=metric.name
             )
-        if "value" not in columns:
-            raise EvoError("the query must return a column named `value`")
-        vi = columns.index("value")
-        if "step" not in columns:
-            if len(rows) > 1:
-                raise EvoError(
-                    f"the query returned {len(rows)} rows; return one row, or a "
-                    "`step` column with GROUP BY ROLLUP (step)"
-                )
-            return (_clean(rows[0][vi]) if rows else None), []
-        si = columns.index("step")
-        total = [r for r in rows if r[si] is None]
-        if len(total) != 1:
-            raise EvoError(
-                "a query with a `step` column needs GROUP BY ROLLUP (step) so one "
-                "row (step NULL) carries the overall value"
-            )
-        points = sorted(
-            [int(r[si]), v] for r in rows if r[si] is not None and (v := _clean(r[vi])) is not None
-        )
-        return _clean(total[0][vi]), points
+        return metric_result(columns, rows)
 
     def _fuse(self, metric: Metric) -> None:
         """Run `metric`'s query as one with those of every other metric of its split that reads
         the same rows alike (sql.fusable_query), so they cost one pass over the rows, not one
         each, and keep each one's (columns, rows) as its own query returns them. Where the
         fused query fails, each metric runs alone and reports its own error."""
-        shape = metric.sql and fusable_query(metric.sql)
+        # A fused query binds the revision's params: a metric with its own runs alone.
+        shape = metric.sql and not metric.params and fusable_query(metric.sql)
         if not shape or (metric.split, shape.key) in self.fusions:
             return
         self.fusions.add((metric.split, shape.key))
@@ -487,6 +479,7 @@ class _Run:
             for other in self.harness.metrics
             if other is not metric
             and other.sql
+            and not other.params
             and other.split == metric.split
             and (query := fusable_query(other.sql))
             and query.key == shape.key
@@ -535,7 +528,7 @@ class _Run:
         if split not in self.views:
             columns = ["split", "seed", "step"]
             for metric in self.harness.metrics:
-                if metric.analyzer:
+                if metric.analyzer in ANALYZERS:
                     columns += [c for c in ANALYZERS[metric.analyzer].columns if c not in columns]
             if "tool_calls" in self.table.column_names and "tool_calls" not in columns:
                 columns.append("tool_calls")
@@ -547,26 +540,7 @@ class _Run:
         view = self._view(metric.split)
         params = {**self.harness.params, **metric.analyzer_params}
         values = np.asarray(spec.fn(view, params), dtype=float)
-        keep = ~np.isnan(values)
-        if not keep.any():
-            return None, []
-        steps = view.column("step").to_numpy()[keep]
-        values = values[keep]
-        low, high = (int(steps.min()), int(steps.max())) if steps.dtype.kind == "i" else (0, -1)
-        if low <= high and high - low <= 4 * len(steps) + 1024:
-            # Step numbers are dense: bin them directly instead of sorting for np.unique.
-            # Both sum each step's values in row order, so the means are bit-identical.
-            counts = np.bincount(steps - low)
-            uniq = np.flatnonzero(counts)
-            sums = np.bincount(steps - low, weights=values)[uniq]
-            counts = counts[uniq]
-            uniq = uniq + low
-        else:
-            uniq, inverse = np.unique(steps, return_inverse=True)
-            sums = np.bincount(inverse, weights=values)
-            counts = np.bincount(inverse)
-        points = [[int(s), float(v)] for s, v in zip(uniq, sums / counts, strict=True)]
-        return float(values.mean()), points
+        return mean_by_step(view.column("step").to_numpy(), values)
 
     def alert(self, alert: Alert, metrics: dict[str, float | None]) -> dict | None:
         variables = {**metrics, "params": self.harness.params}

@@ -4,7 +4,11 @@ Document shape (see harness_versions/h0.yaml):
   apiVersion: evotrainer/v1, kind: HarnessRevision, name, description, parent (optional),
   params: {...}                     values for `$name` in SQL and `params.name` in CEL
   metrics: [{name, layer, split, sql | analyzer: {name, params} | comparison, series,
-             requires, description}]
+             requires, params, description}]   a metric's params override the revision's
+                                               for its own SQL
+  analyzers: [{name, description, inputs: [columns], output: {kind}, rows: {split, where},
+               sql | python, limits}]   declared analyzers (diagnosis/declared.py) a metric
+                                        names like a registered one
   alerts:  [{name, metric, severity, when, threshold | levels: [{severity, when,
              threshold}], message, sample: {where, limit, split}}]
   gate:    {alpha, min_delta, rules: [{name, when, verdict}]}
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from evotrainer.diagnosis.analyzers import ANALYZERS
+from evotrainer.diagnosis.declared import DeclaredAnalyzer, declared_analyzer
 from evotrainer.diagnosis.sql import check_select, sql_params
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
@@ -77,6 +82,9 @@ class Metric:
     series: bool = False
     requires: tuple[str, ...] = ()
     description: str = ""
+    # The metric's own params, over the revision's for its SQL: a catalogue metric copied
+    # into a revision brings what it reads (diagnosis/catalogue.py).
+    params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -130,9 +138,18 @@ class HarnessRevision:
     digest: str
     source: str
     early_stop: tuple[EarlyStopRule, ...] = ()
+    analyzers: tuple[DeclaredAnalyzer, ...] = ()
 
     def metric(self, name: str) -> Metric:
         return next(m for m in self.metrics if m.name == name)
+
+    def declared(self, name: str | None) -> DeclaredAnalyzer | None:
+        """The analyzer this revision declares under `name`, or None (a registered one)."""
+        return next((a for a in self.analyzers if a.name == name), None)
+
+    def metric_params(self, metric: Metric) -> dict[str, Any]:
+        """What `$name` reads in `metric`'s SQL: the revision's params, then its own."""
+        return {**self.params, **metric.params} if metric.params else self.params
 
 
 def load_harness(path: str | Path) -> HarnessRevision:
@@ -205,17 +222,37 @@ class _Checker:
                             hint="use metric names of this revision or params.<name>")
         return expr
 
-    def sql(self, sql: str, path: tuple, statement: str | None = None) -> None:
-        """`sql` (run as `statement` when given) is one SELECT whose `$params` are defined."""
+    def sql(
+        self, sql: str, path: tuple, statement: str | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> None:
+        """`sql` (run as `statement` when given) is one SELECT whose `$params` are defined
+        (in `params` when given, else the revision's)."""
         check_select(statement or sql, where=self.doc.where(path),
                      field=specs.dotted_field(path))
-        missing = [p for p in sql_params(sql) if p not in self.params]
+        defined = self.params if params is None else params
+        missing = [p for p in sql_params(sql) if p not in defined]
         if missing:
             raise self.fail(path, f"uses undefined param(s) ${', $'.join(missing)}",
                             hint="define them under params:")
 
     def revision(self) -> HarnessRevision:
         data = self.doc.data
+        self.analyzers: dict[str, DeclaredAnalyzer] = {}
+        for i, raw in enumerate(data.get("analyzers") or []):
+            path = ("analyzers", i)
+            if raw["name"] in self.analyzers or raw["name"] in ANALYZERS:
+                raise self.fail((*path, "name"), f"analyzer name {raw['name']!r} is taken",
+                                hint="a declared analyzer needs a name no other analyzer "
+                                f"has (registered: {', '.join(sorted(ANALYZERS))})")
+            declared = declared_analyzer(raw, revision=data["name"],
+                                         where=self.doc.where(path))
+            if declared.sql is not None:
+                self.sql(declared.sql, (*path, "sql"))
+            if declared.where is not None:
+                self.sql(declared.where, (*path, "rows", "where"),
+                         statement=f"SELECT 1 FROM rollouts WHERE ({declared.where})")
+            self.analyzers[declared.name] = declared
         metrics = tuple(self.metric(m, ("metrics", i)) for i, m in enumerate(data["metrics"]))
         by_name: dict[str, Metric] = {}
         for i, metric in enumerate(metrics):
@@ -263,6 +300,7 @@ class _Checker:
             digest=digest(data),
             source=self.doc.source,
             early_stop=early_stop,
+            analyzers=tuple(self.analyzers.values()),
         )
 
     def early_stop_rule(
@@ -283,13 +321,21 @@ class _Checker:
         sources = [k for k in ("sql", "analyzer", "comparison") if m.get(k) is not None]
         if len(sources) != 1:
             raise self.fail(path, "needs exactly one of sql, analyzer, comparison")
+        params = m.get("params") or {}
+        if params and m.get("sql") is None:
+            raise self.fail((*path, "params"), "a metric's own params are for its sql",
+                            hint="an analyzer's go under analyzer.params; others under the "
+                            "revision's params")
         if m.get("sql") is not None:
-            self.sql(m["sql"], (*path, "sql"))
+            self.sql(m["sql"], (*path, "sql"), params={**self.params, **params})
         analyzer = m.get("analyzer") or {}
-        if analyzer and analyzer["name"] not in ANALYZERS:
+        name = analyzer.get("name")
+        if analyzer and name not in ANALYZERS and name not in self.analyzers:
+            declared = ", ".join(sorted(self.analyzers)) or "none"
             raise self.fail((*path, "analyzer", "name"),
-                            f"unknown analyzer {analyzer['name']!r}",
-                            hint=f"registered: {', '.join(sorted(ANALYZERS))}")
+                            f"unknown analyzer {name!r}",
+                            hint=f"registered: {', '.join(sorted(ANALYZERS))}; declared in "
+                            f"this revision: {declared}")
         if m.get("comparison") is not None and m["layer"] != "version":
             raise self.fail((*path, "layer"), "a comparison metric belongs to the version layer")
         requires = tuple(m.get("requires") or [])
@@ -308,6 +354,7 @@ class _Checker:
             series=bool(m.get("series", False)),
             requires=requires,
             description=m.get("description") or "",
+            params=params,
         )
 
     def alert(self, a: dict, path: tuple, metrics: dict[str, Metric]) -> Alert:

@@ -365,8 +365,9 @@ def _mean_rows(metric: Metric) -> tuple[str, str, str | None] | None:
 def _combinable(metric: Metric) -> tuple[str | None, str]:
     """(partial kind, SQL computing the partials per (seed, step)) or (None, "")."""
     if metric.analyzer:
-        return "mean", ""
-    if not metric.sql:
+        # A declared analyzer (not registered) sees its rows in one piece: computed in full.
+        return ("mean", "") if metric.analyzer in ANALYZERS else (None, "")
+    if not metric.sql or metric.params:  # partial queries bind the revision's params
         return None, ""
     if (mean := _mean_rows(metric)) is not None:
         expr, view, where = mean

@@ -11,6 +11,7 @@ calls does not convert every rollout's list of calls."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import threading
@@ -80,6 +81,40 @@ def check_select(sql: str, *, where: str | None = None, field: str | None = None
             hint="metrics only read the `rollouts`, `all_rollouts`, `steps`, `groups` and "
             "`calls` views",
         )
+
+
+def metric_result(columns: list[str], rows: list) -> tuple[float | None, list[list[float]]]:
+    """(value, series points) of a metric query's result: one row with `value`, or `step,
+    value` rows from GROUP BY ROLLUP (step) whose step-NULL row carries the value."""
+    if "value" not in columns:
+        raise EvoError("the query must return a column named `value`")
+    vi = columns.index("value")
+    if "step" not in columns:
+        if len(rows) > 1:
+            raise EvoError(
+                f"the query returned {len(rows)} rows; return one row, or a "
+                "`step` column with GROUP BY ROLLUP (step)"
+            )
+        return (finite(rows[0][vi]) if rows else None), []
+    si = columns.index("step")
+    total = [r for r in rows if r[si] is None]
+    if len(total) != 1:
+        raise EvoError(
+            "a query with a `step` column needs GROUP BY ROLLUP (step) so one "
+            "row (step NULL) carries the overall value"
+        )
+    points = sorted(
+        [int(r[si]), v] for r in rows if r[si] is not None and (v := finite(r[vi])) is not None
+    )
+    return finite(total[0][vi]), points
+
+
+def finite(value: Any) -> float | None:
+    """`value` as a float, or None for null, NaN and infinity (a metric's missing value)."""
+    if value is None:
+        return None
+    value = float(value)
+    return None if math.isnan(value) or math.isinf(value) else value
 
 
 def sql_params(sql: str) -> list[str]:
@@ -352,6 +387,24 @@ class ReadOnlyQuery:
 
     def query(self, sql: str, params: dict[str, Any], *, field: str) -> tuple[list[str], list]:
         """Run one checked SELECT; return (column names, rows)."""
+        def fetch(sql: str, used: dict[str, Any] | None) -> tuple[list[str], list]:
+            result = self.con.execute(sql, used)
+            return [d[0] for d in result.description], result.fetchall()
+
+        return self._run(sql, params, field, fetch)
+
+    def table(self, sql: str, params: dict[str, Any], *, field: str) -> pa.Table:
+        """Run one checked SELECT; return its result as an Arrow table."""
+        # A relation hands its rows to Arrow directly; a DB-API result would copy them.
+        return self._run(
+            sql, params, field, lambda sql, used: self.con.sql(sql, params=used).to_arrow_table()
+        )
+
+    def _run(
+        self, sql: str, params: dict[str, Any], field: str,
+        fetch: Callable[[str, dict[str, Any] | None], Any],
+    ) -> Any:
+        """`fetch(sql, params)` of one checked SELECT, within the sandbox's time and memory."""
         check_select(sql, field=field)
         used = {name: params[name] for name in sql_params(sql)}
         timer = threading.Timer(self.timeout_s, self.con.interrupt)
@@ -363,9 +416,7 @@ class ReadOnlyQuery:
             if not self.has_calls and READS_CALLS.search(sql):
                 self.con.register("calls", self.make_calls())
                 self.has_calls = True
-            result = self.con.execute(sql, used or None)
-            columns = [d[0] for d in result.description]
-            rows = result.fetchall()
+            return fetch(sql, used or None)
         except duckdb.InterruptException:
             raise EvoError(f"query ran longer than {self.timeout_s:g} s", field=field) from None
         except duckdb.OutOfMemoryException:
@@ -379,7 +430,6 @@ class ReadOnlyQuery:
             raise EvoError(f"query failed: {err}", field=field) from None
         finally:
             timer.cancel()
-        return columns, rows
 
     def close(self) -> None:
         self.con.close()

@@ -1,0 +1,300 @@
+"""The metric catalogue (diagnosis/catalogue.py): every metric checked against a plain-Python
+computation over one hand-made rollout table, every alert against its threshold, and every
+entry valid on top of the built-in revision a planner extends."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from evotrainer.diagnosis.catalogue import GAPS, catalogue
+from evotrainer.diagnosis.diagnose import diagnose
+from evotrainer.diagnosis.harness import parse_harness, resolve_harness
+from evotrainer.evidence.synthetic import rollout_table
+from evotrainer.store.specs import load_yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BUDGET = 100  # the table's length budget: truncated responses are exactly this long
+
+RESPONSES = [
+    "\\boxed{42}",
+    "so the answer is 7",
+    "<think>let me see 3 + 4",  # opens a block, never closes it
+    "<think>3 + 4</think> 7",
+    "<think>a</think> then <think>b",  # closes one, leaves the last open
+    "x \\boxed{1} then \\boxed{2}",
+    "no numbers here",
+    "  padded text \n",
+    "",
+    "-3.5 or 12",
+]
+TOOLS = [None, [], ["bash ls"], ["edit a.py", "bash pytest"]]
+FINISH = [None, "stop", "length", "tool_limit", "error"]
+
+
+def _rows() -> list[dict]:
+    rng = random.Random(7)
+    rows = []
+    for seed in (0, 1):
+        for step in (1, 2, 3):
+            for g in range(5):
+                size = 1 if g == 4 else 4  # a group of one: no group metric reads it
+                for i in range(size):
+                    tokens = rng.choice([None, BUDGET, *range(5, BUDGET)])
+                    correct = rng.choice([0.0, 0.0, 1.0, 1.0, None] if g == 3 else [0.0, 1.0])
+                    rows.append(dict(
+                        seed=seed, step=step, group_id=f"g{g}", task_id=f"t{g}", sample_idx=i,
+                        response=rng.choice(RESPONSES + [None]), correct=correct,
+                        reward=correct or 0.0, response_tokens=tokens,
+                        truncated=None if tokens is None else tokens == BUDGET,
+                        turns=rng.randint(1, 8), tool_calls=rng.choice(TOOLS),
+                        finish_reason=rng.choice(FINISH),
+                    ))
+    for i, correct in enumerate([1.0, 0.0, 0.0, 1.0, 0.0]):
+        rows.append(dict(split="val", step=3, task_id=f"t{i}", group_id=f"v{i}",
+                         correct=correct, reward=correct, response="v"))
+    return rows
+
+
+ROWS = _rows()
+TRAIN = [r for r in ROWS if r.get("split", "train") == "train"]
+
+
+def _revision(entries=None, name: str = "catalogue") -> dict:
+    entries = catalogue() if entries is None else entries
+    return {
+        "apiVersion": "evotrainer/v1", "kind": "HarnessRevision", "name": name,
+        "metrics": [copy.deepcopy(e.metric) for e in entries],
+        "alerts": [copy.deepcopy(e.alert) for e in entries if e.alert],
+    }
+
+
+@pytest.fixture(scope="module")
+def diagnosis() -> dict:
+    return diagnose(rollout_table(ROWS), None, parse_harness(_revision()))
+
+
+# ---- the independent computations: plain Python over the rows, no SQL ----
+
+
+def _by_step(rows, per_row):
+    """(mean over rows, {step: mean}) of per_row(row), rows where it is None left out."""
+    values = [(r["step"], v) for r in rows if (v := per_row(r)) is not None]
+    steps = defaultdict(list)
+    for step, v in values:
+        steps[step].append(v)
+    return np.mean([v for _, v in values]), {s: np.mean(vs) for s, vs in steps.items()}
+
+
+def _groups(rows):
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["seed"], r["step"], r["group_id"])].append(r)
+    return groups
+
+
+def _by_group(rows, per_group):
+    """(mean over groups of >= 2 rows, {step: mean}) of per_group(rows), None left out."""
+    return _by_step(
+        [{"step": key[1], "group": members} for key, members in _groups(rows).items()
+         if len(members) >= 2],
+        lambda g: per_group(g["group"]),
+    )
+
+
+def mid_band(group):
+    if any(r["correct"] is None for r in group):
+        return None
+    acc = sum(r["correct"] for r in group) / len(group)
+    return 1.0 if 0.2 <= acc <= 0.8 else 0.0
+
+
+def final_answer(response):
+    text = response or ""
+    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
+    if boxed:
+        return boxed[-1]
+    numbers = re.findall(r"-?[0-9]+(?:\.[0-9]+)?", text)
+    return numbers[-1] if numbers else text.strip(" \t\n\r")
+
+
+def answer_diversity(group):
+    return len({final_answer(r["response"]) for r in group}) / len(group)
+
+
+def distinct_responses(group):
+    # SQL's count(DISTINCT response) leaves nulls out.
+    return len({r["response"] for r in group if r["response"] is not None}) / len(group)
+
+
+def unclosed(r):
+    text = r["response"]
+    if text is None:
+        return None
+    return float("<think>" in text and "</think>" not in text.split("<think>")[-1])
+
+
+def idle(r):
+    if r["tool_calls"] is None or r["correct"] is None:
+        return None
+    return float(len(r["tool_calls"]) == 0 and r["correct"] == 0)
+
+
+def ends(reason):
+    return lambda r: None if r["finish_reason"] is None else float(r["finish_reason"] == reason)
+
+
+def percentile_budget(q):
+    budget = max(r["response_tokens"] for r in TRAIN if r["truncated"])
+
+    def per_step(rows):
+        tokens = [r["response_tokens"] for r in rows if r["response_tokens"] is not None]
+        return np.percentile(tokens, q) / budget  # linear, like quantile_cont
+
+    steps = {s: per_step([r for r in TRAIN if r["step"] == s]) for s in (1, 2, 3)}
+    return per_step(TRAIN), steps
+
+
+def turn_rows():
+    return [r for r in TRAIN if r["turns"] is not None and r["correct"] is not None]
+
+
+def abandonment():
+    long_horizon = max(r["turns"] for r in TRAIN) > 3
+    assert long_horizon  # the table must exercise the rule
+    return _by_step(turn_rows(), lambda r: float(r["turns"] <= 3 and r["correct"] == 0))
+
+
+def inflation():
+    def ratio(rows):
+        failed = [r["turns"] for r in rows if r["correct"] == 0]
+        return np.mean(failed) / np.mean([r["turns"] for r in rows])
+
+    rows = turn_rows()
+    return ratio(rows), {s: ratio([r for r in rows if r["step"] == s]) for s in (1, 2, 3)}
+
+
+def train_val_gap():
+    def rate(split):
+        values = [r["correct"] for r in ROWS
+                  if r.get("split", "train") == split and r["correct"] is not None]
+        return np.mean(values)
+
+    return rate("train") - rate("val"), None
+
+
+EXPECTED = {
+    "distinct_response_ratio": lambda: _by_group(TRAIN, distinct_responses),
+    "train_val_gap": train_val_gap,
+    "mid_band_mass": lambda: _by_group(TRAIN, mid_band),
+    "answer_diversity": lambda: _by_group(TRAIN, answer_diversity),
+    "response_length_p50_budget": lambda: percentile_budget(50),
+    "response_length_p90_budget": lambda: percentile_budget(90),
+    "response_length_p99_budget": lambda: percentile_budget(99),
+    "unclosed_think_ratio": lambda: _by_step(TRAIN, unclosed),
+    "idle_failure_rate": lambda: _by_step(TRAIN, idle),
+    "abandonment_ratio": abandonment,
+    "failed_turns_inflation": inflation,
+    "error_finish_ratio": lambda: _by_step(TRAIN, ends("error")),
+    "tool_limit_ratio": lambda: _by_step(TRAIN, ends("tool_limit")),
+}
+
+
+def test_every_catalogue_metric_has_an_independent_check():
+    assert {e.metric["name"] for e in catalogue()} == set(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_metric_matches_a_plain_python_computation(diagnosis, name):
+    value, steps = EXPECTED[name]()
+    assert diagnosis["metrics"][name] == pytest.approx(value, rel=1e-9)
+    if steps is not None:
+        assert dict(diagnosis["series"][name]) == pytest.approx(steps, rel=1e-9)
+        # The table has something on both sides of the metric: it is neither 0 nor 1 by
+        # construction everywhere.
+        assert len(set(np.round(list(steps.values()), 9))) > 1
+
+
+def test_final_answers_as_the_description_says():
+    assert [final_answer(r) for r in RESPONSES] == [
+        "42", "7", "4", "7", "<think>a</think> then <think>b", "2", "no numbers here",
+        "padded text", "", "12",
+    ]
+
+
+@pytest.mark.parametrize(
+    "entry", [e for e in catalogue() if e.alert], ids=lambda e: e.alert["name"]
+)
+def test_alert_fires_exactly_past_its_threshold(diagnosis, entry):
+    alert = entry.alert
+    metric = alert["metric"]
+    value = diagnosis["metrics"][metric]
+    op = re.fullmatch(rf"{metric} ([<>]) (-?[0-9.]+)", alert["when"])
+    assert op and float(op[2]) == alert["threshold"]
+    crossed = value > alert["threshold"] if op[1] == ">" else value < alert["threshold"]
+    fired = [a for a in diagnosis["alerts"] if a["name"] == alert["name"]]
+    assert bool(fired) == crossed
+    # The same rows, with the threshold moved to the value's other side, flip it.
+    moved = copy.deepcopy(entry)
+    flipped = value + 1 if (op[1] == ">") == crossed else value - 1
+    moved.alert["when"] = f"{metric} {op[1]} {flipped!r}"
+    moved.alert["threshold"] = flipped
+    again = diagnose(rollout_table(ROWS), None, parse_harness(_revision([moved], "moved")))
+    assert bool([a for a in again["alerts"] if a["name"] == alert["name"]]) != crossed
+
+
+def test_the_budget_comes_from_the_metrics_params_when_set():
+    entry = next(e for e in catalogue() if e.metric["name"] == "response_length_p90_budget")
+    entry = copy.deepcopy(entry)
+    entry.metric["params"] = {"max_response_tokens": 400}  # the recipe's budget
+    d = diagnose(rollout_table(ROWS), None, parse_harness(_revision([entry], "budget")))
+    tokens = [r["response_tokens"] for r in TRAIN if r["response_tokens"] is not None]
+    assert d["metrics"]["response_length_p90_budget"] == pytest.approx(
+        np.percentile(tokens, 90) / 400)
+
+
+def test_no_budget_known_leaves_the_metric_null():
+    rows = [dict(r, truncated=False) for r in TRAIN]
+    d = diagnose(rollout_table(rows), None, parse_harness(_revision()))
+    assert d["metrics"]["response_length_p50_budget"] is None
+    assert any(g["metric"] == "response_length_p50_budget" for g in d["gaps"])
+
+
+def test_entries_name_real_gaps_and_hypotheses():
+    library = {p.stem for p in (ROOT / "skills").glob("*.yaml")}
+    categories = {load_yaml((ROOT / "skills" / f"{s}.yaml").read_bytes(), s)["category"]
+                  for s in library}
+    names = [e.metric["name"] for e in catalogue()]
+    assert len(names) == len(set(names))
+    for entry in catalogue():
+        assert entry.gaps and entry.gaps <= set(GAPS)
+        assert entry.hypotheses and set(entry.hypotheses) <= library | categories
+        if entry.alert:
+            assert entry.alert["metric"] == entry.metric["name"]
+
+
+def test_every_entry_extends_the_builtin_revision():
+    """A planner copies an entry into a new revision of h1: it must build there, and its
+    metric must not shadow one h1 has."""
+    h1 = resolve_harness("h1")
+    base = load_yaml((ROOT / "harness_versions" / "h1.yaml").read_bytes(), "h1.yaml")
+    for entry in catalogue():
+        assert entry.metric["name"] not in {m.name for m in h1.metrics}
+        doc = copy.deepcopy(base)
+        doc["name"], doc["parent"] = "h9", "h1"
+        doc["metrics"].append(copy.deepcopy(entry.metric))
+        doc["alerts"] += [copy.deepcopy(entry.alert)] if entry.alert else []
+        revision = parse_harness(doc)
+        assert revision.metric(entry.metric["name"]).sql
+
+
+def test_catalogue_values_are_finite_on_the_table(diagnosis):
+    for name in EXPECTED:
+        assert math.isfinite(diagnosis["metrics"][name])

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from evotrainer.backends.base import JobState, JobStatus
-from evotrainer.control.reconcile import Observed, decide_next, progress_text
+from evotrainer.control.decide import Observed, decide_next, progress_text
 from evotrainer.store.records import DecisionRecord, DiagnosisRecord, RunRecord
 
 RUN = RunRecord(state="Succeeded", attempt=1, job_id="evo-v1-a1-x", backend="local",

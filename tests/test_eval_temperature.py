@@ -12,6 +12,7 @@ from standin import converge, record, standin_settings
 from test_engine import tiny_recipe
 
 from evotrainer.contract.recipe import check_recipe, evaluation_sampling
+from evotrainer.contract.typed import Recipe
 from evotrainer.control.versions import approve, new_version
 from evotrainer.engine import run_job
 from evotrainer.errors import EvoError
@@ -47,7 +48,9 @@ def test_recipe_check_refuses_a_bad_eval_temperature(value):
     with pytest.raises(EvoError) as err:
         check_recipe(resolve({"grpo": {"eval_temperature": value}}, []))
     assert err.value.field == "grpo.eval_temperature"
-    assert repr(value) in err.value.message and "null uses grpo.temperature" in err.value.hint
+    # One line from the schema: the allowed values, the value given, the field's description.
+    assert err.value.message == f"must be a number > 0, got {value!r}"
+    assert "above 0; null: grpo.temperature" in err.value.hint
 
 
 @pytest.mark.parametrize("value", [0, 1.5, "all"])
@@ -55,15 +58,22 @@ def test_recipe_check_refuses_a_bad_eval_top_p(value):
     with pytest.raises(EvoError) as err:
         check_recipe(resolve({"grpo": {"eval_top_p": value}}, []))
     assert err.value.field == "grpo.eval_top_p"
+    assert err.value.message == f"must be a number in (0, 1], got {value!r}"
 
 
 def test_recipe_check_accepts_set_and_unset_evaluation_sampling():
+    """What the check accepts is what the typed recipe holds: the set values, and None (the
+    training sampler) where a null removed them."""
     fixed = resolve({"grpo": {"eval_temperature": 0.7, "eval_top_p": 0.95}}, [])
     check_recipe(fixed)
+    typed = Recipe.from_dict(fixed).grpo
+    assert (typed.eval_temperature, typed.eval_top_p) == (0.7, 0.95)
     assert evaluation_sampling(fixed["grpo"]) == (0.7, 0.95)
     unset = resolve({"grpo": {"temperature": 0.4, "eval_temperature": None}}, [])
     check_recipe(unset)
     assert "eval_temperature" not in unset["grpo"]  # null removes the key: no fixed protocol
+    typed = Recipe.from_dict(unset).grpo
+    assert (typed.temperature, typed.eval_temperature, typed.eval_top_p) == (0.4, None, None)
     assert evaluation_sampling(unset["grpo"]) == (0.4, unset["grpo"]["top_p"])
 
 

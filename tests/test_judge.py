@@ -306,8 +306,9 @@ def test_judge_names_are_unique_and_serve_sections_checked() -> None:
     assert err.value.field == "reward.judges[0].serve"
     with pytest.raises(EvoError, match="'{port}'"):
         make_domain(ARITH, [{**served, "serve": {"command": ["llama-server", "-m", "x"]}}])
-    # A serve: judge without its started server says so when asked, naming the judge.
-    domain = make_domain(ARITH, [{**served, "model": "m", "serve": {"package": "smollm2"}}])
+    # A serve: judge is checked before its server starts (its model is the server's), and
+    # without the started server says so when asked, naming the judge.
+    domain = make_domain(ARITH, [{**served, "serve": {"package": "smollm2"}}])
     with pytest.raises(EvoError, match="judge 'eq' is served for the run"):
         score_all(domain, items(domain, ["a"]))
 

@@ -255,8 +255,10 @@ class Judge:
             parts = urlsplit(self.endpoint)
             self._completions_url = urlunsplit(
                 parts._replace(path=parts.path.rstrip("/") + "/chat/completions"))
+        # A served judge's model is the one its server loads (known once it is started).
         self.model = config.get("model") or (served.served.get("model") if served else None)
-        if not isinstance(self.model, str) or not self.model:
+        waiting = self.served is not None and self.endpoint is None
+        if not waiting and (not isinstance(self.model, str) or not self.model):
             raise EvoError("a judge names the model its endpoint serves",
                            field=f"{self.field}.model",
                            hint="the name the server lists under GET /v1/models")

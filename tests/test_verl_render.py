@@ -62,9 +62,13 @@ RECIPES = {
         },
     },
     "environment": {
-        "environment": {"max_turns": 4, "tools": [{"name": "calc"}]},
+        "domain": {"name": "toolenv"},
+        "environment": {"max_turns": 4},
         "verl": {"tool_config_path": "tools/verl_tools.yaml"},
     },
+    # A multi-turn domain with no tool config of its own runs the domain's verl tools.
+    "toolenv_tools": {"domain": {"name": "toolenv"}},
+    "dual_level": {"group_filter": {"name": "dual_level", "params": {"echo_min_repeats": 4}}},
 }
 
 
@@ -175,6 +179,16 @@ def test_mapped_settings(composed):
     assert env.multi_turn.enable is True and env.multi_turn.max_assistant_turns == 4
     assert env.multi_turn.tool_config_path.endswith("wt/tools/verl_tools.yaml")
     assert env.agent.default_agent_loop == "tool_agent"
+    own = results["toolenv_tools"][2][0]
+    rollout = own.actor_rollout_ref.rollout
+    assert rollout.multi_turn.tool_config_path.endswith("art/verl/tools.yaml")
+    assert own.data.tool_config_path == rollout.multi_turn.tool_config_path  # verl's own link
+    assert (rollout.multi_turn.format, rollout.multi_turn.max_assistant_turns) == ("hermes", 8)
+    assert results["base"][2][0].actor_rollout_ref.rollout.multi_turn.enable is False
+    dual = results["dual_level"][2][0]
+    assert dual.trainer.v1.sampler.custom_sampler.name == "EvoGroupFilterReplayBuffer"
+    assert json.loads(dual.trainer.v1.sampler.sampler_kwargs.spec)["filter"] == {
+        "name": "dual_level", "params": {"echo_min_repeats": 4}}
 
 
 def test_verl_rejects_a_misspelt_override(tmp_path):
@@ -231,7 +245,6 @@ def test_sections_convert_with_verls_dataclasses(composed):
         ({"verl": {"micro_batch_size_per_gpu": 3}}, "verl.micro_batch_size_per_gpu"),
         ({"verl": {"gpus": 8}}, "verl.gpus"),
         ({"model": {"path": None}}, "model.path"),
-        ({"environment": {"max_turns": 3}}, "verl.tool_config_path"),
         ({"domain": {"train_size": 8}}, "domain.train_size"),
         ({"grpo": {"eval_temperature": 0}}, "grpo.eval_temperature"),
         (

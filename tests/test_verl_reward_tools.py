@@ -12,8 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from evotrainer.backends.verl_reward import compute_score, hermes_tool_calls
+from evotrainer.backends.verl_reward import compute_score
 from evotrainer.domains import Task, make_domain
+from evotrainer.evidence.hermes import hermes_tool_calls
 from evotrainer.evidence.verl import ingest_dump
 
 

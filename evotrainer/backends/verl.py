@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 import evotrainer
 from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus, job_environment
 from evotrainer.backends.local import adopt_orphan, live_process, spawn_detached
+from evotrainer.backends.verl_episode import tool_config, tools_kwargs
 from evotrainer.backends.verl_render import (
     SAMPLER_CLASS,
     JobFiles,
@@ -44,6 +45,7 @@ from evotrainer.backends.verl_render import (
     RenderedRun,
     entrypoint,
     job_env,
+    recipe_environment,
     render_job,
     verl_settings,
 )
@@ -388,7 +390,8 @@ def ray_runtime_env(job: JobSpec) -> dict[str, Any]:
 
 
 def prepare(job: JobSpec) -> None:
-    """Render the job and write its inputs: data, reward module and config, sampler."""
+    """Render the job and write its inputs: data, reward module and config, sampler, and
+    for a multi-turn domain without a tool config of the recipe's own, the domain's."""
     files = JobFiles(job.artifact_dir)
     runs = render_job(job.recipe, version=job.version, files=files, workdir=job.workdir)
     check_job_start(job.recipe)
@@ -403,10 +406,21 @@ def prepare(job: JobSpec) -> None:
             )
     train, val = domain.split(recipe["domain"]["train_size"], recipe["domain"]["val_size"])
     files.train_file.parent.mkdir(parents=True, exist_ok=True)
-    write_verl_parquet(train, files.train_file, split="train")
-    write_verl_parquet(val, files.val_file, split="val")
-    config = {"domain": recipe["domain"], "reward": recipe["reward"]}
+    environment = recipe_environment(recipe)
+    tools = domain.name if environment is not None else None
+    write_verl_parquet(train, files.train_file, split="train", tools=tools)
+    write_verl_parquet(val, files.val_file, split="val", tools=tools)
+    config = {
+        "domain": recipe["domain"],
+        "reward": recipe["reward"],
+        "group_filter": recipe.get("group_filter") or {"name": "none"},
+    }
     files.reward_config.write_text(json.dumps(config, indent=2, sort_keys=True))
+    if environment is not None and verl_settings(recipe)["tool_config_path"] is None:
+        # JSON is YAML: verl reads the file with OmegaConf.load.
+        files.tool_config.write_text(
+            json.dumps(tool_config(recipe["domain"], environment), indent=2, sort_keys=True)
+        )
     shutil.copyfile(REWARD_TEMPLATE, files.reward_module)
     if any(o.value == SAMPLER_CLASS for o in runs[0].overrides):
         shutil.copyfile(SAMPLER_TEMPLATE, files.sampler_module)
@@ -414,9 +428,13 @@ def prepare(job: JobSpec) -> None:
         files.seed_dir(run.seed).mkdir(parents=True, exist_ok=True)
 
 
-def write_verl_parquet(tasks: list[Task], path: Path, *, split: str) -> None:
+def write_verl_parquet(
+    tasks: list[Task], path: Path, *, split: str, tools: str | None = None
+) -> None:
     """Tasks as verl dataset rows: a chat `prompt`, `data_source`, `reward_model.ground_truth`
-    and `extra_info` carrying what the reward function needs to rebuild the task."""
+    and `extra_info` carrying what the reward function needs to rebuild the task; with
+    `tools` (a multi-turn domain's name), `extra_info.tools_kwargs`, which verl hands to the
+    trajectory's tools so they know the task they act on."""
     rows = [
         {
             "data_source": task.data_source,
@@ -428,6 +446,7 @@ def write_verl_parquet(tasks: list[Task], path: Path, *, split: str) -> None:
                 "task_id": task.task_id,
                 "question": task.prompt,
                 "meta": json.dumps(task.meta, sort_keys=True),
+                **({"tools_kwargs": tools_kwargs(tools, task)} if tools else {}),
             },
         }
         for index, task in enumerate(tasks)

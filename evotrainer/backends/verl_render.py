@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from evotrainer.contract.recipe import evaluation_sampling, model_start
+from evotrainer.backends.verl_episode import domain_tools
+from evotrainer.contract.recipe import environment_config, evaluation_sampling, model_start
+from evotrainer.domains import get_domain
 from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import seed_checkpoint_name
 from evotrainer.trackers import logger_names
@@ -49,7 +51,9 @@ VERL_DEFAULTS: dict[str, Any] = {
     "stall_after_s": 1800,  # watchdog: no metrics line or dump file for this long = Stalled
     "reward_module": None,  # worktree-relative .py with the reward function; None = built-in
     "reward_function": "compute_score",
-    "tool_config_path": None,  # worktree-relative verl tool YAML (needed with an environment)
+    # Worktree-relative verl tool YAML; None: the domain's own tools (verl_episode), written
+    # beside the job's data.
+    "tool_config_path": None,
     "env": {},  # extra environment variables for every verl process
     "overrides": {},  # extra Hydra overrides, dotted key -> value ("+key" adds a new key)
 }
@@ -125,6 +129,12 @@ class JobFiles:
     @property
     def sampler_module(self) -> Path:
         return self.root / "sampler.py"
+
+    @property
+    def tool_config(self) -> Path:
+        """The domain's verl tool config (verl_episode.tool_config), when the recipe names
+        none of its own."""
+        return self.root / "tools.yaml"
 
     @property
     def log_file(self) -> Path:
@@ -357,7 +367,7 @@ def render_run(
         # user's, perhaps): a local job gets a private one.
         values["+ray_kwargs.ray_init.address"] = "local"
     values.update(_group_filter_values(recipe, files))
-    values.update(_environment_values(recipe, settings, workdir))
+    values.update(_environment_values(recipe, settings, files, workdir))
     for key, value in (settings["overrides"] or {}).items():
         values[str(key)] = value
 
@@ -431,24 +441,28 @@ def _group_filter_values(recipe: dict, files: JobFiles) -> dict[str, Any]:
     return values
 
 
-def _environment_values(recipe: dict, settings: dict, workdir: Path) -> dict[str, Any]:
-    environment = recipe.get("environment")
-    if not environment:
+def recipe_environment(recipe: dict) -> dict[str, Any] | None:
+    """The environment a multi-turn domain runs with (its defaults under the recipe's
+    `environment`), as the engine gets it; None for a single-turn domain."""
+    return environment_config(recipe, get_domain(recipe["domain"]["name"]))
+
+
+def _environment_values(
+    recipe: dict, settings: dict, files: JobFiles, workdir: Path
+) -> dict[str, Any]:
+    environment = recipe_environment(recipe)
+    if environment is None:
         return {}
     tool_config = settings["tool_config_path"]
-    if not tool_config:
-        raise EvoError(
-            "the recipe has an environment, and verl runs tools only as its own BaseTool "
-            "classes listed in a tool config YAML",
-            field="verl.tool_config_path",
-            hint="write a verl tool config (tools: [{class_name, config, tool_schema}]) in the "
-            "version's worktree and set verl.tool_config_path to its relative path",
-        )
-    if settings["ray_address"] is None:
+    if tool_config is None:
+        domain_tools(recipe["domain"]["name"])  # EvoError for a domain without verl tools
+        tool_config = str(files.tool_config)
+    elif settings["ray_address"] is None:
         tool_config = str((workdir / tool_config).resolve())
     values: dict[str, Any] = {
         f"{_R}.multi_turn.enable": True,
         f"{_R}.multi_turn.tool_config_path": str(tool_config),
+        f"{_R}.multi_turn.format": "hermes",
         f"{_R}.agent.default_agent_loop": "tool_agent",
     }
     if environment.get("max_turns"):

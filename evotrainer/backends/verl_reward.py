@@ -13,11 +13,18 @@ their tasks back from the prepared data). So the dumps carry:
 - `index`: the dataset row the sample was drawn for. verl draws a row once per step and
   repeats it n times, so within a step's dump it is verl's own GRPO group, exact in whatever
   order `trainer.balance_batch` left the rows (a legacy dump has no uid);
-- for a multi-turn domain, `tool_calls` (JSON: [{name, args}]) and `num_turns`: what verl
-  lets a reward see of an episode. The calls are parsed from the transcript as verl's own
-  `hermes` tool parser reads them (`<tool_call>{"name", "arguments"}</tool_call>`), and
-  scored with, as the embedded engine scores its recorded calls; `num_turns` is verl's count
-  (its reward manager puts it in extra_info).
+- for a multi-turn domain, `tool_calls` (JSON: [{name, args}]) and `num_turns`. When the
+  domain's own verl tools ran the episode (verl_tools.py), the calls are the ones its
+  environment recorded and the response scored is the episode's transcript in the domain's
+  format (`evo_episode`, which verl hands over from the trajectory's extra_fields), exactly
+  what the embedded engine scores; with other tools they are parsed from the decoded text as
+  verl's own `hermes` parser reads them (`<tool_call>{"name", "arguments"}</tool_call>`).
+  `num_turns` is verl's count (its reward manager puts it in extra_info);
+- with the Dual-Level filter (`group_filter.name: dual_level`), on training rows,
+  `evo_excluded` (1.0 or 0.0) and `evo_exclusion` (the level-1 rule, or ""): the reference
+  env marks such a trajectory with a −999 reward that ROLL masks out of the loss; here the
+  score stays the true one (verl's score metrics average it) and the mark says which
+  trajectories level 1 takes out, for the sampler and the dumps.
 
 Strings are fine there: verl's validation metrics skip string values (which is also why
 `index` is returned as text, not averaged into a metric).
@@ -30,48 +37,23 @@ from __future__ import annotations
 
 import json
 import numbers
-import re
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+from evotrainer.backends.verl_episode import EPISODE_FIELD
+from evotrainer.contract.filters import GroupFilter, Trajectory, make_filter
 from evotrainer.domains import Domain, Task, make_domain
-
-# verl's HermesToolParser: the default `multi_turn.format` of its tool agent loop.
-_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+from evotrainer.evidence.hermes import hermes_tool_calls
 
 
 @cache
-def _load(config_path: str) -> tuple[Domain, tuple[tuple[str, float], ...]]:
+def _load(config_path: str) -> tuple[Domain, tuple[tuple[str, float], ...], GroupFilter]:
     config = json.loads(Path(config_path).read_text(encoding="utf-8"))
     weights = tuple(
         (c["name"], float(c.get("weight", 1.0))) for c in config["reward"]["components"]
     )
-    return make_domain(config["domain"]), weights
-
-
-def hermes_tool_calls(transcript: str) -> list[dict[str, str]]:
-    """The tool calls in a verl multi-turn transcript, as {name, args}. A tool of one
-    argument records that argument's value as `args` (the command of `shell`, the number of
-    `compare`, as the domains record their own calls), one of none "", others their
-    arguments as JSON; a call verl could not parse either is `invalid`, its text as args."""
-    calls = []
-    for body in _HERMES_CALL.findall(transcript):
-        try:
-            call = json.loads(body)
-            name, arguments = str(call["name"]), call.get("arguments") or {}
-        except (json.JSONDecodeError, KeyError, TypeError):
-            calls.append({"name": "invalid", "args": body.strip()})
-            continue
-        if not arguments:
-            args = ""
-        elif isinstance(arguments, dict) and len(arguments) == 1:
-            (value,) = arguments.values()
-            args = value if isinstance(value, str) else json.dumps(value)
-        else:
-            args = json.dumps(arguments, sort_keys=True)
-        calls.append({"name": name, "args": args})
-    return calls
+    return make_domain(config["domain"]), weights, make_filter(config.get("group_filter"))
 
 
 def compute_score(
@@ -82,7 +64,7 @@ def compute_score(
     config_path: str = "",
     **_: Any,
 ) -> dict[str, Any]:
-    domain, weights = _load(config_path)
+    domain, weights, group_filter = _load(config_path)
     info = extra_info or {}
     task = Task(
         task_id=str(info["task_id"]),
@@ -91,8 +73,15 @@ def compute_score(
         data_source=data_source,
         meta=json.loads(info.get("meta") or "{}"),
     )
-    calls = hermes_tool_calls(solution_str) if domain.tools else []
-    scored = domain.score(task, solution_str, calls)
+    episode = info.get(EPISODE_FIELD) if domain.tools else None
+    response, calls, actions = solution_str, [], None
+    if episode:
+        response, calls = str(episode["transcript"]), list(episode["tool_calls"])
+        actions = int(episode["turns"])
+    elif domain.tools:
+        calls = hermes_tool_calls(solution_str)
+        actions = len(calls)
+    scored = domain.score(task, response, calls)
     reward = sum(weight * scored.components[name] for name, weight in weights)
     out = {
         "score": float(reward),
@@ -110,4 +99,16 @@ def compute_score(
         turns = info.get("num_turns")  # a numpy integer from verl's batch
         if isinstance(turns, numbers.Integral) and not isinstance(turns, bool):
             out["num_turns"] = int(turns)
+    if group_filter.name == "dual_level" and info.get("split") == "train":
+        # Turns as the engine counts them (one per action); verl's own num_turns also counts
+        # the prompt and each tool reply. The length is unknown here (truncated: None).
+        reason = group_filter.exclude(
+            Trajectory(
+                scored.correct,
+                actions,
+                calls if domain.tools else None,
+            )
+        )
+        out["evo_excluded"] = float(reason is not None)
+        out["evo_exclusion"] = reason or ""
     return out

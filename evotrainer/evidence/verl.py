@@ -42,6 +42,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from evotrainer.errors import EvoError
+from evotrainer.evidence.hermes import hermes_tool_calls
 from evotrainer.evidence.schema import FINISH_REASONS, ROLLOUT_SCHEMA, TOOL_CALL
 from evotrainer.evidence.steps import STEPS_SCHEMA
 
@@ -69,6 +70,9 @@ _KNOWN = {
     "index",
     "mean_logprob",
 }
+# The Dual-Level filter's level-1 marks (backends/verl_reward): about the trajectory, kept in
+# `extra`, never a reward component although one is numeric.
+_MARKS = {"evo_excluded", "evo_exclusion"}
 LEGACY, V1 = "legacy", "v1"
 
 
@@ -456,6 +460,7 @@ def _canonical(
         f.name
         for f in raw.schema
         if f.name not in _KNOWN
+        and f.name not in _MARKS
         and f.name not in internal
         and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type))
     ]
@@ -607,14 +612,19 @@ def _canonical(
         if in_arrow[source]:
             column = raw.column(source)
             out = out.append_column(target, column if every_row else column.take(rows))
-    calls = (
-        pa.array(
+    if "tool_calls" in cols:
+        calls = pa.array(
             [_tool_calls(v) for v in raw.column("tool_calls").take(rows).to_pylist()],
             pa.list_(TOOL_CALL),
         )
-        if "tool_calls" in cols
-        else pa.nulls(out.num_rows, pa.list_(TOOL_CALL))
-    )
+    else:
+        # A V1 train dump keeps no reward extra: the calls are read from the decoded text,
+        # where verl leaves the hermes markup of a multi-turn episode (null when it has none).
+        calls = pa.array(
+            [hermes_tool_calls(text) or None if isinstance(text, str) else None
+             for text in out.column("response").to_pylist()],
+            pa.list_(TOOL_CALL),
+        )
     out = out.append_column("tool_calls", calls)
     return out.select(ROLLOUT_SCHEMA.names).cast(ROLLOUT_SCHEMA)
 

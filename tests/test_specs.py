@@ -227,6 +227,9 @@ def test_a_criterion_over_metrics_and_gate_variables_is_valid(workspace, cli, cr
     new_version(workspace, "v1", "v0", rationale="r", criterion=criterion)
     result = cli("-C", str(workspace.root), "validate")
     assert result.code == 0, result.output
+    # What validate accepted is what the branch holds: the criterion as written.
+    spec = workspace.version("v1").spec
+    assert spec["intervention"]["hypothesis"]["criterion"] == criterion
 
 
 def test_a_harness_expression_of_the_wrong_type_is_refused_with_its_position(workspace, cli):

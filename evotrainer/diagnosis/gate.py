@@ -1,6 +1,13 @@
 """The promotion gate: a version against its parent on the per-task score tables, plus the
 harness's gate rules over the diagnosis. The verdict is written with the numbers that
-decided it, so a reviewer reads `decision.yaml` and sees why."""
+decided it, so a reviewer reads `decision.yaml` and sees why.
+
+Beside the verdict the decision records the version's outcome (outcomes.py: improvement,
+regression, mixed evidence, insufficient evidence) and, when the score moved significantly
+with nothing outside the score layer to explain it, the diagnostic gap (gaps.py). The gate
+procedure (stats.GateProcedure) may compare the version with the frontier and the root as
+well as its parent: a promotion must then hold against each of them, every interval and
+p-value corrected for the family."""
 
 from __future__ import annotations
 
@@ -12,11 +19,15 @@ import pyarrow as pa
 from evotrainer import API_VERSION
 from evotrainer.contract.recipe import evaluation_sampling
 from evotrainer.diagnosis.diagnose import evaluate_unless_null, gate_verdict, parent_comparison
+from evotrainer.diagnosis.gaps import unexplained_outcome
 from evotrainer.diagnosis.harness import HarnessRevision
+from evotrainer.diagnosis.outcomes import classify, pathology_status
+from evotrainer.diagnosis.stats import GateProcedure, adjust_p
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_scores
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import branch_name
+from evotrainer.store.lineage import main_frontier, merged_into_main
 from evotrainer.store.workspace import VersionState, Workspace, run_path
 
 
@@ -62,9 +73,71 @@ def decision_header(state: VersionState, harness: HarnessRevision) -> dict:
     }
 
 
+def references(
+    ws: Workspace, states: dict[str, VersionState], state: VersionState, wanted: tuple[str, ...]
+) -> dict[str, str]:
+    """{role: version} for the comparison family: the parent always, then the frontier (main's
+    latest promotion) and the root of the version's chain when asked for and distinct from
+    the parent and from the version itself (a duplicate would count twice in the correction)."""
+    chain = [s.name for s in ws.chain(state.name, states)]
+    found = {"parent": state.parent}
+    candidates = {
+        "frontier": lambda: main_frontier(states, merged_into_main(ws)),
+        "root": lambda: chain[0],
+    }
+    for role in wanted:
+        if role == "parent":
+            continue
+        name = candidates[role]()
+        if name and name != state.name and name not in found.values():
+            found[role] = name
+    return found
+
+
+def _family(
+    ws: Workspace,
+    states: dict[str, VersionState],
+    state: VersionState,
+    harness: HarnessRevision,
+    procedure: GateProcedure,
+    diagnosis: dict,
+) -> dict[str, dict]:
+    """{role: {version, comparison, verdict, rule}} for every member of the comparison family,
+    each interval at alpha / m and each p-value adjusted (Holm or Bonferroni): the family
+    holds at `alpha` as a whole."""
+    members = references(ws, states, state, procedure.compare_with)
+    alpha = procedure.alpha / len(members)
+    candidate = recorded_scores(ws, state.name)
+    family = {role: {"version": name,
+                     "comparison": procedure.compare(recorded_scores(ws, name), candidate, alpha)}
+              for role, name in members.items()}
+    roles = list(family)
+    adjusted = adjust_p([family[r]["comparison"]["p_bootstrap"] for r in roles],
+                        procedure.correction)
+    for role, p in zip(roles, adjusted, strict=True):
+        member = family[role]
+        member["comparison"]["p_unadjusted"] = member["comparison"]["p_bootstrap"]
+        member["comparison"]["p_bootstrap"] = p
+        gate = gate_verdict(harness, {"metrics": metric_values(diagnosis),
+                                      "alerts": diagnosis["alerts"]},
+                            member["comparison"],
+                            metric_values(states[member["version"]].records.get("diagnosis")))
+        member.update(verdict=gate["verdict"], rule=gate["rule"])
+    return family
+
+
 def decide(
-    ws: Workspace, states: dict[str, VersionState], state: VersionState, harness: HarnessRevision
+    ws: Workspace,
+    states: dict[str, VersionState],
+    state: VersionState,
+    harness: HarnessRevision,
+    procedure: GateProcedure | None = None,
 ) -> dict:
+    """The decision record of `state`. `procedure` is the harness's gate procedure; None is
+    the method's default at the harness's alpha (a paired percentile bootstrap against the
+    parent, stratified by data_source), which decides exactly as the gate always has."""
+    default = GateProcedure(alpha=harness.alpha)
+    procedure = procedure or default
     diagnosis = state.records["diagnosis"]
     metrics = metric_values(diagnosis)
     decision = decision_header(state, harness)
@@ -79,7 +152,15 @@ def decide(
         }
     parent = states[state.parent]
     comparison = diagnosis.get("comparison")
-    if not comparison or (diagnosis.get("harness") or {}).get("digest") != harness.digest:
+    family = None
+    if procedure.compare_with != ("parent",):
+        family = _family(ws, states, state, harness, procedure, diagnosis)
+        comparison = family["parent"]["comparison"]
+    elif procedure != default:
+        # The diagnosis compared at the default procedure: this one tests differently.
+        comparison = procedure.compare(recorded_scores(ws, parent.name),
+                                       recorded_scores(ws, state.name))
+    elif not comparison or (diagnosis.get("harness") or {}).get("digest") != harness.digest:
         # Diagnosed without the parent's scores, or by another revision (another alpha).
         comparison = parent_comparison(
             recorded_scores(ws, parent.name), recorded_scores(ws, state.name), harness
@@ -103,6 +184,20 @@ def decide(
         reason = f"blocked by critical alert(s) {', '.join(critical)} whatever the score; {numbers}"
     else:
         reason = f"{numbers} (gate rule {gate['rule'] or 'none'})"
+    if family is not None:
+        reason += f"; corrected ({procedure.correction}) for {len(family)} comparisons"
+        # A promotion must hold against every reference: a version that beats its parent
+        # but not the frontier (its parent was itself no better) is not promoted.
+        holdout = next((r for r, m in family.items()
+                        if r != "parent" and m["verdict"] != "promote"), None)
+        if verdict == "promote" and holdout is not None:
+            member = family[holdout]
+            verdict = ("prune" if member["verdict"] in ("prune", "revert", "block")
+                       else "inconclusive")
+            other = member["comparison"]
+            reason += (f"; not promoted: against the {holdout} {member['version']} Δ "
+                       f"{other['delta']:+.4f} CI [{other['ci_low']:+.4f}, "
+                       f"{other['ci_high']:+.4f}] (gate rule {member['rule'] or 'none'})")
     protocols = {"version": evaluation_protocol(ws, states, state.name),
                  "parent": evaluation_protocol(ws, states, parent.name)}
     protocol_changed = protocols["version"] != protocols["parent"]
@@ -123,6 +218,22 @@ def decide(
     )
     if protocol_changed:
         decision["evaluation_protocol"] = protocols
+    if family is not None:
+        decision["family"] = {"correction": procedure.correction, "alpha": procedure.alpha,
+                              "members": {r: {k: m[k] for k in ("version", "verdict", "rule",
+                                                                  "comparison")}
+                                          for r, m in family.items()}}
+    parent_diagnosis = parent.records.get("diagnosis")
+    outcome = classify(
+        comparison, blocked_by=critical, min_delta=harness.min_delta,
+        pathology=pathology_status(state.spec.get("proposal"), diagnosis,
+                                   ws.resolved_recipe(state.name, states)),
+    )
+    if outcome is not None:
+        decision["outcome"] = outcome.as_dict()
+    gap = unexplained_outcome(state.name, comparison, diagnosis, parent_diagnosis)
+    if gap is not None:
+        decision["gaps"] = [gap.as_dict()]
     criterion = ((state.spec.get("intervention") or {}).get("hypothesis") or {}).get("criterion")
     if criterion:
         decision["criterion"] = {

@@ -104,11 +104,73 @@ def test_failing_cases_and_uncommitted_revisions_are_refused(recorded, harness_c
     diff = json.loads(harness_cli(recorded, "diff", "h0", "h9", "--json").output)
     assert diff["gate_rules"]["changed"] == {"significant_gain": ["when"]}
     assert diff["rule_order"] is not None
-    assert diff["changed_verdicts"] == [
-        {"version": "v1", "verdict_before": "promote", "verdict_after": "inconclusive"}]
+    assert [(c["version"], c["verdict_before"], c["verdict_after"])
+            for c in diff["changed_verdicts"]] == [("v1", "promote", "inconclusive")]
+    assert diff["changed_verdicts"][0]["why"].endswith("the same numbers, another rule")
 
     commit(recorded, "harness_versions/h9.yaml")
     refused = harness_cli(recorded, "adopt", "h9")
     assert refused.exit_code == 1
     assert "v1 expects promote, got inconclusive" in str(refused.exception)
     assert "harness: h0" in (recorded.root / "spec" / "project.yaml").read_text()
+
+
+def test_a_procedure_revision_flips_a_recorded_decision_and_diff_names_it(recorded,
+                                                                          harness_cli):
+    """Issue 29 B4: only the gate's min_delta moves (no metric, no rule text): v1's recorded
+    promotion no longer clears it, and the diff lists v1 with the numbers that flip it."""
+    comparison = recorded.version("v1").records["decision"]["comparison"]
+    raised = round(comparison["ci_low"] + 0.01, 4)
+    doc = yaml.safe_load((recorded.root / "harness_versions" / "h0.yaml").read_text())
+    write_revision(recorded, "h8", gate={**doc["gate"], "min_delta": raised})
+
+    result = json.loads(harness_cli(recorded, "diff", "h0", "h8", "--json").output)
+    assert result["gate"] == {"min_delta": {"from": 0.0, "to": raised}}
+    assert result["gate_rules"]["changed"] == {} and result["metrics"]["added"] == []
+    [flipped] = result["changed_verdicts"]
+    assert (flipped["version"], flipped["recorded"], flipped["verdict_before"],
+            flipped["verdict_after"]) == ("v1", "promote", "promote", "inconclusive")
+    assert flipped["before"]["rule"] == "significant_gain"
+    assert flipped["after"]["rule"] == "otherwise"
+    assert flipped["after"]["ci_low"] == pytest.approx(comparison["ci_low"])
+    assert flipped["after"]["ci_low"] < flipped["after"]["min_delta"] == raised
+    assert f"min_delta +0.0000 → {raised:+.4f}" in flipped["why"]
+    assert "promote (rule significant_gain) → inconclusive (rule otherwise)" in flipped["why"]
+    assert result["early_stops"] == []  # no stop rule, nor what one reads, changed
+
+    shown = harness_cli(recorded, "diff", "h0", "h8")
+    assert shown.exit_code == 0, shown.output
+    assert f"min_delta: 0.0 → {raised}" in shown.output
+    assert "verdicts that change: v1 promote → inconclusive" in shown.output
+    assert "  v1: promote (rule significant_gain) → inconclusive (rule otherwise)" in \
+        shown.output
+    backtest = harness_cli(recorded, "backtest", "h8")
+    assert "v1: promote (rule significant_gain) → inconclusive" in backtest.output
+
+    # Lowering alpha widens every interval: the same numbers at another level.
+    write_revision(recorded, "h6", gate={**doc["gate"], "alpha": 0.01})
+    lowered = json.loads(harness_cli(recorded, "diff", "h0", "h6", "--json").output)
+    assert lowered["gate"] == {"alpha": {"from": 0.05, "to": 0.01}}
+    # v1's gain (Δ about +0.4) clears a 99% interval too: nothing flips, and the diff says so.
+    assert lowered["changed_verdicts"] == []
+
+
+def test_a_revised_early_stop_rule_is_replayed_over_the_recorded_runs(recorded, harness_cli):
+    """The collapse stop without its logprob clause and at any dead-group share: replayed
+    step by step over the stored rollouts, it would have stopped every recorded run at its
+    first step (96 train rollouts, past params.stop_min_rollouts = 64)."""
+    doc = yaml.safe_load((recorded.root / "harness_versions" / "h0.yaml").read_text())
+    rules = [{**r, "when": "rows >= params.stop_min_rollouts && "
+              "latest.dead_group_ratio >= 0.0"} if r["name"] == "collapse" else r
+             for r in doc["early_stop"]]
+    write_revision(recorded, "h5", early_stop=rules)
+    result = json.loads(harness_cli(recorded, "diff", "h0", "h5", "--json").output)
+    assert list(result["early_stop"]["changed"]) == ["collapse"]
+    assert [c["version"] for c in result["early_stops"]] == ["v0", "v1", "v2"]
+    for change in result["early_stops"]:
+        assert change["before"] is None and change["recorded"] is None
+        assert change["after"] == {"rule": "collapse", "alert": "dead_groups", "step": 1,
+                                   "steps": 150, "rows": 96}
+    shown = harness_cli(recorded, "diff", "h0", "h5")
+    assert "early stops that change: v0: no stop → collapse at step 1 of 150 (96 rollouts)" \
+        in shown.output

@@ -8,6 +8,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
+from evotrainer.agent.stop_replay import describe, stop_changes, stops_may_differ
 from evotrainer.diagnosis.harness import resolve_harness
 from evotrainer.diagnosis.harness_backtest import adopt_harness, backtest_harness, diff_harness
 from evotrainer.store.workspace import Workspace
@@ -72,6 +73,9 @@ def register(app: typer.Typer) -> None:
                 out.print(table)
             out.print(f"{len(report['versions'])} recorded version(s); changed: "
                       f"{safe(', '.join(report['changed']) or 'none')}")
+            for row in report["versions"]:
+                if row["flip"]:  # the numbers that flip it
+                    out.print(f"  {safe(row['version'])}: {safe(row['flip']['why'])}")
         if not report["passed"]:
             raise typer.Exit(1)
 
@@ -101,16 +105,22 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Machine-readable."),
     ) -> None:
         """What changes for a reviewer besides `git diff`: metrics added or removed,
-        thresholds and gate rules changed, and the verdicts the change would flip."""
+        thresholds, gate procedure, rules and early stops changed, and the recorded
+        decisions the change would flip, each with the numbers that flip it, and the early
+        stops it would (not) have made (replayed over the recorded runs)."""
         ws = Workspace.find()
         a, b = resolve_harness(old, ws.root), resolve_harness(new, ws.root)
         result = diff_harness(a, b)
         report = backtest_harness(ws, b, a) if backtest_ else None
         if report is not None:
             result["changed_verdicts"] = [
-                {k: r[k] for k in ("version", "verdict_before", "verdict_after")}
+                {**{k: r[k] for k in ("version", "recorded", "verdict_before",
+                                      "verdict_after")}, "why": (r["flip"] or {}).get("why"),
+                 "before": (r["flip"] or {}).get("before"),
+                 "after": (r["flip"] or {}).get("after")}
                 for r in report["versions"] if r["verdict_before"] != r["verdict_after"]
             ]
+            result["early_stops"] = stop_changes(ws, a, b) if stops_may_differ(a, b) else []
         if as_json:
             print(json.dumps(result, indent=2, default=str))
             return
@@ -134,8 +144,18 @@ def register(app: typer.Typer) -> None:
         if result["rule_order"]:
             out.print(f"gate rule order: {safe(result['rule_order']['from'])} → "
                       f"{safe(result['rule_order']['to'])}")
+        for name, rule in result["early_stop"]["changed"].items():
+            out.print(f"early_stop {safe(name)}: {safe(rule['from'])} → {safe(rule['to'])}")
+        for part in ("added", "removed"):
+            if result["early_stop"][part]:
+                out.print(f"early_stop {part}: {safe(', '.join(result['early_stop'][part]))}")
         if report is not None:
             flips = result["changed_verdicts"]
             out.print("verdicts that change: " + safe(", ".join(
                 f"{f['version']} {f['verdict_before']} → {f['verdict_after']}" for f in flips)
                 or "none") + f" (over {len(report['versions'])} recorded version(s))")
+            for f in flips:  # the numbers that flip each one, beside the text change above
+                out.print(f"  {safe(f['version'])}: {safe(f['why'] or '')}")
+            stops = result["early_stops"]
+            out.print("early stops that change: " + (safe(", ".join(
+                describe(c) for c in stops)) or "none"))

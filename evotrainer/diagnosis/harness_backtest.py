@@ -5,6 +5,13 @@ re-diagnosed from its stored rollouts (the run record's `artifact_dir`) with the
 and with the revision it would replace, and re-gated with each (the same `gate.decide` that
 reconcile runs, over the same recorded score tables). What changes — alerts, verdicts — is
 what adopting it would change; the candidate's own `backtest_cases` must all pass.
+
+A procedure revision (the gate's alpha, min_delta and procedure fields, its rules, alert
+thresholds) changes decisions without changing a metric: each version whose verdict flips
+carries `flip`, the numbers each revision decided on (Δ, CI, p, the rule that held, alpha,
+min_delta) and one sentence saying what moved, so `harness diff` shows the decision beside
+the text change. Early stops are replayed above this layer (agent/stop_replay.py): the
+rules read what a running job's live look reads, which the controller defines.
 """
 
 from __future__ import annotations
@@ -86,6 +93,46 @@ def _alerts(diagnosis: dict | None) -> list[str]:
     return sorted(f"{a['name']}:{a['severity']}" for a in (diagnosis or {}).get("alerts") or [])
 
 
+# What a decision's numbers are read from: its comparison with the parent.
+_COMPARED = ("delta", "ci_low", "ci_high", "p_bootstrap", "p_wilcoxon", "n_tasks")
+
+
+def decided_on(decision: dict, harness: HarnessRevision) -> dict[str, Any]:
+    """The numbers a gate decision rests on, and the procedure it was taken under."""
+    comparison = decision.get("comparison") or {}
+    return {"verdict": decision["verdict"], "rule": decision.get("rule"),
+            "blocked_by": list(decision.get("blocked_by") or []),
+            **{k: comparison.get(k) for k in _COMPARED},
+            "alpha": harness.alpha, "min_delta": harness.min_delta}
+
+
+def flip(before: dict, after: dict, old: HarnessRevision, new: HarnessRevision
+         ) -> dict[str, Any]:
+    """A decision that changes between two revisions, with the numbers on each side and what
+    moved, in one sentence."""
+    a, b = decided_on(before, old), decided_on(after, new)
+    # Compared as shown: a p-value recomputed in its last digits has not moved.
+    moved = [f"{key} {_num(key, a[key])} → {_num(key, b[key])}"
+             for key in (*_COMPARED, "alpha", "min_delta", "blocked_by")
+             if _num(key, a[key]) != _num(key, b[key])]
+    why = (f"{a['verdict']} (rule {a['rule'] or 'none'}) → {b['verdict']} "
+           f"(rule {b['rule'] or 'none'}) on Δ {_num('delta', b['delta'])}, CI "
+           f"[{_num('ci_low', b['ci_low'])}, {_num('ci_high', b['ci_high'])}], "
+           f"p={_num('p_bootstrap', b['p_bootstrap'])}: "
+           + ("; ".join(moved) if moved else "the same numbers, another rule"))
+    return {"before": a, "after": b, "moved": moved, "why": why}
+
+
+def _num(key: str, value: Any) -> str:
+    """Differences signed (Δ, CI bounds, min_delta), levels and p-values not."""
+    if value is None or value == []:
+        return "—"
+    if isinstance(value, float):
+        signed = key in ("delta", "ci_low", "ci_high", "min_delta")
+        return f"{value:+.4f}" if signed else f"{value:.4f}"
+    return str(value)
+
+
 def case_passes(expect: str, decision: dict | None) -> bool:
     if decision is None:
         return False
@@ -128,6 +175,8 @@ def backtest_harness(
         row["new_metric_values"] = {
             m: (new_diag[name]["metrics"][m] or {}).get("value") for m in row["metrics_added"]
         }
+        row["flip"] = flip(before, after, old, new) if (
+            before and after and before["verdict"] != after["verdict"]) else None
         row["changed"] = (
             row["alerts_before"] != row["alerts_after"]
             or row["verdict_before"] != row["verdict_after"]
@@ -201,6 +250,12 @@ def adopt_harness(ws: Workspace, name: str) -> dict[str, Any]:
 # -------------------------------------------------------------------------------- diff
 
 
+# Revision fields `diff_harness` reports in their own sections (or that are not settings).
+_NOT_PROCEDURE = frozenset({"name", "description", "parent", "params", "metrics", "alerts",
+                            "gate_rules", "backtest_cases", "digest", "source", "early_stop",
+                            "analyzers"})
+
+
 def _by_name(items: tuple) -> dict[str, Any]:
     return {item.name: item for item in items}
 
@@ -231,9 +286,18 @@ def diff_harness(old: HarnessRevision, new: HarnessRevision) -> dict[str, Any]:
         for name, a_alert in _by_name(old.alerts).items()
         if (b_alert := _by_name(new.alerts).get(name)) and a_alert.levels != b_alert.levels
     }
+    # The gate procedure: alpha, min_delta and every field a revision adds beside them.
     out["gate"] = {
         key: {"from": getattr(old, key), "to": getattr(new, key)}
-        for key in ("alpha", "min_delta") if getattr(old, key) != getattr(new, key)
+        for key in (f.name for f in dataclasses.fields(HarnessRevision))
+        if key not in _NOT_PROCEDURE and getattr(old, key) != getattr(new, key)
+    }
+    a_stop, b_stop = _by_name(old.early_stop), _by_name(new.early_stop)
+    out["early_stop"] = {
+        "added": sorted(set(b_stop) - set(a_stop)),
+        "removed": sorted(set(a_stop) - set(b_stop)),
+        "changed": {n: {"from": a_stop[n].when, "to": b_stop[n].when}
+                    for n in sorted(set(a_stop) & set(b_stop)) if a_stop[n] != b_stop[n]},
     }
     out["rule_order"] = (
         {"from": [r.name for r in old.gate_rules], "to": [r.name for r in new.gate_rules]}

@@ -1,0 +1,116 @@
+"""Early stops replayed over recorded runs: which stop a harness revision would (not) have made.
+
+A revision's `early_stop` rules (and the alert thresholds and params they read) decide when a
+running job is stopped. To show what revising them changes, every recorded run (succeeded or
+stopped, its rollouts still on disk) is replayed step by step: the rows of the steps so far
+are diagnosed as the live look diagnoses them (diagnose_incremental, carrying its state from
+one step to the next) and the rules are evaluated by the controller's own `early_stop` over
+the same variables (`stop_variables`: rows, step, latest.<metric>, critical, ...). The first
+step where a rule holds is the stop that revision would have made.
+
+A replay re-diagnoses each recorded step, so `harness diff` runs it only when the two
+revisions differ in what a stop reads (`stops_may_differ`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from evotrainer.control.live import LiveView, early_stop
+from evotrainer.diagnosis.harness import HarnessRevision
+from evotrainer.diagnosis.incremental import diagnose_incremental
+from evotrainer.evidence.io import read_rollouts, read_steps
+from evotrainer.evidence.layout import RunArtifacts
+from evotrainer.store.lineage import tree_order
+from evotrainer.store.workspace import VersionState, Workspace
+
+REPLAYED_STATES = ("Succeeded", "Stopped")
+
+
+def stops_may_differ(old: HarnessRevision, new: HarnessRevision) -> bool:
+    """Whether a stop could differ: the rules, or what they read (alerts, params, metrics)."""
+    return bool(old.early_stop or new.early_stop) and (
+        old.early_stop != new.early_stop or old.alerts != new.alerts
+        or old.params != new.params or old.metrics != new.metrics)
+
+
+def replayed_versions(ws: Workspace, states: dict[str, VersionState]) -> list[str]:
+    """Versions whose run ended (collected or stopped) with its rollouts on disk."""
+    out = []
+    for name in tree_order(states):
+        run = states[name].records.get("run") or {}
+        if run.get("state") in REPLAYED_STATES and run.get("artifact_dir") and \
+                (ws.root / run["artifact_dir"]).is_dir():
+            out.append(name)
+    return out
+
+
+def replay_stop(ws: Workspace, states: dict[str, VersionState], name: str,
+                harness: HarnessRevision) -> dict[str, Any] | None:
+    """The first early stop `harness` would have made on `name`'s recorded run, or None."""
+    if not harness.early_stop:
+        return None
+    state = states[name]
+    files = RunArtifacts(ws.run_dir(name, state.records["run"]))
+    table = read_rollouts(files.rollouts_dir)
+    steps = read_steps(files.steps) if files.steps.is_file() else None
+    recipe = ws.resolved_recipe(name, states)
+    seeds = recipe.get("seeds") or [0]
+    total = int(recipe["grpo"]["steps"]) * len(seeds)
+    train = table.filter(pc.equal(table["split"], "train"))
+    points = sorted(set(train["step"].to_pylist()))
+    carried = None
+    for step in points:
+        so_far = table.filter(pc.less_equal(table["step"], step))
+        steps_so_far = steps.filter(pc.less_equal(steps["step"], step)) \
+            if steps is not None and "step" in steps.column_names else steps
+        diagnosis, carried = diagnose_incremental(so_far, steps_so_far, harness, carried)
+        view = LiveView(name, "replay", recipe.get("backend") or "local",
+                        step=_steps_done(so_far), steps=total,
+                        rows=_count(so_far, "train"), val_rows=_count(so_far, "val"),
+                        diagnosis=diagnosis)
+        stop = early_stop(harness, view)
+        if stop is not None:
+            # What the rule decided on; not when this replay ran.
+            return {k: stop[k] for k in ("rule", "alert", "step", "steps", "rows")}
+    return None
+
+
+def _count(table: pa.Table, split: str) -> int:
+    return int(pc.sum(pc.equal(table["split"], split)).as_py() or 0)
+
+
+def _steps_done(table: pa.Table) -> int:
+    """Training steps with train rollouts so far, summed over seeds (as the live look
+    counts them)."""
+    train = table.filter(pc.equal(table["split"], "train"))
+    return len(set(zip(train["seed"].to_pylist(), train["step"].to_pylist(), strict=True)))
+
+
+def stop_changes(ws: Workspace, old: HarnessRevision, new: HarnessRevision
+                 ) -> list[dict[str, Any]]:
+    """Each recorded run whose early stop differs between `old` and `new`: {version,
+    recorded (the stop its run record holds), before, after} — a stop that would (not) have
+    fired, or fired by another rule or at another step."""
+    states = ws.versions()
+    out = []
+    for name in replayed_versions(ws, states):
+        before, after = replay_stop(ws, states, name, old), replay_stop(ws, states, name, new)
+        if before != after:
+            recorded = (states[name].records.get("run") or {}).get("stopped") or None
+            out.append({"version": name, "recorded": recorded and recorded.get("rule"),
+                        "before": before, "after": after})
+    return out
+
+
+def describe(change: dict[str, Any]) -> str:
+    """`v2: no stop → collapse at step 3 of 8 (96 rollouts)`."""
+    def one(stop: dict | None) -> str:
+        if stop is None:
+            return "no stop"
+        return f"{stop['rule']} at step {stop['step']} of {stop['steps']} ({stop['rows']} " \
+            "rollouts)"
+    return f"{change['version']}: {one(change['before'])} → {one(change['after'])}"

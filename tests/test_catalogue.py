@@ -5,6 +5,7 @@ entry valid on top of the built-in revision a planner extends."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 import re
@@ -18,6 +19,7 @@ from evotrainer.diagnosis.catalogue import GAPS, catalogue
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import parse_harness, resolve_harness
 from evotrainer.evidence.synthetic import rollout_table
+from evotrainer.store.recipe import BASE_RECIPE
 from evotrainer.store.specs import load_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -250,10 +252,13 @@ def test_alert_fires_exactly_past_its_threshold(diagnosis, entry):
     assert bool([a for a in again["alerts"] if a["name"] == alert["name"]]) != crossed
 
 
-def test_the_budget_comes_from_the_metrics_params_when_set():
+def test_the_budget_comes_from_the_recipe_when_the_planner_binds_it():
     entry = next(e for e in catalogue() if e.metric["name"] == "response_length_p90_budget")
-    entry = copy.deepcopy(entry)
-    entry.metric["params"] = {"max_response_tokens": 400}  # the recipe's budget
+    metric = entry.metric_for({"grpo": {"max_response_tokens": 400}})
+    assert metric["params"] == {"max_response_tokens": 400}
+    assert entry.metric["params"] == {"max_response_tokens": None}  # the entry is unchanged
+    assert entry.metric_for({"grpo": {}}) == entry.metric  # no budget: the fallback
+    entry = dataclasses.replace(entry, metric=metric)
     d = diagnose(rollout_table(ROWS), None, parse_harness(_revision([entry], "budget")))
     tokens = [r["response_tokens"] for r in TRAIN if r["response_tokens"] is not None]
     assert d["metrics"]["response_length_p90_budget"] == pytest.approx(
@@ -278,6 +283,12 @@ def test_entries_name_real_gaps_and_hypotheses():
         assert entry.hypotheses and set(entry.hypotheses) <= library | categories
         if entry.alert:
             assert entry.alert["metric"] == entry.metric["name"]
+        for param, dotted in entry.recipe_params.items():
+            assert param in entry.metric["params"]  # the default when no recipe binds it
+            field = BASE_RECIPE
+            for key in dotted.split("."):
+                field = field[key]  # a real recipe field
+            assert isinstance(field, int)
 
 
 def test_every_entry_extends_the_builtin_revision():

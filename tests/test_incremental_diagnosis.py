@@ -262,3 +262,45 @@ def test_h1_grown_in_chunks_diagnoses_like_the_full_run():
         full = diagnose(grown, None, h1)
         _assert_same(incremental, full)
         assert full["metrics"]["tampered_ratio"] > 0
+
+
+def test_catalogue_metrics_and_declared_analyzers_grown_in_chunks_diagnose_like_the_full_run():
+    """A revision with every catalogue metric (some combine from partials, the length-budget
+    ones carry their own params and are recomputed) and two declared analyzers (always
+    recomputed over their declared rows)."""
+    from evotrainer.diagnosis.catalogue import catalogue
+    from evotrainer.diagnosis.harness import parse_harness
+
+    entries = catalogue()
+    doc = {
+        "apiVersion": "evotrainer/v1", "kind": "HarnessRevision", "name": "hc",
+        "metrics": [dict(e.metric) for e in entries] + [
+            {"name": "long_share", "layer": "behavior", "series": True,
+             "analyzer": {"name": "long_share"}},
+            {"name": "calls_per_turn", "layer": "behavior", "series": True,
+             "analyzer": {"name": "calls_per_turn"}},
+        ],
+        "alerts": [e.alert for e in entries if e.alert],
+        "analyzers": [
+            {"name": "long_share", "inputs": ["step", "turns"], "output": {"kind": "per_row"},
+             "sql": "SELECT step, (turns > 40)::DOUBLE AS value FROM rollouts"},
+            {"name": "calls_per_turn", "inputs": ["tool_calls", "turns"],
+             "output": {"kind": "per_row"}, "rows": {"where": "turns > 0"},
+             "python": "def calls_per_turn(rows, params):\n"
+                       "    return [len(c) / t for c, t in zip(rows['tool_calls'], "
+                       "rows['turns'])]\n"},
+        ],
+    }
+    harness = parse_harness(doc)
+    kinds = {m.name: _combinable(m)[0] for m in harness.metrics}
+    assert kinds["long_share"] is kinds["calls_per_turn"] is None  # declared: in full
+    assert kinds["response_length_p90_budget"] is None  # its own params
+    assert kinds["idle_failure_rate"] == kinds["error_finish_ratio"] == "mean"
+    table = _run(600)
+    state = None
+    for end in (table.num_rows // 3 + 7, table.num_rows):
+        grown = table.slice(0, end)
+        incremental, state = diagnose_incremental(grown, None, harness, state)
+        full = diagnose(grown, None, harness)
+        _assert_same(incremental, full)
+        assert full["metrics"]["calls_per_turn"] > 0

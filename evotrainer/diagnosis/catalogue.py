@@ -8,7 +8,8 @@ measures is read in its `git diff`, and a built-in revision never changes meanin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,21 @@ class CatalogueEntry:
     alert: dict[str, Any] | None  # the alert a revision adds with it
     gaps: frozenset[str]  # the gaps (from GAPS) this metric can close
     hypotheses: tuple[str, ...]  # skill names or categories whose hypothesis it can test
+    # metric param: the dotted recipe field it takes its value from (the length budget)
+    recipe_params: dict[str, str] = field(default_factory=dict)
+
+    def metric_for(self, recipe: dict[str, Any] | None) -> dict[str, Any]:
+        """A copy of the metric with its params bound to `recipe` where the entry names a
+        field; a field the recipe lacks leaves the entry's default (the metric says what it
+        falls back to)."""
+        metric = copy.deepcopy(self.metric)
+        for param, dotted in self.recipe_params.items():
+            value: Any = recipe
+            for key in dotted.split("."):
+                value = value.get(key) if isinstance(value, dict) else None
+            if value is not None:
+                metric.setdefault("params", {})[param] = value
+        return metric
 
 
 @cache
@@ -50,5 +66,6 @@ def catalogue() -> tuple[CatalogueEntry, ...]:
         entries.append(CatalogueEntry(
             metric=raw["metric"], alert=raw.get("alert"), gaps=gaps,
             hypotheses=tuple(raw.get("hypotheses") or ()),
+            recipe_params=dict(raw.get("recipe_params") or {}),
         ))
     return tuple(entries)

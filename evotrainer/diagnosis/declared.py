@@ -231,7 +231,6 @@ def run_declared(
     *,
     timeout_s: float,
     memory_limit: str,
-    python_sandbox: Sandbox | None = None,
 ) -> tuple[float | None, list[list[float]]]:
     """(value, series points) of `analyzer` over the rows of `sandbox`'s split that hold its
     `rows.where`, with only its declared columns."""
@@ -247,7 +246,7 @@ def run_declared(
     seen = rows.select(list(analyzer.inputs))
     if analyzer.sql is not None:
         return _run_sql(analyzer, seen, steps, params, timeout_s, memory_limit)
-    return _run_python(analyzer, seen, steps, params, python_sandbox or default_sandbox())
+    return _run_python(analyzer, seen, steps, params, default_sandbox())
 
 
 def _run_sql(

@@ -18,6 +18,7 @@ import pytest
 from evotrainer.diagnosis.catalogue import GAPS, catalogue
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import parse_harness, resolve_harness
+from evotrainer.errors import EvoError
 from evotrainer.evidence.synthetic import rollout_table
 from evotrainer.store.recipe import BASE_RECIPE
 from evotrainer.store.specs import load_yaml
@@ -309,3 +310,17 @@ def test_every_entry_extends_the_builtin_revision():
 def test_catalogue_values_are_finite_on_the_table(diagnosis):
     for name in EXPECTED:
         assert math.isfinite(diagnosis["metrics"][name])
+
+
+def test_a_metrics_own_params_are_checked_like_the_revisions():
+    entry = next(e for e in catalogue() if e.metric["name"] == "response_length_p50_budget")
+    doc = _revision([entry], "own")
+    del doc["metrics"][0]["params"]  # the SQL reads $max_response_tokens: now undefined
+    with pytest.raises(EvoError, match=r"undefined param\(s\) \$max_response_tokens"):
+        parse_harness(doc)
+    doc["params"] = {"max_response_tokens": 250}  # the revision's serves as well
+    assert parse_harness(doc).metric("response_length_p50_budget").params == {}
+    analyzer_metric = {"name": "x", "layer": "behavior", "analyzer": {"name": "leak"},
+                       "params": {"leak_tools": []}}
+    with pytest.raises(EvoError, match="a metric's own params are for its sql"):
+        parse_harness({**doc, "metrics": [analyzer_metric], "alerts": []})

@@ -245,13 +245,13 @@ def run_declared(
     steps = rows.column("step").to_numpy(zero_copy_only=False)
     seen = rows.select(list(analyzer.inputs))
     if analyzer.sql is not None:
-        return _run_sql(analyzer, seen, steps, params, timeout_s, memory_limit)
+        return _run_sql(analyzer, seen, params, timeout_s, memory_limit)
     return _run_python(analyzer, seen, steps, params, default_sandbox())
 
 
 def _run_sql(
-    analyzer: DeclaredAnalyzer, rows: pa.Table, steps: np.ndarray, params: dict[str, Any],
-    timeout_s: float, memory_limit: str,
+    analyzer: DeclaredAnalyzer, rows: pa.Table, params: dict[str, Any], timeout_s: float,
+    memory_limit: str,
 ) -> tuple[float | None, list[list[float]]]:
     # The analyzer's own sandbox: `rollouts` and `all_rollouts` are its declared rows only.
     own = ReadOnlyQuery(rows, None, None, timeout_s=timeout_s, memory_limit=memory_limit)

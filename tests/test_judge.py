@@ -352,3 +352,24 @@ def test_answer_equivalence_preset_shows_the_reference_answer(judge_server) -> N
     score_all(domain, [(task, "the answer is 4", [], False)])
     prompt = script.bodies[0]["messages"][-1]["content"]
     assert fence(task.answer) in prompt and fence(task.prompt) in prompt
+
+
+def test_judge_try_shows_prompt_reply_and_value(judge_server, cli, tmp_path: Path) -> None:
+    script = Script(lambda body, n: completion("NO: it wrote NOTES.md"))
+    url = judge_server(script)
+    (tmp_path / "judge.yaml").write_text(json.dumps(judge(url)))
+    result = cli("judge", "try", "judge.yaml", "--prompt", "Fix the bug.", "--response",
+                 "Done; see NOTES.md", "--json", cwd=tmp_path)
+    assert result.code == 0, result.output
+    report = json.loads(result.out)
+    assert report["value"] == 0.0 and report["reply"] == "NO: it wrote NOTES.md"
+    assert fence("Done; see NOTES.md") in report["prompt"]
+    assert report["identity"]["endpoint"] == url
+    assert script.bodies[0]["messages"][-1]["content"] == report["prompt"]
+    two = tmp_path / "two.yaml"
+    two.write_text(json.dumps([judge(url), judge(url, name="eq")]))
+    result = cli("judge", "try", str(two), "--response", "x", cwd=tmp_path)
+    assert result.code == 1 and "pick one: if, eq" in result.output
+    assert "Traceback" not in result.output
+    result = cli("judge", "serve", cwd=tmp_path)
+    assert result.code == 1 and "name one model" in result.output

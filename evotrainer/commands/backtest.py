@@ -16,6 +16,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
+from evotrainer.commands.judge import read_judge_file
 from evotrainer.control.versions import parse_assignment
 from evotrainer.diagnosis.replay import (
     backtest_filter,
@@ -28,7 +29,6 @@ from evotrainer.diagnosis.skills import get_skill, workspace_library
 from evotrainer.domains.judge import component_name
 from evotrainer.engine.judge_servers import served_judges
 from evotrainer.errors import EvoError
-from evotrainer.store.specs import load_yaml
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import console, safe
 
@@ -51,24 +51,6 @@ def _resolve(target: str, split: str
     recipe = ws.resolved_recipe(target)
     return (version_rollouts(ws, target, split), recipe["domain"], ws,
             (recipe.get("reward") or {}).get("judges"))
-
-
-def _judge_file(path: Path) -> list[Any]:
-    """The judges in a YAML file: one judge mapping, or a list of them (reward.judges)."""
-    try:
-        text = path.read_bytes()
-    except OSError as exc:
-        raise EvoError(f"cannot read the judge file ({exc.strerror})", where=str(path),
-                       field="--judge", hint="give a YAML file holding a reward.judges entry"
-                       ) from None
-    data = load_yaml(text, str(path))
-    judges = [data] if isinstance(data, Mapping) else data
-    if not isinstance(judges, list) or not judges:
-        raise EvoError("a judge file holds one judge mapping or a list of them",
-                       where=str(path), field="--judge",
-                       hint="e.g. {name: if, endpoint: http://127.0.0.1:8000/v1, model: judge, "
-                       "preset: instruction_following}")
-    return judges
 
 
 def _print(report: dict[str, Any], title: str, as_json: bool) -> None:
@@ -124,7 +106,7 @@ def register(app: typer.Typer) -> None:
         judge:<name>: the judge is asked about every stored response."""
         path, version_domain, ws, judges = _resolve(target, split)
         if judge_file is not None:
-            judges = _judge_file(judge_file)
+            judges = read_judge_file(judge_file)
         if skill:
             if component or weight is not None:
                 raise EvoError("--skill takes the component and weight from the skill",

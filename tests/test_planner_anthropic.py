@@ -227,3 +227,42 @@ def test_tool_inputs_cannot_reach_files_outside_the_workspace(leaky, monkeypatch
         '"rows":[["val"]]' in results[6]["content"].replace(" ", "")
     assert '"rows":[[2]]' in results[7]["content"].replace(" ", "")
     assert '"name":"h0"' in results[8]["content"].replace(" ", "")
+
+
+def test_a_proposal_cites_what_retrieve_returned_and_records_the_search_trace(leaky,
+                                                                             monkeypatch):
+    """Issue 29 B5: `retrieve` is a tool; a proposal may cite only what it returned; the
+    citations go into the rationale and the search trace is recorded with the proposal."""
+    picked: dict[str, str] = {}
+
+    def after_retrieve(request):
+        [result] = tool_results(request)
+        found = json.loads(result["content"].split("\n")[1])
+        cited = next(r for r in found if r["kind"] == "decision" and "v1" in r["title"])
+        picked["cite"] = cited["cite"]
+        assert "leak" in cited["data"]["alerts_after"]
+        return message(
+            tool_use("propose_version", parent="v0", skills=["close-leak"], rationale="r",
+                     hypothesis="h", criterion="leak_ratio <= 0.0",
+                     cites=["workspace elsewhere, version v9 (made up)"]),
+            tool_use("propose_version", parent="v0", skills=["close-leak"],
+                     rationale="v1 leaked; the library's leak fix applies.",
+                     hypothesis="If reveal is disabled then leak_ratio is 0.",
+                     criterion="leak_ratio <= 0.0", cites=[cited["cite"]]))
+
+    script = [message(tool_use("retrieve", query="reveal leak", alerts=["leak"])),
+              after_retrieve, message(text("Proposed closing the leak."))]
+    with serve(monkeypatch, script) as api:
+        result = propose(leaky, "anthropic", 1)
+    assert not api.script
+    assert "no retrieve call of this decision returned" in "\n".join(result.notes)
+    [proposal] = result.proposals
+    spec = leaky.version(proposal.name).spec
+    assert spec["intervention"]["rationale"].endswith(f"Cites: {picked['cite']}.")
+    meta = spec["proposal"]
+    assert meta["cites"] == [picked["cite"]]
+    [trace] = meta["retrieval"]
+    assert trace["query"] == {"text": "reveal leak", "alerts": ["leak"], "metrics": [],
+                              "domain": "toolenv"}
+    assert trace["sources"] == ["workspace toolenv-demo"]
+    assert picked["cite"] in trace["retrieved"]

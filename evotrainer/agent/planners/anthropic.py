@@ -2,12 +2,18 @@
 
 Read tools: lineage, diagnosis, harness, skill search and detail, bounded read-only SQL over
 a version's rollouts (the harness's locked-down DuckDB sandbox), filter and reward
-backtests. Write tools: `propose_version` and `propose_harness_revision`, whose inputs are
-checked against the schemas and a policy before anything is kept: allowed recipe keys
-only, one factor, known non-negative skills that change the parent's recipe, a CEL
-criterion over known names, a parent
-that did not fail, harness SQL that is one SELECT. Nothing is written to git until the
-decision ends (then `write_proposals` does it, as for every planner).
+backtests, and `retrieve` (agent/retrieval.py: past decisions, recurring cases and skill
+evidence of this and the listed workspaces and of the shared library, each with its
+citation). A proposal's `cites` must be citations a `retrieve` call of the same decision
+returned; they are appended to its rationale, and the decision's search trace (queries,
+sources, what came back) is recorded with it (`proposal.retrieval`).
+
+Write tools: `propose_version` and `propose_harness_revision`, whose inputs are checked
+against the schemas and a policy before anything is kept: allowed recipe keys only, one
+factor, known non-negative skills that change the parent's recipe, a CEL criterion over
+known names, a parent that did not fail, harness SQL that is one SELECT. Nothing is
+written to git until the decision ends (then `write_proposals` does it, as for every
+planner).
 
 Tool inputs are untrusted too: each one is checked against its tool's JSON Schema (no other
 keys, names that are names, `split` one of train/val) before a handler runs; no input is ever
@@ -33,6 +39,7 @@ import jsonschema
 
 from evotrainer import API_VERSION
 from evotrainer.agent.planners.base import HarnessProposal, PlannerResult, Proposal, View, next_name
+from evotrainer.agent.retrieval import Query, SearchTrace, retrieve
 from evotrainer.diagnosis.gate import metric_values
 from evotrainer.diagnosis.harness import (
     GATE_VARIABLES,
@@ -65,6 +72,7 @@ MAX_OUTPUT_TOKENS = 4096
 MAX_TURNS = 16
 MAX_ROWS = 50
 MAX_CELL_CHARS = 400
+MAX_RETRIEVED = 20
 # Recipe settings a planner may change, each one factor. Nothing here names a path, a
 # command, a backend or a model: those stay with the humans who own the project spec.
 ALLOWED_KEYS = (
@@ -119,14 +127,24 @@ TOOLS: list[dict[str, Any]] = [
      "with reward + weight × component (from a reward skill, or given).",
      "input_schema": _inputs({"version": _NAME, "skill": _NAME, "component": _STR,
                               "weight": {"type": "number"}}, "version")},
+    {"name": "retrieve", "description": "What the project's memory holds: past decisions "
+     "(this and other workspaces, other domains too), recurring alert patterns with what was "
+     "tried, skills and the evidence they cite. Ranked by shared alerts and metrics, then "
+     "text; in-domain first. Each result has a `cite` to put in a proposal's `cites`.",
+     "input_schema": _inputs({
+         "query": _STR, "alerts": {"type": "array", "items": _STR, "maxItems": 20},
+         "metrics": {"type": "array", "items": _STR, "maxItems": 20}, "domain": _STR,
+         "limit": {"type": "integer", "minimum": 1, "maximum": MAX_RETRIEVED}})},
     {"name": "propose_version", "description": "Propose one new policy version (an "
      "unapproved branch): one factor — one skill, or settings of one allowed recipe key — "
-     "on a parent that did not fail, with a falsifiable CEL criterion.",
+     "on a parent that did not fail, with a falsifiable CEL criterion; `cites`: the "
+     "`retrieve` citations the proposal rests on.",
      "input_schema": _inputs({
          "parent": _NAME,
          "skills": {"type": "array", "items": _NAME},
          "settings": {"type": "object", "description": "dotted recipe key → value"},
-         "rationale": _STR, "hypothesis": _STR, "criterion": _STR},
+         "rationale": _STR, "hypothesis": _STR, "criterion": _STR,
+         "cites": {"type": "array", "items": _STR, "maxItems": MAX_RETRIEVED}},
          "parent", "rationale", "hypothesis", "criterion")},
     {"name": "propose_harness_revision", "description": "Propose a harness revision: the "
      "revision in force plus new metrics (SQL or registered analyzers) and alerts, with "
@@ -272,6 +290,7 @@ class _Tools:
         self.harness: list[HarnessProposal] = []
         self.rejected: list[str] = []
         self.backtests: dict[str, dict] = {}  # skill → the last backtest of it
+        self.trace = SearchTrace()  # every retrieve call of this decision
 
     def run(self, call: Any) -> dict[str, Any]:
         handler = getattr(self, f"tool_{call.name}", None)
@@ -395,6 +414,17 @@ class _Tools:
                                  float(weight), domain)
         return self._keep(skill, {"version": version, "kind": "reward", **report})
 
+    def tool_retrieve(self, query: str = "", alerts: list | None = None,
+                      metrics: list | None = None, domain: str | None = None,
+                      limit: int = 8) -> list[dict]:
+        asked = Query(text=query, alerts=tuple(alerts or ()), metrics=tuple(metrics or ()),
+                      domain=domain or self.view.ws.resolved_recipe(
+                          self.frontier, self.view.states)["domain"]["name"])
+        if not (asked.text.strip() or asked.alerts or asked.metrics):
+            raise EvoError("give a query, alerts or metrics to look for")
+        found = retrieve(self.view.ws, asked, limit, trace=self.trace, states=self.view.states)
+        return [r.as_dict() for r in found]
+
     def _keep(self, skill: str | None, report: dict) -> dict:
         if skill:
             self.backtests[skill] = report
@@ -404,10 +434,15 @@ class _Tools:
 
     def tool_propose_version(self, parent: str, rationale: str, hypothesis: str,
                              criterion: str, skills: list | None = None,
-                             settings: dict | None = None) -> dict:
+                             settings: dict | None = None, cites: list | None = None) -> dict:
         view = self.view
         if len(self.proposals) >= self.max_proposals:
             raise EvoError(f"at most {self.max_proposals} proposal(s) per decision")
+        cites = [str(c) for c in cites or []]
+        unknown_cites = [c for c in cites if c not in self.trace.cites()]
+        if unknown_cites:
+            raise EvoError(f"cites {unknown_cites[0]!r}, which no retrieve call of this "
+                           "decision returned; cite a retrieved item's `cite` as given")
         state = view.ws.version(parent, view.states)
         if view.failed(parent) or parent in view.pruned:
             raise EvoError(f"parent {parent} failed; branch from a good version such as "
@@ -463,7 +498,13 @@ class _Tools:
         backtests = [self.backtests[s] for s in skills if s in self.backtests]
         if backtests:
             meta["backtest"] = backtests[0]
-        self.proposals.append(Proposal(parent, rationale.strip(), skills=skills,
+        if self.trace.entries:
+            meta["retrieval"] = self.trace.as_list()
+        rationale = rationale.strip()
+        if cites:
+            meta["cites"] = cites
+            rationale += " Cites: " + "; ".join(cites) + "."
+        self.proposals.append(Proposal(parent, rationale, skills=skills,
                                        settings=lines, hypothesis=hypothesis.strip(),
                                        criterion=criterion.strip(), proposal=meta))
         return {"accepted": True, "parent": parent, "skills": skills, "settings": lines}

@@ -307,3 +307,41 @@ def test_an_escape_past_both_checks_meets_the_os_sandbox(tmp_path):
     else:
         pytest.fail(f"the escape read the file: {d['metrics']}")
     assert not marker.exists()
+
+
+def test_python_sees_calls_maps_and_nulls_as_plain_json():
+    rows = [dict(step=1 + i % 2, group_id=f"g{i}", tool_calls=calls, correct=0.0,
+                 reward_components=comps, mean_logprob=logprob)
+            for i, (calls, comps, logprob) in enumerate([
+                (["bash ls", "edit a.py"], [("tampered", 1.0)], -0.5),
+                (None, [], None),
+                ([], [("format", 0.5), ("tampered", 0.0)], float("nan")),
+                (["bash pytest"], [], -0.25),
+            ])]
+    source = """\
+import math
+def shape(rows, params):
+    out = []
+    for calls, comps, lp in zip(rows["tool_calls"], rows["reward_components"],
+                                rows["mean_logprob"]):
+        if calls is None:
+            out.append(None)
+            continue
+        bonus = 0.0 if lp is None or math.isnan(lp) else lp
+        out.append(len(calls) + comps.get("tampered", 0.0) + bonus
+                   + sum(c["name"] == "bash" for c in calls))
+    return out
+"""
+    d = run({"name": "shape", "inputs": ["tool_calls", "reward_components", "mean_logprob"],
+             "output": {"kind": "per_row"}, "python": source}, rows=rows)
+    expected = [(1, 2 + 1.0 - 0.5 + 1), (1, 0 + 0.0 + 0.0 + 0), (2, 1 + 0.0 - 0.25 + 1)]
+    value, steps = by_step(expected)
+    assert d["metrics"]["m"] == pytest.approx(value)
+    assert dict(d["series"]["m"]) == pytest.approx(steps)
+
+
+def test_an_analyzer_whose_rows_are_empty_gives_a_null_metric():
+    d = run({"name": "think_share", "inputs": ["response"], "output": {"kind": "per_row"},
+             "rows": {"where": "turns > 1000"}, "python": THINK_SHARE})
+    assert d["metrics"]["m"] is None
+    assert d["series"]["m"] == []

@@ -86,6 +86,8 @@ DEFAULT_LIMITS = {"cpu_seconds": 5.0, "wall_seconds": 10.0, "memory_mb": 512}
 # The rows handed to a Python analyzer, as JSON: past this, narrow `inputs` or `rows.where`.
 MAX_INPUT_BYTES = 64 * 2**20
 MAX_OUTPUT_BYTES = 16 * 2**20
+# The row order column added to a Python analyzer's rows while they are written as JSON.
+_ROW = "__evotrainer_row"
 
 # Runs the analyzer: its rows and params arrive on stdin, its result leaves on the real
 # stdout (what the analyzer prints goes to stderr, so it cannot forge the result), and it
@@ -246,7 +248,7 @@ def run_declared(
     seen = rows.select(list(analyzer.inputs))
     if analyzer.sql is not None:
         return _run_sql(analyzer, seen, params, timeout_s, memory_limit)
-    return _run_python(analyzer, seen, steps, params, default_sandbox())
+    return _run_python(analyzer, seen, steps, params, default_sandbox(), timeout_s, memory_limit)
 
 
 def _run_sql(
@@ -311,12 +313,14 @@ def _mean(
 
 def _run_python(
     analyzer: DeclaredAnalyzer, rows: pa.Table, steps: np.ndarray, params: dict[str, Any],
-    sandbox: Sandbox,
+    sandbox: Sandbox, timeout_s: float, memory_limit: str,
 ) -> tuple[float | None, list[list[float]]]:
     try:
-        stdin = json.dumps({"rows": rows.to_pydict(), "params": params}, default=str)
+        params_json = json.dumps(params, default=str)
     except (TypeError, ValueError) as err:
         raise analyzer.error(f"params are not JSON: {err}") from None
+    stdin = f'{{"rows": {_rows_json(analyzer, rows, timeout_s, memory_limit)}, ' \
+            f'"params": {params_json}}}'
     if len(stdin) > MAX_INPUT_BYTES:
         raise analyzer.error(
             f"its rows are {len(stdin)} bytes as JSON, more than {MAX_INPUT_BYTES}",
@@ -339,6 +343,26 @@ def _run_python(
     except (ValueError, KeyError, TypeError):
         raise analyzer.error("its program wrote no result") from None
     return _python_result(analyzer, result, steps, rows.num_rows)
+
+
+def _rows_json(
+    analyzer: DeclaredAnalyzer, rows: pa.Table, timeout_s: float, memory_limit: str
+) -> str:
+    """`rows` as one JSON object of columns ({column: [value per row]}; a map is an object),
+    written by DuckDB: several times faster than Python objects through json.dumps."""
+    if rows.num_rows == 0:
+        return json.dumps({c: [] for c in rows.column_names})
+    ordered = rows.append_column(_ROW, pa.array(np.arange(rows.num_rows)))
+    lists = ", ".join(f'"{c}": list("{c}" ORDER BY {_ROW})' for c in rows.column_names)
+    own = ReadOnlyQuery(ordered, None, None, timeout_s=timeout_s, memory_limit=memory_limit)
+    try:
+        _, result = own.query(f"SELECT to_json({{{lists}}}) FROM rollouts", {},
+                              field=f"analyzers.{analyzer.name}.inputs")
+    except EvoError as err:
+        raise analyzer.error(err.message, err.hint) from None
+    finally:
+        own.close()
+    return result[0][0]
 
 
 def _python_result(

@@ -6,6 +6,7 @@ repositories (bad YAML, a link, a 10 MB file) are refused with one line."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -247,3 +248,33 @@ def test_only_the_reviewed_branch_is_read(hostile):
                           ref="release")
     err = refused(missing)
     assert (err.field, "no branch 'release'" in err.message) == ("skill_library.ref", True)
+
+
+def test_the_command_line_retrieves_shares_and_prints_library_text_safely(two_domains, cli):
+    library, swe, arith = two_domains
+    shared = cli("skills", "share", "--json", cwd=swe.root)
+    assert shared.code == 0, shared.output
+    assert json.loads(shared.out)["branch"] == "evidence/swe-demo"
+    assert "already proposed" in cli("skills", "share").out
+    library.git.merge("evidence/swe-demo", env=ENV)
+
+    asked = cli("skills", "retrieve", "--version", "v0", "--json", cwd=swe.root)
+    assert asked.code == 0, asked.output
+    found = json.loads(asked.out)
+    assert found[0]["kind"] in ("case", "decision", "skill-evidence", "skill")
+    assert any(r["kind"] == "decision" and r["data"]["skills"] == ["std-group-filter"]
+               for r in found)
+
+    # Library text is anyone's: a terminal escape in an evidence entry is not passed through.
+    path = Path(library.working_dir) / "skills" / "std-group-filter.yaml"
+    doc = yaml.safe_load(path.read_text())
+    doc["evidence"].append({"version": "hostile\x1b[2J\x1b]0;owned\x07", "domain": "arith",
+                            "verdict": "promote", "source": "someone"})
+    path.write_text(yaml.safe_dump(doc))
+    commit_all(library, "a hostile entry")
+    table = cli("skills", "retrieve", "dead groups", "--alert", "dead_groups", "--limit",
+                "60", cwd=arith.root)
+    assert table.code == 0, table.output
+    assert "hostile" in table.out and "\x1b" not in table.out
+    nothing = cli("skills", "retrieve")
+    assert nothing.code == 1 and "nothing to look for" in nothing.err

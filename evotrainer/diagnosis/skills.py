@@ -166,15 +166,17 @@ def workspace_library(ws: Any | None) -> dict[str, Skill]:
     return merged(local, shared_library(ws))
 
 
-def skill_overrides(paths: list[Path], parent_recipe: dict[str, Any]) -> dict[str, Any]:
-    """The concrete recipe overrides of the skills in `paths` applied in order to
-    `parent_recipe` (the parent's resolved recipe; nulls kept, to remove keys when merged
-    onto a recipe): what a version applying them sets. A skill that would change nothing is
-    refused with the reason, so no version is spent on a no-op."""
+def skill_overrides(paths: list[Path | Skill], parent_recipe: dict[str, Any]
+                    ) -> dict[str, Any]:
+    """The concrete recipe overrides of the skills in `paths` (files, or skills already
+    loaded: a shared library's) applied in order to `parent_recipe` (the parent's resolved
+    recipe; nulls kept, to remove keys when merged onto a recipe): what a version applying
+    them sets. A skill that would change nothing is refused with the reason, so no version
+    is spent on a no-op."""
     overrides: dict[str, Any] = {}
     recipe = parent_recipe
     for path in paths:
-        skill = load_skill(path, f"skills/{path.name}")
+        skill = path if isinstance(path, Skill) else load_skill(path, f"skills/{path.name}")
         resolution = resolve_skill(skill, recipe)
         if not resolution.changes:
             raise EvoError(

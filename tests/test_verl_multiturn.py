@@ -26,6 +26,7 @@ import pytest
 
 from evotrainer.backends.base import JobSpec, job_id
 from evotrainer.backends.verl import prepare
+from evotrainer.backends.verl_episode import max_tool_reply
 from evotrainer.backends.verl_render import JobFiles
 from evotrainer.backends.verl_reward import compute_score
 from evotrainer.evidence.verl import ingest_dump
@@ -120,6 +121,7 @@ def test_toolenv_runs_as_verl_tools_and_the_leak_reaches_the_dump(tmp_path: Path
                                              ("compare", {"guess": 1})])
     assert observed == [f"{reply};", f"{hidden};", "", "The episode is over: answer without "
                         "calling a tool."]
+    assert all(len(text) <= max_tool_reply({"name": "toolenv"}) for text in observed)
     record = agent_data.extra_fields["evo_episode"]
     # The transcript the embedded engine writes for the same actions, and its recorded calls.
     assert record["transcript"] == f"?{mid};{reply};!;{hidden};={hidden};"

@@ -184,6 +184,8 @@ def test_mapped_settings(composed):
     assert rollout.multi_turn.tool_config_path.endswith("art/verl/tools.yaml")
     assert own.data.tool_config_path == rollout.multi_turn.tool_config_path  # verl's own link
     assert (rollout.multi_turn.format, rollout.multi_turn.max_assistant_turns) == ("hermes", 8)
+    # verl cuts tool replies at 256 characters unless told: room for the domain's longest.
+    assert rollout.multi_turn.max_tool_response_length == 64
     assert results["base"][2][0].actor_rollout_ref.rollout.multi_turn.enable is False
     dual = results["dual_level"][2][0]
     assert dual.trainer.v1.sampler.custom_sampler.name == "EvoGroupFilterReplayBuffer"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from evotrainer.domains import Domain, Environment, Task, make_domain
+from evotrainer.domains import Domain, Environment, Task, get_domain, make_domain
 from evotrainer.errors import EvoError
 
 EPISODE_FIELD = "evo_episode"
@@ -122,6 +122,20 @@ def tool_config(domain_config: dict[str, Any], environment: dict[str, Any]) -> d
             for name, spec in domain_tools(domain_config["name"]).items()
         ]
     }
+
+
+# Room beyond a domain's own cap on an observation: its wrapping newlines and an
+# "[exit status N]" line (swe), or a whole short reply (toolenv's, and OVER).
+_REPLY_MARGIN = 64
+
+
+def max_tool_reply(domain_config: dict[str, Any]) -> int:
+    """verl's `multi_turn.max_tool_response_length` for the domain's tools: verl cuts longer
+    replies (256 characters by default), so the longest observation the domain writes must
+    fit, or the policy would see less on verl than in the engine."""
+    params = {**get_domain(domain_config["name"]).default_params,
+              **(domain_config.get("params") or {})}
+    return int(params.get("max_observation_chars") or 0) + _REPLY_MARGIN
 
 
 def task_record(task: Task) -> str:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from evotrainer.backends.verl_episode import domain_tools
+from evotrainer.backends.verl_episode import domain_tools, max_tool_reply
 from evotrainer.contract.recipe import environment_config, evaluation_sampling, model_start
 from evotrainer.domains import get_domain
 from evotrainer.errors import EvoError
@@ -454,12 +454,14 @@ def _environment_values(
     if environment is None:
         return {}
     tool_config = settings["tool_config_path"]
+    values: dict[str, Any] = {}
     if tool_config is None:
         domain_tools(recipe["domain"]["name"])  # EvoError for a domain without verl tools
         tool_config = str(files.tool_config)
+        values[f"{_R}.multi_turn.max_tool_response_length"] = max_tool_reply(recipe["domain"])
     elif settings["ray_address"] is None:
         tool_config = str((workdir / tool_config).resolve())
-    values: dict[str, Any] = {
+    values |= {
         f"{_R}.multi_turn.enable": True,
         f"{_R}.multi_turn.tool_config_path": str(tool_config),
         f"{_R}.multi_turn.format": "hermes",

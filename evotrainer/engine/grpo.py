@@ -13,6 +13,11 @@ Per training step:
 Environment tokens are masked out of the loss. Validation (`eval_k` samples per val task, drawn
 at `eval_temperature` / `eval_top_p`, by default the training ones) runs at step 0, every
 `eval_every` steps and at the end; `grpo.steps: 0` means evaluate only.
+
+The recipe's optional `rollout` section picks what samples (`engine`: builtin, the default, or
+vllm: vLLM generates, the policy's weights pushed to it after every update, and the trainer
+computes the log-probabilities the loss uses itself, as verl does) and how many processes
+score beside the sampler (`score_workers`, default 0: after sampling, in this process).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from evotrainer.contract.recipe import (
     evaluation_sampling,
     model_start,
 )
+from evotrainer.contract.rollout import check_rollout
 from evotrainer.domains import Domain, Task, make_domain
 from evotrainer.engine import offline_environment
 from evotrainer.engine.model import (
@@ -47,7 +53,14 @@ from evotrainer.engine.model import (
     with_lora,
 )
 from evotrainer.engine.outputs import RunLog, RunOutputs, Stopped, write_json
-from evotrainer.engine.rollout import Episode, batch_tensors, sample_episodes, token_logprobs
+from evotrainer.engine.rollout import (
+    Episode,
+    Sampler,
+    batch_tensors,
+    sample_episodes,
+    token_logprobs,
+)
+from evotrainer.engine.scoring import Scoring
 from evotrainer.engine.warm_start import warm_start
 from evotrainer.evidence.groups import dead_group_ratio
 from evotrainer.evidence.layout import RunArtifacts
@@ -167,7 +180,10 @@ class Trainer:
         outputs: RunOutputs,
         log: RunLog,
         cache_root: Path,
+        sampler: Sampler | None = None,
     ) -> None:
+        """`sampler`: the vLLM engine an earlier seed of the job started (`rollout.engine:
+        vllm`), reused with this seed's weights; None starts one when the recipe asks."""
         self.recipe, self.seed, self.domain = recipe, seed, domain
         self.outputs, self.log = outputs, log
         self.g = recipe["grpo"]
@@ -214,6 +230,16 @@ class Trainer:
             self.ref = copy.deepcopy(self.model).eval()
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=self.g["lr"])
+        rollout = recipe.get("rollout") or {}
+        self.scoring = Scoring(
+            domain, recipe["domain"], self.weights, rollout.get("score_workers") or 0
+        )
+        self.sampler = sampler
+        if (rollout.get("engine") or "builtin") == "vllm" and sampler is None:
+            from evotrainer.engine.vllm_rollout import VllmSampler  # only where vllm is used
+
+            self.sampler = VllmSampler(self.model, self.tokenizer, seed, log)
+        self.policy_pushed = False  # the sampler holds the policy's current weights
         self.group_filter = make_filter(recipe.get("group_filter"))
         # The engine's own log and steps.parquet are its `console` and `file` loggers; the
         # others (TensorBoard, MLflow, W&B) get the same per-step metrics, one run per seed.
@@ -224,6 +250,10 @@ class Trainer:
         )
 
     def sample(self, tasks: list[Task], temperature: float, top_p: float) -> list[Episode]:
+        """Episodes of `tasks`, each handed to the scorers the moment it is over."""
+        if self.sampler is not None and not self.policy_pushed:
+            self.sampler.load(self.model)  # vLLM samples from the weights of the last update
+            self.policy_pushed = True
         return sample_episodes(
             self.model,
             self.tokenizer,
@@ -234,17 +264,12 @@ class Trainer:
             temperature,
             top_p,
             self.chat,
+            on_finished=self.scoring.submit,
+            sampler=self.sampler,
         )
 
     def score(self, episodes: list[Episode]) -> tuple[np.ndarray, list[Any]]:
-        scores = [
-            self.domain.score(e.task, e.response, e.tool_calls, e.finish_reason == "length")
-            for e in episodes
-        ]
-        rewards = np.array(
-            [sum(w * s.components[name] for name, w in self.weights.items()) for s in scores]
-        )
-        return rewards, scores
+        return self.scoring.collect(episodes)
 
     def run(self) -> float:
         steps = self.g["steps"]
@@ -259,6 +284,7 @@ class Trainer:
                     advance()
         finally:
             self.trackers.close()
+            self.scoring.close()
         return val_avg
 
     def train_step(self, step: int) -> None:
@@ -268,7 +294,9 @@ class Trainer:
         episodes = self.sample(
             [t for t in tasks for _ in range(size)], self.g["temperature"], self.g["top_p"]
         )
+        sampled_at = time.perf_counter()
         rewards, scores = self.score(episodes)
+        scored_at = time.perf_counter()
         grouped = rewards.reshape(len(tasks), size)
         advantages = group_advantages(grouped, self.g["normalize_std"]).reshape(-1)
         keep_groups = self.group_filter.keep(list(grouped))
@@ -285,6 +313,7 @@ class Trainer:
                 self.g,
                 self.tokenizer.pad_token_id,
             )
+            self.policy_pushed = False
         elapsed = time.perf_counter() - start
         sampled = sum(sum(e.mask) for e in episodes)
         stats |= {
@@ -296,6 +325,11 @@ class Trainer:
             "truncated_ratio": float(np.mean([e.finish_reason != "stop" for e in episodes])),
             "time_per_step": elapsed,
             "tokens_per_s": sampled / elapsed,
+            # The step split: sampling, the wait for scores once sampling is over (scoring
+            # that ran beside the sampler is not in it), and everything after (the update).
+            "sampling_s": sampled_at - start,
+            "scoring_s": scored_at - sampled_at,
+            "training_s": elapsed - (scored_at - start),
         }
         for name, value in stats.items():
             self.outputs.metric(self.seed, step, name, value)
@@ -383,6 +417,18 @@ class Trainer:
 # ------------------------------------------------------------------------------- one job
 
 
+def engine_threads(requested: int | None) -> int:
+    """The recipe's `threads`, or for `threads: null` as many as this process may run on
+    (its CPU affinity) less the machine's load: on a loaded 2-core machine a batch-8 forward
+    ran 5.5x slower on 2 threads than on 1 (issue 30)."""
+    if requested is not None:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    idle = (cores or 1) - os.getloadavg()[0]
+    return max(1, min(cores or 1, round(idle)))
+
+
+
 def run_job(
     recipe: dict[str, Any],
     out_dir: Path,
@@ -400,8 +446,9 @@ def run_job(
     propagates.
     """
     check_recipe(recipe)
+    check_rollout(recipe)
     offline_environment()
-    torch.set_num_threads(recipe.get("threads", 1))
+    torch.set_num_threads(engine_threads(recipe.get("threads", 1)))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_root = Path(cache_dir or os.environ.get("EVOTRAINER_CACHE_DIR") or out_dir / "cache")
@@ -423,11 +470,13 @@ def run_job(
     }
     write_json(RunArtifacts(out_dir).result, result)
     log(f"run {version}: recipe {result['recipe_digest']}, seeds {recipe['seeds']}")
+    sampler: Sampler | None = None
     try:
         check_job_start(recipe)
         domain = make_domain(recipe["domain"])
         for index, seed in enumerate(recipe["seeds"]):
-            trainer = Trainer(recipe, seed, domain, outputs, log, cache_root)
+            trainer = Trainer(recipe, seed, domain, outputs, log, cache_root, sampler)
+            sampler = trainer.sampler  # one vLLM engine for all the job's seeds
             result["warm_start"][str(seed)] = trainer.warm_start
             result["val_avg_by_seed"][str(seed)] = trainer.run()
             result["steps_done"] = recipe["grpo"]["steps"]
@@ -447,6 +496,8 @@ def run_job(
         log(f"failed: {result['error']}")
         raise
     finally:
+        if sampler is not None:
+            sampler.close()
         result["wall_time_s"] = round(time.perf_counter() - started, 3)
         write_json(RunArtifacts(out_dir).result, result)
         log(

@@ -8,11 +8,19 @@ models, `model.chat_template: auto`), one user message rendered by the template 
 assistant's turn opened. `generate` is our own decode loop over one KV cache: a group's
 identical contexts are prefilled once and the cache rows copied, and rows leave the batch as
 soon as they stop, so a long prompt and a ragged group cost far less than `model.generate`.
+While it samples, the large linear layers run on weights packed once for oneDNN
+(`prepacked`): a plain fp32 `linear` has MKL re-pack the whole weight matrix on every
+small-batch call, which was a third of the sampler's time on a real model. A caller that
+scores episodes as they finish (`on_finished`) gets each one as soon as it is over, while the
+rest of the batch is still sampling.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -90,6 +98,52 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, attn
 
 
+# Linear layers at least this large sample on prepacked weights: a real model's vocabulary
+# projection and MLP (SmolLM2-135M: 28M and 0.9M weights) gain; the tiny models' layers
+# (at most 33K) keep torch's own kernel, so their seeded runs sample what they always did.
+PACK_MIN_WEIGHTS = 1 << 18
+# The row count oneDNN lays the packed weights out for; any batch size runs on them.
+PACK_BATCH = 8
+
+
+@contextmanager
+def prepacked(model: torch.nn.Module) -> Iterator[int]:
+    """Inside: every float32 `nn.Linear` with at least PACK_MIN_WEIGHTS weights computes with a
+    copy of its weights reordered once for oneDNN, instead of MKL packing them again on each
+    call. For no-grad use only (sampling); the copies are dropped on exit, so the next update's
+    weights are packed afresh. Yields how many layers were packed (0 without oneDNN)."""
+    packed: list[torch.nn.Module] = []
+    if torch.backends.mkldnn.is_available():
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if (
+                type(module) is torch.nn.Linear
+                and weight is not None
+                and weight.dtype == torch.float32
+                and weight.device.type == "cpu"
+                and weight.numel() >= PACK_MIN_WEIGHTS
+            ):
+                module.forward = _packed_forward(module)
+                packed.append(module)
+    try:
+        yield len(packed)
+    finally:
+        for module in packed:
+            del module.forward  # the class's forward again
+
+
+def _packed_forward(module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_BATCH)
+    bias = None if module.bias is None else module.bias.detach()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    return forward
+
+
 @dataclass
 class Generation:
     tokens: list[int] = field(default_factory=list)  # sampled, the stop token included
@@ -122,8 +176,10 @@ def generate(
     temperature: float,
     top_p: float,
     pad_id: int,
+    on_stop: Callable[[int, Generation], None] | None = None,
 ) -> list[Generation]:
-    """Sample a continuation of every context, all in one batch over one KV cache."""
+    """Sample a continuation of every context, all in one batch over one KV cache. `on_stop`
+    (index, generation) runs for each row the moment it samples a stop token."""
     # Prefill each distinct context once; rows that share it (a group) copy its cache rows.
     distinct: dict[tuple[int, ...], int] = {}
     for context in contexts:
@@ -154,6 +210,8 @@ def generate(
         running = ~torch.isin(tokens, stop_set)
         for row in rows[~running].tolist():
             results[row].stopped = True
+            if on_stop is not None:
+                on_stop(row, results[row])
         if step == max_new_tokens - 1 or not running.any():
             break
         if not running.all():  # finished rows leave the batch and the cache
@@ -176,6 +234,15 @@ def generate(
     return results
 
 
+# What samples one batched turn: (contexts, stop ids, max new tokens, temperature, top_p,
+# pad id, on_stop) -> one Generation per context. `generate` over the policy is the built-in
+# one; `evotrainer.engine.vllm_rollout.VllmSampler` is the other.
+Sampler = Callable[
+    [list[list[int]], list[int], int, float, float, int, Callable[[int, Generation], None] | None],
+    list[Generation],
+]
+
+
 @torch.no_grad()
 def sample_episodes(
     model: PreTrainedModel,
@@ -187,9 +254,14 @@ def sample_episodes(
     temperature: float,
     top_p: float,
     chat: bool = False,
+    on_finished: Callable[[int, Episode], None] | None = None,
+    sampler: Sampler | None = None,
 ) -> list[Episode]:
     """One episode per task (repeat a task G times for a group). Active episodes advance one
-    turn per batched `generate` call until they stop, run out of tokens or hit max_turns."""
+    turn per batched `generate` call until they stop, run out of tokens or hit max_turns.
+    `on_finished(index, episode)` runs once per episode as soon as it is over (a single-turn
+    episode: the moment it samples its stop token), so it can be scored while others sample.
+    `sampler` replaces the built-in `generate` over `model` (which still gives the stop ids)."""
     model.eval()
     stops = stop_ids(tokenizer, domain, model)
     action_end = stops[-1] if domain.turn_end is not None else None  # multi-turn: more to come
@@ -197,8 +269,14 @@ def sample_episodes(
     envs = [domain.environment(t, env_config) for t in tasks] if env_config else None
     max_turns = env_config["max_turns"] if env_config else 1
     try:
-        _run_turns(model, tokenizer, domain, episodes, envs, max_turns, stops, action_end,
-                   max_turn_tokens, temperature, top_p)
+        if sampler is not None:
+            _run_turns(sampler, tokenizer, domain, episodes, envs, max_turns, stops, action_end,
+                       max_turn_tokens, temperature, top_p, on_finished)
+        else:
+            with prepacked(model):
+                _run_turns(partial(generate, model), tokenizer, domain, episodes, envs,
+                           max_turns, stops, action_end, max_turn_tokens, temperature, top_p,
+                           on_finished)
     finally:
         # Release what each episode holds (a container, a scratch repository) now, not when
         # the garbage collector gets to it: every episode here is over.
@@ -210,7 +288,7 @@ def sample_episodes(
 
 
 def _run_turns(
-    model: PreTrainedModel,
+    sampler: Sampler,
     tokenizer: PreTrainedTokenizerBase,
     domain: Domain,
     episodes: list[Episode],
@@ -221,53 +299,80 @@ def _run_turns(
     max_turn_tokens: int,
     temperature: float,
     top_p: float,
+    on_finished: Callable[[int, Episode], None] | None = None,
 ) -> None:
     """Advance the active episodes one batched turn at a time, in place."""
     active = list(range(len(episodes)))
     for _turn in range(max_turns):
         if not active:
             break
-        generations = generate(
-            model,
+        goes_on: dict[int, bool] = {}  # batch position -> the episode takes another turn
+
+        def settle(
+            position: int,
+            gen: Generation,
+            active: list[int] = active,
+            goes_on: dict[int, bool] = goes_on,
+        ) -> None:
+            i = active[position]
+            env = envs[i] if envs is not None else None
+            goes_on[position] = _settle(episodes[i], env, gen, tokenizer, domain, action_end)
+            if not goes_on[position] and on_finished is not None:
+                on_finished(i, episodes[i])
+
+        # A single-turn episode is over the moment it stops; a multi-turn one steps its
+        # environment in the batch's order, after the turn, as it always has.
+        generations = sampler(
             [episodes[i].prompt_ids + episodes[i].ids for i in active],
             stops,
             max_turn_tokens,
             temperature,
             top_p,
             tokenizer.pad_token_id,
+            settle if envs is None else None,
         )
-        still_active = []
-        for i, gen in zip(active, generations, strict=True):
-            ep = episodes[i]
-            action = gen.tokens
-            ep.ids += action
-            ep.mask += [1] * len(action)
-            ep.logprobs += gen.logprobs
-            ep.turns += 1
-            body = action[:-1] if gen.stopped else action
-            text = tokenizer.decode(body, skip_special_tokens=True)
-            ep.text.append(
-                text if not gen.stopped or envs is None else text + (domain.turn_end or "")
-            )
-            if not gen.stopped:
-                ep.finish_reason = "length"
-                continue
-            if envs is None or action[-1] != action_end:
-                ep.finish_reason = "stop"
-                continue
-            reply = envs[i].step(text)
-            if reply.tool_call is not None:
-                ep.tool_calls.append(reply.tool_call)
-            if reply.done:
-                ep.finish_reason = "stop"
-                continue
-            obs = encode(tokenizer, reply.observation)
-            ep.ids += obs
-            ep.mask += [0] * len(obs)
-            ep.text.append(reply.observation)
-            ep.finish_reason = "tool_limit"  # stays so unless a later turn finishes
-            still_active.append(i)
-        active = still_active
+        for position, gen in enumerate(generations):
+            if position not in goes_on:
+                settle(position, gen)
+        active = [active[p] for p in sorted(goes_on) if goes_on[p]]
+
+
+def _settle(
+    ep: Episode,
+    env: Any,
+    gen: Generation,
+    tokenizer: PreTrainedTokenizerBase,
+    domain: Domain,
+    action_end: int | None,
+) -> bool:
+    """Append one turn's action (and the environment's reply) to its episode; True when the
+    episode takes another turn."""
+    action = gen.tokens
+    ep.ids += action
+    ep.mask += [1] * len(action)
+    ep.logprobs += gen.logprobs
+    ep.turns += 1
+    body = action[:-1] if gen.stopped else action
+    text = tokenizer.decode(body, skip_special_tokens=True)
+    ep.text.append(text if not gen.stopped or env is None else text + (domain.turn_end or ""))
+    if not gen.stopped:
+        ep.finish_reason = "length"
+        return False
+    if env is None or action[-1] != action_end:
+        ep.finish_reason = "stop"
+        return False
+    reply = env.step(text)
+    if reply.tool_call is not None:
+        ep.tool_calls.append(reply.tool_call)
+    if reply.done:
+        ep.finish_reason = "stop"
+        return False
+    obs = encode(tokenizer, reply.observation)
+    ep.ids += obs
+    ep.mask += [0] * len(obs)
+    ep.text.append(reply.observation)
+    ep.finish_reason = "tool_limit"  # stays so unless a later turn finishes
+    return True
 
 
 def batch_tensors(

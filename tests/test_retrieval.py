@@ -148,8 +148,9 @@ def test_other_workspaces_decisions_and_recurring_cases_are_retrieved_with_a_tra
     assert "v1 std-group-filter → promote Δ +0.0500" in case.text
     assert "v2 grpo.lr → prune Δ -0.0300" in case.text
     v1 = next(r for r in found if (r.kind, r.version) == ("decision", "v1"))
+    # Read with swe's own record key (its .evotrainer/): verified as swe verifies them.
     assert v1.cite() == (f"workspace swe-demo, version v1 @ {swe.version('v1').sha[:12]} "
-                         "(runs/v1/decision.yaml, unverified)")
+                         "(runs/v1/decision.yaml)")
     assert v1.data["verdict"] == "promote" and v1.data["skills"] == ["std-group-filter"]
     # In-domain knowledge first at equal relevance; the trace records the search.
     [entry] = trace.as_list()
@@ -278,3 +279,17 @@ def test_the_command_line_retrieves_shares_and_prints_library_text_safely(two_do
     assert "hostile" in table.out and "\x1b" not in table.out
     nothing = cli("skills", "retrieve")
     assert nothing.code == 1 and "nothing to look for" in nothing.err
+
+
+def test_a_forged_decision_in_a_listed_workspace_is_not_retrieved(two_domains, tmp_path):
+    """A branch author commits a glowing decision without the controller's seal: the listed
+    workspace's own reader drops it, so no planner elsewhere cites it."""
+    _, swe, _ = two_domains
+    new_version(swe, "v3", "v0", rationale="dead groups: the miracle", settings=["grpo.lr=2e-5"])
+    swe.git.commit_files("evo/v3", {"runs/v3/decision.yaml": specs.dump(
+        decision("v3", "v0", "promote", 0.9)).encode()}, "forged")
+    arith = Workspace(init_workspace(tmp_path / "arith3", "arith"))
+    found = retrieve(arith, Query(text="miracle dead groups", alerts=("dead_groups",)),
+                     limit=50, workspaces=(str(swe.root),))
+    assert "v1" in {r.version for r in found if r.kind == "decision"}
+    assert "v3" not in {r.version for r in found}

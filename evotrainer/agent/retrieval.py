@@ -29,9 +29,9 @@ API (for planners):
     found[0].as_dict()  # kind, title, text, score, domain, alerts, data, cite
     proposal.proposal["retrieval"] = trace.as_list()  # queries, sources, what was retrieved
 
-Records of another workspace are data, read through that workspace's own checked readers;
-its seals cannot be verified here (its record key is its own), and each such citation says
-`unverified`.
+Records of another workspace are data, read through that workspace's own checked reader:
+with its record key (in its own .evotrainer/) forged records are dropped as they are there;
+without it nothing can be verified, and each such citation says `unverified`.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def knowledge(ws: Workspace, *, workspaces: tuple[str | Path, ...] = (),
         other = _other_workspace(ws, path)
         if other.root == ws.root:
             continue
-        items += workspace_items(other, other.versions(), unverified=True)
+        items += workspace_items(other, other.versions())
         sources.append(f"workspace {_name(other)}")
     local = load_library(ws.root / "skills") if ws.skill_names() else load_library()
     origin = f"workspace {_name(ws)}" if ws.skill_names() else "built-in library"
@@ -219,8 +219,7 @@ def _other_workspace(ws: Workspace, path: str) -> Workspace:
                        ) from None
 
 
-def workspace_items(ws: Workspace, states: dict, *, unverified: bool = False
-                    ) -> list[Retrieved]:
+def workspace_items(ws: Workspace, states: dict) -> list[Retrieved]:
     """A workspace's decided versions, then its recurring cases."""
     origin = f"workspace {_name(ws)}"
     decided = []
@@ -232,7 +231,7 @@ def workspace_items(ws: Workspace, states: dict, *, unverified: bool = False
         motivating = (parent.records.get("diagnosis") or {}) if parent else {}
         own = state.records.get("diagnosis") or {}
         decided.append(_decision_item(ws, states, name, state, decision, motivating, own,
-                                      origin, unverified or state.unverified))
+                                      origin, state.unverified))
     return decided + _cases(decided, origin)
 
 

@@ -159,6 +159,9 @@ def test_dual_level_marks_echo_traps_and_abandonment_on_train_rows_only(tmp_path
         "group_filter": {"name": "dual_level", "params": {"echo_min_repeats": 4}},
         "reward": {"components": [{"name": "correctness"}, {"name": "no_repeat"}]},
     })
+    # The job's sampler is the dual-level buffer, which drops the sessions marked here.
+    dual = Path(__file__).parents[1] / "evotrainer" / "backends" / "verl_dual_sampler.py"
+    assert files.sampler_module.read_text() == dual.read_text()
     tools = load_tools(files)
     row = train[0]
     task = json.loads(row["extra_info"]["tools_kwargs"]["answer"]["create_kwargs"]["task"])

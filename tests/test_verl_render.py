@@ -188,7 +188,7 @@ def test_mapped_settings(composed):
     assert rollout.multi_turn.max_tool_response_length == 64
     assert results["base"][2][0].actor_rollout_ref.rollout.multi_turn.enable is False
     dual = results["dual_level"][2][0]
-    assert dual.trainer.v1.sampler.custom_sampler.name == "EvoGroupFilterReplayBuffer"
+    assert dual.trainer.v1.sampler.custom_sampler.name == "EvoDualLevelReplayBuffer"
     assert json.loads(dual.trainer.v1.sampler.sampler_kwargs.spec)["filter"] == {
         "name": "dual_level", "params": {"echo_min_repeats": 4}}
 

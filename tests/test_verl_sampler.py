@@ -8,6 +8,8 @@ constructor keywords and the attributes the subclass reads (see verl's replay_bu
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import importlib.util
 import json
 import sys
@@ -43,12 +45,47 @@ class StandInReplayBuffer:
         self.finished_keys = defaultdict(set)
         self._dapo_classification_cache = defaultdict(dict)
 
+    # verl 0.9.1's own bodies of the two methods the dual-level buffer extends (TransferQueue
+    # calls go to the stand-in module).
+    def _materialize_batch(self, partition_id, selected_prompt_uids, partition_snapshot):
+        tq = sys.modules["transfer_queue"]
+        tq.kv_clear(partition_id=partition_id, keys=selected_prompt_uids)
+        keys, tags = [], []
+        selected = set(selected_prompt_uids)
+        for key, tag in partition_snapshot.items():
+            if key.split("_")[0] in selected:
+                keys.append(key)
+                tags.append(tag)
+        return tq.KVBatchMeta(partition_id=partition_id, keys=keys, tags=tags)
 
-def load_sampler(monkeypatch, rewards: dict[str, float]):
+    def _clear_groups(self, partition_id, uids):
+        keys = {key for key in self.partitions[partition_id] if key.split("_")[0] in uids}
+        sys.modules["transfer_queue"].kv_clear(partition_id=partition_id, keys=[*uids, *keys])
+        for key in keys:
+            del self.partitions[partition_id][key]
+
+
+@dataclasses.dataclass
+class KVBatchMeta:  # TransferQueue's batch handle: the fields verl's buffer fills
+    partition_id: str
+    keys: list
+    tags: list
+
+
+def load_sampler(monkeypatch, rewards: dict[str, float], marked: frozenset[str] = frozenset(),
+                 cleared: list | None = None):
+    cleared = [] if cleared is None else cleared
+    """The sampler module over stand-ins; `marked`: the keys our reward function marked
+    evo_excluded; `cleared` collects the keys cleared from TransferQueue."""
     fake_tq = types.ModuleType("transfer_queue")
     fake_tq.kv_batch_get = lambda keys, partition_id, select_fields: {
-        "rm_scores": [torch.tensor([0.0, rewards[k]], dtype=torch.float64) for k in keys]
+        "rm_scores": [torch.tensor([0.0, rewards[k]], dtype=torch.float64) for k in keys],
+        "extra_fields": [
+            {"reward_extra_info": {"evo_excluded": float(k in marked)}} for k in keys
+        ],
     }
+    fake_tq.kv_clear = lambda partition_id, keys: cleared.extend(keys)
+    fake_tq.KVBatchMeta = KVBatchMeta
     fake_rb = types.ModuleType("verl.trainer.ppo.v1.replay_buffer")
     fake_rb.ReplayBuffer = StandInReplayBuffer
     fake_rb.FILTER_GROUPS_REWARD_METRIC = "reward"
@@ -117,3 +154,44 @@ def test_sampler_judges_a_multi_output_session_by_its_final_output(monkeypatch):
     buffer.finished_keys["train"] = {"m", "c"}
     dropped, counts = buffer._dapo_filtered_keys("train")
     assert dropped == {"m"} and counts == {1.0: 1}
+
+
+def test_dual_level_buffer_takes_marked_sessions_out_of_groups_and_batch(monkeypatch):
+    """Level 1 in verl: sessions our reward function marked leave their group before level 2
+    and leave the training batch (cleared from TransferQueue). Hand-computed, absolute level 2
+    at 0.3: group "g" [1, 0, 0 | marked 1]: left [1, 0, 0], std 0.471, kept, 3 sessions
+    trained; group "h" [1, 1, 1 | marked 0]: left [1, 1, 1], std 0, dropped (with the marked
+    idle failure it would have had std 0.433 and trained on it)."""
+    group_rewards = {"g": [1.0, 0.0, 0.0, 1.0], "h": [1.0, 1.0, 1.0, 0.0]}
+    rewards = {f"{g}_{s}_0": r for g, rs in group_rewards.items() for s, r in enumerate(rs)}
+    cleared: list[str] = []
+    load_sampler(monkeypatch, rewards, frozenset({"g_3_0", "h_3_0"}), cleared)
+    # The dual buffer imports the group-filter buffer by name: both imported afresh over the
+    # stand-ins, and sys.modules left as it was found (monkeypatch restores each entry).
+    for name in ("evotrainer.backends.verl_sampler", "evotrainer.backends.verl_dual_sampler"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+        del sys.modules[name]
+    dual = importlib.import_module("evotrainer.backends.verl_dual_sampler")
+    spec = {
+        "metric": "reward",
+        "train_batch_size": 1,
+        "max_inflight_gen_batches": 1,
+        "filter": {"name": "dual_level", "params": {
+            "mode": "absolute", "min_std_threshold": 0.3, "min_keep_ratio": 0.01}},
+    }
+    buffer = dual.EvoDualLevelReplayBuffer(
+        trainer_mode="sync", trainer_config={}, max_off_policy_threshold=8,
+        max_off_policy_strategy="drop", sampler_kwargs={"spec": json.dumps(spec)},
+        refill_fn=lambda n: None,
+    )
+    buffer.partitions["train"] = {key: {"step": 1} for key in rewards}
+    buffer.finished_keys["train"] = set(group_rewards)
+    dropped, counts = buffer._dapo_filtered_keys("train")
+    assert dropped == {"h"} and counts == {1.0: 1}
+    assert buffer.excluded["train"] == {"g_3", "h_3"}
+    batch = buffer._materialize_batch("train", ["g"], dict(buffer.partitions["train"]))
+    assert batch.keys == ["g_0_0", "g_1_0", "g_2_0"] and len(batch.tags) == 3
+    assert cleared == ["g", "g_3_0"]  # the prompt (verl's own clear), then the marked session
+    assert "g_3_0" not in buffer.partitions["train"] and buffer.last_excluded == 1
+    buffer._clear_groups("train", {"h"})  # verl evicts the dropped group
+    assert buffer.excluded["train"] == set()

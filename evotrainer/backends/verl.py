@@ -39,7 +39,9 @@ from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus, jo
 from evotrainer.backends.local import adopt_orphan, live_process, spawn_detached
 from evotrainer.backends.verl_episode import tool_config, tools_kwargs
 from evotrainer.backends.verl_render import (
+    DUAL_SAMPLER_CLASS,
     SAMPLER_CLASS,
+    SAMPLER_NAME,
     JobFiles,
     Override,
     RenderedRun,
@@ -69,7 +71,10 @@ CANCEL_FILE = "cancelled"
 KILL_GRACE_S = 10.0
 # Copied beside the job's data. The sampler imports verl, so it is only ever read as a file.
 REWARD_TEMPLATE = Path(__file__).with_name("verl_reward.py")
-SAMPLER_TEMPLATE = Path(__file__).with_name("verl_sampler.py")
+SAMPLER_TEMPLATES = {
+    SAMPLER_CLASS: Path(__file__).with_name("verl_sampler.py"),
+    DUAL_SAMPLER_CLASS: Path(__file__).with_name("verl_dual_sampler.py"),
+}
 
 # Ray's job states → ours. STOPPED is a cancel (ours or an operator's): the run did not finish.
 RAY_STATES = {
@@ -422,8 +427,9 @@ def prepare(job: JobSpec) -> None:
             json.dumps(tool_config(recipe["domain"], environment), indent=2, sort_keys=True)
         )
     shutil.copyfile(REWARD_TEMPLATE, files.reward_module)
-    if any(o.value == SAMPLER_CLASS for o in runs[0].overrides):
-        shutil.copyfile(SAMPLER_TEMPLATE, files.sampler_module)
+    for override in runs[0].overrides:
+        if override.key == SAMPLER_NAME:
+            shutil.copyfile(SAMPLER_TEMPLATES[override.value], files.sampler_module)
     for run in runs:
         files.seed_dir(run.seed).mkdir(parents=True, exist_ok=True)
 

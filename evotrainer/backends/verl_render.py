@@ -81,6 +81,9 @@ KL_LOSS_TYPES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
 LOSS_AGG_MODES = {"token-mean": "token-mean", "seq-mean": "seq-mean-token-mean"}
 REWARD_CONFIG_KWARG = "config_path"
 SAMPLER_CLASS = "EvoGroupFilterReplayBuffer"
+# dual_level's: level 1's marked sessions leave the batch (verl_dual_sampler.py).
+DUAL_SAMPLER_CLASS = "EvoDualLevelReplayBuffer"
+SAMPLER_NAME = "trainer.v1.sampler.custom_sampler.name"
 
 _A, _R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 
@@ -436,7 +439,7 @@ def _group_filter_values(recipe: dict, files: JobFiles) -> dict[str, Any]:
         "filter": {"name": name, "params": dict(spec.get("params") or {})},
     }
     values["trainer.v1.sampler.custom_sampler.path"] = str(files.sampler_module)
-    values["trainer.v1.sampler.custom_sampler.name"] = SAMPLER_CLASS
+    values[SAMPLER_NAME] = DUAL_SAMPLER_CLASS if name == "dual_level" else SAMPLER_CLASS
     values["+trainer.v1.sampler.sampler_kwargs.spec"] = json.dumps(kwargs, sort_keys=True)
     return values
 

@@ -141,7 +141,11 @@ def test_other_workspaces_decisions_and_recurring_cases_are_retrieved_with_a_tra
     assert query.alerts == ("dead_groups",) and query.metrics == ("dead_group_ratio",)
     found = retrieve(arith, query, limit=40, workspaces=(str(swe.root),), trace=trace)
     kinds = {(r.kind, r.version) for r in found}
-    assert {("decision", "v1"), ("decision", "v2"), ("case", "v1,v2")} <= kinds
+    assert {("decision", "v1"), ("decision", "v2"), ("case", "v1,v2"),
+            ("diagnosis", "v0")} <= kinds
+    seen = next(r for r in found if r.kind == "diagnosis")
+    assert seen.text == ("v0 diagnosed by h0: dead_groups (critical) on dead_group_ratio "
+                         "= 0.6.")
     case = next(r for r in found if r.kind == "case")
     assert case.alerts == ("dead_groups",)
     assert set(case.data["versions"]) == {"v1", "v2"}
@@ -262,7 +266,10 @@ def test_the_command_line_retrieves_shares_and_prints_library_text_safely(two_do
     asked = cli("skills", "retrieve", "--version", "v0", "--json", cwd=swe.root)
     assert asked.code == 0, asked.output
     found = json.loads(asked.out)
-    assert found[0]["kind"] in ("case", "decision", "skill-evidence", "skill")
+    # v0's own diagnosis (dead_groups) is the closest match to the question it asks.
+    assert found[0]["kind"] == "diagnosis"
+    assert found[0]["cite"] == (f"workspace swe-demo, version v0 @ "
+                                f"{swe.version('v0').sha[:12]} (runs/v0/diagnosis.yaml)")
     assert any(r["kind"] == "decision" and r["data"]["skills"] == ["std-group-filter"]
                for r in found)
 

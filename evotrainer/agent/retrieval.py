@@ -6,6 +6,8 @@ What is searched (each item says where it came from: `Retrieved.cite()`):
   (`skill_library.workspaces`, or `workspaces=` here): the version, its parent, the
   diagnosis alerts that motivated it (the parent's), the intervention (skills, recipe
   overrides, rationale), the verdict with its Δ, CI and p — kind `decision`;
+- every recorded diagnosis: the alerts a version fired, with the values they fired on —
+  kind `diagnosis`;
 - case memory: an alert pattern that recurred before two or more decided versions of one
   workspace, with what each one tried and how it ended — kind `case`;
 - every skill of the workspace's library and of the shared library (`skill_library.repo`):
@@ -49,7 +51,8 @@ from evotrainer.store import cel
 from evotrainer.store.workspace import PROJECT_FILE, Workspace, run_path
 
 ALERT_WEIGHT, METRIC_WEIGHT, DOMAIN_BONUS = 2.0, 1.0, 0.5
-KINDS = ("case", "decision", "skill-evidence", "skill")  # tie order: the most specific first
+# Tie order: the most specific first.
+KINDS = ("case", "decision", "diagnosis", "skill-evidence", "skill")
 # A trigger's alert test: `"dead_groups" in alerts`.
 _ALERT_TEST = re.compile(r"""["']([A-Za-z_][A-Za-z0-9_]*)["']\s+in\s+alerts\b""")
 _TRIGGER_VARIABLES = frozenset({"alerts", "trend", "recipe"})
@@ -76,7 +79,7 @@ class Query:
 class Retrieved:
     """One piece of recorded knowledge and where it came from."""
 
-    kind: str  # decision, case, skill, skill-evidence
+    kind: str  # decision, diagnosis, case, skill, skill-evidence
     title: str
     text: str  # what it says, as searched
     origin: str  # "workspace NAME", "skill library REPO@REF", "built-in library"
@@ -220,19 +223,47 @@ def _other_workspace(ws: Workspace, path: str) -> Workspace:
 
 
 def workspace_items(ws: Workspace, states: dict) -> list[Retrieved]:
-    """A workspace's decided versions, then its recurring cases."""
+    """A workspace's decided versions, its diagnoses' alerts, then its recurring cases."""
     origin = f"workspace {_name(ws)}"
-    decided = []
+    decided, diagnosed = [], []
     for name, state in sorted(states.items()):
+        own = state.records.get("diagnosis") or {}
+        if own.get("alerts"):
+            diagnosed.append(_diagnosis_item(ws, states, name, state, own, origin))
         decision = state.records.get("decision") or {}
         if state.parent is None or not decision.get("verdict"):
             continue
         parent = states.get(state.parent)
         motivating = (parent.records.get("diagnosis") or {}) if parent else {}
-        own = state.records.get("diagnosis") or {}
         decided.append(_decision_item(ws, states, name, state, decision, motivating, own,
                                       origin, state.unverified))
-    return decided + _cases(decided, origin)
+    return decided + diagnosed + _cases(decided, origin)
+
+
+def _domain(ws: Workspace, name: str, states: dict) -> str | None:
+    try:
+        return ws.resolved_recipe(name, states)["domain"]["name"]
+    except EvoError:
+        return None  # a spec that no longer resolves still recorded what it saw
+
+
+def _diagnosis_item(ws: Workspace, states: dict, name: str, state: Any, diagnosis: dict,
+                    origin: str) -> Retrieved:
+    alerts = [a for a in diagnosis.get("alerts") or [] if "name" in a]
+    fired = "; ".join(
+        f"{a['name']} ({a.get('severity') or '?'}) on {a.get('metric') or '?'}"
+        + (f" = {a['value']:.4g}" if isinstance(a.get("value"), (int, float)) else "")
+        + (f": {a['message']}" if a.get("message") else "") for a in alerts)
+    return Retrieved(
+        kind="diagnosis", title=f"{name}: {', '.join(a['name'] for a in alerts)}",
+        text=f"{name} diagnosed by {(diagnosis.get('harness') or {}).get('name') or '?'}: "
+             f"{fired}.",
+        origin=origin, path=run_path(name, "diagnosis.yaml"), commit=state.sha, version=name,
+        domain=_domain(ws, name, states), alerts=tuple(sorted({a["name"] for a in alerts})),
+        metrics=tuple(sorted({a["metric"] for a in alerts if a.get("metric")})),
+        data={"alerts": [{k: a.get(k) for k in ("name", "severity", "metric", "value")}
+                         for a in alerts]},
+        unverified=state.unverified)
 
 
 def _decision_item(ws: Workspace, states: dict, name: str, state: Any, decision: dict,
@@ -241,10 +272,7 @@ def _decision_item(ws: Workspace, states: dict, name: str, state: Any, decision:
     intervention = spec.get("intervention") or {}
     skills = list(intervention.get("skills") or [])
     overrides = spec.get("recipe") or {}
-    try:
-        domain = ws.resolved_recipe(name, states)["domain"]["name"]
-    except EvoError:
-        domain = None  # a spec that no longer resolves still recorded its outcome
+    domain = _domain(ws, name, states)
     comparison = decision.get("comparison") or {}
     before = [a["name"] for a in motivating.get("alerts") or [] if "name" in a]
     after = [a["name"] for a in own.get("alerts") or [] if "name" in a]

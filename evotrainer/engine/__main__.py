@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from evotrainer.contract.recipe import check_recipe
+from evotrainer.contract.rollout import check_rollout
 from evotrainer.engine import offline_environment
 from evotrainer.engine.outputs import Stopped, write_json
 from evotrainer.errors import EvoError
@@ -27,6 +28,7 @@ def main(argv: list[str]) -> int:
     try:
         recipe = json.loads(Path(recipe_path).read_text())
         check_recipe(recipe)
+        check_rollout(recipe)  # e.g. rollout.engine: vllm where vLLM is not installed
     except (OSError, ValueError, EvoError) as err:
         # A job that never starts still leaves result.json, so the backend can say why.
         write_json(

@@ -138,10 +138,14 @@ def test_scalar_and_series_analyzers_read_params():
         [s, max(r["turns"] for r in TRAIN if r["step"] == s)] for s in (1, 2, 3)]
 
 
-def test_rows_split_picks_the_analyzer_rows():
-    d = run({"name": "val_open", "inputs": ["response"], "output": {"kind": "per_row"},
-             "rows": {"split": "val"}, "python": THINK_SHARE})
+def test_rows_split_is_the_split_its_metric_reads():
+    val_open = {"name": "val_open", "inputs": ["response"], "output": {"kind": "per_row"},
+                "rows": {"split": "val"}, "python": THINK_SHARE}
+    d = run(val_open, split="val")
     assert d["metrics"]["m"] == 1.0  # the one val row never closes its block
+    with pytest.raises(EvoError, match="reads train rows, but analyzer 'val_open' declares "
+                                       "rows.split val"):
+        run(val_open)
 
 
 def test_a_reviewer_reads_the_analyzer_in_the_revision_text():

@@ -6,7 +6,7 @@ reads in `git diff`, instead of a Python function registered in analyzers.py.
         description: ...
         inputs: [response, step]          # the rollout columns it sees, and only those
         output: {kind: per_row}           # scalar | series | per_row | per_group
-        rows: {split: train, where: ...}  # the rows it sees (default: its metric's split)
+        rows: {split: train, where: ...}  # the rows it sees (its metrics read this split)
         sql: SELECT step, ... AS value FROM rollouts      # or
         python: |
           def think_share(rows, params):  # rows: {column: [values]}; params: the revision's
@@ -116,7 +116,7 @@ class DeclaredAnalyzer:
     revision: str  # the revision that declares it, for error messages
     inputs: tuple[str, ...]
     kind: str  # one of OUTPUT_KINDS
-    split: str | None  # the rows' split; None: the split of the metric naming it
+    split: str | None  # the rows' split, which a metric naming it reads; None: any
     where: str | None  # SQL condition on those rows
     sql: str | None
     python: str | None

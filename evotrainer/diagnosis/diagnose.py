@@ -418,7 +418,7 @@ class _Run:
             elif (declared := self.harness.declared(metric.analyzer)) is not None:
                 value, points = run_declared(
                     declared,
-                    self.sandbox(declared.split or metric.split),
+                    self.sandbox(metric.split),  # the analyzer's rows.split (harness.py)
                     {**self.harness.params, **metric.analyzer_params},
                     timeout_s=self.timeout_s,
                     memory_limit=self.memory_limit,

@@ -336,6 +336,13 @@ class _Checker:
                             f"unknown analyzer {name!r}",
                             hint=f"registered: {', '.join(sorted(ANALYZERS))}; declared in "
                             f"this revision: {declared}")
+        declared = self.analyzers.get(name)
+        split = m.get("split") or "train"
+        if declared is not None and declared.split not in (None, split):
+            raise self.fail((*path, "split"),
+                            f"reads {split} rows, but analyzer {name!r} declares rows.split "
+                            f"{declared.split}", hint=f"set the metric's split to "
+                            f"{declared.split}")
         if m.get("comparison") is not None and m["layer"] != "version":
             raise self.fail((*path, "layer"), "a comparison metric belongs to the version layer")
         requires = tuple(m.get("requires") or [])
@@ -346,7 +353,7 @@ class _Checker:
         return Metric(
             name=m["name"],
             layer=m["layer"],
-            split=m.get("split") or "train",
+            split=split,
             sql=m.get("sql"),
             analyzer=analyzer.get("name"),
             analyzer_params=analyzer.get("params") or {},

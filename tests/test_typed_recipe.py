@@ -9,9 +9,9 @@ import copy
 import dataclasses
 from typing import Any, ClassVar
 
-import jsonschema
 import pytest
 import yaml
+from referencing import Resource
 
 from evotrainer.contract import filters, typed
 from evotrainer.contract.recipe import check_recipe
@@ -120,10 +120,19 @@ def test_group_size_two_is_stated_once_in_the_schema(monkeypatch):
     assert refusal(one).field == "grpo.group_size"
     schema = copy.deepcopy(specs._schema_file("recipe.schema.json"))
     schema["properties"]["grpo"]["properties"]["group_size"]["minimum"] = 1
-    monkeypatch.setattr(typed, "_recipe_validator", lambda: jsonschema.Draft202012Validator(
-        schema, registry=specs._registry()))
-    check_recipe(one)
-    assert Recipe.from_dict(one).grpo.group_size == 1
+    schema["$id"] += "?lowered"  # its own address in the registry, beside the real one
+    registry = specs._registry().with_resource(schema["$id"], Resource.from_contents(schema))
+    monkeypatch.setattr(typed, "_recipe_schema", lambda: schema)
+    monkeypatch.setattr(specs, "_registry", lambda: registry)
+    forget = (typed._validator, typed._section_problem, typed._typed_section)
+    for cached in forget:
+        cached.cache_clear()
+    try:
+        check_recipe(one)
+        assert Recipe.from_dict(one).grpo.group_size == 1
+    finally:
+        for cached in forget:
+            cached.cache_clear()
 
 
 # ----------------------------------------------------------------------------- params

@@ -14,9 +14,10 @@ field without a default must be present, and its absence is an error naming it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from functools import cache
+from functools import cache, lru_cache
 from types import MappingProxyType, UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -25,7 +26,7 @@ import jsonschema
 from evotrainer.domains.params import schema_problem
 from evotrainer.errors import EvoError
 from evotrainer.store import specs
-from evotrainer.store.recipe import copy_tree
+from evotrainer.store.recipe import canonical_json, copy_tree
 
 EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -194,26 +195,36 @@ class Recipe:
         if not isinstance(resolved, dict):
             raise EvoError(f"a recipe is a mapping, got {type(resolved).__name__}",
                            hint="e.g. {grpo: {steps: 40}}")
-        problem = schema_problem(resolved, _recipe_validator(), "")
-        if problem is not None:
-            raise problem
+        _raise(schema_problem(resolved, _validator(None), ""))
         # Lazily: contract/recipe (the checks) builds on this module, and its base_model is
         # the one precedence of model starts.
         from evotrainer.contract.recipe import base_model
 
-        # model.tiny matters only when the lineage starts from it: a recipe naming a
-        # checkpoint may leave it partial or remove it.
-        model = resolved.get("model") or {}
-        if base_model(model).kind != "tiny":
-            model = {key: value for key, value in model.items() if key != "tiny"}
-        elif not model.get("tiny"):
-            raise EvoError(
-                "missing from the resolved recipe: the lineage starts from the tiny model",
-                field="model.tiny",
-                hint="remove the null that removes model.tiny, or set model.path or "
-                "model.package",
-            )
-        recipe = _build(cls, {**resolved, "model": model}, "")
+        values: dict[str, Any] = {}
+        for item in fields(cls):
+            value = resolved.get(item.name)
+            if item.name.startswith("_") or (value is None and _optional(item)):
+                continue
+            if value is None:
+                raise _missing(item.name)
+            text = canonical_json(value)
+            # Each section once per process: versions share most of them.
+            _raise(_section_problem(item.name, text))
+            if item.name == "model":
+                # model.tiny matters only when the lineage starts from it: a recipe naming a
+                # checkpoint may leave it partial or remove it.
+                if base_model(value).kind != "tiny":
+                    text = canonical_json({k: v for k, v in value.items() if k != "tiny"})
+                elif not value.get("tiny"):
+                    raise EvoError(
+                        "missing from the resolved recipe: the lineage starts from the tiny "
+                        "model",
+                        field="model.tiny",
+                        hint="remove the null that removes model.tiny, or set model.path or "
+                        "model.package",
+                    )
+            values[item.name] = _typed_section(item.name, text)
+        recipe = cls(**values)
         object.__setattr__(recipe, "_resolved", copy_tree(resolved))
         check_cross_fields(recipe)
         return recipe
@@ -257,11 +268,51 @@ def check_cross_fields(recipe: Recipe) -> None:
 
 
 @cache
-def _recipe_validator() -> jsonschema.Draft202012Validator:
-    """recipe.schema.json, its `$ref`s (rollout, judges) resolved offline through the
-    specs' registry of every schema file."""
-    return jsonschema.Draft202012Validator(
-        specs._schema_file("recipe.schema.json"), registry=specs._registry()
+def _recipe_schema() -> dict[str, Any]:
+    return specs._schema_file("recipe.schema.json")
+
+
+@cache
+def _validator(section: str | None) -> jsonschema.Draft202012Validator:
+    """recipe.schema.json's validator for one top-level `section`, or (None) for the top
+    level alone (which keys, of what shape); `$ref`s (rollout, judges) resolve offline
+    through the specs' registry of every schema file."""
+    schema = _recipe_schema()
+    if section is None:
+        schema = {**schema, "properties": dict.fromkeys(schema["properties"], True)}
+    else:
+        schema = {"$ref": f"{schema['$id']}#/properties/{section}"}
+    return jsonschema.Draft202012Validator(schema, registry=specs._registry())
+
+
+@lru_cache(maxsize=4096)
+def _section_problem(section: str, text: str) -> EvoError | None:
+    """The schema's first problem with top-level `section` (its canonical JSON `text`)."""
+    return schema_problem(json.loads(text), _validator(section), section)
+
+
+@lru_cache(maxsize=4096)
+def _typed_section(section: str, text: str) -> Any:
+    """The typed value of a schema-valid top-level `section`: frozen, so recipes share it."""
+    return _convert(_hints(Recipe)[section], json.loads(text), section)
+
+
+def _raise(problem: EvoError | None) -> None:
+    """Raise a (possibly remembered) problem as a fresh error."""
+    if problem is not None:
+        raise EvoError(problem.message, field=problem.field, hint=problem.hint)
+
+
+def _optional(item: Any) -> bool:
+    return item.default is not MISSING or item.default_factory is not MISSING
+
+
+def _missing(where: str) -> EvoError:
+    return EvoError(
+        "missing from the resolved recipe",
+        field=where,
+        hint="an override sets it to null, which removes it: remove that null to inherit "
+        "the default",
     )
 
 
@@ -269,7 +320,7 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
     """An instance of dataclass `cls` from a schema-valid mapping: nested dataclasses,
     tuples for lists, read-only mappings for free-form parts. None counts as absent (an
     override's null removes a key)."""
-    hints = get_type_hints(cls)
+    hints = _hints(cls)
     values = {}
     for item in fields(cls):
         if item.name.startswith("_"):
@@ -277,16 +328,17 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
         where = f"{path}.{item.name}" if path else item.name
         value = data.get(item.name)
         if value is None:
-            if item.default is MISSING and item.default_factory is MISSING:
-                raise EvoError(
-                    "missing from the resolved recipe",
-                    field=where,
-                    hint="an override sets it to null, which removes it: remove that null "
-                    "to inherit the default",
-                )
+            if not _optional(item):
+                raise _missing(where)
             continue
         values[item.name] = _convert(hints[item.name], value, where)
     return cls(**values)
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    """`cls`'s field types, evaluated once (the annotations are strings)."""
+    return get_type_hints(cls)
 
 
 def _convert(kind: Any, value: Any, path: str) -> Any:

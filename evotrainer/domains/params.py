@@ -108,9 +108,16 @@ def schema_problem(
     )
 
 
+# Validators by schema identity (the schema kept beside its validator, so its id is never
+# reused): params schemas are class attributes, checked for every domain a process builds.
+_VALIDATORS: dict[int, tuple[dict[str, Any], jsonschema.Draft202012Validator]] = {}
+
+
 def check_params(params: dict[str, Any], schema: dict[str, Any], prefix: str) -> None:
-    """Raise the first problem of `params` (a domain's, a reward component's, a group
-    filter's) against its declared schema fragment, naming `<prefix>.<key>`."""
-    problem = schema_problem(params, jsonschema.Draft202012Validator(schema), prefix)
+    """Raise the first problem of `params` (a domain's, a reward component's) against its
+    declared schema fragment, naming `<prefix>.<key>`."""
+    if id(schema) not in _VALIDATORS:
+        _VALIDATORS[id(schema)] = (schema, jsonschema.Draft202012Validator(schema))
+    problem = schema_problem(params, _VALIDATORS[id(schema)][1], prefix)
     if problem is not None:
         raise problem

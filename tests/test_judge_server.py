@@ -185,3 +185,40 @@ def test_smollm2_judges_served_locally(tmp_path: Path) -> None:
     (record,) = judge_records(domain)
     assert record["served"]["package"] == "smollm2" and record["requests"] == 4
     assert record["unparsed"] < 4  # it says YES or NO to at least one
+
+
+def test_a_killed_run_leaves_no_server_behind(model_dir) -> None:
+    """The process that started a judge server dies outright (SIGKILL: no ExitStack runs);
+    the server goes with it."""
+    import signal
+    import subprocess
+    import time
+
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from evotrainer.engine.judge_servers import served_judges\n"
+        "judges = [{'name': 'if', 'serve': {'path': 'judge-llama'}, "
+        "'preset': 'instruction_following'}]\n"
+        "with served_judges(judges, Path('logs'), Path('cache'), log=lambda line: None) "
+        "as endpoints:\n"
+        "    print(endpoints['if'].url, flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                           cwd=model_dir)
+    try:
+        url = run.stdout.readline().strip()
+        assert httpx.get(f"{url}/models", timeout=10).status_code == 200
+    finally:
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{url}/models", timeout=2)
+        except httpx.TransportError:
+            break
+        time.sleep(0.2)
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{url}/models", timeout=2)

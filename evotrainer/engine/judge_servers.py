@@ -18,6 +18,8 @@ log's last lines. Importing this module imports no torch.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -39,6 +41,15 @@ from evotrainer.errors import EvoError
 POLL_S = 0.2
 STOP_GRACE_S = 10.0
 LOG_TAIL_LINES = 8
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> None:
+    """In the server's process before it starts (Linux): SIGTERM when the process that
+    started it dies, so a job killed outright (SIGKILL, OOM) leaves no server behind."""
+    # Elsewhere (no prctl) the ExitStack's stop is all there is.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _free_port() -> int:
@@ -90,7 +101,8 @@ class JudgeServer:
             try:
                 self.process = subprocess.Popen(
                     argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True)  # its own group: stopping it stops its children
+                    start_new_session=True,  # its own group: stopping it stops its children
+                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
             except OSError as exc:
                 raise EvoError(f"the judge server cannot start ({exc})", field=field,
                                hint="check serve.command names an installed program") from None

@@ -373,3 +373,19 @@ def test_judge_try_shows_prompt_reply_and_value(judge_server, cli, tmp_path: Pat
     assert "Traceback" not in result.output
     result = cli("judge", "serve", cwd=tmp_path)
     assert result.code == 1 and "name one model" in result.output
+
+
+def test_replies_in_before_a_failure_are_kept(judge_server, tmp_path: Path) -> None:
+    """One prompt the server always refuses fails the batch; the others' replies are cached,
+    so the next try asks only for what is missing."""
+    script = Script(lambda body, n: (400, {"error": "no"}) if "poison" in json.dumps(body)
+                    else completion("YES"))
+    url = judge_server(script)
+    domain = make_domain(ARITH, [judge(url, concurrency=1)], cache_dir=tmp_path)
+    batch = items(domain, ["a", "b", "c", "poison"])
+    with pytest.raises(EvoError, match="HTTP 400"):
+        score_all(domain, batch)
+    asked = len(script.bodies)
+    fresh = make_domain(ARITH, [judge(url, concurrency=1)], cache_dir=tmp_path)
+    assert [s.components["judge:if"] for s in score_all(fresh, batch[:3])] == [1.0] * 3
+    assert len(script.bodies) == asked  # all three came from the cache

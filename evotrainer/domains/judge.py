@@ -32,7 +32,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -412,18 +412,20 @@ class Judge:
         return hashlib.sha256(body.encode()).hexdigest()
 
     def _ask_all(self, prompts: dict[str, str], cache: VerdictCache) -> dict[str, str]:
+        """Replies to `prompts` (by key), each cached the moment it arrives: when one request
+        fails the scoring, the replies already in are kept for the next try."""
         answered: dict[str, str] = {}
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts))) as pool:
             futures = {pool.submit(self.ask, prompt): key for key, prompt in prompts.items()}
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            failed = next((f for f in done if f.exception() is not None), None)
-            if failed is not None:
-                for future in futures:
+            try:
+                for future in as_completed(futures):
+                    key = futures[future]
+                    answered[key] = future.result()
+                    cache.put(key, self.name, answered[key])
+            except BaseException:
+                for future in futures:  # the queued requests are not sent
                     future.cancel()
-                raise failed.exception()  # type: ignore[misc]
-            for future, key in futures.items():
-                answered[key] = future.result()
-                cache.put(key, self.name, answered[key])
+                raise
         return answered
 
     def _http(self) -> Any:

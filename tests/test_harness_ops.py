@@ -174,3 +174,23 @@ def test_a_revised_early_stop_rule_is_replayed_over_the_recorded_runs(recorded, 
     shown = harness_cli(recorded, "diff", "h0", "h5")
     assert "early stops that change: v0: no stop → collapse at step 1 of 150 (96 rollouts)" \
         in shown.output
+
+
+def test_early_stops_are_replayed_only_when_what_a_stop_reads_changes():
+    import dataclasses
+
+    from evotrainer.agent.stop_replay import stops_may_differ
+    from evotrainer.diagnosis.harness import Metric, resolve_harness
+
+    h0 = resolve_harness("h0")
+    unread = dataclasses.replace(h0, metrics=(*h0.metrics, Metric("x_ratio", "behavior",
+                                                                  "train", sql="SELECT 1")))
+    assert not stops_may_differ(h0, unread)
+    dead = h0.metric("dead_group_ratio")
+    redefined = dataclasses.replace(h0, metrics=tuple(
+        dataclasses.replace(m, sql="SELECT 0.0") if m is dead else m for m in h0.metrics))
+    assert stops_may_differ(h0, redefined)  # the collapse rule reads latest.dead_group_ratio
+    assert stops_may_differ(h0, dataclasses.replace(h0, params={**h0.params,
+                                                                "stop_min_rollouts": 1}))
+    assert not stops_may_differ(dataclasses.replace(h0, early_stop=()),
+                                dataclasses.replace(unread, early_stop=()))

@@ -14,6 +14,7 @@ revisions differ in what a stop reads (`stops_may_differ`).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pyarrow as pa
@@ -31,10 +32,18 @@ REPLAYED_STATES = ("Succeeded", "Stopped")
 
 
 def stops_may_differ(old: HarnessRevision, new: HarnessRevision) -> bool:
-    """Whether a stop could differ: the rules, or what they read (alerts, params, metrics)."""
-    return bool(old.early_stop or new.early_stop) and (
-        old.early_stop != new.early_stop or old.alerts != new.alerts
-        or old.params != new.params or old.metrics != new.metrics)
+    """Whether a stop could differ: the rules, or what they read — alerts (`critical`),
+    params, or a metric a rule names whose definition changed. A revision that only adds
+    metrics no rule reads is not replayed."""
+    if not (old.early_stop or new.early_stop):
+        return False
+    if old.early_stop != new.early_stop or old.alerts != new.alerts or \
+            old.params != new.params:
+        return True
+    a, b = {m.name: m for m in old.metrics}, {m.name: m for m in new.metrics}
+    redefined = {n for n in set(a) | set(b) if a.get(n) != b.get(n)}
+    read = " ".join(rule.when for rule in new.early_stop)
+    return any(re.search(rf"\b{re.escape(n)}\b", read) for n in redefined)
 
 
 def replayed_versions(ws: Workspace, states: dict[str, VersionState]) -> list[str]:

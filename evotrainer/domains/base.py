@@ -68,7 +68,9 @@ class Domain(ABC):
     # The JSON Schema fragment `domain.params` is checked against: every parameter's type and
     # bounds, no unknown key. What one parameter allows given another (a cross-field rule)
     # is `validate_params`'s.
-    params_schema: ClassVar[dict[str, Any]] = {"type": "object", "additionalProperties": False}
+    params_schema: ClassVar[dict[str, Any]] = {
+        "type": "object", "properties": {}, "additionalProperties": False
+    }
     # The reward components that take `params`, each with the JSON Schema fragment its
     # `reward.components[i].params` is checked against; any other component takes none.
     component_params_schema: ClassVar[dict[str, dict[str, Any]]] = {}

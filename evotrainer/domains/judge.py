@@ -204,6 +204,17 @@ def _http_url(value: Any, field: str) -> str:
     return value
 
 
+def _known_keys(value: Any, known: set[str], field: str, what: str, example: str) -> None:
+    """EvoError naming `field` unless `value` is a mapping of `known` keys only."""
+    if not isinstance(value, Mapping):
+        raise EvoError(f"{what} must be a mapping, got {value!r}", field=field,
+                       hint=f"e.g. {example}")
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise EvoError(f"{what} has no key {unknown[0]!r}", field=f"{field}.{unknown[0]}",
+                       hint=f"known keys: {', '.join(sorted(known))}")
+
+
 def public_url(url: str) -> str:
     """`url` without user, password, query or fragment: what may enter a run record."""
     parts = urlsplit(url)
@@ -218,14 +229,8 @@ class Judge:
     def __init__(self, config: Mapping[str, Any], index: int,
                  served: ServedEndpoint | None = None) -> None:
         self.field = f"reward.judges[{index}]"
-        if not isinstance(config, Mapping):
-            raise EvoError("a judge is a mapping", field=self.field,
-                           hint="e.g. {name: if, endpoint: http://127.0.0.1:8000/v1, "
-                           "model: judge, preset: instruction_following}")
-        unknown = sorted(set(config) - KEYS)
-        if unknown:
-            raise EvoError(f"judges have no key {unknown[0]!r}", field=f"{self.field}.{unknown[0]}",
-                           hint=f"known keys: {', '.join(sorted(KEYS))}")
+        _known_keys(config, KEYS, self.field, "a judge", "{name: if, endpoint: "
+                    "http://127.0.0.1:8000/v1, model: judge, preset: instruction_following}")
         name = config.get("name")
         if not isinstance(name, str) or not NAME.match(name):
             raise EvoError(f"judge name must be lower-case letters, digits, - or _, got {name!r}",
@@ -302,14 +307,12 @@ class Judge:
 
     def _check_parse(self, parse: Any) -> dict[str, Any]:
         where = f"{self.field}.parse"
-        if not isinstance(parse, Mapping) or parse.get("kind") not in PARSE_KINDS:
-            raise EvoError(f"parse must name its kind, got {parse!r}", field=where,
-                           hint="{kind: yes_no}, {kind: scale, max: 10} or {kind: regex, "
-                           "pattern: 'SCORE: (?P<score>\\d+)', max: 10}")
-        unknown = sorted(set(parse) - {"kind", "max", "pattern"})
-        if unknown:
-            raise EvoError(f"parse has no key {unknown[0]!r}", field=f"{where}.{unknown[0]}",
-                           hint="kind, max (scale, regex) and pattern (regex)")
+        example = ("{kind: yes_no}, {kind: scale, max: 10} or {kind: regex, pattern: "
+                   "'SCORE: (?P<score>\\d+)', max: 10}")
+        _known_keys(parse, {"kind", "max", "pattern"}, where, "parse", example)
+        if parse.get("kind") not in PARSE_KINDS:
+            raise EvoError(f"parse must name its kind, got {parse.get('kind')!r}",
+                           field=f"{where}.kind", hint=example)
         out: dict[str, Any] = {"kind": parse["kind"]}
         if parse["kind"] == "yes_no":
             return out
@@ -582,14 +585,8 @@ def _snippet(text: str, limit: int = 120) -> str:
 def check_serve(serve: Any, field: str) -> None:
     """A `serve` section: one of path (an HF directory or .gguf), package (a model wheel) or
     command (a server's argv, `{port}` in it), and an optional startup_timeout_s."""
-    if not isinstance(serve, Mapping):
-        raise EvoError("serve must be a mapping", field=field,
-                       hint="serve: {package: smollm2} or {path: models/judge} or "
-                       "{command: [vllm, serve, MODEL, --port, '{port}']}")
-    unknown = sorted(set(serve) - SERVE_KEYS)
-    if unknown:
-        raise EvoError(f"serve has no key {unknown[0]!r}", field=f"{field}.{unknown[0]}",
-                       hint=f"known keys: {', '.join(sorted(SERVE_KEYS))}")
+    _known_keys(serve, SERVE_KEYS, field, "serve", "serve: {package: smollm2} or {path: "
+                "models/judge} or {command: [vllm, serve, MODEL, --port, '{port}']}")
     given = [k for k in ("path", "package", "command") if serve.get(k)]
     if len(given) != 1:
         raise EvoError("serve names one of path, package or command", field=field,

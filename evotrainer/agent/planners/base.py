@@ -7,6 +7,17 @@ versions) and `HarnessProposal`s (new harness revisions). Writing them is not th
 planner's job: `write_proposals` turns each into an unapproved `evo/<name>` branch (or a
 harness revision file committed on main), so every planner's output is reviewed the same
 way, with `git diff evo/PARENT..evo/NAME`.
+
+The proposal policy is enforced there too (`policy_violation`), whichever planner proposed:
+a skill known to hurt (negative) is never proposed, a skill this lineage refuted is not
+proposed again, a version changes one factor unless it is a bundle of independently
+supported single-factor fixes (the method's controlled multi-factor option), and a failed
+version is never forked. A proposal that breaks it is refused, with the reason in the
+result's notes.
+
+A version whose outcome is mixed evidence (it removed the pathology it was proposed for,
+its score gain inside the CI: diagnosis/outcomes.py) is not failed: its skill is not
+refuted, and proposals build on it (`proposal_base`).
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import yaml
 
 from evotrainer.control.versions import new_version, parse_assignment
 from evotrainer.diagnosis.harness import HarnessRevision, parse_harness, resolve_harness
+from evotrainer.diagnosis.outcomes import MIXED, SUPPORTED
 from evotrainer.diagnosis.skills import Skill, workspace_library
 from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import CHECKPOINT, is_dropped
@@ -32,6 +44,8 @@ PLANNERS = ("rules", "score", "anthropic")
 # A version that did not beat its parent: what the escalation protocol counts.
 FAILED_VERDICTS = ("prune", "revert", "inconclusive")
 DEFAULT_ESCALATE_AFTER = 3
+# `proposal.move` of a controlled multi-factor version: the one exception to one factor.
+BUNDLE = "bundle"
 
 
 @dataclass
@@ -55,6 +69,7 @@ class HarnessProposal:
     document: dict[str, Any]
     rationale: str
     backtest: dict[str, Any] | None = None
+    gap: dict[str, Any] | None = None  # the diagnostic gap it answers (diagnosis/gaps.py)
 
     @property
     def name(self) -> str:
@@ -121,11 +136,38 @@ class View:
         return (state.spec.get("train") is not False and run.get("state") == "Succeeded"
                 and bool(artifact) and not is_dropped(artifact))
 
+    def outcome(self, name: str) -> str | None:
+        """The gate's outcome (improvement, regression, mixed_evidence,
+        insufficient_evidence); None before the gate, or for a decision recorded before
+        outcomes were."""
+        decision = self.states[name].records.get("decision") or {}
+        return (decision.get("outcome") or {}).get("kind")
+
     def failed(self, name: str) -> bool:
-        """Did not beat its parent: pruned, reverted, inconclusive, or the job failed."""
+        """Did not beat its parent: pruned, reverted, inconclusive, or the job failed — except
+        mixed evidence, which removed what it was proposed for and is not refuted."""
+        if self.outcome(name) == MIXED and self.verdict(name) == "inconclusive":
+            return False
         return self.verdict(name) in FAILED_VERDICTS or (
             self.run_state(name) == "Failed" and self.verdict(name) is None
         )
+
+    def supported(self, name: str) -> bool:
+        """Its outcome supports building on it: an improvement, or mixed evidence."""
+        return self.outcome(name) in SUPPORTED and name not in self.pruned
+
+    def proposal_base(self, frontier: str) -> str:
+        """Where proposals fork: the frontier, or the latest mixed-evidence version grown
+        from it (followed down while each builds on the last): the planner builds on a fix
+        that removed its pathology instead of going back to the frontier."""
+        base = frontier
+        while True:
+            mixed = [c for c in self.decided_order()
+                     if self.states[c].parent == base and self.outcome(c) == MIXED
+                     and not self.failed(c) and c not in self.pruned]
+            if not mixed:
+                return base
+            base = mixed[-1]
 
     def frontier(self) -> str:
         """Main's frontier (its latest promotion, else its baseline); the first root while
@@ -203,6 +245,40 @@ def overrides_key(settings: list[str]) -> str:
     return canonical_json(overrides)
 
 
+# ------------------------------------------------------------------------------ policy
+
+
+def policy_violation(view: View, proposal: Proposal) -> str | None:
+    """Why the proposal policy refuses `proposal`, or None when it may be written."""
+    parent = proposal.parent
+    if parent not in view.states:
+        return f"parent {parent!r} is not a version"
+    if view.failed(parent) or parent in view.pruned:
+        return (f"parent {parent} failed ({view.verdict(parent) or view.run_state(parent)}): "
+                "a failed version is never forked; branch from the frontier "
+                f"{view.frontier()}")
+    negative = [s for s in proposal.skills if s in view.skills and view.skills[s].negative]
+    if negative:
+        return f"skill(s) {', '.join(negative)} are known to hurt (negative evidence)"
+    refuted = view.refuted_skills(parent)
+    again = [s for s in proposal.skills if s in refuted]
+    if again:
+        return ", ".join(f"{s} was refuted on this lineage by {refuted[s]}" for s in again)
+    factors = len(proposal.skills) + (1 if proposal.settings else 0)
+    if factors <= 1:
+        return None
+    if proposal.proposal.get("move") != BUNDLE or proposal.settings:
+        return (f"{factors} factors ({', '.join(proposal.skills)}"
+                f"{' and settings' if proposal.settings else ''}): one factor per version, "
+                "unless a bundle of skills each supported on its own")
+    unsupported = [s for s in proposal.skills if not any(
+        view.applied_skills(v) == [s] and view.supported(v) for v in view.states)]
+    if unsupported:
+        return (f"bundle of {', '.join(proposal.skills)}: {', '.join(unsupported)} has no "
+                "recorded single-factor version with an improvement or mixed evidence")
+    return None
+
+
 # ------------------------------------------------------------------------------ writing
 
 _NUMBERED = re.compile(r"^(?P<head>[a-z]+)(?P<n>\d+)$")
@@ -215,10 +291,22 @@ def next_name(existing: list[str], prefix: str) -> str:
     return f"{prefix}{max(numbers, default=0) + 1}"
 
 
-def write_proposals(ws: Workspace, result: PlannerResult) -> list[str]:
+def write_proposals(ws: Workspace, result: PlannerResult, view: View | None = None) -> list[str]:
     """Create one unapproved branch per version proposal and commit each harness revision
-    file on main; return the names written. Proposals that `new_version` rejects (a bad
-    setting) fail loudly before anything else is written for them."""
+    file on main; return the names written. A proposal the policy refuses is dropped from
+    `result.proposals` and the reason noted; proposals that `new_version` rejects (a bad
+    setting) fail loudly before anything else is written for them. `view`: the one the
+    planner read (else read afresh)."""
+    view = view or View.load(ws)
+    accepted = []
+    for proposal in result.proposals:
+        refusal = policy_violation(view, proposal)
+        if refusal:
+            result.notes.append(f"refused a proposal from {proposal.parent} "
+                                f"({', '.join(proposal.skills) or 'settings'}): {refusal}")
+        else:
+            accepted.append(proposal)
+    result.proposals = accepted
     written = []
     for proposal in result.proposals:
         name = proposal.name or next_name(list(ws.versions()), "v")
@@ -258,6 +346,9 @@ def write_harness_revision(ws: Workspace, harness: HarnessProposal) -> str:
             f"{len(harness.backtest.get('changed') or [])} version(s) change, "
             f"cases {passed}/{len(cases)} pass."
         )
+    if harness.gap:
+        summary += f"\n\nGap: {harness.gap['kind']} on {harness.gap['version']}: " \
+                   f"{harness.gap['reason']}"
     ws.git.commit_files(
         "main",
         {path: text.encode()},

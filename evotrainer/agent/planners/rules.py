@@ -1,7 +1,9 @@
 """The `rules` planner: deterministic, no network. The trainer-agent protocol as code.
 
 1. Frontier = the latest promoted version on main (or the root). Every proposal forks from
-   it: a failed version is never built upon.
+   it — or from the latest mixed-evidence version grown from it (a fix that removed its
+   pathology with a gain inside the CI: not refuted, built upon): a failed version is never
+   built upon.
 2. Evidence = the frontier's diagnosis and those of its gated children (a pruned child's
    alerts say what to fix next, e.g. the leak that blocked it).
 3. Candidates = skills whose trigger fires (`skills.match`: negative skills never match and
@@ -19,9 +21,19 @@
    layer (skip the categories the failed versions tried).
 6. Nothing left: the most promising default (train the recipe as is from an untrained root,
    else twice the steps, else a second seed), saying that no trigger fired.
-7. A failed version without any alert is a verdict the harness cannot explain: propose a
-   harness revision adding the candidate metric that best separates it from its parent,
-   backtested on every recorded version, its cases = the recorded verdicts.
+7. Two moves beside single factors: a **bundle** merges two children of the frontier whose
+   single-factor fixes were each supported on their own (improvement or mixed evidence) and
+   change disjoint settings (the method's controlled multi-factor option); a **revert**
+   undoes the change of a version on the base's chain whose gate said revert or recorded a
+   regression.
+8. The harness evolves when a diagnostic gap fires (diagnosis/gaps.py): (a) an outcome no
+   metric outside the score layer explains, (b) skills firing on the same evidence that no
+   recorded number ranks, (c) no trigger and a stalled frontier. The revision adds the
+   catalogue metric (diagnosis/catalogue.py) that discriminates that gap — (a) the one that
+   best separates the version from its parent on the recorded rollouts, (b) one whose
+   hypotheses name the competing skills and whose values differ most over the versions that
+   tried them, (c) the one that moves most along the stalled lineage — backtested on every
+   recorded version, its cases = the recorded verdicts.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from evotrainer.agent.planners.base import (
+    BUNDLE,
     HarnessProposal,
     PlannerResult,
     Proposal,
@@ -40,8 +53,20 @@ from evotrainer.agent.planners.base import (
     next_name,
     overrides_key,
 )
+from evotrainer.diagnosis.catalogue import CatalogueEntry, catalogue
+from evotrainer.diagnosis.gaps import (
+    INDISTINGUISHABLE,
+    NO_NEXT_STEP,
+    UNEXPLAINED,
+    FiredSkill,
+    Gap,
+    indistinguishable_hypotheses,
+    no_next_step,
+    unexplained_outcome,
+)
 from evotrainer.diagnosis.harness import parse_harness
 from evotrainer.diagnosis.harness_backtest import backtest_harness, recorded_versions
+from evotrainer.diagnosis.outcomes import MIXED, REGRESSION
 from evotrainer.diagnosis.replay import (
     backtest_filter,
     backtest_reward,
@@ -60,61 +85,21 @@ from evotrainer.store.specs import load_yaml
 # then measurement artifacts; then the rest in the library's evidence order.
 CATEGORY_FIRST = {"audit": 0, "stability": 1, "eval-protocol": 2}
 
-# Metrics a harness revision may add when a verdict goes unexplained: from the method's
-# catalogue, computable over the canonical rollout table.
-METRIC_CATALOGUE: tuple[dict[str, Any], ...] = (
-    {
-        "metric": {
-            "name": "distinct_response_ratio",
-            "layer": "behavior",
-            "split": "train",
-            "series": True,
-            "description": "Mean over groups of distinct responses / group size (solution "
-            "diversity; low = template collapse).",
-            "sql": "SELECT step, avg(d) AS value FROM (\n"
-            "  SELECT step, count(DISTINCT response)::DOUBLE / count(*) AS d FROM rollouts\n"
-            "  GROUP BY seed, step, group_id HAVING count(*) >= 2)\n"
-            "GROUP BY ROLLUP (step)\n",
-        },
-        "alert": {
-            "name": "template_collapse",
-            "metric": "distinct_response_ratio",
-            "severity": "warning",
-            "when": "distinct_response_ratio < 0.15",
-            "threshold": 0.15,
-            "message": "Groups sample near-identical responses: exploration is collapsing.",
-        },
-    },
-    {
-        "metric": {
-            "name": "train_val_gap",
-            "layer": "score",
-            "split": "train",
-            "requires": ["correct"],
-            "description": "Train correct rate minus validation correct rate (over-fitting "
-            "or a train-only shortcut).",
-            "sql": "SELECT (SELECT avg(correct) FROM all_rollouts WHERE split = 'train')\n"
-            "  - (SELECT avg(correct) FROM all_rollouts WHERE split = 'val') AS value\n",
-        },
-        "alert": {
-            "name": "train_val_gap",
-            "metric": "train_val_gap",
-            "severity": "warning",
-            "when": "train_val_gap > 0.2",
-            "threshold": 0.2,
-            "message": "Train correctness runs well ahead of validation: a shortcut or "
-            "over-fitting.",
-        },
-    },
-)
-
-
 @dataclass
 class _Candidate:
     proposal: Proposal
     rank: tuple
     skills: list[str] = field(default_factory=list)
     overrides: str = ""  # canonical overrides of a settings-only candidate
+
+
+@dataclass
+class _Fired:
+    """What the skill candidates saw: whether any trigger fired, and each fired skill with
+    the evidence it read (for gap (b))."""
+
+    any: bool = False
+    skills: dict[str, list[FiredSkill]] = field(default_factory=dict)  # evidence version →
 
 
 class RulesPlanner:
@@ -139,26 +124,52 @@ class RulesPlanner:
                 f"escalation: {len(streak)} consecutive failed versions ({', '.join(streak)}); "
                 f"re-branching from the last good version {frontier}, subtracting first"
             )
+        # An escalation rolls back to the last good version; otherwise build on mixed evidence.
+        base = frontier if escalation else view.proposal_base(frontier)
+        builds_on = None
+        if base != frontier:
+            reason = (view.states[base].records["decision"].get("outcome") or {}).get("reason")
+            builds_on = {"version": base, "outcome": MIXED, "reason": reason}
+            result.notes.append(f"building on {base} (mixed evidence: {reason})")
         candidates: list[_Candidate] = []
         if escalation:
             candidates += self._subtractions(view, frontier, escalation)
-        skill_candidates, fired = self._skill_candidates(view, frontier, escalation, result)
-        candidates += skill_candidates + self._defaults(view, frontier, fired)
-        tried_skills = {s for child in view.children(frontier) for s in view.applied_skills(child)}
-        tried = view.tried_overrides(frontier)
+        else:
+            candidates += self._bundles(view, frontier) + self._reverts(view, base)
+        fired = _Fired()
+        skill_candidates = self._skill_candidates(view, base, escalation, result, fired)
+        candidates += skill_candidates + self._defaults(view, base, fired.any)
+        # What was tried from each parent a candidate forks from (bundles fork from the
+        # frontier, the rest from the base): the same change is never proposed twice.
+        tried: dict[str, tuple[set[str], set[frozenset[str]], set[str]]] = {}
         for candidate in sorted(candidates, key=lambda c: c.rank):
             if len(result.proposals) >= max_proposals:
                 break
-            if candidate.skills and set(candidate.skills) & tried_skills:
+            parent = candidate.proposal.parent
+            if parent not in tried:
+                children = view.children(parent)
+                tried[parent] = ({s for c in children for s in view.applied_skills(c)},
+                                 {frozenset(view.applied_skills(c)) for c in children},
+                                 view.tried_overrides(parent))
+            tried_skills, tried_sets, tried_overrides = tried[parent]
+            if len(candidate.skills) > 1:
+                if frozenset(candidate.skills) in tried_sets:
+                    continue
+            elif candidate.skills and set(candidate.skills) & tried_skills:
                 continue
-            if not candidate.skills and candidate.overrides in tried:
+            if not candidate.skills and candidate.overrides in tried_overrides:
                 continue
             if escalation:
                 candidate.proposal.proposal["escalation"] = escalation
+            if builds_on and parent == base:
+                candidate.proposal.proposal["builds_on"] = builds_on
+                candidate.proposal.rationale = (
+                    f"Builds on {base} (mixed evidence: {reason}). {candidate.proposal.rationale}")
             result.proposals.append(candidate.proposal)
             tried_skills |= set(candidate.skills)
-            tried.add(candidate.overrides)
-        harness = self._harness(view, frontier)
+            tried_sets.add(frozenset(candidate.skills))
+            tried_overrides.add(candidate.overrides)
+        harness = self._harness(view, base, fired, result)
         if harness:
             result.harness.append(harness)
         return result
@@ -178,9 +189,11 @@ class RulesPlanner:
         return out
 
     def _skill_candidates(
-        self, view: View, frontier: str, escalation: dict | None, result: PlannerResult
-    ) -> tuple[list[_Candidate], bool]:
-        """Candidates from fired triggers, and whether any trigger fired at all."""
+        self, view: View, frontier: str, escalation: dict | None, result: PlannerResult,
+        fired: _Fired,
+    ) -> list[_Candidate]:
+        """Candidates from fired triggers; `fired` learns whether any trigger fired at all
+        and which skills stand as candidates on each piece of evidence."""
         recipe = view.ws.resolved_recipe(frontier, view.states)
         domain = recipe["domain"]["name"]
         refuted = view.refuted_skills(frontier)
@@ -216,7 +229,11 @@ class RulesPlanner:
                 proposal, works = self._skill_proposal(view, frontier, source, diagnosis, found)
                 rank = (CATEGORY_FIRST.get(found.skill.category, 3), not works, position, order)
                 out.append(_Candidate(proposal, rank, skills=[name]))
-        return out, bool(seen)
+                fired.skills.setdefault(source, []).append(FiredSkill(
+                    name, found.skill.category, _metrics_read(found.values),
+                    _effect(proposal.proposal.get("backtest"))))
+        fired.any = bool(seen)
+        return out
 
     def _skill_proposal(
         self, view: View, frontier: str, source: str, diagnosis: dict, found: Match
@@ -332,6 +349,78 @@ class RulesPlanner:
                 out.append(_Candidate(proposal, rank, overrides=overrides_key(settings)))
         return out
 
+    def _bundles(self, view: View, frontier: str) -> list[_Candidate]:
+        """Merge two single-factor children of the frontier, each supported on its own
+        (improvement or mixed evidence), whose changes touch disjoint recipe keys: the
+        method's controlled multi-factor option. Ranked before new single factors: both
+        halves already showed they do what they were for."""
+        supported = [c for c in view.decided_order()
+                     if view.states[c].parent == frontier and view.supported(c)
+                     and len(view.applied_skills(c)) == 1]
+        out = []
+        for i, first in enumerate(supported):
+            for second in supported[i + 1:]:
+                (a,), (b,) = view.applied_skills(first), view.applied_skills(second)
+                if a == b or not {a, b} <= view.skills.keys():
+                    continue
+                keys_a = _dotted_keys(view.states[first].spec.get("recipe") or {})
+                keys_b = _dotted_keys(view.states[second].spec.get("recipe") or {})
+                if keys_a & keys_b:
+                    continue  # both change the same setting: not separable factors
+                halves = "; ".join(
+                    f"{v} applied {skill} ({view.outcome(v).replace('_', ' ')}: "
+                    f"{(view.states[v].records['decision'].get('outcome') or {}).get('reason')})"
+                    for v, skill in ((first, a), (second, b)))
+                criteria = [view.skills[k].data.get("criterion") or "delta >= 0.0"
+                            for k in (a, b)]
+                proposal = Proposal(
+                    frontier,
+                    f"Bundle (controlled multi-factor): {halves}. Each is supported on its own "
+                    f"and they change disjoint settings, so {frontier} applies both.",
+                    skills=[a, b],
+                    hypothesis=f"If {frontier} applies {a} and {b} together, then each keeps "
+                    "its effect and Avg@k holds or rises, because they act on disjoint "
+                    "settings and each removed its own pathology.",
+                    criterion=" && ".join(f"({c})" for c in criteria),
+                    proposal={"planner": "rules", "tokens": 0, "frontier": frontier,
+                              "move": BUNDLE, "bundles": [first, second]},
+                )
+                out.append(_Candidate(proposal, (-1, False, 0, len(out)), skills=[a, b]))
+        return out
+
+    def _reverts(self, view: View, base: str) -> list[_Candidate]:
+        """Undo the change of a version on the base's chain whose gate said revert or
+        recorded a regression (promoted by a rule the score did not back, or re-gated)."""
+        out = []
+        for depth, version in enumerate(reversed(view.chain(base))):
+            parent = view.states[version].parent
+            if parent is None or not (view.verdict(version) == "revert"
+                                      or view.outcome(version) == REGRESSION):
+                continue
+            before = view.ws.resolved_recipe(parent, view.states)
+            settings = _settings(_revert(before, view.states[version].spec.get("recipe") or {}))
+            if not settings:
+                continue
+            comparison = view.states[version].records["decision"].get("comparison") or {}
+            numbers = (f"Δ {comparison['delta']:+.4f}, CI [{comparison['ci_low']:+.4f}, "
+                       f"{comparison['ci_high']:+.4f}]" if comparison else "no comparison")
+            changed = view.applied_skills(version) or ["its settings"]
+            proposal = Proposal(
+                base,
+                f"Revert: {version} ({view.verdict(version)}, {numbers}) regressed against "
+                f"{parent}; undo its change ({', '.join(changed)}) on {base}, restoring "
+                f"{parent}'s values.",
+                settings=settings,
+                hypothesis=f"If {version}'s change is undone on {base}, then Avg@k rises, "
+                f"because {version} scored below {parent}.",
+                criterion="delta >= 0.0",
+                proposal={"planner": "rules", "tokens": 0, "frontier": base, "move": "revert",
+                          "reverts": version},
+            )
+            out.append(_Candidate(proposal, (-1, False, 1, depth),
+                                  overrides=overrides_key(settings)))
+        return out
+
     def _defaults(self, view: View, frontier: str, fired: bool) -> list[_Candidate]:
         state = view.states[frontier]
         recipe = view.ws.resolved_recipe(frontier, view.states)
@@ -398,18 +487,40 @@ class RulesPlanner:
 
     # ---- harness -----------------------------------------------------------------------
 
-    def _harness(self, view: View, frontier: str) -> HarnessProposal | None:
-        """A revision for a failed version that no alert explains, if a catalogue metric
-        separates it from its parent on the recorded rollouts."""
-        unexplained = [
-            v for v in view.decided_order()
-            if view.verdict(v) in ("prune", "revert")
-            and not (view.states[v].records.get("diagnosis") or {}).get("alerts")
-        ]
-        if not unexplained:
+    def _gaps(self, view: View, base: str, fired: _Fired) -> list[Gap]:
+        """The diagnostic gaps the recorded evidence shows, in the order the harness answers
+        them: (a) the latest unexplained outcome, (b) indistinguishable hypotheses on the
+        base's evidence, (c) no next step from a stalled base."""
+        gaps = []
+        for version in reversed(view.decided_order()):
+            state = view.states[version]
+            decision = state.records.get("decision") or {}
+            parent = view.states[state.parent].records.get("diagnosis") if state.parent else None
+            gap = unexplained_outcome(version, decision.get("comparison"),
+                                      state.records.get("diagnosis") or {}, parent)
+            if gap:
+                gaps.append(gap)
+                break
+        for source, skills in fired.skills.items():
+            if gap := indistinguishable_hypotheses(source, skills):
+                gaps.append(gap)
+                break
+        decided = [c for c in view.decided_order() if view.states[c].parent == base]
+        stalled = decided if all(view.failed(c) for c in decided) else []
+        if gap := no_next_step(base, fired.any, stalled):
+            gaps.append(gap)
+        return gaps
+
+    def _harness(
+        self, view: View, base: str, fired: _Fired, result: PlannerResult
+    ) -> HarnessProposal | None:
+        """A revision answering the first gap a catalogue metric can discriminate, unless a
+        revision of the harness in force already awaits review."""
+        gaps = self._gaps(view, base, fired)
+        for gap in gaps:
+            result.notes.append(f"gap {gap.kind} on {gap.version}: {gap.reason}")
+        if not gaps:
             return None
-        version = unexplained[-1]
-        parent = view.states[version].parent
         defined = set()
         for name in view.ws.harness_names():
             try:
@@ -426,32 +537,58 @@ class RulesPlanner:
                 # One revision of the harness in force awaits review already; a built-in
                 # revision as shipped (h1) is part of the library, not a pending proposal.
                 return None
-        base = load_yaml(Path(view.harness.source).read_bytes(), view.harness.source)
-        best: tuple[float, dict, dict] | None = None
-        for entry in METRIC_CATALOGUE:
-            if entry["metric"]["name"] in defined | {m.name for m in view.harness.metrics}:
+        document = load_yaml(Path(view.harness.source).read_bytes(), view.harness.source)
+        defined |= {m.name for m in view.harness.metrics}
+        for gap in gaps:
+            picked = self._pick_metric(view, gap, base, document, defined)
+            if picked is not None:
+                return self._revision(view, gap, document, *picked)
+        result.notes.append("no catalogue metric discriminates the gap(s) on the recorded "
+                            "rollouts: the harness stays as it is")
+        return None
+
+    def _pick_metric(
+        self, view: View, gap: Gap, base: str, document: dict, defined: set[str]
+    ) -> tuple[CatalogueEntry, str] | None:
+        """The catalogue metric that discriminates `gap`, with why; every candidate measured
+        in one probe revision backtested over the recorded versions."""
+        candidates = []
+        for entry in catalogue():
+            if gap.kind not in entry.gaps or entry.metric["name"] in defined:
                 continue
-            document = _with_metric(base, entry, "probe")
-            report = backtest_harness(view.ws, parse_harness(document), view.harness)
-            values = {r["version"]: r["new_metric_values"].get(entry["metric"]["name"])
-                      for r in report["versions"]}
-            a, b = values.get(parent), values.get(version)
-            if a is None or b is None:
-                continue
-            separation = abs(b - a) / max(abs(a), 1e-6)
-            if separation > 0 and (best is None or separation > best[0]):
-                best = (separation, entry, {"parent": a, "failed": b})
-        if best is None:
+            try:
+                parse_harness(_with_metric(document, entry, "probe"))
+            except EvoError:
+                continue  # needs what this revision lacks (a param, a column)
+            candidates.append(entry)
+        if gap.kind == INDISTINGUISHABLE:
+            named = set(gap.details["skills"]) | set(gap.details["categories"])
+            candidates = [e for e in candidates if named & set(e.hypotheses)]
+        if not candidates:
             return None
-        _, entry, values = best
-        metric = entry["metric"]["name"]
+        probe = copy.deepcopy(document)
+        probe["name"] = "probe"
+        for entry in candidates:
+            probe = _with_metric(probe, entry, "probe")
+        report = backtest_harness(view.ws, parse_harness(probe), view.harness)
+        values = {r["version"]: r["new_metric_values"] for r in report["versions"]}
+        best: tuple[tuple, CatalogueEntry, str] | None = None
+        for entry in candidates:
+            score, why = _discrimination(view, gap, base, entry, values)
+            if score is not None and score[-1] > 0 and (best is None or score > best[0]):
+                best = (score, entry, why)
+        return None if best is None else (best[1], best[2])
+
+    def _revision(
+        self, view: View, gap: Gap, base_document: dict, entry: CatalogueEntry, why: str
+    ) -> HarnessProposal:
+        metric = entry.metric["name"]
         name = next_name(view.ws.harness_names(), "h")
-        document = _with_metric(base, entry, name)
+        document = _with_metric(base_document, entry, name)
         document["parent"] = view.harness.name
         document["description"] = (
-            f"{view.harness.name} plus {metric}: {version} was {view.verdict(version)}d with no "
-            f"alert; {metric} separates it from {parent} ({_fmt(values['failed'])} vs "
-            f"{_fmt(values['parent'])})."
+            f"{view.harness.name} plus {metric}, for the gap {gap.kind} on {gap.version}: "
+            f"{gap.reason}. {why}"
         )
         states = view.states
         document["backtest_cases"] = [
@@ -464,21 +601,105 @@ class RulesPlanner:
         backtest = backtest_harness(view.ws, revision, view.harness)
         return HarnessProposal(
             document,
-            f"add {metric}: {version} failed with no alert (a gap in {view.harness.name})",
+            f"add {metric}: gap {gap.kind} on {gap.version} in {view.harness.name} ({why})",
             backtest,
+            gap=gap.as_dict(),
         )
 
 
 # ---- helpers ---------------------------------------------------------------------------
 
 
+def _metrics_read(values: dict[str, Any]) -> frozenset[str]:
+    """The metric names a trigger read (`trend.x` reads x; the alert list and the recipe
+    are not metrics)."""
+    names = {k.removeprefix("trend.") for k in values}
+    return frozenset(n for n in names if n != "alerts" and not n.startswith("recipe."))
 
-def _with_metric(base: dict, entry: dict, name: str) -> dict:
+
+def _effect(backtest: dict | None) -> float | None:
+    """A backtest's effect as the share of the dead groups it fixes (a filter drops them, a
+    reward component rescues them); None without a backtest."""
+    if not backtest or "error" in backtest:
+        return None
+    if backtest["kind"] == "reward":
+        return backtest.get("rescue_ratio")
+    before = backtest.get("dead_group_ratio_before")
+    after = backtest.get("dead_group_ratio_after")
+    if before is None or after is None:
+        return None
+    return (before - after) / before if before > 0 else 0.0
+
+
+
+def _with_metric(base: dict, entry: CatalogueEntry, name: str) -> dict:
     document = copy.deepcopy(base)
     document["name"] = name
-    document["metrics"] = [*document.get("metrics", []), copy.deepcopy(entry["metric"])]
-    document["alerts"] = [*document.get("alerts", []), copy.deepcopy(entry["alert"])]
+    document["metrics"] = [*document.get("metrics", []), copy.deepcopy(entry.metric)]
+    if entry.alert is not None:
+        document["alerts"] = [*document.get("alerts", []), copy.deepcopy(entry.alert)]
     return document
+
+
+def _spread(values: list[float]) -> float:
+    """Range relative to the largest magnitude: how far a metric moves over versions."""
+    return (max(values) - min(values)) / max(max(abs(v) for v in values), 1e-6)
+
+
+def _discrimination(
+    view: View, gap: Gap, base: str, entry: CatalogueEntry, values: dict[str, dict[str, Any]]
+) -> tuple[tuple | None, str]:
+    """(sort key, last element the discrimination itself; why) of one measured catalogue
+    metric for `gap`; (None, "") when the recorded versions do not measure it."""
+    metric = entry.metric["name"]
+
+    def measured(versions: list[str]) -> dict[str, float]:
+        out = {}
+        for v in versions:
+            value = (values.get(v) or {}).get(metric)
+            if value is not None:
+                out[v] = value
+        return out
+
+    if gap.kind == UNEXPLAINED:
+        # Today's method: the metric that best separates the version from its parent.
+        version = gap.version
+        parent = view.states[version].parent
+        pair = measured([parent, version])
+        if len(pair) < 2:
+            return None, ""
+        separation = abs(pair[version] - pair[parent]) / max(abs(pair[parent]), 1e-6)
+        return (separation,), (f"{metric} separates {version} from {parent} "
+                               f"({_fmt(pair[version])} vs {_fmt(pair[parent])})")
+    if gap.kind == INDISTINGUISHABLE:
+        competing = set(gap.details["skills"])
+        named = len((competing | set(gap.details["categories"])) & set(entry.hypotheses))
+        if gap.version not in measured([gap.version]):
+            return None, ""
+        # Where the competing skills were tried, the metric must tell those versions apart;
+        # else it must at least move over the recorded versions.
+        tried = [v for v in view.states if competing & set(view.applied_skills(v))]
+        over = measured(tried) if len(measured(tried)) >= 2 else measured(list(values))
+        if len(over) < 2:
+            return None, ""
+        spread = _spread(list(over.values()))
+        return (named, spread), (f"{metric} tests {named} of the competing hypotheses and "
+                                 f"moves {spread:.2g} (relative range) over "
+                                 f"{', '.join(sorted(over))}")
+    if gap.kind == NO_NEXT_STEP:
+        stalled = gap.details["stalled"]
+        along = measured([*view.chain(base), *stalled])
+        if len(along) < 2:
+            return None, ""
+        spread = _spread(list(along.values()))
+        return (spread,), (f"{metric} moves {spread:.2g} (relative range) along the stalled "
+                           f"lineage {', '.join(along)}")
+    return None, ""
+
+
+def _dotted_keys(overrides: dict) -> set[str]:
+    """The dotted leaf keys a recipe override sets."""
+    return {setting.split("=", 1)[0] for setting in _settings(overrides)}
 
 
 def _revert(before: Any, patch: Any) -> Any:

@@ -20,7 +20,9 @@ from evotrainer.control.versions import approve, new_version
 from evotrainer.store.lock import workspace_lock
 from evotrainer.store.workspace import Workspace
 
-TIMESTAMPS = {"created_at", "started_at", "finished_at", "decided_at", "at"}
+# What the clock decides: timestamps, and the hours measured between them (a run's usage).
+TIMESTAMPS = {"created_at", "started_at", "finished_at", "decided_at", "at", "usage",
+              "wall_hours", "gpu_hours"}
 pytestmark = pytest.mark.usefixtures("standin")
 
 

@@ -75,6 +75,7 @@ class Observed:
     parent_run_state: str | None = None
     parent_diagnosed: bool = True
     parent_policy: str | None = None  # model.init: parent: why the parent's policy is missing
+    budget_refusal: str | None = None  # autonomy.max_gpu_hours: why no GPU job may launch now
     diagnosis: DiagnosisRecord | None = None
     decision: DecisionRecord | None = None
     harness_name: str = ""
@@ -109,7 +110,8 @@ class Observed:
 
 def rule_drift_reapproved(o: Observed) -> VersionPlan | None:
     if o.drifted and o.approval == "approved" and o.reapproved_after_run:
-        return o.plan(Action("retry", "spec changed after the run and was re-approved"))
+        return launch_or_wait(o, Action("retry", "spec changed after the run and was "
+                                        "re-approved"))
     return None
 
 
@@ -299,7 +301,10 @@ def approval_wait(o: Observed) -> VersionPlan:
 
 
 def launch_or_wait(o: Observed, action: Action) -> VersionPlan:
-    """A launch, unless the version continues from a parent whose policy is not there."""
+    """A launch, unless the GPU budget is spent or the version continues from a parent
+    whose policy is not there."""
+    if o.budget_refusal is not None:
+        return o.plan(note=f"waiting: {o.budget_refusal}")
     if o.parent_policy is None:
         return o.plan(action)
     if o.parent_policy.startswith("error: "):

@@ -47,6 +47,7 @@ from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 from evotrainer.store.clock import now_iso
 from evotrainer.store.files import atomic_write, read_json
+from evotrainer.store.records import ended_run
 from evotrainer.store.workspace import VersionState, Workspace
 
 LIVE_DIR = "live"
@@ -272,15 +273,13 @@ def stop_records(
     progress = f"step {stop['step']} of {stop['steps']}, {stop['rows']} train rollouts"
     fired = {a["name"] for a in view.diagnosis["alerts"]}
     blocked_by = [stop["alert"]] if stop["alert"] in fired else []
-    stopped_run = {
-        **run,
-        "state": "Stopped",
-        "finished_at": at,
-        "detail": f"stopped early by rule {stop['rule']} at {progress}: {stop['reason']}",
-        "stopped": stop,
-        "result": {**(run.get("result") or {}), "steps_done": stop["step"]},
-    }
-    stopped_run.setdefault("started_at", run.get("created_at", at))
+    stopped_run = ended_run(
+        run, at,
+        state="Stopped",
+        detail=f"stopped early by rule {stop['rule']} at {progress}: {stop['reason']}",
+        stopped=stop,
+        result={**(run.get("result") or {}), "steps_done": stop["step"]},
+    )
     diagnosis = diagnosis_document(view.diagnosis, state.name)
     diagnosis["created_at"] = at
     diagnosis["live"] = {"step": stop["step"], "steps": stop["steps"], "rows": stop["rows"]}

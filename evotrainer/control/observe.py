@@ -20,6 +20,7 @@ import git
 from evotrainer import API_VERSION
 from evotrainer.backends import Backends
 from evotrainer.backends.base import Backend, JobSpec, JobState, job_id
+from evotrainer.backends.verl_render import verl_settings
 from evotrainer.control.decide import Observed, VersionPlan, decide_next, error_plan
 from evotrainer.control.live import LiveView, observe_running, saved_stop
 from evotrainer.control.validation import Validation, check_workspace, job_env
@@ -42,8 +43,8 @@ VERSION_ERRORS = (EvoError, OSError, git.GitCommandError)
 @dataclass
 class Context:
     """Everything a pass reads once: specs and records from git, the harness in force, and
-    the few lineage-wide facts the rules need (jobs holding a slot, steps spent, pruned
-    tags, versions on main), kept current as the pass acts (`refreshed`).
+    the few lineage-wide facts the rules need (jobs holding a slot, steps and GPU-hours
+    spent, pruned tags, versions on main), kept current as the pass acts (`refreshed`).
 
     `live`: whether observing a running job looks at its evidence now (reconcile: a live
     diagnosis, saved under .evotrainer/live/) or reads the last look saved there (`plan`,
@@ -57,16 +58,24 @@ class Context:
     live: bool = False
     # (version, job id) → the live look this context took of that job: one per pass.
     live_looks: dict[tuple[str, str], LiveView] = field(default_factory=dict)
-    # Jobs holding a `max_concurrent_jobs` slot and training steps spent: counted over all
-    # versions when the context is read, then adjusted by each action's change.
+    # Jobs holding a `max_concurrent_jobs` slot, training steps and GPU-hours spent (a
+    # running job's so far, at `now`): counted over all versions when the context is read,
+    # then adjusted by each action's change.
     active_jobs: int | None = None
     steps_spent: int | None = None
+    gpu_hours_spent: float | None = None
+    now: str = field(default_factory=now_iso)
 
     def __post_init__(self) -> None:
         if self.active_jobs is None:
             self.active_jobs = sum(_holds_slot(s) for s in self.states.values())
         if self.steps_spent is None:
             self.steps_spent = sum(_steps_of(s) for s in self.states.values())
+        if self.gpu_hours_spent is None:
+            self.gpu_hours_spent = sum(self.gpu_hours_of(s) for s in self.states.values())
+
+    def gpu_hours_of(self, state: VersionState) -> float:
+        return state.run.gpu_hours_spent(self.now) if state.run is not None else 0.0
 
     def backend(self, name: str) -> Backend:
         return self.backends[name]
@@ -98,6 +107,8 @@ class Context:
             self, states=states,
             active_jobs=self.active_jobs + _holds_slot(after) - _holds_slot(before),
             steps_spent=self.steps_spent + _steps_of(after) - _steps_of(before),
+            gpu_hours_spent=self.gpu_hours_spent + self.gpu_hours_of(after)
+            - self.gpu_hours_of(before),
         )
 
 
@@ -106,8 +117,9 @@ FULL_RELOAD_ACTIONS = frozenset({"approve", "promote", "evidence"})
 
 
 def _holds_slot(state: VersionState) -> bool:
-    # A Stalled job still holds its machine (a hung verl job keeps its GPUs), so it keeps
-    # its `max_concurrent_jobs` slot until it is cancelled or ends: one meaning of active.
+    # A Stalled job still holds its machine (a hung verl job keeps its GPUs, and its
+    # GPU-hours keep counting), so it keeps its `max_concurrent_jobs` slot until it is
+    # cancelled or ends: one meaning of active (store/records.py ACTIVE_STATES).
     return state.run is not None and state.run.active
 
 
@@ -174,10 +186,43 @@ def recipe_steps(ctx: Context, state: VersionState) -> int:
 
 
 def within_budget(ctx: Context, state: VersionState) -> bool:
-    """Would training `state` stay within `autonomy.max_total_steps`? (The one budget rule:
-    reconcile's auto-approval and evolve's both ask it.)"""
+    """Would training `state` stay within `autonomy.max_total_steps` and
+    `autonomy.max_gpu_hours`? (The one budget rule: reconcile's auto-approval and evolve's
+    both ask it; a launch asks `gpu_budget_refusal`.)"""
     budget = (ctx.ws.project.get("autonomy") or {}).get("max_total_steps")
-    return budget is None or steps_spent(ctx) + recipe_steps(ctx, state) <= budget
+    steps_ok = budget is None or steps_spent(ctx) + recipe_steps(ctx, state) <= budget
+    return steps_ok and gpu_budget_refusal(ctx, state) is None
+
+
+def requested_resources(recipe: dict) -> dict[str, int]:
+    """What a job of `recipe` asks its backend for. verl: `trainer.nnodes` ×
+    `trainer.n_gpus_per_node` as its rendered config sets them (a Hydra override in
+    `verl.overrides` wins over the `verl:` section, as it does in the rendered command);
+    the local backend's embedded engine runs on the CPU: no GPU."""
+    if recipe.get("backend") != "verl":
+        return {"nodes": 1, "gpus_per_node": 0, "gpus": 0}
+    settings = verl_settings(recipe)
+    overrides = settings["overrides"] or {}
+    nodes = int(overrides.get("trainer.nnodes", settings["nnodes"]))
+    per_node = int(overrides.get("trainer.n_gpus_per_node", settings["n_gpus_per_node"]))
+    return {"nodes": nodes, "gpus_per_node": per_node, "gpus": nodes * per_node}
+
+
+def gpu_budget_refusal(ctx: Context, state: VersionState) -> str | None:
+    """Why `state`'s job may not launch under `autonomy.max_gpu_hours`, or None. A run's
+    GPU-hours are known only as it runs, so the budget binds at the launch: a job asking for
+    GPUs starts only while the GPU-hours recorded (every attempt, running jobs until now)
+    are below it; a CPU job spends none and always may."""
+    budget = (ctx.ws.project.get("autonomy") or {}).get("max_gpu_hours")
+    if budget is None:
+        return None
+    gpus = requested_resources(ctx.ws.resolved_recipe(state.name, ctx.states, shared=True))["gpus"]
+    spent = ctx.gpu_hours_spent or 0.0
+    if gpus == 0 or spent < budget:
+        return None
+    return (f"autonomy.max_gpu_hours ({budget:g}) is spent: {spent:.3g} GPU-hours recorded, "
+            f"and {state.name}'s job asks for {gpus} GPU(s); raise the budget in "
+            f"spec/project.yaml to launch it")
 
 
 def job_for(ctx: Context, state: VersionState, run: dict) -> JobSpec:
@@ -224,7 +269,9 @@ def observe(ctx: Context, state: VersionState) -> Observed:
     unapproved_files: tuple[str, ...] = ()
     if promoting and approval != "approved":
         unapproved_files = tuple(ctx.ws.unapproved_changes(state))
-    parent_policy = None  # read by a launch only, which an approval precedes
+    parent_policy = budget_refusal = None  # read by a launch only, which an approval precedes
+    if approval == "approved":
+        budget_refusal = gpu_budget_refusal(ctx, state)
     if (parent is not None and approval == "approved"
             and init_mode(ctx.ws.resolved_recipe(state.name, ctx.states)) == "parent"):
         parent_policy = _parent_policy_gap(parent.name, parent_run)
@@ -247,6 +294,7 @@ def observe(ctx: Context, state: VersionState) -> Observed:
         parent_run_state=parent_run.state if parent_run else None,
         parent_diagnosed=parent is None or parent.diagnosis is not None,
         parent_policy=parent_policy,
+        budget_refusal=budget_refusal,
         diagnosis=diagnosis,
         decision=decision,
         harness_name=ctx.harness.name,
@@ -388,6 +436,7 @@ def launch_record(
         if previous.get("job_id") == jid
         else now_iso(),
         "artifact_dir": ctx.ws.record_path(ctx.ws.artifact_dir(state.name, jid)),
+        "resources": requested_resources(recipe),
     }
     if history or previous.get("attempts"):
         run["attempts"] = history if history is not None else previous["attempts"]
@@ -395,7 +444,9 @@ def launch_record(
 
 
 def attempt_history(run: dict) -> list[dict]:
-    """The attempts so far, the current (failed) one appended: what a retry carries."""
+    """The attempts so far, the current (failed) one appended: what a retry carries, its
+    steps and hours with it (the budgets count every attempt)."""
+    typed = RunRecord.from_record(run) or NO_RUN
     return list(run.get("attempts") or []) + [
         {
             "attempt": run["attempt"],
@@ -403,6 +454,8 @@ def attempt_history(run: dict) -> list[dict]:
             "state": run["state"],
             "detail": run.get("detail", ""),
             "steps": int((run.get("result") or {}).get("steps_done") or 0),
+            "wall_hours": typed.wall_hours(),
+            "gpu_hours": typed.gpu_hours(),
         }
     ]
 

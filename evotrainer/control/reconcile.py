@@ -54,6 +54,7 @@ from evotrainer.store import specs
 from evotrainer.store.checkpoints import CHECKPOINT, checkpoint_record, is_dropped, verify_directory
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import PRUNED_TAG_PREFIX, branch_name
+from evotrainer.store.records import ended_run
 from evotrainer.store.workspace import VersionState, Workspace, run_path
 from evotrainer.trackers.records import log_gate, run_identity
 
@@ -255,9 +256,9 @@ class Reconciler:
         job = job_for(ctx, state, run)
         backend = ctx.backend(run["backend"])
         status = backend.status(job)
-        run.update(
+        run = ended_run(
+            run, now_iso(),
             state="Failed",
-            finished_at=now_iso(),
             exit_code=status.exit_code,
             detail=status.detail,
             log_tail=backend.logs(job, tail=30),
@@ -289,9 +290,9 @@ class Reconciler:
                 collected.checkpoint, self.ws.record_path(collected.checkpoint)
             )
         result = collected.result
-        run.update(
+        run = ended_run(
+            run, now_iso(),
             state="Succeeded",
-            finished_at=now_iso(),
             artifacts=artifacts,
             result={
                 key: result.get(key)
@@ -299,7 +300,6 @@ class Reconciler:
                 if key in result
             },
         )
-        run.setdefault("started_at", run["finished_at"])
         score = result.get("val_avg")
         self.ws.commit_records(
             state.name,

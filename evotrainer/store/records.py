@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from evotrainer.errors import EvoError
+from evotrainer.store.clock import now_iso
 
 # The states a run record holds; "Cancelled" is a user's `evotrainer cancel`.
 ACTIVE_STATES = ("Pending", "Running", "Stalled")
@@ -40,6 +42,10 @@ class RunRecord:
     exit_code: int | None = None  # a failed job's, as its backend reported it
     log_tail: str = ""  # a failed job's last log lines
     stopped: dict | None = None  # an early stop's rule, alert and step (state Stopped)
+    # What the job asked its backend for ({nodes, gpus_per_node, gpus}), written at launch.
+    resources: dict = field(default_factory=dict)
+    # What it used ({wall_hours, gpu_hours}), written when the run ended (`ended_run`).
+    usage: dict = field(default_factory=dict)
 
     @classmethod
     def from_record(cls, data: dict | None, where: str | None = None) -> RunRecord | None:
@@ -73,6 +79,8 @@ class RunRecord:
             else _whole_number(data, "exit_code", 0, where),
             log_tail=str(data.get("log_tail") or ""),
             stopped=_optional_mapping(data, "stopped", where),
+            resources=_numbers(data, "resources", where),
+            usage=_numbers(data, "usage", where),
         )
 
     @property
@@ -92,6 +100,54 @@ class RunRecord:
     def steps_spent(self) -> int:
         """Training steps of this run and of every earlier attempt (the budget's unit)."""
         return self.steps_done + sum(int(a.get("steps", 0)) for a in self.attempts)
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the job holds while it runs (0: the local backend's engine runs on the CPU)."""
+        return int(self.resources.get("gpus") or 0)
+
+    def wall_hours(self, now: str | None = None) -> float:
+        """Hours the job held its machine: as recorded when it ended; until then from its
+        start (its submission when it was never seen running) to `now` (default: now)."""
+        if "wall_hours" in self.usage:
+            return float(self.usage["wall_hours"])
+        end = self.finished_at or (now or now_iso() if self.active else "")
+        return hours_between(self.started_at or self.created_at, end)
+
+    def gpu_hours(self, now: str | None = None) -> float:
+        """GPUs × wall hours (the `max_gpu_hours` budget's unit), as recorded at the end."""
+        if "gpu_hours" in self.usage:
+            return float(self.usage["gpu_hours"])
+        return self.gpus * self.wall_hours(now)
+
+    def gpu_hours_spent(self, now: str | None = None) -> float:
+        """GPU-hours of this run and of every earlier attempt (the budget counts them all)."""
+        return self.gpu_hours(now) + sum(_hours(a, "gpu_hours") for a in self.attempts)
+
+    def wall_hours_spent(self, now: str | None = None) -> float:
+        return self.wall_hours(now) + sum(_hours(a, "wall_hours") for a in self.attempts)
+
+
+def hours_between(start: str, end: str) -> float:
+    """Hours from one record timestamp (ISO 8601) to another; 0 when either is missing or
+    unreadable (a record of an old version without them), never negative."""
+    try:
+        seconds = (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
+    except (TypeError, ValueError):
+        return 0.0
+    return max(seconds, 0.0) / 3600
+
+
+def ended_run(run: dict, at: str, **changes: Any) -> dict:
+    """The run record `run` ended at `at` (with `changes`: its state, detail, result...): its
+    start is its submission when it was never seen running, and what it used is written
+    beside it, so the spend of a run is recorded, not recomputed from a clock later."""
+    out = {**run, **changes, "finished_at": at}
+    out.setdefault("started_at", run.get("created_at") or at)
+    out.pop("usage", None)
+    typed = RunRecord.from_record(out)
+    out["usage"] = {"wall_hours": typed.wall_hours(), "gpu_hours": typed.gpu_hours()}
+    return out
 
 
 @dataclass(frozen=True)
@@ -163,6 +219,23 @@ def _mapping(data: dict, key: str, where: str) -> dict:
     if not isinstance(value, dict):
         raise _malformed(key, "a mapping", value, where)
     return dict(value)
+
+
+def _numbers(data: dict, key: str, where: str) -> dict:
+    """A mapping of non-negative numbers (`resources`, `usage`)."""
+    value = _mapping(data, key, where)
+    for name, number in value.items():
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not number >= 0:
+            raise EvoError(f"the record's {key}.{name} must be a non-negative number, not "
+                           f"{str(number)[:40]!r}", where=where, field=f"{key}.{name}",
+                           hint="restore the record from the branch's history")
+    return value
+
+
+def _hours(attempt: dict, key: str) -> float:
+    """An earlier attempt's recorded hours (0 for an attempt recorded without them)."""
+    value = attempt.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 def _optional_mapping(data: dict, key: str, where: str) -> dict | None:

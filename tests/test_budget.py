@@ -1,0 +1,145 @@
+"""Budgets that bind (issue 29 C10): `autonomy.max_gpu_hours` is accounted from the run
+records (GPUs the job asked for × the hours it held them, every attempt counted) and a job
+that asks for GPUs is not launched once it is spent; the plan says which budget and how
+much is spent. Real: the workspace, reconcile and its jobs (the stand-in engine as a real
+subprocess, tests/standin.py); the job runs under the `verl` backend's name, so the GPUs
+are the ones its rendered config would ask for."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from standin import StandinBackend, propose, standin_settings
+
+from evotrainer.control.observe import requested_resources
+from evotrainer.control.reconcile import Reconciler, load_context, plan
+from evotrainer.control.versions import approve, new_version
+from evotrainer.errors import EvoError
+from evotrainer.store.recipe import deep_merge
+from evotrainer.store.records import RunRecord, ended_run
+from evotrainer.store.workspace import PROJECT_FILE, Workspace
+
+pytestmark = pytest.mark.usefixtures("standin")
+
+
+@pytest.fixture(autouse=True)
+def standin_under_verls_name(monkeypatch):
+    """A job of the `verl` backend is the stand-in engine's (checks included)."""
+    from evotrainer.backends import BACKEND_TYPES
+
+    monkeypatch.setitem(BACKEND_TYPES, "verl", StandinBackend)
+
+
+def set_project(ws: Workspace, recipe: dict | None = None, **autonomy) -> Workspace:
+    """The project with `recipe` merged into its recipe and `autonomy` set, v0 approved
+    again (its approval binds the recipe it resolves to)."""
+    path = ws.root / PROJECT_FILE
+    data = yaml.safe_load(path.read_text())
+    data["recipe"] = deep_merge(data["recipe"], recipe or {})
+    data["autonomy"] = {**(data.get("autonomy") or {}), **autonomy}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    fresh = Workspace(ws.root)
+    approve(fresh, "v0", by="tester")
+    return fresh
+
+
+def gpu_project(ws: Workspace, budget: float, **recipe) -> Workspace:
+    """Jobs under the verl backend's name asking for 2 GPUs on one node."""
+    verl = {"backend": "verl", "verl": {"n_gpus_per_node": 2}}
+    return set_project(ws, deep_merge(verl, recipe), max_gpu_hours=budget)
+
+
+def verl_reconciler(ws: Workspace) -> Reconciler:
+    return Reconciler(ws, log=lambda _: None)
+
+
+def launched(ws: Workspace) -> list[str]:
+    return sorted(p.parent.parent.name for p in ws.artifact_root.glob("*/evo-*/job.json"))
+
+
+def plans_by_name(ws: Workspace) -> dict:
+    ctx = load_context(ws)
+    return {p.version: p for p in plan(ctx)}
+
+
+def test_a_spent_gpu_budget_refuses_the_launch_and_says_so(workspace):
+    ws = gpu_project(workspace, budget=0)
+    v0 = plans_by_name(ws)["v0"]
+    assert v0.action is None
+    assert "autonomy.max_gpu_hours (0) is spent" in v0.as_dict()["reason"]
+    assert "asks for 2 GPU(s)" in v0.as_dict()["reason"]
+
+    plans = verl_reconciler(ws).run()
+    assert launched(ws) == [] and ws.version("v0").run is None
+    assert "max_gpu_hours" in {p.version: p for p in plans}["v0"].note
+
+    # Raised, the same version launches.
+    ws = set_project(ws, max_gpu_hours=10)
+    verl_reconciler(ws).run(wait=True, poll_s=0.05)
+    run = ws.version("v0").run
+    assert run.succeeded and run.resources == {"nodes": 1, "gpus_per_node": 2, "gpus": 2}
+    assert launched(ws) == ["v0"]
+
+
+def test_the_gpu_hours_of_the_runs_so_far_spend_the_budget(workspace):
+    """Within a budget of 1e-4 GPU-hours v0 launches (nothing is spent yet) and runs 4 steps
+    of 0.5 s: at least one recorded second on 2 GPUs, which spends the budget. v1, waiting
+    for the one job slot meanwhile, is then refused, and the plan says why."""
+    ws = gpu_project(workspace, budget=1e-4, grpo={"steps": 4},
+                     domain={"params": {"standin_step_s": 0.5}})
+    new_version(ws, "v1", "v0", rationale="test", settings=standin_settings(standin_skill=0.5))
+    approve(ws, "v1", by="tester")
+    verl_reconciler(ws).run(wait=True, poll_s=0.05)
+    run = ws.version("v0").run
+    assert run.succeeded and run.gpus == 2 and run.usage["wall_hours"] >= 1 / 3600
+    assert run.usage["gpu_hours"] == pytest.approx(2 * run.usage["wall_hours"])
+    assert ws.version("v1").run is None and launched(ws) == ["v0"]
+    v1 = plans_by_name(ws)["v1"]
+    assert v1.action is None and "autonomy.max_gpu_hours (0.0001) is spent" in v1.note
+    assert f"{run.usage['gpu_hours']:.3g} GPU-hours recorded" in v1.note
+
+
+def test_a_cpu_job_spends_no_gpu_hours_and_launches_under_any_budget(workspace):
+    ws = set_project(workspace, max_gpu_hours=0)
+    propose(ws, "v1", standin_skill=0.5)
+    Reconciler(ws, log=lambda _: None).run(wait=True, poll_s=0.05)
+    for name in ("v0", "v1"):
+        run = ws.version(name).run
+        assert run.succeeded and run.gpus == 0 and run.usage["gpu_hours"] == 0
+        assert run.started_at and "wall_hours" in run.usage  # its wall-clock time is kept
+
+
+def test_the_gpus_are_the_rendered_configs_nodes_times_gpus_per_node():
+    assert requested_resources({"backend": "local"})["gpus"] == 0
+    verl = {"backend": "verl", "verl": {"nnodes": 2, "n_gpus_per_node": 4}}
+    assert requested_resources(verl) == {"nodes": 2, "gpus_per_node": 4, "gpus": 8}
+    # A Hydra override is what verl runs with: it wins over the section's setting.
+    verl["verl"]["overrides"] = {"trainer.n_gpus_per_node": 8}
+    assert requested_resources(verl)["gpus"] == 16
+    assert requested_resources({"backend": "verl"})["gpus"] == 1  # verl's defaults
+
+
+RUN = {"state": "Failed", "attempt": 2, "job_id": "evo-v1-a2-0123456789",
+       "backend": "verl", "artifact_dir": "x", "created_at": "2026-01-01T10:00:00+00:00",
+       "resources": {"nodes": 1, "gpus_per_node": 4, "gpus": 4}}
+
+
+def test_the_spend_counts_every_attempt_and_a_running_job_until_now():
+    ended = ended_run(RUN, "2026-01-01T11:30:00+00:00")
+    assert ended["started_at"] == RUN["created_at"]  # never seen running: from submission
+    assert ended["usage"] == {"wall_hours": 1.5, "gpu_hours": 6.0}
+    earlier = [{"attempt": 1, "gpu_hours": 2.0, "wall_hours": 0.5}]
+    run = RunRecord.from_record({**ended, "attempts": earlier})
+    assert run.gpu_hours_spent() == 8.0 and run.wall_hours_spent() == 2.0
+    # Running: its hours so far count; the clock is read at `now`.
+    running = RunRecord.from_record({**RUN, "state": "Running",
+                                     "started_at": "2026-01-01T10:00:00+00:00"})
+    assert running.gpu_hours("2026-01-01T10:15:00+00:00") == 1.0
+
+
+@pytest.mark.parametrize("usage", [{"gpu_hours": -1}, {"gpu_hours": "lots"},
+                                   {"wall_hours": True}])
+def test_a_malformed_usage_is_named_not_a_traceback(usage):
+    with pytest.raises(EvoError) as err:
+        RunRecord.from_record({**RUN, "usage": usage}, "evo/v1:runs/v1/run.yaml")
+    assert err.value.field.startswith("usage.") and "non-negative number" in err.value.message

@@ -300,3 +300,20 @@ def test_a_forged_decision_in_a_listed_workspace_is_not_retrieved(two_domains, t
                      limit=50, workspaces=(str(swe.root),))
     assert "v1" in {r.version for r in found if r.kind == "decision"}
     assert "v3" not in {r.version for r in found}
+
+
+def test_the_library_repositorys_own_config_and_hooks_never_run(two_domains, tmp_path):
+    """The library's .git/config and hooks are not reviewed anywhere: reading its skills and
+    committing evidence to it run neither its fsmonitor program nor its hooks."""
+    library, swe, _ = two_domains
+    marker = tmp_path / "ran"
+    script = f"#!/bin/sh\ntouch {marker}\n"
+    hooks = Path(library.git_dir) / "hooks"
+    for hook in ("reference-transaction", "post-commit", "pre-commit", "post-checkout"):
+        (hooks / hook).write_text(script)
+        (hooks / hook).chmod(0o755)
+    with library.config_writer() as config:
+        config.set_value("core", "fsmonitor", f"touch {marker}; false")
+    assert "std-group-filter" in shared_library(swe).skills
+    assert share_evidence(swe)["new"]
+    assert not marker.exists()

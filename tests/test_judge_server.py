@@ -153,15 +153,22 @@ def test_backtest_reward_asks_a_judge_served_by_a_command(served, model_dir, cli
 
 
 def test_a_server_that_cannot_start_fails_with_its_log(model_dir) -> None:
-    (model_dir / "empty").mkdir(exist_ok=True)
-    judges = [{"name": "if", "serve": {"path": "empty"}, "preset": "instruction_following"}]
+    crash = [sys.executable, "-c", "import sys; print('CUDA out of memory'); sys.exit(3)",
+             "{port}"]
+    judges = [{"name": "if", "serve": {"command": crash}, "preset": "instruction_following"}]
     with pytest.raises(EvoError) as err, served_judges(judges, model_dir / "logs",
                                                        model_dir / "cache"):
         pass
     message = str(err.value)
-    assert "the judge server exited with status 1" in message
-    assert "no Hugging Face checkpoint" in message  # the server's own reason, from its log
-    assert err.value.field == "reward.judges[0].serve"
+    assert "the judge server exited with status 3" in message
+    assert "CUDA out of memory" in message  # the server's own reason, from its log
+    assert err.value.field == "reward.judges[0].serve" and "\n" not in message
+    slow = [sys.executable, "-c", "import time; time.sleep(60)", "{port}"]
+    judges = [{"name": "if", "serve": {"command": slow, "startup_timeout_s": 0.5},
+               "preset": "instruction_following"}]
+    with pytest.raises(EvoError, match="did not answer within startup_timeout_s=0.5"), \
+            served_judges(judges, model_dir / "logs", model_dir / "cache"):
+        pass
 
 
 @pytest.mark.slow

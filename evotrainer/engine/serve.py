@@ -150,8 +150,9 @@ class ChatModel:
                 max_new_tokens=max(p.max_tokens for p in rows),
                 pad_token_id=pad, **options,
             )
-        stops = self.model.generation_config.eos_token_id
-        stops = set(stops if isinstance(stops, list) else [stops, self.tokenizer.eos_token_id])
+        configured = self.model.generation_config.eos_token_id  # an instruct model's turn end
+        stops = {self.tokenizer.eos_token_id,
+                 *(configured if isinstance(configured, list) else [configured])} - {None}
         for p, tokens in zip(rows, out[:, ids.shape[1]:].tolist(), strict=True):
             tokens = tokens[: p.max_tokens]
             end = next((i for i, t in enumerate(tokens) if t in stops), None)

@@ -16,6 +16,7 @@ really ran, in the domain's own transcript format, not a re-parse of the decoded
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -177,27 +178,32 @@ class Episode:
         self.transcript = ""
         self.actions = 0
         self.done = False
+        # verl may run one turn's calls together (multi_turn.max_parallel_calls > 1): one at a
+        # time here, in the order they arrive, as the engine steps its environment.
+        self.lock = threading.Lock()
 
     def call(self, tool: str, arguments: dict[str, Any]) -> str:
         """Run one tool call; the observation the model sees."""
-        if self.done:
-            return OVER
-        action = domain_tools(self.domain.name)[tool].action(arguments)
-        step = self.env.step(action)
-        self.actions += 1
-        self.transcript += action + (self.domain.turn_end or "") + step.observation
-        if step.tool_call is not None:
-            self.tool_calls.append(dict(step.tool_call))
-        self.done = step.done
-        return step.observation
+        with self.lock:
+            if self.done:
+                return OVER
+            action = domain_tools(self.domain.name)[tool].action(arguments)
+            step = self.env.step(action)
+            self.actions += 1
+            self.transcript += action + (self.domain.turn_end or "") + step.observation
+            if step.tool_call is not None:
+                self.tool_calls.append(dict(step.tool_call))
+            self.done = step.done
+            return step.observation
 
     def record(self) -> dict[str, Any]:
-        return {
-            "tool_calls": list(self.tool_calls),
-            "transcript": self.transcript,
-            "turns": self.actions,
-            "done": self.done,
-        }
+        with self.lock:
+            return {
+                "tool_calls": list(self.tool_calls),
+                "transcript": self.transcript,
+                "turns": self.actions,
+                "done": self.done,
+            }
 
     def close(self) -> None:
         closer = getattr(self.env, "close", None)

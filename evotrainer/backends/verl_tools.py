@@ -9,10 +9,14 @@ verl 0.9.1's tool agent loop calls create → execute → release for every sing
 tool instance cannot hold a trajectory's state. The trajectory's `agent_data` (verl's
 AgentData, handed to `execute`) can: the episode lives on it as an attribute, and its record
 goes into `agent_data.extra_fields`, which verl passes to the reward function's `extra_info`.
+An episode that never submits (the turn or length limit) is not closed here: its local
+repository is freed with it, and a Docker container removes itself after
+`container_lifetime_s`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -46,7 +50,9 @@ class EvoDomainTool(BaseTool):
     ) -> tuple[ToolResponse, float, dict]:
         agent_data = kwargs["agent_data"]
         episode = self.episode(agent_data)
-        observation = episode.call(self.name, parameters)
+        # A swe action runs for seconds in the sandbox: off the agent loop's event loop, which
+        # every other trajectory of this worker shares.
+        observation = await asyncio.to_thread(episode.call, self.name, parameters)
         agent_data.extra_fields[EPISODE_FIELD] = episode.record()
         if episode.done:
             episode.close()  # a swe container goes at submit, as in the engine

@@ -118,12 +118,12 @@ def test_group_size_two_is_stated_once_in_the_schema(monkeypatch):
     recipe passes the whole recipe check (the domain and its split included)."""
     one = resolve({"grpo": {"group_size": 1}}, [])
     assert refusal(one).field == "grpo.group_size"
-    schema = copy.deepcopy(specs._schema_file("recipe.schema.json"))
+    schema = copy.deepcopy(specs.schema_file("recipe.schema.json"))
     schema["properties"]["grpo"]["properties"]["group_size"]["minimum"] = 1
     schema["$id"] += "?lowered"  # its own address in the registry, beside the real one
-    registry = specs._registry().with_resource(schema["$id"], Resource.from_contents(schema))
+    registry = specs.registry().with_resource(schema["$id"], Resource.from_contents(schema))
     monkeypatch.setattr(typed, "_recipe_schema", lambda: schema)
-    monkeypatch.setattr(specs, "_registry", lambda: registry)
+    monkeypatch.setattr(specs, "registry", lambda: registry)
     forget = (typed._validator, typed._section_problem, typed._typed_section)
     for cached in forget:
         cached.cache_clear()

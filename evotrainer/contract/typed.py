@@ -269,7 +269,7 @@ def check_cross_fields(recipe: Recipe) -> None:
 
 @cache
 def _recipe_schema() -> dict[str, Any]:
-    return specs._schema_file("recipe.schema.json")
+    return specs.schema_file("recipe.schema.json")
 
 
 @cache
@@ -282,7 +282,7 @@ def _validator(section: str | None) -> jsonschema.Draft202012Validator:
         schema = {**schema, "properties": dict.fromkeys(schema["properties"], True)}
     else:
         schema = {"$ref": f"{schema['$id']}#/properties/{section}"}
-    return jsonschema.Draft202012Validator(schema, registry=specs._registry())
+    return jsonschema.Draft202012Validator(schema, registry=specs.registry())
 
 
 @lru_cache(maxsize=4096)

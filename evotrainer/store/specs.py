@@ -90,19 +90,19 @@ def schema_modeline(doc_path: str, kind: str) -> str:
 
 
 def schema(kind: str) -> dict:
-    return _schema_file(f"{SCHEMA_FILES[kind]}.schema.json")
+    return schema_file(f"{SCHEMA_FILES[kind]}.schema.json")
 
 
-def _schema_file(name: str) -> dict:
+def schema_file(name: str) -> dict:
     return json.loads((builtin_dir("spec/schemas") / name).read_text())
 
 
 @cache
-def _registry() -> referencing.Registry:
+def registry() -> referencing.Registry:
     """Every schema under spec/schemas by its `$id`, so `"$ref": "recipe.schema.json"` (the
     one recipe contract) and `common.schema.json#/$defs/name` resolve offline."""
     resources = [
-        referencing.Resource.from_contents(_schema_file(path.name))
+        referencing.Resource.from_contents(schema_file(path.name))
         for path in sorted(builtin_dir("spec/schemas").glob("*.schema.json"))
     ]
     return referencing.Registry().with_resources((r.id(), r) for r in resources)
@@ -110,14 +110,14 @@ def _registry() -> referencing.Registry:
 
 @cache
 def _validator(kind: str) -> jsonschema.Draft202012Validator:
-    return jsonschema.Draft202012Validator(schema(kind), registry=_registry())
+    return jsonschema.Draft202012Validator(schema(kind), registry=registry())
 
 
 def _resolved(kind: str, subschema: dict) -> dict:
     """`subschema` with a `$ref` followed (relative to `kind`'s schema), its own keys kept."""
     if "$ref" not in subschema:
         return subschema
-    target = _registry().resolver(base_uri=schema(kind)["$id"]).lookup(subschema["$ref"])
+    target = registry().resolver(base_uri=schema(kind)["$id"]).lookup(subschema["$ref"])
     return {**target.contents, **{k: v for k, v in subschema.items() if k != "$ref"}}
 
 
@@ -336,7 +336,7 @@ def recipe_problems(doc: Document) -> list[EvoError]:
     project or version spec: the one recipe schema, through the same registry and wording
     (a Project's `recipe:` is a `$ref` to it, so refs resolve alike)."""
     recipe_schema = _resolved("Project", {"$ref": "recipe.schema.json"})
-    validator = jsonschema.Draft202012Validator(recipe_schema, registry=_registry())
+    validator = jsonschema.Draft202012Validator(recipe_schema, registry=registry())
     errors = sorted(validator.iter_errors(doc.data), key=lambda e: _order(doc, e))
     return [_explain(doc, "Project", e) for e in _most_specific(errors)]
 

@@ -676,15 +676,10 @@ class DockerSandbox:
         )
 
 
-def check_executor(executor: object, image: str) -> None:
-    """EvoError naming `domain.params.executor` unless it is `local`, or `docker` with the SDK,
-    a daemon that answers and `image` present (nothing is ever pulled)."""
-    if executor not in ("local", "docker"):
-        raise EvoError(
-            f"executor must be local or docker, got {executor!r}",
-            field="domain.params.executor",
-            hint="executor: local",
-        )
+def check_executor(executor: str, image: str) -> None:
+    """EvoError naming `domain.params.executor` when it is `docker` without the SDK, a daemon
+    that answers or `image` present (nothing is ever pulled). Its allowed values are the
+    domain's params schema."""
     if executor == "docker" and not DockerSandbox.image_present(image):
         raise EvoError(
             f"executor docker needs the docker SDK, a reachable daemon and the image {image!r}",

@@ -542,7 +542,7 @@ class RulesPlanner:
         for gap in gaps:
             picked = self._pick_metric(view, gap, base, document, defined)
             if picked is not None:
-                return self._revision(view, gap, document, *picked)
+                return self._revision(view, gap, base, document, *picked)
         result.notes.append("no catalogue metric discriminates the gap(s) on the recorded "
                             "rollouts: the harness stays as it is")
         return None
@@ -553,11 +553,12 @@ class RulesPlanner:
         """The catalogue metric that discriminates `gap`, with why; every candidate measured
         in one probe revision backtested over the recorded versions."""
         candidates = []
+        recipe = view.ws.resolved_recipe(base, view.states)
         for entry in catalogue():
             if gap.kind not in entry.gaps or entry.metric["name"] in defined:
                 continue
             try:
-                parse_harness(_with_metric(document, entry, "probe"))
+                parse_harness(_with_metric(document, entry, "probe", recipe))
             except EvoError:
                 continue  # needs what this revision lacks (a param, a column)
             candidates.append(entry)
@@ -569,7 +570,7 @@ class RulesPlanner:
         probe = copy.deepcopy(document)
         probe["name"] = "probe"
         for entry in candidates:
-            probe = _with_metric(probe, entry, "probe")
+            probe = _with_metric(probe, entry, "probe", recipe)
         report = backtest_harness(view.ws, parse_harness(probe), view.harness)
         values = {r["version"]: r["new_metric_values"] for r in report["versions"]}
         best: tuple[tuple, CatalogueEntry, str] | None = None
@@ -580,11 +581,13 @@ class RulesPlanner:
         return None if best is None else (best[1], best[2])
 
     def _revision(
-        self, view: View, gap: Gap, base_document: dict, entry: CatalogueEntry, why: str
+        self, view: View, gap: Gap, base: str, base_document: dict, entry: CatalogueEntry,
+        why: str,
     ) -> HarnessProposal:
         metric = entry.metric["name"]
         name = next_name(view.ws.harness_names(), "h")
-        document = _with_metric(base_document, entry, name)
+        document = _with_metric(base_document, entry, name,
+                                view.ws.resolved_recipe(base, view.states))
         document["parent"] = view.harness.name
         document["description"] = (
             f"{view.harness.name} plus {metric}, for the gap {gap.kind} on {gap.version}: "
@@ -632,10 +635,11 @@ def _effect(backtest: dict | None) -> float | None:
 
 
 
-def _with_metric(base: dict, entry: CatalogueEntry, name: str) -> dict:
+def _with_metric(base: dict, entry: CatalogueEntry, name: str, recipe: dict) -> dict:
+    """`base` renamed, plus the entry's metric (its params bound to `recipe`) and alert."""
     document = copy.deepcopy(base)
     document["name"] = name
-    document["metrics"] = [*document.get("metrics", []), copy.deepcopy(entry.metric)]
+    document["metrics"] = [*document.get("metrics", []), entry.metric_for(recipe)]
     if entry.alert is not None:
         document["alerts"] = [*document.get("alerts", []), copy.deepcopy(entry.alert)]
     return document

@@ -7,6 +7,8 @@ are the ones its rendered config would ask for."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 from standin import StandinBackend, propose, standin_settings
@@ -15,6 +17,7 @@ from evotrainer.control.observe import requested_resources
 from evotrainer.control.reconcile import Reconciler, load_context, plan
 from evotrainer.control.versions import approve, new_version
 from evotrainer.errors import EvoError
+from evotrainer.report.views import collect
 from evotrainer.store.recipe import deep_merge
 from evotrainer.store.records import RunRecord, ended_run
 from evotrainer.store.workspace import PROJECT_FILE, Workspace
@@ -81,22 +84,40 @@ def test_a_spent_gpu_budget_refuses_the_launch_and_says_so(workspace):
     assert launched(ws) == ["v0"]
 
 
-def test_the_gpu_hours_of_the_runs_so_far_spend_the_budget(workspace):
-    """Within a budget of 1e-4 GPU-hours v0 launches (nothing is spent yet) and runs 4 steps
-    of 0.5 s: at least one recorded second on 2 GPUs, which spends the budget. v1, waiting
-    for the one job slot meanwhile, is then refused, and the plan says why."""
-    ws = gpu_project(workspace, budget=1e-4, grpo={"steps": 4},
-                     domain={"params": {"standin_step_s": 0.5}})
-    new_version(ws, "v1", "v0", rationale="test", settings=standin_settings(standin_skill=0.5))
-    approve(ws, "v1", by="tester")
+def gpu_version(ws: Workspace, name: str, **params) -> None:
+    """A version of 4 steps whose own recipe moves it to the verl backend's name, on 2 GPUs."""
+    new_version(ws, name, "v0", rationale="test", settings=[
+        *standin_settings(**params), "backend=verl", "verl.n_gpus_per_node=2", "grpo.steps=4"])
+    approve(ws, name, by="tester")
+
+
+def test_the_gpu_hours_of_the_runs_so_far_spend_the_budget(workspace, cli):
+    """Within a budget of 1e-4 GPU-hours: v0 is a CPU job (no GPU-hour); v1 launches (none
+    spent yet) and trains 4 steps of 0.5 s, at least one recorded second on 2 GPUs, which
+    spends the budget; v2, waiting for the one job slot meanwhile, is then refused, and
+    the plan says why."""
+    ws = set_project(workspace, max_gpu_hours=1e-4)
+    gpu_version(ws, "v1", standin_step_s=0.5)
+    gpu_version(ws, "v2", standin_skill=0.5)
     verl_reconciler(ws).run(wait=True, poll_s=0.05)
-    run = ws.version("v0").run
+    run = ws.version("v1").run
     assert run.succeeded and run.gpus == 2 and run.usage["wall_hours"] >= 1 / 3600
-    assert run.usage["gpu_hours"] == pytest.approx(2 * run.usage["wall_hours"])
-    assert ws.version("v1").run is None and launched(ws) == ["v0"]
-    v1 = plans_by_name(ws)["v1"]
-    assert v1.action is None and "autonomy.max_gpu_hours (0.0001) is spent" in v1.note
-    assert f"{run.usage['gpu_hours']:.3g} GPU-hours recorded" in v1.note
+    # (recorded to 6 significant digits, as every float of a record)
+    assert run.usage["gpu_hours"] == pytest.approx(2 * run.usage["wall_hours"], rel=1e-5)
+    assert ws.version("v2").run is None and launched(ws) == ["v0", "v1"]
+    v2 = plans_by_name(ws)["v2"]
+    assert v2.action is None and "autonomy.max_gpu_hours (0.0001) is spent" in v2.note
+    assert f"{run.usage['gpu_hours']:.3g} GPU-hours recorded" in v2.note
+
+    # The spend per version, as lineage and the report show it.
+    rows = {row["name"]: row for row in json.loads(
+        cli("-C", str(ws.root), "lineage", "--json").out)}
+    assert rows["v1"]["spend"] == {"steps": 4, "wall_hours": run.usage["wall_hours"],
+                                   "gpu_hours": run.usage["gpu_hours"], "planner_tokens": 0}
+    assert rows["v0"]["spend"]["gpu_hours"] == rows["v2"]["spend"]["gpu_hours"] == 0
+    assert f"{run.usage['gpu_hours']:.3g} GPU-h" in cli("-C", str(ws.root), "lineage").out
+    site = collect(ws)
+    assert site.gpu_hours_spent == run.usage["gpu_hours"] and site.gpu_hours_budget == 1e-4
 
 
 def test_a_cpu_job_spends_no_gpu_hours_and_launches_under_any_budget(workspace):

@@ -39,6 +39,8 @@ def describe(row: LineageRow) -> str:
         parts.append("[red]alerts: " + safe(", ".join(row.alerts)) + "[/]")
     if row.pruned:
         parts.append("[dim](pruned, kept as negative evidence)[/]")
+    if row.spend:
+        parts.append(f"[dim]spent {safe(row.spend.text())}[/]")
     return "  ".join(parts)
 
 
@@ -54,7 +56,8 @@ def register(app: typer.Typer) -> None:
     @app.command("lineage")
     def lineage(as_json: bool = typer.Option(False, "--json", help="Machine-readable.")) -> None:
         """Show every version as a tree: state, Avg@k, difference to the parent with its
-        95% CI, alerts and verdict."""
+        95% CI, alerts, verdict and what it spent (steps, hours, GPU-hours, planner
+        tokens)."""
         rows = lineage_rows(Workspace.find())
         if as_json:
             print(json.dumps([r.as_dict() for r in rows], indent=2))

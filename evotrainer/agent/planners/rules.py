@@ -53,6 +53,7 @@ from evotrainer.agent.planners.base import (
     next_name,
     overrides_key,
 )
+from evotrainer.agent.retrieval import SearchTrace, query_for, retrieve
 from evotrainer.diagnosis.catalogue import CatalogueEntry, catalogue
 from evotrainer.diagnosis.gaps import (
     INDISTINGUISHABLE,
@@ -84,6 +85,8 @@ from evotrainer.store.specs import load_yaml
 # truncation or dead groups are symptoms of the divergence, not of the budget or the reward);
 # then measurement artifacts; then the rest in the library's evidence order.
 CATEGORY_FIRST = {"audit": 0, "stability": 1, "eval-protocol": 2}
+# Items of recorded knowledge a skill proposal cites in its rationale.
+CITED = 2
 
 @dataclass
 class _Candidate:
@@ -275,6 +278,11 @@ class RulesPlanner:
         }
         if backtest is not None:
             meta["backtest"] = backtest
+        cited, trace = _retrieved(view, frontier, diagnosis, skill)
+        if cited:
+            rationale += " Recorded knowledge: " + "; ".join(cited) + "."
+        if trace:
+            meta["retrieval"] = trace
         return Proposal(frontier, rationale, skills=[skill.name], hypothesis=hypothesis,
                         criterion=criterion, proposal=_plain(meta)), works
 
@@ -611,6 +619,25 @@ class RulesPlanner:
 
 
 # ---- helpers ---------------------------------------------------------------------------
+
+
+def _retrieved(
+    view: View, frontier: str, diagnosis: dict, skill: Any
+) -> tuple[list[str], list[dict]]:
+    """What the project's recorded knowledge says about this skill on this evidence (the
+    evidence's alerts and metrics, the skill's name): up to `CITED` items besides the skill's
+    own library entry, each with its citation, and the search trace for the proposal."""
+    domain = view.ws.resolved_recipe(frontier, view.states)["domain"]["name"]
+    trace = SearchTrace()
+    try:
+        found = retrieve(view.ws, query_for(diagnosis, domain, text=skill.name),
+                         limit=CITED + 1, trace=trace, states=view.states)
+    except EvoError as err:
+        # Retrieval informs a proposal; an unreadable listed workspace must not block it.
+        return [f"retrieval failed ({err.message})"], trace.as_list()
+    cited = [f"{item.title} — {item.cite()}" for item in found
+             if not (item.kind == "skill" and item.title == skill.name)][:CITED]
+    return cited, trace.as_list()
 
 
 def _metrics_read(values: dict[str, Any]) -> frozenset[str]:

@@ -23,7 +23,12 @@ from evotrainer.backends.base import Backend, JobSpec, JobState, job_id
 from evotrainer.backends.verl_render import verl_settings
 from evotrainer.control.decide import Observed, VersionPlan, decide_next, error_plan
 from evotrainer.control.live import LiveView, observe_running, saved_stop
-from evotrainer.control.validation import Validation, check_workspace, job_env
+from evotrainer.control.validation import (
+    Validation,
+    check_workspace,
+    declared_data_roots,
+    job_env,
+)
 from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
 from evotrainer.diagnosis.skills import pending_evidence
 from evotrainer.errors import EvoError
@@ -418,7 +423,13 @@ def launch_record(
     previous = state.records.get("run") or {}
     attempt = attempt or previous.get("attempt", 1)
     recipe = recipe or job_recipe(ctx, state, verify_parent=True)
-    ctx.backend(recipe["backend"]).check(recipe)
+    # The backend's checks, once: the pass's validation already ran them on a job recipe
+    # that is the version's resolved recipe (one that continues from its parent or trains
+    # no step differs from it, and is checked here, with the data roots a job is given).
+    with declared_data_roots(ctx.ws):
+        problem = ctx.validation.recipe_problem(recipe, ctx.backend(recipe["backend"]))
+    if problem is not None:
+        raise problem
     recipe_digest = digest(recipe)
     jid = job_id(state.name, attempt, recipe_digest)
     run = {

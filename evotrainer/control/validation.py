@@ -56,6 +56,17 @@ class Validation:
 
     workspace: list[EvoError] = field(default_factory=list)
     versions: dict[str, list[EvoError]] = field(default_factory=dict)
+    # Each distinct resolved recipe's verdict from its backend's checks (None: it passed),
+    # by its canonical JSON: most versions of a large lineage resolve to a few recipes, and
+    # a launch of a recipe checked here is not checked again (`recipe_problem`).
+    recipe_verdicts: dict[str, EvoError | None] = field(default_factory=dict)
+
+    def recipe_problem(self, recipe: dict, backend: Any = None) -> EvoError | None:
+        """The backend's first problem with `recipe` (None: none), checked once."""
+        key = json.dumps(recipe, sort_keys=True, default=repr)
+        if key not in self.recipe_verdicts:
+            self.recipe_verdicts[key] = recipe_problem(recipe, backend)
+        return self.recipe_verdicts[key]
 
     def problems(self) -> list[EvoError]:
         out = list(self.workspace)
@@ -413,10 +424,7 @@ def _check_recipes(
 def _check_each_recipe(
     ws: Workspace, docs: dict, states: dict, result: Validation, backends: dict
 ) -> None:
-    project_problem = _project_recipe_problem(ws, backends)
-    # Versions resolving to the same recipe (most of a large lineage) get the same verdict:
-    # the backend checks each distinct recipe once in this validation, the same moment.
-    verdicts: dict[str, EvoError | None] = {}
+    project_problem = _project_recipe_problem(ws, backends, result)
     for name, doc in docs.items():
         if result.refusal(name, states) or any(
             name not in docs for name in _ancestors(name, states)
@@ -424,12 +432,9 @@ def _check_each_recipe(
             continue  # a broken lineage has no resolved recipe
         try:
             recipe = ws.resolved_recipe(name, states, shared=True)
-            key = json.dumps(recipe, sort_keys=True, default=repr)
-            if key not in verdicts:
-                verdicts[key] = recipe_problem(recipe, backends.get(recipe.get("backend",
-                                                                               "local")))
-            if verdicts[key] is not None:
-                raise located_in_spec(verdicts[key], doc)
+            problem = result.recipe_problem(recipe, backends.get(recipe.get("backend", "local")))
+            if problem is not None:
+                raise located_in_spec(problem, doc)
         except EvoError as err:
             if project_problem is None or (err.field, err.message.split(" (inherited")[0]) != (
                 f"recipe.{project_problem.field}" if project_problem.field else None,
@@ -440,18 +445,23 @@ def _check_each_recipe(
                 result.versions[name].append(project_problem)
 
 
-def _project_recipe_problem(ws: Workspace, backends: dict) -> EvoError | None:
-    """The backend's checks of the project recipe alone: every version inherits it."""
-    from evotrainer.backends import get_backend
+def _project_recipe_problem(
+    ws: Workspace, backends: dict, result: Validation
+) -> EvoError | None:
+    """The backend's checks of the project recipe alone (every version inherits it), located
+    in the project file; a version without overrides resolves to the same recipe, whose
+    verdict `result` keeps."""
     from evotrainer.store.recipe import resolve
 
     try:
         recipe = resolve(ws.project.get("recipe") or {}, [])
-        name = recipe.get("backend", "local")
-        (backends.get(name) or get_backend(name)).check(recipe)
     except EvoError as err:
-        return EvoError(err.message, where=PROJECT_FILE, field=err.field, hint=err.hint)
-    return None
+        problem: EvoError | None = err
+    else:
+        problem = result.recipe_problem(recipe, backends.get(recipe.get("backend", "local")))
+    if problem is None:
+        return None
+    return EvoError(problem.message, where=PROJECT_FILE, field=problem.field, hint=problem.hint)
 
 
 def _ancestors(name: str, states: dict) -> list[str]:

@@ -3,6 +3,8 @@ proposes, with which evidence, and what it refuses to propose again."""
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import yaml
 from standin import converge, standin_settings
@@ -126,7 +128,7 @@ def test_refuted_skills_are_skipped_and_escalation_subtracts(workspace):
     assert any("escalation" in n for n in result.notes)
 
 
-def test_no_trigger_proposes_the_default_and_an_unexplained_prune_a_harness_metric(workspace):
+def test_no_trigger_proposes_the_default_and_a_stalled_frontier_a_harness_metric(workspace):
     train(workspace, "v1", standin_skill=0.65)
     train(workspace, "v2", parent="v1", standin_skill=0.4)
     converge(workspace)
@@ -143,6 +145,12 @@ def test_no_trigger_proposes_the_default_and_an_unexplained_prune_a_harness_metr
     assert f"continue v1's policy for {steps} more steps" in result.proposals[0].rationale
     [harness] = result.harness
     assert harness.name == "h2" and harness.document["parent"] == "h0"
+    # v1 fires no trigger and its only child failed: gap (c), no next step.
+    assert (harness.gap["kind"], harness.gap["version"]) == ("no_next_step", "v1")
+    message = subprocess.run(["git", "-C", str(workspace.root), "log", "-1", "--format=%B",
+                              "main", "--", "harness_versions/h2.yaml"],
+                             capture_output=True, text=True, check=True).stdout
+    assert "Gap: no_next_step on v1" in message
     added = {m["name"] for m in harness.document["metrics"]} - {
         m.name for m in view.harness.metrics}
     assert len(added) == 1

@@ -36,7 +36,7 @@ CONFIG_DIR = str(Path(_VERL.submodule_search_locations[0]) / "trainer" / "config
 RECIPES = {
     "base": {},
     "kl_k1_seq_mean": {"grpo": {"kl_coef": 0.01, "kl_estimator": "k1", "loss_agg": "seq-mean"}},
-    "kl_k2": {"grpo": {"kl_coef": 0.001, "kl_estimator": "k2", "eval_every": 0}},
+    "kl_k3": {"grpo": {"kl_coef": 0.001, "kl_estimator": "k3", "eval_every": 40}},
     "zero_std": {"group_filter": {"name": "zero_std"}},
     "eval_sampling": {"grpo": {"temperature": 0.2, "eval_temperature": 1.0, "eval_top_p": 0.95}},
     "std_group_filter": {
@@ -146,9 +146,9 @@ def test_mapped_settings(composed):
     actor = cfg.actor_rollout_ref.actor
     assert (actor.use_kl_loss, actor.kl_loss_coef, actor.kl_loss_type) == (True, 0.01, "kl")
     assert actor.loss_agg_mode == "seq-mean-token-mean"
-    cfg = results["kl_k2"][2][0]
-    assert cfg.actor_rollout_ref.actor.kl_loss_type == "mse"
-    assert cfg.trainer.test_freq == BASE_RECIPE["grpo"]["steps"]  # no eval_every: last step only
+    cfg = results["kl_k3"][2][0]
+    assert cfg.actor_rollout_ref.actor.kl_loss_type == "low_var_kl"
+    assert cfg.trainer.test_freq == BASE_RECIPE["grpo"]["steps"]  # eval_every = steps
     base = results["base"][2][0]
     assert base.actor_rollout_ref.actor.use_kl_loss is False
     # Validation samples as training does unless the recipe fixes its own temperature and top-p.
@@ -247,7 +247,7 @@ def test_sections_convert_with_verls_dataclasses(composed):
         ({"verl": {"micro_batch_size_per_gpu": 3}}, "verl.micro_batch_size_per_gpu"),
         ({"verl": {"gpus": 8}}, "verl.gpus"),
         ({"model": {"path": None}}, "model.path"),
-        ({"domain": {"train_size": 8}}, "domain.train_size"),
+        ({"domain": {"train_size": 8}}, "grpo.prompts_per_step"),  # the recipe rule, first
         ({"grpo": {"eval_temperature": 0}}, "grpo.eval_temperature"),
         (
             {"verl": {"overrides": {"actor_rollout_ref.rollout.val_kwargs.temperature": 0}}},

@@ -22,6 +22,7 @@ from typing import Any
 
 from evotrainer.backends.verl_episode import domain_tools, max_tool_reply
 from evotrainer.contract.recipe import environment_config, evaluation_sampling, model_start
+from evotrainer.contract.typed import Recipe
 from evotrainer.domains import get_domain
 from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import seed_checkpoint_name
@@ -77,7 +78,7 @@ ADV_ESTIMATORS = (
 ROLLOUT_ENGINES = ("vllm", "sglang", "trtllm")
 # Top-level reward keys of verl <= 0.8: they still compose in 0.9.1 but main_ppo ignores them.
 LEGACY_REWARD_PREFIXES = ("custom_reward_function", "reward_model", "sandbox_fusion")
-KL_LOSS_TYPES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
+KL_LOSS_TYPES = {"k1": "kl", "k3": "low_var_kl"}
 LOSS_AGG_MODES = {"token-mean": "token-mean", "seq-mean": "seq-mean-token-mean"}
 REWARD_CONFIG_KWARG = "config_path"
 SAMPLER_CLASS = "EvoGroupFilterReplayBuffer"
@@ -271,7 +272,8 @@ def render_run(
     """The verl overrides for seed number `index` (value `seed`) of a version (checked:
     EvoError if a setting would fail or be silently ignored by verl)."""
     settings = verl_settings(recipe)
-    grpo, domain = recipe["grpo"], recipe["domain"]
+    typed = Recipe.from_dict(recipe)
+    grpo, domain = typed.grpo, recipe["domain"]
     model = recipe.get("model") or {}
     # A continuing version starts from its parent's merged policy (model.init: parent); verl
     # loads an HF checkpoint, so a package or the tiny model is no start it can use.
@@ -285,50 +287,48 @@ def render_run(
             hint="set model.path to a local HF model dir (on a cluster: a path every node "
             "can read, or a hub id the nodes may download)",
         )
-    batch, group = grpo["prompts_per_step"], grpo["group_size"]
-    steps = grpo["steps"]
+    batch, group = grpo.prompts_per_step, grpo.group_size
+    steps = grpo.steps
     micro = settings["micro_batch_size_per_gpu"]
-    eval_every = grpo.get("eval_every", 0)
-    eval_k = grpo.get("eval_k", 1)
-    eval_temperature, eval_top_p = evaluation_sampling(grpo)
-    kl_coef = grpo.get("kl_coef", 0.0)
+    eval_every, eval_k, kl_coef = grpo.eval_every, grpo.eval_k, grpo.kl_coef
+    eval_temperature, eval_top_p = evaluation_sampling(recipe["grpo"])
     # verl stops at total_training_steps, but only inside total_epochs passes over the data.
     batches_per_epoch = max(1, domain["train_size"] // batch)
-    filtering = (recipe.get("group_filter") or {}).get("name", "none") != "none"
+    filtering = typed.group_filter.name != "none"
     # Dynamic sampling draws replacement prompts for every evicted group: leave room for it.
     epochs = math.ceil(steps / batches_per_epoch) * (4 if filtering else 1)
 
     values: dict[str, Any] = {
         "algorithm.adv_estimator": "grpo",
-        "algorithm.norm_adv_by_std_in_grpo": bool(grpo.get("normalize_std", True)),
+        "algorithm.norm_adv_by_std_in_grpo": grpo.normalize_std,
         "algorithm.use_kl_in_reward": False,
         "data.train_files": str(files.train_file),
         "data.val_files": str(files.val_file),
         "data.train_batch_size": batch,
         "data.max_prompt_length": settings["max_prompt_length"],
-        "data.max_response_length": grpo["max_response_tokens"],
+        "data.max_response_length": grpo.max_response_tokens,
         "data.filter_overlong_prompts": True,
         "data.seed": seed,
         "actor_rollout_ref.model.path": str(model_path),
-        f"{_A}.optim.lr": grpo["lr"],
-        f"{_A}.grad_clip": grpo.get("grad_clip", 1.0),
-        f"{_A}.ppo_epochs": grpo.get("ppo_epochs", 1),
+        f"{_A}.optim.lr": grpo.lr,
+        f"{_A}.grad_clip": grpo.grad_clip,
+        f"{_A}.ppo_epochs": grpo.ppo_epochs,
         f"{_A}.ppo_mini_batch_size": settings["ppo_mini_batch_size"] or batch,
         f"{_A}.ppo_micro_batch_size_per_gpu": micro,
-        f"{_A}.clip_ratio_low": grpo["clip_low"],
-        f"{_A}.clip_ratio_high": grpo["clip_high"],
+        f"{_A}.clip_ratio_low": grpo.clip_low,
+        f"{_A}.clip_ratio_high": grpo.clip_high,
         f"{_A}.use_kl_loss": kl_coef > 0,
         f"{_A}.kl_loss_coef": kl_coef,
-        f"{_A}.kl_loss_type": KL_LOSS_TYPES[grpo.get("kl_estimator", "k3")],
-        f"{_A}.loss_agg_mode": LOSS_AGG_MODES[grpo.get("loss_agg", "token-mean")],
+        f"{_A}.kl_loss_type": KL_LOSS_TYPES[grpo.kl_estimator],
+        f"{_A}.loss_agg_mode": LOSS_AGG_MODES[grpo.loss_agg],
         f"{_A}.entropy_coeff": 0,
         f"{_A}.data_loader_seed": seed,
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": micro,
         f"{_R}.name": settings["rollout_engine"],
         f"{_R}.n": group,
         f"{_R}.seed": seed,
-        f"{_R}.temperature": grpo.get("temperature", 1.0),
-        f"{_R}.top_p": grpo.get("top_p", 1.0),
+        f"{_R}.temperature": grpo.temperature,
+        f"{_R}.top_p": grpo.top_p,
         f"{_R}.tensor_model_parallel_size": settings["tensor_parallel"],
         f"{_R}.gpu_memory_utilization": settings["gpu_memory_utilization"],
         f"{_R}.log_prob_micro_batch_size_per_gpu": micro,
@@ -353,9 +353,9 @@ def render_run(
         ),
         "trainer.total_training_steps": steps,
         "trainer.total_epochs": epochs,
-        # Validation at the last step is what the score table is built from: with no
-        # periodic evaluation, validate only there.
-        "trainer.test_freq": eval_every if eval_every > 0 else max(steps, 1),
+        # Validation at the last step is what the score table is built from: verl validates
+        # there too, whatever the period (eval_every >= 1 by the schema).
+        "trainer.test_freq": eval_every,
         "trainer.val_before_train": True,
         "trainer.save_freq": _save_freq(settings, steps),
         "trainer.default_local_dir": str(files.checkpoint_dir(seed)),

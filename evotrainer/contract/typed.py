@@ -143,7 +143,7 @@ class Component:
 @dataclass(frozen=True, slots=True)
 class Reward:
     components: tuple[Component, ...]
-    judges: Mapping[str, Any] | None = None
+    judges: tuple[Mapping[str, Any], ...] | None = None  # judge.schema.json, one per judge
 
 
 @dataclass(frozen=True, slots=True)

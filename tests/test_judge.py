@@ -146,7 +146,7 @@ def test_replies_are_cached_by_identity_and_prompt(judge_server, tmp_path: Path)
     assert [s.components["judge:if"] for s in score_all(fresh, batch)] == first
     assert len(script.bodies) == 3
     record = judge_records(fresh)[0]
-    assert (record["requests"], record["cache_hits"]) == (0, 4)
+    assert (record["verdicts"], record["requests"], record["cache_hits"]) == (4, 0, 4)
     # A different judge (another template, another model) is not answered from that cache.
     other_rules = make_domain(ARITH, [judge(url, rules=["Answer in French."])],
                               cache_dir=tmp_path)
@@ -330,7 +330,8 @@ def test_identity_is_recorded_without_credentials(judge_server, monkeypatch) -> 
     assert record["template_digest"].startswith("sha256:")
     assert record["parse"] == {"kind": "yes_no"}
     assert record["fingerprints"] == ["fp-test"]
-    assert (record["requests"], record["cache_hits"], record["retries"]) == (1, 0, 0)
+    assert (record["verdicts"], record["requests"], record["cache_hits"],
+            record["retries"]) == (1, 1, 0, 0)
     text = json.dumps(record)
     assert "sk-secret" not in text and "pw" not in text
     # The template is part of the identity: another template, another digest.

@@ -100,7 +100,7 @@ def test_a_judged_domain_scores_through_the_served_model(served, model_dir) -> N
     (record,) = judge_records(domain)
     assert record["served"]["path"] == "judge-llama" and record["endpoint"] is None
     assert record["served"]["digest"].startswith("sha256:") and record["model"] == "judge-llama"
-    assert record["requests"] + record["cache_hits"] == 6
+    assert record["verdicts"] == 6
     assert record["fingerprints"] == [f"evotrainer-{record['served']['digest'][7:19]}"]
 
 

@@ -139,10 +139,12 @@ class ServedEndpoint:
 
 @dataclass
 class JudgeStats:
-    """What one judge did in this process: replies asked for, answered from the cache, tries
-    that failed and were retried, replies the parser could not read (scored `unparsed`), and
-    the `system_fingerprint`s the endpoint reported."""
+    """What one judge did in this process: responses judged, replies asked for (a prompt
+    once however often it recurs), answered from the cache, tries that failed and were
+    retried, replies the parser could not read (scored `unparsed`), and the
+    `system_fingerprint`s the endpoint reported."""
 
+    verdicts: int = 0
     requests: int = 0
     cache_hits: int = 0
     retries: int = 0
@@ -404,6 +406,7 @@ class Judge:
             cached = cache.get(key)
             if cached is not None:
                 replies[key] = cached
+        self.stats.verdicts += len(keys)
         self.stats.cache_hits += sum(k in replies for k in keys)
         missing = {k: p for k, p in zip(keys, prompts, strict=True) if k not in replies}
         if missing:
@@ -562,6 +565,7 @@ class Judge:
         return {
             **self.identity,
             "identity_digest": self.identity_digest,
+            "verdicts": self.stats.verdicts,
             "requests": self.stats.requests,
             "cache_hits": self.stats.cache_hits,
             "retries": self.stats.retries,

@@ -400,3 +400,17 @@ def test_a_judged_domain_keeps_the_inner_domains_schemas_and_tasks() -> None:
     assert (judged.turn_end, judged.tools) == (inner.turn_end, inner.tools)
     assert judged.default_environment == inner.default_environment
     assert judged.split(6, 2) == inner.split(6, 2)
+
+
+def test_a_long_response_is_cut_to_its_head_and_tail_when_asked() -> None:
+    url = "http://127.0.0.1:9/v1"
+    whole = make_domain(ARITH, [judge(url)]).judges[0]
+    cut = make_domain(ARITH, [judge(url, max_response_chars=100)]).judges[0]
+    task = make_domain(ARITH).split(4, 2)[0][0]
+    response = "HEAD" + "x" * 10_000 + "TAIL"
+    assert fence(response) in whole.prompt(task, response)
+    sent = cut.prompt(task, response)
+    assert "HEAD" in sent and "TAIL" in sent and "[... 9908 characters cut ...]" in sent
+    assert len(sent) < len(whole.prompt(task, response)) - 9000
+    assert cut.prompt(task, "short") == whole.prompt(task, "short")
+    assert cut.identity_digest != whole.identity_digest  # a cut changes what is judged

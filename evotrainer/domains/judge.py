@@ -99,6 +99,9 @@ DEFAULTS: dict[str, Any] = {
     "system": None,
     "rules": [],
     "api_key_env": None,
+    # 0: the whole response. A judge's context is finite: a longer response keeps its head
+    # and tail (the cut is said between them) instead of failing the scoring with HTTP 400.
+    "max_response_chars": 0,
 }
 KEYS = {"name", "endpoint", "serve", "model", "preset", "template", "parse", *DEFAULTS}
 SERVE_KEYS = {"path", "package", "command", "startup_timeout_s"}
@@ -106,6 +109,15 @@ SERVE_KEYS = {"path", "package", "command", "startup_timeout_s"}
 
 def component_name(judge: str) -> str:
     return f"{COMPONENT_PREFIX}{judge}"
+
+
+def clipped(text: str, limit: int) -> str:
+    """`text` cut to its first and last `limit` / 2 characters when longer (0: never), the
+    cut said between them."""
+    if not limit or len(text) <= limit:
+        return text
+    head, tail = text[: limit // 2], text[len(text) - limit // 2:]
+    return f"{head}\n[... {len(text) - len(head) - len(tail)} characters cut ...]\n{tail}"
 
 
 def fence(value: Any) -> str:
@@ -249,6 +261,7 @@ class Judge:
         self.timeout_s, self.retries = float(merged["timeout_s"]), merged["retries"]
         self.backoff_s, self.concurrency = float(merged["backoff_s"]), merged["concurrency"]
         self.api_key_env = merged["api_key_env"]
+        self.max_response_chars = merged["max_response_chars"]
         self.unparsed = self._check_unparsed(merged["unparsed"])
         self.parse = self._check_parse(merged.get("parse"))
         self.system, self.rules = merged["system"], merged["rules"]
@@ -286,7 +299,8 @@ class Judge:
     def _check_numbers(self, merged: dict[str, Any]) -> None:
         for key, low, integer in (("max_tokens", 1, True), ("retries", 0, True),
                                   ("concurrency", 1, True), ("timeout_s", 0, False),
-                                  ("backoff_s", 0, False), ("temperature", 0, False)):
+                                  ("backoff_s", 0, False), ("temperature", 0, False),
+                                  ("max_response_chars", 0, True)):
             value = merged[key]
             ok = isinstance(value, int) if integer else isinstance(value, (int, float))
             if not ok or isinstance(value, bool) or value < low or (
@@ -383,13 +397,16 @@ class Judge:
             "parse": self.parse,
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
+            "max_response_chars": self.max_response_chars,
         }
 
     # ------------------------------------------------------------------------ asking
 
     def prompt(self, task: Task, response: str) -> str:
-        return self.template.render(prompt=task.prompt, response=response, answer=task.answer,
-                                    data_source=task.data_source, rules=self.rules)
+        return self.template.render(prompt=task.prompt,
+                                    response=clipped(response, self.max_response_chars),
+                                    answer=task.answer, data_source=task.data_source,
+                                    rules=self.rules)
 
     def messages(self, prompt: str) -> list[dict[str, str]]:
         head = [{"role": "system", "content": self.system}] if self.system else []

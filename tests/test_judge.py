@@ -414,3 +414,38 @@ def test_a_long_response_is_cut_to_its_head_and_tail_when_asked() -> None:
     assert len(sent) < len(whole.prompt(task, response)) - 9000
     assert cut.prompt(task, "short") == whole.prompt(task, "short")
     assert cut.identity_digest != whole.identity_digest  # a cut changes what is judged
+
+
+def test_verl_reward_scores_judge_components_through_the_same_judge(
+    judge_server, tmp_path: Path
+) -> None:
+    """verl's reward workers read the job's reward config: a judge:<name> component is asked of
+    the same endpoint through the same code, cached beside the config."""
+    from evotrainer.backends import verl_reward
+
+    url = judge_server(Script(says_yes_to_even_lengths))
+    config = tmp_path / "reward_config.json"
+    config.write_text(json.dumps({
+        "domain": ARITH,
+        "reward": {"components": [{"name": "correctness", "weight": 1.0},
+                                  {"name": "judge:if", "weight": 0.1}],
+                   "judges": [judge(url)]},
+    }))
+    task = make_domain(ARITH).split(4, 2)[0][0]
+    info = {"task_id": task.task_id, "question": task.prompt, "meta": json.dumps(task.meta)}
+    even = verl_reward.compute_score("arith", "ab", task.answer, info, str(config))
+    odd = verl_reward.compute_score("arith", "abc", task.answer, info, str(config))
+    assert (even["judge:if"], odd["judge:if"]) == (1.0, 0.0)
+    assert even["score"] == pytest.approx(even["correctness"] + 0.1)
+    assert (tmp_path / "judge-cache").is_dir()
+
+
+def test_verl_refuses_a_judge_it_would_have_to_serve(tmp_path: Path) -> None:
+    """A serve: judge is started by the embedded engine's run; verl's workers need an endpoint."""
+    from evotrainer.backends.verl import check_judges_reachable
+
+    recipe = {"reward": {"judges": [{"name": "if", "endpoint": "http://10.0.0.1:8000/v1"},
+                                    {"name": "eq", "serve": {"package": "smollm2"}}]}}
+    with pytest.raises(EvoError) as refused:
+        check_judges_reachable(recipe)
+    assert refused.value.field == "reward.judges[1].serve"

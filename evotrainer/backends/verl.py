@@ -93,6 +93,7 @@ class VerlBackend:
         """The backend-independent recipe contract first, then render every seed's overrides
         (pure: nothing written), so a bad recipe fails here and not after run.yaml exists."""
         check_contract(recipe)
+        check_judges_reachable(recipe)
         render_job(recipe, version="check", files=JobFiles(Path("/nonexistent")), workdir=Path("."))
 
     # ---- submit ------------------------------------------------------------------------
@@ -394,6 +395,18 @@ def ray_runtime_env(job: JobSpec) -> dict[str, Any]:
     }
 
 
+def check_judges_reachable(recipe: dict) -> None:
+    """verl's reward workers reach a judge at an endpoint: `serve:` starts a server only for
+    the embedded engine's run."""
+    for index, judge in enumerate(recipe["reward"].get("judges") or []):
+        if judge.get("serve") is not None:
+            raise EvoError("verl's reward workers reach a judge at an endpoint; serve: starts "
+                           "one only for the embedded engine",
+                           field=f"reward.judges[{index}].serve",
+                           hint="run `evotrainer judge serve --package smollm2 --host 0.0.0.0` "
+                           "(or vLLM) where the workers reach it, and set endpoint: to its URL")
+
+
 def prepare(job: JobSpec) -> None:
     """Render the job and write its inputs: data, reward module and config, sampler, and
     for a multi-turn domain without a tool config of the recipe's own, the domain's."""
@@ -401,7 +414,7 @@ def prepare(job: JobSpec) -> None:
     runs = render_job(job.recipe, version=job.version, files=files, workdir=job.workdir)
     check_job_start(job.recipe)
     recipe = job.recipe
-    domain = make_domain(recipe["domain"])
+    domain = make_domain(recipe["domain"], recipe["reward"].get("judges"))
     for component in (recipe.get("reward") or {}).get("components") or []:
         if component["name"] not in domain.components:
             raise EvoError(

@@ -53,7 +53,11 @@ def _load(config_path: str) -> tuple[Domain, tuple[tuple[str, float], ...], Grou
     weights = tuple(
         (c["name"], float(c.get("weight", 1.0))) for c in config["reward"]["components"]
     )
-    return make_domain(config["domain"]), weights, make_filter(config.get("group_filter"))
+    # LLM judges score judge:<name> components through the same domain code as the engine;
+    # verl's reward workers share one reply cache beside the config.
+    domain = make_domain(config["domain"], config["reward"].get("judges"),
+                         cache_dir=Path(config_path).parent / "judge-cache")
+    return domain, weights, make_filter(config.get("group_filter"))
 
 
 def compute_score(

@@ -178,7 +178,8 @@ def check_contract(recipe: dict[str, Any]) -> None:
     for logger in logger_names(recipe):
         if logger in TRACKER_EXTRAS:
             require_tracker(logger)  # a missing library fails here, not after the launch
-    domain = make_domain(recipe["domain"])
+    # With its judges (checked, none contacted): their judge:<name> components.
+    domain = make_domain(recipe["domain"], recipe["reward"].get("judges"))
     _check_split(domain, recipe["domain"])
 
     # Params are checked as written (lists, not the typed recipe's tuples).

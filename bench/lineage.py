@@ -1,15 +1,20 @@
 """Benchmark: how `validate`, `lineage`, `plan` and a reconcile pass with nothing to do grow
-with the number of version branches.
+with the number of version branches, and what one action of a pass costs.
 
-Builds, for each size, a workspace with N version branches — a binary tree of proposed,
-unapproved versions (one spec each, as `version new` writes them), written in one
-`git fast-import` — then times each command as a user runs it (a subprocess, start-up
-included; `validate` twice: the first run records the specs it found valid by content
-digest, which later commands read instead of checking those bytes again), and, in the
-same run, a naive reader that checks out every branch and reads its spec from disk: the
-baseline the ratios are against.
+Builds, for each size and shape, a workspace with N version branches — proposed,
+unapproved versions (one spec each, as `version new` writes them) in a binary tree or in
+one chain N deep, written in one `git fast-import` — then times each command as a user runs
+it (a subprocess, start-up included; `validate` twice: the first run records the specs it
+found valid by content digest, which later commands read instead of checking those bytes
+again), and, in the same run, a naive reader that checks out every branch and reads its
+spec from disk: the baseline the ratios are against.
 
-    python bench/lineage.py [--sizes 100 1000 5000] [--naive-up-to 1000]
+Then one version is approved and its launch is applied in-process from a context read
+before (its run record's commit, its worktree, the re-read of that version; the backend
+submits nothing): the cost of one action, which must not grow with the branches. The last
+line gives it at the largest size over the smallest.
+
+    python bench/lineage.py [--sizes 100 1000 5000] [--shapes tree chain] [--naive-up-to 1000]
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from pathlib import Path
 import git
 import yaml
 
+from evotrainer.backends.local import LocalBackend
 from evotrainer.commands.init import init_workspace
-from evotrainer.control.versions import spec_text
+from evotrainer.control.reconcile import Reconciler, load_context, plan
+from evotrainer.control.versions import approve, spec_text
 from evotrainer.store.git import branch_name
 from evotrainer.store.workspace import Workspace, version_spec_path
 
@@ -39,9 +46,10 @@ LABELS = ("first validate", "validate", "lineage --json", "plan --json", "reconc
 GOAL_S = 3.0
 
 
-def build(root: Path, count: int) -> Workspace:
-    """init's workspace (v0) plus versions v1..v{count-1}, vI forked from v{(I-1)//2}, all
-    unapproved."""
+def build(root: Path, count: int, shape: str = "tree") -> Workspace:
+    """init's workspace (v0) plus versions v1..v{count-1}, all unapproved: a binary tree (vI
+    forked from v{(I-1)//2}, depth log2 N) or one chain (vI from v{I-1}, depth N, where
+    anything that walks each version's ancestors costs N × depth)."""
     ws = Workspace(init_workspace(root, "arith"))
     # v0 proposed but not approved either, so a reconcile pass has nothing to launch.
     v0 = dict(ws.version("v0").spec, approval={"approved": False})
@@ -52,7 +60,7 @@ def build(root: Path, count: int) -> Workspace:
               f"M 100644 inline {version_spec_path('v0')}".encode(),
               f"data {len(text)}".encode(), text, b""]
     for i in range(1, count):
-        name, parent = f"v{i}", (i - 1) // 2
+        name, parent = f"v{i}", (i - 1) // 2 if shape == "tree" else i - 1
         spec = {"apiVersion": "evotrainer/v1", "kind": "PolicyVersion", "name": name,
                 "parent": f"v{parent}",
                 "intervention": {"rationale": "bench", "skills": [], "factors": 1},
@@ -96,27 +104,62 @@ def naive_checkout_read(ws: Workspace) -> float:
     return time.perf_counter() - start
 
 
+class NoSubmit(LocalBackend):
+    """Submits nothing: what is timed is reconcile's own work around a launch."""
+
+    def submit(self, job) -> None:
+        pass
+
+
+def action_cost(ws: Workspace, name: str) -> tuple[float, float]:
+    """(wall, CPU seconds) reconcile spends on launching `name` — the run record's commit,
+    the worktree, the re-read of that version — from a context read before (not timed)."""
+    approve(ws, name, by="bench")
+    reconciler = Reconciler(Workspace(ws.root), log=lambda _: None,
+                            backends={"local": NoSubmit()})
+    ctx = load_context(reconciler.ws, reconciler.backends)
+    [launch] = [p for p in plan(ctx) if p.action is not None]
+    wall, cpu = time.perf_counter(), time.process_time()
+    reconciler.apply(ctx, ctx.states[launch.version], launch.action)
+    refreshed = ctx.refreshed(launch.version, launch.action.kind)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    if refreshed is None or launch.action.kind != "launch":
+        raise SystemExit(f"expected one launch of {name}, got {launch.action}")
+    return wall, cpu
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=int, nargs="+", default=[100, 1000, 5000])
+    parser.add_argument("--shapes", nargs="+", choices=("tree", "chain"),
+                        default=["tree", "chain"])
     parser.add_argument("--naive-up-to", type=int, default=1000,
                         help="time the naive reader only up to this many branches")
     args = parser.parse_args()
-    header = f"{'branches':>8}  " + "  ".join(f"{label:>19}" for label in LABELS)
-    print(header + f"  {'naive read':>10}  naive/lineage")
-    for size in args.sizes:
-        with tempfile.TemporaryDirectory() as tmp:
-            ws = build(Path(tmp) / "ws", size)
-            times = [timed_cli(ws.root, *command) for command in COMMANDS]
-            naive = naive_checkout_read(ws) if size <= args.naive_up_to else None
-            cells = "  ".join(f"{wall:7.2f} s ({cpu:5.2f} s)" + ("!" if wall > GOAL_S else " ")
-                              for wall, cpu in times)
-            lineage = times[LABELS.index("lineage --json")][0]
-            tail = (f"  {naive:8.2f} s  {naive / lineage:6.1f}x" if naive is not None
-                    else f"  {'—':>10}")
-            print(f"{size:8d}  {cells}{tail}")
+    header = f"{'shape':>5} {'branches':>8}  " + "  ".join(f"{label:>19}" for label in LABELS)
+    print(header + f"  {'one launch':>19}  {'naive read':>10}  naive/lineage")
+    launches: dict[str, list[float]] = {}
+    for shape in args.shapes:
+        for size in args.sizes:
+            with tempfile.TemporaryDirectory() as tmp:
+                ws = build(Path(tmp) / "ws", size, shape)
+                times = [timed_cli(ws.root, *command) for command in COMMANDS]
+                naive = naive_checkout_read(ws) if size <= args.naive_up_to else None
+                # The last version: in a chain the deepest, in the tree a leaf.
+                times.append(action_cost(ws, f"v{size - 1}"))
+                launches.setdefault(shape, []).append(times[-1][1])
+                cells = "  ".join(f"{wall:7.2f} s ({cpu:5.2f} s)"
+                                  + ("!" if wall > GOAL_S else " ") for wall, cpu in times)
+                lineage = times[LABELS.index("lineage --json")][0]
+                tail = (f"  {naive:8.2f} s  {naive / lineage:6.1f}x" if naive is not None
+                        else f"  {'—':>10}")
+                print(f"{shape:>5} {size:8d}  {cells}{tail}")
     print(f"(wall (CPU); ! = wall over the {GOAL_S:.0f} s goal; each command a fresh process, "
-          "start-up included)")
+          "start-up included; one launch: in-process, from a context read before)")
+    for shape, costs in launches.items():
+        if len(costs) > 1:
+            print(f"{shape}: one launch at {args.sizes[-1]} branches costs "
+                  f"{costs[-1] / costs[0]:.2f}x its CPU time at {args.sizes[0]}")
 
 
 if __name__ == "__main__":

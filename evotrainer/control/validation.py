@@ -31,6 +31,7 @@ from typing import Any
 from evotrainer.errors import EvoError
 from evotrainer.store import specs
 from evotrainer.store.git import branch_name
+from evotrainer.store.lineage import tree_order
 from evotrainer.store.workspace import (
     PROJECT_FILE,
     VersionState,
@@ -60,6 +61,9 @@ class Validation:
     # by its canonical JSON: most versions of a large lineage resolve to a few recipes, and
     # a launch of a recipe checked here is not checked again (`recipe_problem`).
     recipe_verdicts: dict[str, EvoError | None] = field(default_factory=dict)
+    # version → the nearest version at or above it with a problem (None: none), filled as
+    # `refusal` is asked: `versions` is complete when check_workspace returns it.
+    _invalid_above: dict[str, str | None] = field(default_factory=dict, repr=False)
 
     def recipe_problem(self, recipe: dict, backend: Any = None) -> EvoError | None:
         """The backend's first problem with `recipe` (None: none), checked once."""
@@ -78,15 +82,33 @@ class Validation:
         """Why `name` must not run: its own first problem, or an invalid ancestor's."""
         if self.versions.get(name):
             return str(self.versions[name][0])
-        seen, current = {name}, (states[name].parent if name in states else None)
-        while current is not None and current in states and current not in seen:
+        ancestor = self._nearest_invalid(states[name].parent if name in states else None,
+                                         states)
+        if ancestor is None:
+            return None
+        return f"ancestor {ancestor} is invalid (its recipe is inherited): " + str(
+            self.versions[ancestor][0])
+
+    def _nearest_invalid(self, start: str | None, states: dict[str, VersionState]) -> str | None:
+        """The nearest version at or above `start` with a problem (None: none up to a root,
+        a missing parent or a cycle), remembered for each version walked, so asking it of
+        every version of a chain N deep walks N links, not N × depth."""
+        memo, walked = self._invalid_above, []
+        found, current = None, start
+        while current is not None and current in states:
+            if current in memo:
+                found = memo[current]
+                break
             if self.versions.get(current):
-                return f"ancestor {current} is invalid (its recipe is inherited): " + str(
-                    self.versions[current][0]
-                )
-            seen.add(current)
+                found = current
+                break
+            if current in walked:  # a parent cycle: `validate` names it at each member
+                break
+            walked.append(current)
             current = states[current].parent
-        return None
+        for name in walked:
+            memo[name] = found
+        return found
 
 
 def validate_workspace(ws: Workspace, ref: str | None = None) -> list[EvoError]:
@@ -165,9 +187,10 @@ def check_workspace(
         if doc is not None:
             docs[name] = doc
         result.versions[name] = found
+    cycling = _into_cycles(docs)
     for name, doc in docs.items():
         found = result.versions[name]
-        _check_parent(name, doc, docs, states, found)
+        _check_parent(name, doc, name in cycling, states, found)
         _check_harness_ref(doc, ("harness",), harnesses, found)
         for i, skill in enumerate((doc.data.get("intervention") or {}).get("skills") or []):
             if skill not in skills:
@@ -425,10 +448,15 @@ def _check_each_recipe(
     ws: Workspace, docs: dict, states: dict, result: Validation, backends: dict
 ) -> None:
     project_problem = _project_recipe_problem(ws, backends, result)
-    for name, doc in docs.items():
-        if result.refusal(name, states) or any(
-            name not in docs for name in _ancestors(name, states)
-        ):
+    # Parents first, so a version whose lineage has no resolved recipe (it, or an ancestor,
+    # invalid or missing) is known from its parent's verdict: one look a version.
+    broken: dict[str, bool] = {}
+    for name in tree_order(states):
+        parent = states[name].parent
+        doc = docs.get(name)
+        broken[name] = (doc is None or bool(result.versions.get(name))
+                        or parent is not None and broken.get(parent, True))
+        if broken[name]:
             continue  # a broken lineage has no resolved recipe
         try:
             recipe = ws.resolved_recipe(name, states, shared=True)
@@ -443,6 +471,7 @@ def _check_each_recipe(
                 result.versions[name].append(err)
             else:  # the project's own problem, located there: `validate` shows it once
                 result.versions[name].append(project_problem)
+            broken[name] = True
 
 
 def _project_recipe_problem(
@@ -462,15 +491,6 @@ def _project_recipe_problem(
     if problem is None:
         return None
     return EvoError(problem.message, where=PROJECT_FILE, field=problem.field, hint=problem.hint)
-
-
-def _ancestors(name: str, states: dict) -> list[str]:
-    out, seen, current = [], {name}, states[name].parent
-    while current is not None and current not in seen:
-        out.append(current)
-        seen.add(current)
-        current = states[current].parent if current in states else None
-    return out
 
 
 def _check_bytes(
@@ -540,7 +560,30 @@ def _check_version(
     return doc
 
 
-def _check_parent(name: str, doc: specs.Document, docs: dict, states: dict, problems: list) -> None:
+def _into_cycles(docs: dict[str, specs.Document]) -> set[str]:
+    """The versions whose parent links (through valid specs) run into a cycle, found in one
+    walk over all of them: each version is walked once, its verdict kept for those below."""
+    verdict: dict[str, bool] = {}  # name → its links run into a cycle
+    for start in docs:
+        path: list[str] = []
+        current, cycles = start, False
+        while current is not None and current in docs:
+            if current in verdict:
+                cycles = verdict[current]
+                break
+            if current in path:
+                cycles = True
+                break
+            path.append(current)
+            current = docs[current].data.get("parent")
+        for name in path:
+            verdict[name] = cycles
+    return {name for name, cycles in verdict.items() if cycles}
+
+
+def _check_parent(
+    name: str, doc: specs.Document, in_cycle: bool, states: dict, problems: list
+) -> None:
     parent = doc.data.get("parent")
     if parent is None:
         return
@@ -554,20 +597,16 @@ def _check_parent(name: str, doc: specs.Document, docs: dict, states: dict, prob
             )
         )
         return
-    seen, current = {name}, parent
-    while current is not None and current in docs:
-        if current in seen:
-            problems.append(
-                EvoError(
-                    f"parent cycle: {name} → … → {current} → … → {name}",
-                    where=doc.where(("parent",)),
-                    field="parent",
-                    hint="point `parent` at an older version so lineage is a tree",
-                )
+    if in_cycle:
+        problems.append(
+            EvoError(
+                f"parent cycle: {name}'s parent links ({name} → {parent} → …) never reach "
+                "a root",
+                where=doc.where(("parent",)),
+                field="parent",
+                hint="point `parent` at an older version so lineage is a tree",
             )
-            return
-        seen.add(current)
-        current = docs[current].data.get("parent")
+        )
 
 
 def _check_harness_ref(doc: specs.Document, path: tuple, harnesses: set, problems: list) -> None:

@@ -144,9 +144,9 @@ def ended_run(run: dict, at: str, **changes: Any) -> dict:
     beside it, so the spend of a run is recorded, not recomputed from a clock later."""
     out = {**run, **changes, "finished_at": at}
     out.setdefault("started_at", run.get("created_at") or at)
-    out.pop("usage", None)
-    typed = RunRecord.from_record(out)
-    out["usage"] = {"wall_hours": typed.wall_hours(), "gpu_hours": typed.gpu_hours()}
+    wall = hours_between(out["started_at"], at)
+    gpus = (out.get("resources") or {}).get("gpus") or 0
+    out["usage"] = {"wall_hours": wall, "gpu_hours": gpus * wall}
     return out
 
 

@@ -121,6 +121,10 @@ class Workspace:
         # Resolved recipes by what they are resolved from: see `resolved_recipe`.
         self._recipes: dict[str, dict] = {}
         self._project_key: tuple[Any, str] = (None, "")
+        # The resolved-recipe key of each version of one `states` mapping (held, so its
+        # identity is not reused) under one project key: see `_recipe_key`.
+        self._keyed: tuple[dict | None, str] = (None, "")
+        self._version_keys: dict[str, str] = {}
         if not (self.root / PROJECT_FILE).is_file():
             raise EvoError(
                 f"no {PROJECT_FILE} here, so this is not an EvoTrainer workspace",
@@ -364,10 +368,17 @@ class Workspace:
 
     def chain(self, name: str, states: dict[str, VersionState]) -> list[VersionState]:
         """Root → `name` along parent links."""
+        return self._links_above(name, states, {})
+
+    def _links_above(
+        self, name: str, states: dict[str, VersionState], known: dict[str, str]
+    ) -> list[VersionState]:
+        """The chain root → `name`, cut below the nearest version in `known` (that one and
+        its ancestors left out): what is still to be resolved."""
         out: list[VersionState] = []
         seen: set[str] = set()
         current: str | None = name
-        while current is not None:
+        while current is not None and current not in known:
             if current in seen:
                 raise EvoError(f"parent cycle through {current!r}",
                                where=states[current].spec_source, field="parent")
@@ -387,25 +398,40 @@ class Workspace:
         remembered recipe itself, for a reader that changes nothing (validation's checks);
         otherwise a copy of it."""
         states = states if states is not None else self.versions()
+        recipe = self._recipes[self._recipe_key(name, states)]
+        return recipe if shared else copy_tree(recipe)
+
+    def _recipe_key(self, name: str, states: dict[str, VersionState]) -> str:
+        """The key `name`'s resolved recipe is remembered under, resolving what is not yet:
+        each version's key is its parent's chained with its own spec, and is kept for the
+        `states` mapping it was read from, so resolving every version of a chain N deep
+        walks N links, not N × depth. (A caller that changes a version gets a new mapping
+        from `versions` / `reread`; `states` is read as the snapshot it is.)"""
         project = self.project.get("recipe") or {}
         if self._project_key[0] is not project:  # the digest once per project document
             self._project_key = (project, _link_key("project", project))
-        key = self._project_key[1]
-        recipe = self._recipes.get(key)
-        if recipe is None:
-            recipe = self._recipes[key] = recipes.resolve(project, [])
-        for state in self.chain(name, states):
+        project_key = self._project_key[1]
+        if self._keyed[0] is not states or self._keyed[1] != project_key:
+            self._keyed, self._version_keys = (states, project_key), {}
+        if project_key not in self._recipes:
+            self._recipes[project_key] = recipes.resolve(project, [])
+        known = self._version_keys
+        links = self._links_above(name, states, known)
+        parent = links[0].parent if links else None
+        key = known[parent] if parent is not None else project_key
+        for state in links:
             overrides = state.spec.get("recipe") or {}
             # The spec's bytes stand for its overrides where it was parsed from them (every
             # state read from git, or from the working tree by `validate`). One flat digest
             # a link, so a chain thousands of versions deep keys in constant size.
             link = state.spec_raw if state.spec_raw is not None else _link_key(
                 "overrides", overrides).encode()
-            key = hashlib.sha256(key.encode() + b"\0" + link).hexdigest()
+            parent_key, key = key, hashlib.sha256(key.encode() + b"\0" + link).hexdigest()
             if key not in self._recipes:
-                self._recipes[key] = recipes.deep_merge(recipe, overrides, share_base=True)
-            recipe = self._recipes[key]
-        return recipe if shared else copy_tree(recipe)
+                self._recipes[key] = recipes.deep_merge(self._recipes[parent_key], overrides,
+                                                        share_base=True)
+            known[state.name] = key
+        return known[name]
 
     # ---- approvals ---------------------------------------------------------------------
 

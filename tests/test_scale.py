@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -24,12 +25,17 @@ pytestmark = pytest.mark.usefixtures("standin")
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "lineage.py"
 
 
-def bench_build(root: Path, count: int) -> Workspace:
-    """bench/lineage.py's workspace: `count` unapproved versions in a binary tree."""
+def bench_module():
     spec = importlib.util.spec_from_file_location("bench_lineage", BENCH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.build(root, count)
+    return module
+
+
+def bench_build(root: Path, count: int, shape: str = "tree") -> Workspace:
+    """bench/lineage.py's workspace: `count` unapproved versions in a binary tree or one
+    chain."""
+    return bench_module().build(root, count, shape)
 
 
 class Counter:
@@ -140,3 +146,48 @@ def test_plan_writes_nothing_while_a_job_runs(workspace, cli):
         assert snapshot(workspace) == before
     finally:
         psutil.Process(pid).kill()
+
+
+def parent_reads(root: Path, count: int, monkeypatch: pytest.MonkeyPatch) -> int:
+    """How often `validate`'s checks read a version's parent link in a chain `count` deep."""
+    from evotrainer.control.validation import check_workspace
+    from evotrainer.store.workspace import VersionState
+
+    ws = bench_build(root, count, "chain")
+    states = Workspace(ws.root).versions()
+    reads = 0
+    parent = VersionState.parent
+
+    def counted(state: VersionState) -> str | None:
+        nonlocal reads
+        reads += 1
+        return parent.fget(state)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(VersionState, "parent", property(counted))
+        validation = check_workspace(Workspace(ws.root), states)
+    assert not validation.problems()
+    assert validation.refusal(f"v{count - 1}", states) is None
+    return reads
+
+
+def test_validating_a_deep_chain_walks_each_link_a_bounded_number_of_times(tmp_path,
+                                                                          monkeypatch):
+    """Every version of a chain resolves its recipe and has its ancestors checked; with
+    each version's answer remembered, twice the depth reads the parent links about twice
+    as often (walking every version's ancestors anew: four times, 12.5 million reads at
+    5,000 deep)."""
+    shallow = parent_reads(tmp_path / "a", 40, monkeypatch)
+    deep = parent_reads(tmp_path / "b", 80, monkeypatch)
+    assert deep < 2.5 * shallow
+
+
+def test_the_benchmark_runs_at_its_smallest_size():
+    """bench/lineage.py as a smoke test: a chain of 12, every command and one launch."""
+    result = subprocess.run(
+        [sys.executable, str(BENCH), "--sizes", "12", "--shapes", "chain",
+         "--naive-up-to", "0"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    [row] = [line for line in result.stdout.splitlines() if line.startswith("chain")]
+    commands = len(bench_module().COMMANDS)
+    assert len(row.split(" s (")) == commands + 2  # each command and the launch, timed

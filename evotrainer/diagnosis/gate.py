@@ -105,12 +105,18 @@ def _family(
     """{role: {version, comparison, verdict, rule}} for every member of the comparison family,
     each interval at alpha / m and each p-value adjusted (Holm or Bonferroni): the family
     holds at `alpha` as a whole."""
-    members = references(ws, states, state, procedure.compare_with)
-    alpha = procedure.alpha / len(members)
+    scores = {}
+    for role, name in references(ws, states, state, procedure.compare_with).items():
+        try:
+            scores[role] = (name, recorded_scores(ws, name))
+        except EvoError:
+            if role == "parent":
+                raise
+            continue  # a reference never scored (an untrained root) is not in the family
+    alpha = procedure.alpha / len(scores)
     candidate = recorded_scores(ws, state.name)
-    family = {role: {"version": name,
-                     "comparison": procedure.compare(recorded_scores(ws, name), candidate, alpha)}
-              for role, name in members.items()}
+    family = {role: {"version": name, "comparison": procedure.compare(table, candidate, alpha)}
+              for role, (name, table) in scores.items()}
     roles = list(family)
     adjusted = adjust_p([family[r]["comparison"]["p_bootstrap"] for r in roles],
                         procedure.correction)

@@ -536,12 +536,15 @@ def _check_version(
             )
         )
         return None
-    doc = state.checked
-    if doc is None or doc.raw != state.spec_raw:
+    # What reading the branch found: the bytes checked valid before, or parsed (neither is
+    # looked up or parsed again); a state made from other bytes (the working tree's) is.
+    doc = state.checked if state.checked and state.checked.raw == state.spec_raw else None
+    parsed = state.parsed if state.parsed and state.parsed.raw == state.spec_raw else None
+    if doc is None and parsed is None:
         doc = specs.cached_valid(state.spec_raw, state.spec_source, "PolicyVersion", checked)
     if doc is None:
         try:
-            doc = specs.parse(state.spec_raw, state.spec_source)
+            doc = parsed or specs.parse(state.spec_raw, state.spec_source)
         except EvoError as err:
             problems.append(err)
             return None

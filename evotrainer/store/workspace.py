@@ -66,6 +66,9 @@ class VersionState:
     # The spec as a document found valid before (specs.cached_valid), when it was: what
     # validation reads instead of looking it up again.
     checked: specs.Document | None = field(default=None, repr=False, compare=False)
+    # Otherwise the spec as parsed when it was read (positions kept, duplicate keys refused),
+    # when it parsed: what validation checks instead of parsing the bytes a second time.
+    parsed: specs.Document | None = field(default=None, repr=False, compare=False)
 
     def copy(self) -> VersionState:
         """A copy whose spec and records can be changed without changing this one."""
@@ -263,9 +266,12 @@ class Workspace:
             state = VersionState(name, sha, None, source, raw)
             state.checked = raw and specs.cached_valid(raw, source, "PolicyVersion",
                                                        self.checked_dir) or None
+            if state.checked is None and raw is not None:
+                state.parsed = parsed_spec(raw, source)
             # `validate` reports a broken spec; listing goes on
             # (the data is shared with `checked`: callers get copies of this state)
-            spec = state.checked.data if state.checked else safe_yaml(raw, source)
+            known = state.checked or state.parsed
+            spec = known.data if known else safe_yaml(raw, source)
             state.spec = spec if isinstance(spec, dict) else None
             for f in RECORD_FILES:
                 kind, where = f.removesuffix(".yaml"), f"{ref}:{run_path(name, f)}"
@@ -532,6 +538,17 @@ def load_record(blob: bytes | None, source: str) -> dict | None:
         raise EvoError("a record must be a mapping", where=source,
                        hint="restore the record from the branch's history")
     return data
+
+
+def parsed_spec(raw: bytes, source: str) -> specs.Document | None:
+    """The spec document `raw` is, parsed as validation parses it (None: it does not parse;
+    `validate` says why)."""
+    try:
+        doc = specs.parse(raw, source)
+    except EvoError:
+        return None
+    doc.raw = raw
+    return doc
 
 
 def safe_yaml(blob: bytes | None, source: str = "<yaml>") -> Any:

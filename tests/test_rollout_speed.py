@@ -15,8 +15,7 @@ from test_real_model import PROBLEMS
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from evotrainer.domains import make_domain
-from evotrainer.engine import run_job
-from evotrainer.engine.grpo import engine_threads
+from evotrainer.engine import engine_threads, run_job
 from evotrainer.engine.model import build_tiny, char_tokenizer
 from evotrainer.engine.rollout import PACK_MIN_WEIGHTS, prepacked, sample_episodes
 from evotrainer.engine.scoring import Scoring

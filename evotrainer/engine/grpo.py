@@ -43,7 +43,7 @@ from evotrainer.contract.recipe import (
 )
 from evotrainer.contract.rollout import check_rollout
 from evotrainer.domains import Domain, Task, make_domain
-from evotrainer.engine import offline_environment
+from evotrainer.engine import engine_threads, offline_environment
 from evotrainer.engine.model import (
     AdapterOff,
     continued_model,
@@ -415,18 +415,6 @@ class Trainer:
 
 
 # ------------------------------------------------------------------------------- one job
-
-
-def engine_threads(requested: int | None) -> int:
-    """The recipe's `threads`, or for `threads: null` as many as this process may run on
-    (its CPU affinity) less the machine's load: on a loaded 2-core machine a batch-8 forward
-    ran 5.5x slower on 2 threads than on 1 (issue 30)."""
-    if requested is not None:
-        return requested
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    idle = (cores or 1) - os.getloadavg()[0]
-    return max(1, min(cores or 1, round(idle)))
-
 
 
 def run_job(

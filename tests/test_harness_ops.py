@@ -16,6 +16,9 @@ from typer.testing import CliRunner
 from evotrainer.agent.propose import propose
 from evotrainer.commands.harness import register
 from evotrainer.control.reconcile import load_context, plan
+from evotrainer.diagnosis.gate import decide, recorded_scores
+from evotrainer.diagnosis.harness import resolve_harness
+from evotrainer.diagnosis.stats import compare_tables
 from evotrainer.store.workspace import Workspace
 
 pytestmark = pytest.mark.usefixtures("standin")
@@ -153,6 +156,30 @@ def test_a_procedure_revision_flips_a_recorded_decision_and_diff_names_it(record
     assert lowered["gate"] == {"alpha": {"from": 0.05, "to": 0.01}}
     # v1's gain (Δ about +0.4) clears a 99% interval too: nothing flips, and the diff says so.
     assert lowered["changed_verdicts"] == []
+
+
+def test_a_revision_of_the_test_itself_reaches_the_gate_and_the_diff(recorded, harness_cli):
+    """Issue 29 B4: a revision that changes only how the gate tests (BCa intervals, tasks pooled
+    across data sources, fewer resamples) is diffed field by field, and the backtest's gate
+    decides under it: v1's recorded interval is recomputed by that procedure."""
+    doc = yaml.safe_load((recorded.root / "harness_versions" / "h0.yaml").read_text())
+    write_revision(recorded, "h7", gate={**doc["gate"], "ci_method": "bca", "strata": "none",
+                                         "resamples": 2000})
+    result = json.loads(harness_cli(recorded, "diff", "h0", "h7", "--json").output)
+    assert result["gate"] == {"ci_method": {"from": "percentile", "to": "bca"},
+                              "resamples": {"from": 10000, "to": 2000},
+                              "strata": {"from": "data_source", "to": "none"}}
+    revision = resolve_harness("h7", recorded.root)
+    assert (revision.procedure.ci_method, revision.procedure.stratified) == ("bca", False)
+    recorded_ci = recorded.version("v1").records["decision"]["comparison"]
+    states = recorded.versions()
+    redecided = decide(recorded, states, states["v1"], revision)["comparison"]
+    assert redecided["ci_method"] == "bca" and redecided["stratified"] is False
+    assert redecided["delta"] == pytest.approx(recorded_ci["delta"])  # the same scores
+    parent = states["v1"].parent
+    assert redecided == compare_tables(
+        recorded_scores(recorded, parent), recorded_scores(recorded, "v1"), B=2000,
+        ci_method="bca", stratified=False)
 
 
 def test_a_revised_early_stop_rule_is_replayed_over_the_recorded_runs(recorded, harness_cli):

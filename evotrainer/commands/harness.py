@@ -128,7 +128,7 @@ def register(app: typer.Typer) -> None:
         table = Table(title=f"harness diff {safe(old)} → {safe(new)}")
         for column in ("part", "added", "removed", "changed"):
             table.add_column(column, overflow="fold")
-        for part in ("metrics", "alerts", "gate_rules"):
+        for part in ("metrics", "alerts", "gate_rules", "analyzers"):
             entry = result[part]
             table.add_row(part, safe(", ".join(entry["added"])), safe(", ".join(entry["removed"])),
                           safe("; ".join(f"{n} ({', '.join(f)})"

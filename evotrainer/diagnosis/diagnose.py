@@ -31,7 +31,6 @@ from evotrainer.diagnosis.sql import (
     query_columns,
     rows_where,
 )
-from evotrainer.diagnosis.stats import compare_tables
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import (
     encode_tool_calls,
@@ -80,8 +79,9 @@ def parent_comparison(
     parent_scores: pa.Table, candidate_scores: pa.Table, harness: HarnessRevision
 ) -> dict:
     """The one comparison of a version with its parent: the diagnosis records it (the
-    version-layer metrics read it) and the gate decides on it, at the harness's `gate.alpha`."""
-    return compare_tables(parent_scores, candidate_scores, alpha=harness.alpha)
+    version-layer metrics read it) and the gate decides on it, under the harness's gate
+    procedure (`gate.alpha`, CI method, resamples, strata)."""
+    return harness.procedure.compare(parent_scores, candidate_scores)
 
 
 def diagnose(

@@ -139,11 +139,10 @@ def decide(
     harness: HarnessRevision,
     procedure: GateProcedure | None = None,
 ) -> dict:
-    """The decision record of `state`. `procedure` is the harness's gate procedure; None is
-    the method's default at the harness's alpha (a paired percentile bootstrap against the
-    parent, stratified by data_source), which decides exactly as the gate always has."""
-    default = GateProcedure(alpha=harness.alpha)
-    procedure = procedure or default
+    """The decision record of `state`. `procedure` (by default the harness's own) says how
+    to test; the method's default at the harness's alpha (a paired percentile bootstrap
+    against the parent, stratified by data_source) decides exactly as the gate always has."""
+    procedure = procedure or harness.procedure
     diagnosis = state.records["diagnosis"]
     metrics = metric_values(diagnosis)
     decision = decision_header(state, harness)
@@ -162,8 +161,8 @@ def decide(
     if procedure.compare_with != ("parent",):
         family = _family(ws, states, state, harness, procedure, diagnosis)
         comparison = family["parent"]["comparison"]
-    elif procedure != default:
-        # The diagnosis compared at the default procedure: this one tests differently.
+    elif procedure != harness.procedure:
+        # The diagnosis compared under the harness's procedure: this one tests differently.
         comparison = procedure.compare(recorded_scores(ws, parent.name),
                                        recorded_scores(ws, state.name))
     elif not comparison or (diagnosis.get("harness") or {}).get("digest") != harness.digest:

@@ -25,6 +25,7 @@ from typing import Any
 from evotrainer.diagnosis.analyzers import ANALYZERS
 from evotrainer.diagnosis.declared import DeclaredAnalyzer, declared_analyzer
 from evotrainer.diagnosis.sql import check_select, sql_params
+from evotrainer.diagnosis.stats import GateProcedure
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 from evotrainer.store import cel, specs
@@ -139,6 +140,9 @@ class HarnessRevision:
     source: str
     early_stop: tuple[EarlyStopRule, ...] = ()
     analyzers: tuple[DeclaredAnalyzer, ...] = ()
+    # How the gate tests a version (CI method, resamples, strata, comparison family): the
+    # revision's `gate:` fields, the method's paired bootstrap where they are absent.
+    procedure: GateProcedure = GateProcedure()
 
     def metric(self, name: str) -> Metric:
         return next(m for m in self.metrics if m.name == name)
@@ -293,6 +297,7 @@ class _Checker:
             metrics=metrics,
             alerts=alerts,
             gate_rules=rules,
+            procedure=GateProcedure.from_gate(gate),
             alpha=float(gate.get("alpha", 0.05)),
             min_delta=float(gate.get("min_delta", 0.0)),
             backtest_cases=tuple({"version": c["version"], "expect": c["expect"]}

@@ -23,6 +23,7 @@ from typing import Any
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
 from evotrainer.diagnosis.gate import decide, recorded_scores
 from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
+from evotrainer.diagnosis.stats import GateProcedure
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts, read_steps
 from evotrainer.evidence.layout import RunArtifacts
@@ -251,11 +252,6 @@ def adopt_harness(ws: Workspace, name: str) -> dict[str, Any]:
 
 
 # Revision fields `diff_harness` reports in their own sections (or that are not settings).
-_NOT_PROCEDURE = frozenset({"name", "description", "parent", "params", "metrics", "alerts",
-                            "gate_rules", "backtest_cases", "digest", "source", "early_stop",
-                            "analyzers"})
-
-
 def _by_name(items: tuple) -> dict[str, Any]:
     return {item.name: item for item in items}
 
@@ -272,6 +268,7 @@ def diff_harness(old: HarnessRevision, new: HarnessRevision) -> dict[str, Any]:
         ("metrics", old.metrics, new.metrics),
         ("alerts", old.alerts, new.alerts),
         ("gate_rules", old.gate_rules, new.gate_rules),
+        ("analyzers", old.analyzers, new.analyzers),
     ):
         a, b = _by_name(a_items), _by_name(b_items)
         out[kind] = {
@@ -286,12 +283,13 @@ def diff_harness(old: HarnessRevision, new: HarnessRevision) -> dict[str, Any]:
         for name, a_alert in _by_name(old.alerts).items()
         if (b_alert := _by_name(new.alerts).get(name)) and a_alert.levels != b_alert.levels
     }
-    # The gate procedure: alpha, min_delta and every field a revision adds beside them.
-    out["gate"] = {
-        key: {"from": getattr(old, key), "to": getattr(new, key)}
-        for key in (f.name for f in dataclasses.fields(HarnessRevision))
-        if key not in _NOT_PROCEDURE and getattr(old, key) != getattr(new, key)
+    # The gate procedure: min_delta and every field of the test (alpha, CI method, resamples,
+    # strata, the comparison family and its correction).
+    sides = {"min_delta": (old.min_delta, new.min_delta)} | {
+        f.name: (getattr(old.procedure, f.name), getattr(new.procedure, f.name))
+        for f in dataclasses.fields(GateProcedure)
     }
+    out["gate"] = {key: {"from": a, "to": b} for key, (a, b) in sides.items() if a != b}
     a_stop, b_stop = _by_name(old.early_stop), _by_name(new.early_stop)
     out["early_stop"] = {
         "added": sorted(set(b_stop) - set(a_stop)),

@@ -6,6 +6,18 @@ approve, unless the human approved this run's proposals up front (`--approve`, s
 within `max_total_steps`). An escalation (too many failed versions in a row) always goes
 back to a human, as the method's gates do. The whole loop holds the workspace lock, so no
 other reconcile interleaves with it.
+
+Harness revisions the planner proposes follow the same approval: under `mode: auto` or
+`--approve` the loop adopts one the way a reviewer would — only when its backtest flips no
+recorded verdict (its cases are the recorded verdicts; `adopt_harness` re-runs them) — as its
+own commit (Action: adopt-harness), before the round's versions train, so the revision
+diagnoses them; otherwise the loop stops and says what to adopt. A revision whose backtest
+fails stays on main for a human and the loop goes on without it.
+`harness_evolution=False` (`--no-harness-evolution`) keeps the harness in force as it is.
+
+After a promotion of a version that applied no library skill (a settings change, an LLM
+planner's proposal), the loop proposes it as a skill on `skill/<name>` for review
+(agent/skill_creation.py); a refusal is logged, never fatal.
 """
 
 from __future__ import annotations
@@ -16,10 +28,13 @@ from dataclasses import dataclass, field
 
 from evotrainer.agent.planners.base import PlannerResult
 from evotrainer.agent.propose import get_planner, propose
+from evotrainer.agent.skill_creation import propose_skill
 from evotrainer.backends import Backends
 from evotrainer.backends.base import Backend
 from evotrainer.control.reconcile import Reconciler, VersionPlan, load_context, within_budget
 from evotrainer.control.versions import approve
+from evotrainer.diagnosis.harness_backtest import adopt_harness
+from evotrainer.errors import EvoError
 from evotrainer.store.lineage import LineageRow, lineage_rows
 from evotrainer.store.lock import workspace_lock
 from evotrainer.store.workspace import Workspace
@@ -32,6 +47,8 @@ class Round:
     number: int
     result: PlannerResult
     approved: list[str] = field(default_factory=list)
+    adopted: list[str] = field(default_factory=list)  # harness revisions put in force
+    skills_proposed: list[str] = field(default_factory=list)  # skill/<name> branches
     outcomes: list[LineageRow] = field(default_factory=list)  # the proposals after reconcile
     stop: str | None = None  # why the loop ends after this round
 
@@ -53,6 +70,7 @@ def evolve(
     on_round: Callable[[Round], None] | None = None,
     on_wait: Callable[[list[VersionPlan]], None] | None = None,
     poll_s: float = 2.0,
+    harness_evolution: bool = True,
 ) -> list[Round]:
     """`on_proposed` sees each round once its proposals are written and approved (before they
     train), `on_round` once they have trained and been gated."""
@@ -64,17 +82,25 @@ def evolve(
     with workspace_lock(ws.state_dir / "lock", command):
         reconciler = Reconciler(ws, log=log, backends=backends)
         backends = reconciler.backends
+        # Promotions recorded before the loop are a human's to turn into skills; the loop
+        # offers the ones it sees happen (a hand-made version it trained included).
+        offered = _promoted(ws)
         reconciler.run(wait=True, poll_s=poll_s, on_wait=on_wait)
         for number in range(1, rounds + 1):
-            current = Round(number, propose(ws, planner, max_proposals))
+            current = Round(number, propose(ws, planner, max_proposals,
+                                            harness_evolution=harness_evolution))
             done.append(current)
+            adoption = _adopt(ws, current, mode == "auto" or approve_all, log)
             current.stop = _approve(ws, current, mode, approve_all, backends)
+            if adoption:
+                current.stop = f"{current.stop}; {adoption}" if current.stop else adoption
             if on_proposed:
                 on_proposed(current)
             if current.approved:
                 reconciler.run(wait=True, poll_s=poll_s, on_wait=on_wait)
                 rows = {r.name: r for r in lineage_rows(ws)}
                 current.outcomes = [rows[n] for n in current.approved if n in rows]
+                current.skills_proposed = _propose_skills(ws, offered, log)
             if on_round:
                 on_round(current)
             if current.stop:
@@ -112,3 +138,52 @@ def _approve(
                 f"approve by hand (evotrainer approve {waiting[0]}) or raise the budget")
     return (f"autonomy is human_gated: review and approve {', '.join(waiting)} "
             f"(evotrainer approve {waiting[0]}), or rerun with --approve")
+
+
+def _adopt(ws: Workspace, current: Round, allowed: bool, log: Callable[[str], None]
+           ) -> str | None:
+    """Adopt the round's harness revisions when autonomy allows; return what a human must
+    adopt when it does not."""
+    names = [h.name for h in current.result.harness]
+    if not names:
+        return None
+    if not allowed:
+        return (f"review harness revision {', '.join(names)} and adopt it "
+                f"(evotrainer harness adopt {names[0]}), or rerun with --approve")
+    for name in names:
+        try:
+            report = adopt_harness(ws, name)  # re-runs the backtest; refuses a flipped case
+        except EvoError as err:
+            log(f"harness {name} not adopted: {err.message}; it stays on main for review")
+            continue
+        # The project spec changed on main under this Workspace: its cached copy would keep
+        # the reconcile of this round diagnosing with the revision just replaced.
+        ws.__dict__.pop("project", None)
+        current.adopted.append(name)
+        log(f"adopted harness {name}: backtest cases {len(report['cases'])}/"
+            f"{len(report['cases'])} pass, versions that change: "
+            f"{', '.join(report['changed']) or 'none'}")
+    return None
+
+
+def _promoted(ws: Workspace) -> set[str]:
+    return {n for n, s in ws.versions().items()
+            if (s.records.get("decision") or {}).get("verdict") == "promote"}
+
+
+def _propose_skills(ws: Workspace, offered: set[str], log: Callable[[str], None]
+                    ) -> list[str]:
+    """Propose each version promoted since the loop began (and not yet offered) that applied
+    no library skill as a new skill; one the library already describes, or that cannot be a
+    skill (no alert motivated it), is logged and skipped: the loop goes on."""
+    states = ws.versions()
+    branches = []
+    for name in sorted(_promoted(ws) - offered):
+        offered.add(name)
+        if ((states[name].spec or {}).get("intervention") or {}).get("skills"):
+            continue  # its evidence goes on the library skills it applied (reconcile)
+        try:
+            branches.append(propose_skill(ws, name)["branch"])
+        except EvoError as err:
+            log(f"no skill proposed from {name}: {err.message}")
+    return branches

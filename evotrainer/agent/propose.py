@@ -7,11 +7,13 @@ from evotrainer.errors import EvoError
 from evotrainer.store.workspace import Workspace
 
 
-def get_planner(name: str) -> Planner:
+def get_planner(name: str, *, harness_evolution: bool = True) -> Planner:
+    """`harness_evolution=False`: the planner proposes policy versions only (the rules
+    planner still notes the gaps it sees, so a run says what a revision would have answered)."""
     if name == "rules":
         from evotrainer.agent.planners.rules import RulesPlanner
 
-        return RulesPlanner()
+        return RulesPlanner(harness_evolution=harness_evolution)
     if name == "score":
         from evotrainer.agent.planners.score import ScorePlanner
 
@@ -24,9 +26,16 @@ def get_planner(name: str) -> Planner:
                    hint=f"one of {', '.join(PLANNERS)}")
 
 
-def propose(ws: Workspace, planner: str | None = None, max_proposals: int = 1) -> PlannerResult:
-    """Run a planner over fresh views of the workspace and write what it proposes."""
+def propose(ws: Workspace, planner: str | None = None, max_proposals: int = 1, *,
+            harness_evolution: bool = True) -> PlannerResult:
+    """Run a planner over fresh views of the workspace and write what it proposes. With
+    `harness_evolution` off no harness revision is written, whichever planner drafted one."""
     name = planner or (ws.project.get("planner") or {}).get("name", "rules")
-    result = get_planner(name).propose(View.load(ws), max_proposals)
+    result = get_planner(name, harness_evolution=harness_evolution).propose(
+        View.load(ws), max_proposals)
+    if not harness_evolution and result.harness:
+        result.notes += [f"harness evolution is off: revision {h.name} not written"
+                         for h in result.harness]
+        result.harness = []
     write_proposals(ws, result)
     return result

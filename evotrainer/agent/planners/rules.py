@@ -26,8 +26,9 @@
    change disjoint settings (the method's controlled multi-factor option); a **revert**
    undoes the change of a version on the base's chain whose gate said revert or recorded a
    regression.
-8. The harness evolves when a diagnostic gap fires (diagnosis/gaps.py): (a) an outcome no
-   metric outside the score layer explains, (b) skills firing on the same evidence that no
+8. The harness evolves when a diagnostic gap fires (diagnosis/gaps.py; with
+   `harness_evolution` off the gap is only noted): (a) an outcome no metric outside the score
+   layer explains, (b) skills firing on the same evidence that no
    recorded number ranks, (c) no trigger and a stalled frontier. The revision adds the
    catalogue metric (diagnosis/catalogue.py) that discriminates that gap — (a) the one that
    best separates the version from its parent on the recorded rollouts, (b) one whose
@@ -107,6 +108,11 @@ class _Fired:
 
 class RulesPlanner:
     name = "rules"
+
+    def __init__(self, *, harness_evolution: bool = True) -> None:
+        # Off: gaps are still detected and noted, but no revision is drafted (the gym's
+        # `rules-no-harness` arm, `evotrainer evolve --no-harness-evolution`).
+        self.harness_evolution = harness_evolution
 
     def propose(self, view: View, max_proposals: int) -> PlannerResult:
         result = PlannerResult()
@@ -528,6 +534,9 @@ class RulesPlanner:
         for gap in gaps:
             result.notes.append(f"gap {gap.kind} on {gap.version}: {gap.reason}")
         if not gaps:
+            return None
+        if not self.harness_evolution:
+            result.notes.append("harness evolution is off: no revision proposed for the gap(s)")
             return None
         defined = set()
         for name in view.ws.harness_names():

@@ -266,3 +266,34 @@ def test_a_proposal_cites_what_retrieve_returned_and_records_the_search_trace(le
                               "domain": "toolenv"}
     assert trace["sources"] == ["workspace toolenv-demo"]
     assert picked["cite"] in trace["retrieved"]
+
+
+def test_the_model_may_declare_an_analyzer_and_a_hostile_one_is_refused(leaky, monkeypatch):
+    """Issue 29 B3: an LLM-written analyzer is data in the revision: a program that imports
+    os is refused with the reason sent back to the model; a standard-library function over
+    declared columns is backtested and committed in the revision a reviewer reads."""
+    long_turns = ("def long_turns(rows, params):\n"
+                  "    turns = rows['turns']\n"
+                  "    return sum(t > 2 for t in turns) / max(len(turns), 1)\n")
+    declared = {"name": "long_turns", "inputs": ["turns"], "output": {"kind": "scalar"},
+                "python": long_turns}
+    metric = {"name": "long_turn_share", "layer": "behavior", "split": "train",
+              "analyzer": {"name": "long_turns"}}
+    hostile = {**declared, "python": "import os\ndef long_turns(rows, params):\n"
+               "    return os.system('id')\n"}
+    script = [
+        message(tool_use("propose_harness_revision", rationale="share of long episodes",
+                         metrics=[metric], analyzers=[hostile])),
+        message(tool_use("propose_harness_revision", rationale="share of long episodes",
+                         metrics=[metric], analyzers=[declared])),
+        message(text("done")),
+    ]
+    with serve(monkeypatch, script) as api:
+        result = propose(leaky, "anthropic", 1)
+    refusal = json.dumps(tool_results(api.requests[1]))
+    assert "long_turns" in refusal and "import" in refusal
+    [harness] = result.harness
+    committed = leaky.git.read("main", f"harness_versions/{harness.name}.yaml").decode()
+    assert "def long_turns(rows, params):" in committed and "os.system" not in committed
+    assert any(r["new_metric_values"].get("long_turn_share") is not None
+               for r in harness.backtest["versions"])

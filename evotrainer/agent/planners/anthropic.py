@@ -38,7 +38,14 @@ import jinja2
 import jsonschema
 
 from evotrainer import API_VERSION
-from evotrainer.agent.planners.base import HarnessProposal, PlannerResult, Proposal, View, next_name
+from evotrainer.agent.planners.base import (
+    HarnessProposal,
+    PlannerResult,
+    Proposal,
+    View,
+    next_name,
+    policy_violation,
+)
 from evotrainer.agent.retrieval import Query, SearchTrace, retrieve
 from evotrainer.diagnosis.gate import metric_values
 from evotrainer.diagnosis.harness import (
@@ -147,12 +154,15 @@ TOOLS: list[dict[str, Any]] = [
          "cites": {"type": "array", "items": _STR, "maxItems": MAX_RETRIEVED}},
          "parent", "rationale", "hypothesis", "criterion")},
     {"name": "propose_harness_revision", "description": "Propose a harness revision: the "
-     "revision in force plus new metrics (SQL or registered analyzers) and alerts, with "
-     "backtest cases ({version, expect}). It is backtested on every recorded version; "
+     "revision in force plus new metrics (SQL, a registered analyzer, or one of the "
+     "`analyzers` it declares: {name, inputs, output: {kind}, rows, sql | python}, python "
+     "being one standard-library function f(rows, params) run in the sandbox) and alerts, "
+     "with backtest cases ({version, expect}). It is backtested on every recorded version; "
      "failing cases reject it.",
      "input_schema": _inputs({
          "metrics": {"type": "array", "items": {"type": "object"}},
          "alerts": {"type": "array", "items": {"type": "object"}},
+         "analyzers": {"type": "array", "items": {"type": "object"}, "maxItems": 3},
          "backtest_cases": {"type": "array", "items": {"type": "object"}},
          "rationale": _STR},
          "metrics", "rationale")},
@@ -444,27 +454,24 @@ class _Tools:
             raise EvoError(f"cites {unknown_cites[0]!r}, which no retrieve call of this "
                            "decision returned; cite a retrieved item's `cite` as given")
         state = view.ws.version(parent, view.states)
-        if view.failed(parent) or parent in view.pruned:
-            raise EvoError(f"parent {parent} failed; branch from a good version such as "
-                           f"{self.frontier}")
         skills = [str(s) for s in skills or []]
+        settings = dict(settings or {})
+        factors = {_factor(key) for key in settings}
+        if len(factors) > 1:
+            raise EvoError("one factor per version: settings of one allowed key "
+                           f"(got keys {sorted(factors)})")
+        # The proposal policy every planner's proposals pass (failed parent, negative and
+        # refuted skills, one factor), asked here too so the model hears why at once.
+        violation = policy_violation(view, Proposal(parent, rationale, skills=skills,
+                                                    settings=sorted(settings)))
+        if violation:
+            raise EvoError(violation, hint=f"the frontier is {self.frontier}")
         parent_recipe = view.ws.resolved_recipe(parent, view.states)
         for name in skills:
-            skill = get_skill(view.skills, name)
-            if skill.negative:
-                raise EvoError(f"skill {name!r} is known to hurt (negative evidence)")
-            resolution = resolve_skill(skill, parent_recipe)
+            resolution = resolve_skill(get_skill(view.skills, name), parent_recipe)
             if not resolution.changes:
                 raise EvoError(f"skill {name!r} changes nothing on {parent}'s recipe "
                                f"({resolution.reason}); pick another factor")
-        refuted = sorted(view.refuted_skills(self.frontier).keys() & set(skills))
-        if refuted:
-            raise EvoError(f"already refuted on this lineage: {', '.join(refuted)}")
-        settings = dict(settings or {})
-        factors = {_factor(key) for key in settings}
-        if len(skills) + len(factors) > 1:
-            raise EvoError("one factor per version: one skill, or settings of one allowed key "
-                           f"(got skills {skills} and keys {sorted(factors)})")
         for text in (rationale, hypothesis, criterion):
             if not isinstance(text, str) or not text.strip():
                 raise EvoError("rationale, hypothesis and criterion must be non-empty text")
@@ -511,7 +518,8 @@ class _Tools:
 
     def tool_propose_harness_revision(self, metrics: list, rationale: str,
                                       alerts: list | None = None,
-                                      backtest_cases: list | None = None) -> dict:
+                                      backtest_cases: list | None = None,
+                                      analyzers: list | None = None) -> dict:
         view = self.view
         if self.harness:
             raise EvoError("one harness revision per decision")
@@ -525,6 +533,8 @@ class _Tools:
                     "metrics": [*base.get("metrics", []), *metrics],
                     "alerts": [*base.get("alerts", []), *(alerts or [])],
                     "backtest_cases": list(backtest_cases or [])}
+        if analyzers:  # checked like any revision's: contract, SQL lockdown, Python load check
+            document["analyzers"] = [*base.get("analyzers", []), *analyzers]
         revision = parse_harness(document, source=f"proposed harness_versions/{name}.yaml")
         report = backtest_harness(view.ws, revision, view.harness)
         if not report["passed"]:

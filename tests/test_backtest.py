@@ -250,3 +250,28 @@ def test_a_run_record_pointing_elsewhere_cannot_feed_the_backtest(trained, cli, 
               cwd=trained.root)
     assert out.exit_code == 1
     assert "artifact_dir" in out.output and "Traceback" not in out.output
+
+
+def test_dual_level_backtest_excludes_anomalous_trajectories_before_the_group_test() -> None:
+    """Issue 29 C9 in the backtest, as the engine applies it: idle rollouts (no action on the
+    task, wrong) leave their group first. Group `c` is alive only through its idle members;
+    without them it is all correct, so dual_level drops it where the group test alone keeps it."""
+    act = [{"name": "compare", "args": "5"}]
+
+    def multi(group: str, reward: float, acted: bool) -> dict:
+        return {**row(group, reward), "turns": 3 if acted else 1,
+                "tool_calls": act if acted else []}
+
+    rows = ([multi("a", 1.0, True), multi("a", 0.0, True), multi("a", 0.0, False),
+             multi("a", 0.0, False)]
+            + [multi("b", 0.0, True) for _ in range(4)]
+            + [multi("c", 1.0, True), multi("c", 1.0, True), multi("c", 0.0, False),
+               multi("c", 0.0, False)])
+    dual = backtest_filter(table(rows), "dual_level")
+    assert dual["kept_groups"] == 1  # a: [1, 0] after its idle members left; b dead; c [1, 1]
+    assert sum(dual["excluded_trajectories"].values()) == 4
+    alone = backtest_filter(table(rows), "std_group_filter")
+    assert alone["kept_groups"] == 2 and alone["excluded_trajectories"] == {}
+    # A single-turn table (no calls, one turn) has no actions to miss: nothing is excluded.
+    single = backtest_filter(scored_groups(), "dual_level")
+    assert single["excluded_trajectories"] == {}

@@ -15,6 +15,7 @@ definition every `dead_group_ratio` uses (evidence/groups.py).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from evotrainer.contract.filters import make_filter
+from evotrainer.contract.filters import Trajectory, filter_batch, make_filter
 from evotrainer.diagnosis.skills import Skill
 from evotrainer.domains import JudgedDomain, ServedEndpoint, make_domain
 from evotrainer.domains.judge import COMPONENT_PREFIX
@@ -59,6 +60,21 @@ def _groups(table: pa.Table) -> dict[GroupKey, list[int]]:
     ordered = sorted((k for k, rows in groups.items() if len(rows) >= 2),
                      key=lambda k: (k[0], k[1], k[2]))  # stable: keeps the order within a step
     return {k: groups[k] for k in ordered}
+
+
+def _trajectories(table: pa.Table) -> list[Trajectory]:
+    """What the trajectory level reads of each row. A table none of whose rollouts called a
+    tool or took a second turn is a single-turn domain's: its rules about acting on the task
+    do not apply (turns and calls None), as the engine passes them."""
+    calls = table["tool_calls"].to_pylist()
+    turns = table["turns"].to_pylist()
+    multi_turn = any(calls) or any((t or 0) > 1 for t in turns)
+    return [
+        Trajectory(correct or 0.0, t if multi_turn else None, (c or []) if multi_turn else None,
+                   truncated)
+        for correct, t, c, truncated in zip(table["correct"].to_pylist(), turns, calls,
+                                            table["truncated"].to_pylist(), strict=True)
+    ]
 
 
 def _stds(values: np.ndarray, groups: Mapping[GroupKey, list[int]]) -> np.ndarray:
@@ -211,12 +227,21 @@ def backtest_filter(
     for key in groups:
         batches.setdefault(key[:3], []).append(key)
     filters: dict[tuple[str, int], Any] = {}
+    trajectories = _trajectories(table)
     keep: list[bool] = []
     step_ratios: list[float] = []
+    excluded: Counter = Counter()
     for (version, seed, _step), keys in batches.items():
         if (version, seed) not in filters:
             filters[(version, seed)] = make_filter(spec)
-        mask = filters[(version, seed)].keep([rewards[groups[k]] for k in keys])
+        # Both levels, as the engine applies them: a trajectory-level filter (dual_level)
+        # takes anomalous rollouts out before the group test.
+        decision = filter_batch(
+            filters[(version, seed)], [rewards[groups[k]] for k in keys],
+            [[trajectories[i] for i in groups[k]] for k in keys],
+        )
+        excluded += decision.reasons
+        mask = decision.keep_groups
         keep += [bool(x) for x in mask]
         step_ratios.append(float(np.mean(mask)))
     thresholds = [f.threshold() for f in filters.values() if hasattr(f, "threshold")]
@@ -239,6 +264,7 @@ def backtest_filter(
         "dead_group_ratio_after": _ratio(int((dead & kept).sum()), int(kept.sum())),
         "reward_spread_before": _mean(stds),
         "reward_spread_after": _mean(stds[kept]),
+        "excluded_trajectories": dict(sorted(excluded.items())),
         # The adaptive std threshold at the end of the replay, averaged over runs.
         "final_threshold": float(np.mean(thresholds)) if thresholds else None,
     }

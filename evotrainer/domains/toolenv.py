@@ -19,6 +19,12 @@ like those demonstrations and it keeps repeating until the turn budget runs out:
 rollout that calls the same tool with the same arguments turn after turn (what h1's
 `echo_repeat_ratio` counts). The `no_repeat` reward component (the share of actions that are
 not a repeat of the one before) gives GRPO a signal against it even in groups that all fail.
+
+`idle_demo_rate` (default 0) plants idle failure: that share of demonstrations answers at once
+with a guess drawn from the range, without a single compare, so the warm-started policy often
+ends the episode without any action on the task and fails (the catalogue's
+`idle_failure_rate`; h0 has no alert for it). The `partial` component (closeness of the final
+answer) ranks a searched answer above a blind guess even in groups that all fail.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ class ToolEnvDomain(Domain):
         "widths": [16, 32],
         "reveal_demo_rate": 0.15,
         "echo_demo_rate": 0.0,
+        "idle_demo_rate": 0.0,
     }
     default_environment: dict[str, Any] = {
         "max_turns": 8,
@@ -94,6 +101,9 @@ class ToolEnvDomain(Domain):
                                  "description": "e.g. reveal_demo_rate: 0.15"},
             "echo_demo_rate": {"type": "number", "minimum": 0, "maximum": 1,
                                "description": "e.g. echo_demo_rate: 0.3"},
+            "idle_demo_rate": {"type": "number", "minimum": 0, "maximum": 1,
+                               "description": "share of demonstrations that answer a blind "
+                               "guess without acting, e.g. idle_demo_rate: 0.4"},
         },
         "additionalProperties": False,
     }
@@ -130,6 +140,10 @@ class ToolEnvDomain(Domain):
 
     def demonstration(self, task: Task, rng: random.Random) -> Demonstration:
         lo, hi, hidden = task.meta["lo"], task.meta["hi"], int(task.answer)
+        # Drawn only when idle demonstrations are on, so the default draws what it always did.
+        idle_rate = self.params["idle_demo_rate"]
+        if idle_rate and rng.random() < idle_rate:
+            return [(f"={rng.randint(lo, hi)};", True)]
         reveal_after = rng.randrange(3) if rng.random() < self.params["reveal_demo_rate"] else -1
         # An echo demonstration repeats its first, second or third compare and never answers.
         # Drawn only when echoes are on: the default keeps every demonstration (and so every

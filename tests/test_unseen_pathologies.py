@@ -1,0 +1,108 @@
+"""The autonomy gym's unseen pathologies (bench/autonomy.py `idle`, `echo_h0`) on planted
+stand-in runs: h0 raises no alert and no library skill fires on its diagnosis, while the
+catalogue metric a harness revision would add alerts on them — and not on the same run
+without the pathology — and a library skill reads that alert."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from standin import standin_settings
+from standin_planted import PlantedBackend, converge
+
+from evotrainer.agent.planners.rules import _with_metric
+from evotrainer.backends import BACKEND_TYPES
+from evotrainer.commands.init import init_workspace
+from evotrainer.control.versions import approve, new_version
+from evotrainer.diagnosis.catalogue import catalogue
+from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
+from evotrainer.diagnosis.harness import parse_harness, resolve_harness
+from evotrainer.diagnosis.replay import version_rollouts
+from evotrainer.diagnosis.skills import match, workspace_library
+from evotrainer.store.specs import load_yaml
+from evotrainer.store.workspace import Workspace
+
+pytestmark = pytest.mark.usefixtures("standin")
+
+# setup → (planted params, extra settings, the catalogue metric that sees it, its alert, the
+# library skill whose trigger reads that alert)
+CASES = {
+    "idle": ({"planted_idle": 0.4}, [], "idle_failure_rate", "idle_failure",
+             "act-before-answering"),
+    # A quarter of the rollouts loop for 12 calls: h0's same-tool streak (max-turns-cap fires
+    # on a mean over 4.0) is 0.25 × 12 + 0.75 × 1 = 3.75. At 40% looping it is 5.4 and h0
+    # sees the loops through that streak: this setup is unseen only while loops are rarer.
+    "echo_h0": ({"planted_loop": 0.25}, ["environment.max_turns=24"], "tool_limit_ratio",
+                "turn_budget", "repeat-penalty-at-turn-limit"),
+}
+SHARE = {"idle": 0.4, "echo_h0": 0.25}
+
+
+def planted_run(tmp_path, monkeypatch, params: dict, settings: list[str]) -> Workspace:
+    monkeypatch.setitem(BACKEND_TYPES, "local", PlantedBackend)
+    ws = Workspace(init_workspace(tmp_path, "toolenv"))
+    # No leak (the stand-in's calls are compares) and a policy half right on the rest.
+    new_version(ws, "v1", "v0", rationale="planted",
+                settings=standin_settings(standin_skill=0.6, **params) + settings)
+    approve(ws, "v1", by="tester")
+    converge(ws)
+    return ws
+
+
+def diagnosis_with(ws: Workspace, harness) -> dict:
+    rollouts = version_rollouts(ws, "v1").parent
+    return diagnosis_document(diagnose(rollouts, None, harness), "v1")
+
+
+def with_catalogue_metric(ws: Workspace, metric: str):
+    """h0 plus one catalogue metric and its alert, as the rules planner writes a revision."""
+    [entry] = [e for e in catalogue() if e.metric["name"] == metric]
+    source = resolve_harness("h0", ws.root).source
+    h0 = load_yaml(Path(source).read_bytes(), source)
+    return parse_harness(_with_metric(h0, entry, "h0-plus", ws.resolved_recipe("v1")))
+
+
+def fired(ws: Workspace, diagnosis: dict) -> list[str]:
+    recipe = ws.resolved_recipe("v1")
+    return [m.skill.name for m in match(workspace_library(ws), diagnosis, domain="toolenv",
+                                        recipe=recipe, patch_base=recipe)]
+
+
+@pytest.mark.parametrize("setup", sorted(CASES))
+def test_h0_cannot_see_it_and_the_catalogue_metric_can(setup, tmp_path, monkeypatch):
+    params, settings, metric, alert, skill = CASES[setup]
+    ws = planted_run(tmp_path / "planted", monkeypatch, params, settings)
+    h0 = ws.version("v1").records["diagnosis"]  # reconcile's, with h0
+    assert h0["harness"]["name"] == "h0"
+    assert h0["alerts"] == []
+    assert fired(ws, h0) == []
+
+    seen = diagnosis_with(ws, with_catalogue_metric(ws, metric))
+    assert seen["metrics"][metric]["value"] == pytest.approx(SHARE[setup], abs=0.06)
+    assert [a["name"] for a in seen["alerts"]] == [alert]
+    assert skill in fired(ws, seen)
+
+    clean = planted_run(tmp_path / "clean", monkeypatch, {k: 0.0 for k in params}, settings)
+    unseen = diagnosis_with(clean, with_catalogue_metric(clean, metric))
+    assert unseen["metrics"][metric]["value"] == 0.0 and unseen["alerts"] == []
+
+
+def test_idle_demonstrations_are_planted_only_when_asked():
+    import random
+
+    from evotrainer.domains.toolenv import ToolEnvDomain
+
+    def demos(params: dict) -> list:
+        domain = ToolEnvDomain(params)
+        domain.validate_params()
+        return [domain.demonstration(domain.task_at(i), random.Random(i)) for i in range(400)]
+
+    # Absent and 0 draw nothing more: the warm start's demonstrations are today's.
+    assert demos({}) == demos({"idle_demo_rate": 0.0})
+    assert all(len(d) > 1 for d in demos({}))
+    planted = demos({"idle_demo_rate": 0.4})
+    idle = [d for d in planted if len(d) == 1]
+    assert 0.33 < len(idle) / len(planted) < 0.47
+    # An idle demonstration answers at once, a guess inside the task's range: no action.
+    assert all(text.startswith("=") and text.endswith(";") and acts for [(text, acts)] in idle)

@@ -142,10 +142,11 @@ def bench_bound(model: torch.nn.Module, batch: int) -> dict[str, float]:
 # ---------------------------------------------------------------------------- the samplers
 
 
-def contenders(model: Any, tokenizer: Any, args: argparse.Namespace, report: dict) -> dict[
-    str, Callable[[list[list[int]], list[int]], list[Generation]]
-]:
-    """Every engine that can run here, as f(contexts, stops) -> generations."""
+def contenders(
+    model: Any, tokenizer: Any, args: argparse.Namespace, report: dict, closers: list[Callable]
+) -> dict[str, Callable[[list[list[int]], list[int]], list[Generation]]]:
+    """Every engine that can run here, as f(contexts, stops) -> generations; what must be
+    closed afterwards (vLLM's private checkpoint copy) goes to `closers`."""
     budget, pad = args.tokens, tokenizer.pad_token_id
 
     def builtin(contexts: list[list[int]], stops: list[int]) -> list[Generation]:
@@ -174,6 +175,7 @@ def contenders(model: Any, tokenizer: Any, args: argparse.Namespace, report: dic
 
         start = time.perf_counter()
         sampler = VllmSampler(model, tokenizer, 0, log=lambda _: None)
+        closers.append(sampler.close)
         report["vllm_startup_s"] = time.perf_counter() - start
         engines["vllm"] = lambda contexts, stops: sampler(contexts, stops, budget, 1.0, 1.0, pad)
     if HAS_LLAMACPP and "llamacpp" in args.engines and not args.model_path:
@@ -208,19 +210,25 @@ def bench_sampling(args: argparse.Namespace, report: dict) -> dict:
     tasks = [t for t in train[: args.prompts] for _ in range(args.group)]
     contexts = [prompt_ids(tokenizer, t.prompt, chat=True) for t in tasks]
     stops = stop_ids(tokenizer, domain, model)
-    engines = contenders(model, tokenizer, args, report)
+    closers: list[Callable] = []
+    engines = contenders(model, tokenizer, args, report, closers)
     rates: dict[str, list[float]] = {name: [] for name in engines}
     bounds = []
-    for round_ in range(args.rounds):
-        # The bound is measured again each round: a shared machine's load moves it too.
-        bounds.append(bench_bound(model, len(contexts)))
-        order = list(engines) if round_ % 2 == 0 else list(reversed(engines))
-        for name in order:
-            torch.manual_seed(round_)
-            start = time.perf_counter()
-            with torch.no_grad():
-                gens = engines[name](contexts, stops)
-            rates[name].append(sum(len(g.tokens) for g in gens) / (time.perf_counter() - start))
+    try:
+        for round_ in range(args.rounds):
+            # The bound is measured again each round: a shared machine's load moves it too.
+            bounds.append(bench_bound(model, len(contexts)))
+            order = list(engines) if round_ % 2 == 0 else list(reversed(engines))
+            for name in order:
+                torch.manual_seed(round_)
+                start = time.perf_counter()
+                with torch.no_grad():
+                    gens = engines[name](contexts, stops)
+                rates[name].append(
+                    sum(len(g.tokens) for g in gens) / (time.perf_counter() - start))
+    finally:
+        for close in closers:
+            close()
     report["bound"] = bounds[0] | {
         key: median([b[key] for b in bounds])
         for key in ("gemm_gflops", "copy_gb_s", "bound_tokens_per_s")

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from evotrainer.contract.filters import make_filter
+from evotrainer.contract.filters import Trajectory, filter_batch, make_filter
 from evotrainer.contract.recipe import (
     check_recipe,
     environment_config,
@@ -42,8 +42,9 @@ from evotrainer.contract.recipe import (
     model_start,
 )
 from evotrainer.contract.rollout import check_rollout
-from evotrainer.domains import Domain, Task, make_domain
+from evotrainer.domains import Domain, Task, judge_records, make_domain
 from evotrainer.engine import engine_threads, offline_environment
+from evotrainer.engine.judge_servers import served_judges
 from evotrainer.engine.model import (
     AdapterOff,
     continued_model,
@@ -299,8 +300,27 @@ class Trainer:
         scored_at = time.perf_counter()
         grouped = rewards.reshape(len(tasks), size)
         advantages = group_advantages(grouped, self.g["normalize_std"]).reshape(-1)
-        keep_groups = self.group_filter.keep(list(grouped))
-        keep = np.repeat(keep_groups, size)
+        # Both filter levels: a trajectory rule (dual_level's idle, abandoned, echo-trap and
+        # truncated rollouts) takes members out of their group before the group test.
+        multi_turn = self.env_config is not None
+        trajectories = [
+            Trajectory(s.correct, e.turns if multi_turn else None,
+                       e.tool_calls if multi_turn else None, e.finish_reason == "length")
+            for e, s in zip(episodes, scores, strict=True)
+        ]
+        decision = filter_batch(
+            self.group_filter, list(grouped),
+            [trajectories[i * size:(i + 1) * size] for i in range(len(tasks))],
+        )
+        for i, out in enumerate(decision.excluded):
+            if out.any():  # advantages over the members left (one alone has no spread)
+                advantages[i * size:(i + 1) * size] = 0.0
+                left = np.flatnonzero(~out)
+                if left.size > 1:
+                    advantages[i * size + left] = group_advantages(
+                        grouped[i, left][None, :], self.g["normalize_std"])[0]
+        keep_groups = decision.keep_groups
+        keep = decision.sample_mask()
         stats: dict[str, float] = {}
         if keep.any():
             kept = [e for e, k in zip(episodes, keep, strict=True) if k]
@@ -321,6 +341,7 @@ class Trainer:
             "correct_mean": float(np.mean([s.correct for s in scores])),
             "dead_group_ratio": dead_group_ratio(grouped),
             "kept_group_ratio": float(keep_groups.mean()),
+            "excluded_ratio": float(np.concatenate(decision.excluded).mean()),
             "response_tokens_mean": sampled / len(episodes),
             "truncated_ratio": float(np.mean([e.finish_reason != "stop" for e in episodes])),
             "time_per_step": elapsed,
@@ -461,16 +482,24 @@ def run_job(
     sampler: Sampler | None = None
     try:
         check_job_start(recipe)
-        domain = make_domain(recipe["domain"])
-        for index, seed in enumerate(recipe["seeds"]):
-            trainer = Trainer(recipe, seed, domain, outputs, log, cache_root, sampler)
-            sampler = trainer.sampler  # one vLLM engine for all the job's seeds
-            result["warm_start"][str(seed)] = trainer.warm_start
-            result["val_avg_by_seed"][str(seed)] = trainer.run()
-            result["steps_done"] = recipe["grpo"]["steps"]
-            save_checkpoint(
-                trainer.model, trainer.tokenizer, out_dir / seed_checkpoint_name(index, seed)
-            )
+        judges = recipe["reward"].get("judges")
+        # serve: judges get a server for the run's duration; their replies are cached beside
+        # the warm starts, keyed by the judge's identity.
+        with served_judges(judges, out_dir / "judges", cache_root, log) as endpoints:
+            domain = make_domain(recipe["domain"], judges, cache_dir=cache_root / "judges",
+                                 endpoints=endpoints)
+            try:
+                for index, seed in enumerate(recipe["seeds"]):
+                    trainer = Trainer(recipe, seed, domain, outputs, log, cache_root, sampler)
+                    sampler = trainer.sampler  # one vLLM engine for all the job's seeds
+                    result["warm_start"][str(seed)] = trainer.warm_start
+                    result["val_avg_by_seed"][str(seed)] = trainer.run()
+                    result["steps_done"] = recipe["grpo"]["steps"]
+                    save_checkpoint(trainer.model, trainer.tokenizer,
+                                    out_dir / seed_checkpoint_name(index, seed))
+            finally:  # the judges' identity and counts, a failed run's too
+                if judges:
+                    result["judges"] = judge_records(domain)
         result["val_avg"] = float(np.mean(list(result["val_avg_by_seed"].values())))
         result["status"] = "ok"
     except Stopped as exc:  # cancel or an early stop: a stop, with its cause, not a failure

@@ -1,10 +1,11 @@
 """Issue 30 A2/A3 on the built-in engine: prepacked weights sample the same distribution and
 leave the tiny models' kernels alone; scoring beside the sampler gives exactly the serial
 scores and starts before the batch is done; the step is split into sampling, scoring and
-training; `threads: null` follows the machine's cores and load."""
+training; `threads: auto` follows the machine's cores and load."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -14,6 +15,9 @@ from test_engine import read_rows
 from test_real_model import PROBLEMS
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from evotrainer.backends.base import JobSpec
+from evotrainer.backends.local import LocalBackend
+from evotrainer.contract.typed import Recipe
 from evotrainer.domains import make_domain
 from evotrainer.engine import engine_threads, run_job
 from evotrainer.engine.model import build_tiny, char_tokenizer
@@ -138,12 +142,21 @@ def test_a_run_scored_by_workers_records_the_serial_run_and_splits_its_steps(tmp
             split["time_per_step"])
 
 
-def test_threads_null_follows_the_cores_and_the_load(monkeypatch):
+def test_threads_null_follows_the_cores_and_the_load(monkeypatch, tmp_path):
     assert engine_threads(3) == 3  # the recipe's number wins
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1, 2, 3})
     monkeypatch.setattr("os.getloadavg", lambda: (0.2, 0.0, 0.0))
-    assert engine_threads(None) == 4
+    assert engine_threads("auto") == 4
     monkeypatch.setattr("os.getloadavg", lambda: (2.6, 0.0, 0.0))
-    assert engine_threads(None) == 1
+    assert engine_threads("auto") == 1
     monkeypatch.setattr("os.getloadavg", lambda: (11.0, 0.0, 0.0))  # loaded: never below one
-    assert engine_threads(None) == 1
+    assert engine_threads("auto") == 1
+    # The typed recipe and a local job's environment follow it; absent (an override's null)
+    # keeps its old meaning, one thread.
+    monkeypatch.setattr("os.getloadavg", lambda: (1.2, 0.0, 0.0))
+    recipe = {**copy.deepcopy(BASE_RECIPE), "threads": "auto"}
+    assert Recipe.from_dict(recipe).threads == "auto"
+    job = JobSpec("evo-v1-a1-0123456789", "v1", recipe, tmp_path, tmp_path / "out")
+    assert LocalBackend().environment(job)["OMP_NUM_THREADS"] == "3"
+    del recipe["threads"]
+    assert Recipe.from_dict(recipe).threads == 1 and engine_threads(None) == 1

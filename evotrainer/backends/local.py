@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 
 from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus, job_environment
+from evotrainer.engine import engine_threads
 from evotrainer.engine.outputs import read_progress
 from evotrainer.errors import EvoError
 from evotrainer.evidence.layout import RunArtifacts
@@ -77,7 +78,7 @@ class LocalBackend:
 
     def environment(self, job: JobSpec) -> dict[str, str]:
         """The job's environment: allow-listed, so no secret of the controller reaches it."""
-        env = {**job.env, "OMP_NUM_THREADS": str(job.recipe.get("threads", 1))}
+        env = {**job.env, "OMP_NUM_THREADS": str(engine_threads(job.recipe.get("threads")))}
         if self.cache_dir is not None:
             env["EVOTRAINER_CACHE_DIR"] = str(self.cache_dir)
         return job_environment(env)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from evotrainer.contract.filters import check_filter_spec
+from evotrainer.contract.rollout import check_rollout
 from evotrainer.contract.typed import Recipe
 from evotrainer.domains import make_domain
 from evotrainer.domains.params import check_params
@@ -147,6 +148,7 @@ def check_recipe(recipe: dict[str, Any]) -> None:
     the backend-independent contract first, then what its model needs."""
     check_contract(recipe)
     check_model(recipe["model"])
+    check_rollout(recipe)
 
 
 # The domain settings whose split was built once in this process: a generated domain's

@@ -180,7 +180,7 @@ class Recipe:
     backend: str = "local"
     group_filter: GroupFilter = GroupFilter()
     environment: Environment | None = None
-    threads: int = 1
+    threads: int | str = 1  # or "auto": follow the machine's cores and load
     rollout: Mapping[str, Any] | None = None
     verl: Mapping[str, Any] | None = None
     # None: the trackers' default loggers (trackers.logger_names).

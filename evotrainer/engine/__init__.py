@@ -33,12 +33,12 @@ def offline_environment() -> None:
             os.environ.setdefault(key, value)
 
 
-def engine_threads(requested: int | None) -> int:
-    """The recipe's `threads`, or for `threads: null` as many as this process may run on
-    (its CPU affinity) less the machine's load: on a loaded 2-core machine a batch-8 forward
-    ran 5.5x slower on 2 threads than on 1 (issue 30)."""
-    if requested is not None:
-        return requested
+def engine_threads(requested: int | str | None) -> int:
+    """The recipe's `threads` (absent: 1), or for `threads: auto` as many as this process may
+    run on (its CPU affinity) less the machine's load: on a loaded 2-core machine a batch-8
+    forward ran 5.5x slower on 2 threads than on 1 (issue 30)."""
+    if requested != "auto":
+        return int(requested or 1)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     idle = (cores or 1) - os.getloadavg()[0]
     return max(1, min(cores or 1, round(idle)))

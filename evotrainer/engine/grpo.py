@@ -457,7 +457,7 @@ def run_job(
     check_recipe(recipe)
     check_rollout(recipe)
     offline_environment()
-    torch.set_num_threads(engine_threads(recipe.get("threads", 1)))
+    torch.set_num_threads(engine_threads(recipe.get("threads")))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_root = Path(cache_dir or os.environ.get("EVOTRAINER_CACHE_DIR") or out_dir / "cache")

@@ -1,23 +1,33 @@
 """The autonomy gym: does rollout-level diagnosis beat score-only iteration at equal compute?
 
 Each setup is a workspace made by `evotrainer init` whose project recipe plants one
-pathology on the embedded engine. For every setup and seed, the gym runs `evolve` twice,
-under the same rounds and the same `autonomy.max_total_steps`:
+pathology on the embedded engine. For every setup and seed, the gym runs `evolve` once per
+arm, under the same rounds and the same `autonomy.max_total_steps`, approving up front
+(`--approve`: proposals and the harness revisions whose backtest flips no recorded verdict):
 
 - `rules`: the diagnosis-driven planner with the built-in harness h0 (alerts, leak audit), or
   the revision a setup names (echo: h1, whose echo_repeat_ratio sees short loops that h0's
-  60-turn echo trap cannot);
+  60-turn echo trap cannot), evolving the harness when a diagnostic gap fires;
+- `rules-no-harness`: the same planner and starting harness with harness evolution off;
 - `score`: the score-only control — the `score` planner (hill-climbing on Avg@k) with the
   `score-only` harness revision (no alerts, a gate on the paired bootstrap CI alone).
+
+Setups whose pathology the starting harness h0 cannot see (issue 29 D11: `idle`, `echo_h0`;
+tests/test_unseen_pathologies.py checks on planted stand-in runs that h0 raises no alert and
+fires no skill on them) measure the harness side: the `rules` arm must detect a gap, adopt a
+revision that sees the pathology (backtested), then fix it; both controls cannot.
 
 It reports per run: the clean frontier's Avg@k against the baseline v0 (paired bootstrap Δ
 and 95% CI over the validation tasks), leaky versions promoted (audited afterwards with h1's
 leak metrics, the widest built-in audit, whatever harness the arm used), the GRPO steps spent
 until the first clean
-version significantly above v0, and the planner's LLM tokens.
+version significantly above v0, the planner's LLM tokens, the diagnostic gaps the planner
+noted, the harness revisions adopted (with the metric each added) and the skills of the clean
+promotions (the fix).
 
     python bench/autonomy.py                      # every setup, 2 seeds (tens of minutes)
     python bench/autonomy.py --quick --setup leak # one setup, shorter training
+    python bench/autonomy.py --setup idle --seeds 0 --planner rules --planner rules-no-harness
     python bench/autonomy.py --seeds 0 1 2 --rounds 4 --json results.json
 
 Run it under `nice` on a shared machine: the tiny-model training is CPU bound.
@@ -51,7 +61,12 @@ from evotrainer.errors import EvoError
 from evotrainer.store.recipe import deep_merge
 from evotrainer.store.workspace import PROJECT_FILE, Workspace
 
-ARMS: dict[str, str] = {"rules": "h0", "score": "score-only"}  # planner -> harness in force
+# arm -> (planner, harness in force unless the setup names one, harness evolution)
+ARMS: dict[str, tuple[str, str, bool]] = {
+    "rules": ("rules", "h0", True),
+    "rules-no-harness": ("rules", "h0", False),
+    "score": ("score", "score-only", False),
+}
 
 
 @dataclass(frozen=True)
@@ -61,8 +76,11 @@ class Setup:
     pathology: str
     recipe: dict[str, Any]  # deep-merged into the example's project recipe
     quick: dict[str, Any] = field(default_factory=dict)  # and this with --quick
-    # The `rules` arm's harness when not h0: a pathology h0 cannot see by definition.
+    # The rules arms' harness when not h0: a pathology h0 cannot see by definition.
     harness: str | None = None
+    # Rounds when --rounds is not given: an unseen pathology needs a stall (gap), the
+    # revision, then the fix.
+    rounds: int = 3
 
 
 SETUPS: dict[str, Setup] = {s.name: s for s in (
@@ -102,7 +120,27 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
     Setup("lr_collapse", "arith",
           "a learning rate that collapses training (30x the example's)",
           {"grpo": {"lr": 1.0e-2, "steps": 100}}, {"grpo": {"steps": 40}}),
+    # ---- pathologies h0 cannot see (issue 29 D11) ----
+    Setup("idle", "toolenv",
+          "idle failure: 40% of the demonstrations answer a blind guess without a single "
+          "compare, so the warm-started policy often quits without acting; no leak",
+          {"domain": {"params": {"idle_demo_rate": 0.4, "reveal_demo_rate": 0.0}},
+           "environment": {"tools": [{"name": "reveal", "enabled": False}]},
+           "grpo": {"steps": 100}},
+          {"grpo": {"steps": 40}}, rounds=5),
+    # The echo setup under h0: loops of a few turns hit the 24-turn budget (the catalogue's
+    # tool_limit_ratio sees them) but never h0's 60-turn echo trap; rarer than in `echo`
+    # (15% of demonstrations), since at about a third of the rollouts looping h0's same-tool
+    # streak (max-turns-cap's trigger) sees them.
+    Setup("echo_h0", "toolenv",
+          "short echo loops on a 24-turn budget under h0: 15% of the demonstrations repeat "
+          "one compare until the budget runs out; no leak",
+          {"domain": {"params": {"echo_demo_rate": 0.15, "reveal_demo_rate": 0.0}},
+           "environment": {"max_turns": 24, "tools": [{"name": "reveal", "enabled": False}]},
+           "grpo": {"max_response_tokens": 4, "steps": 100}},
+          {"grpo": {"steps": 40}}, rounds=5),
 )}
+
 
 
 @dataclass
@@ -122,9 +160,12 @@ class ArmResult:
     tokens: int
     versions: list[dict[str, Any]]
     seconds: float
+    gaps: list[str] = field(default_factory=list)  # "kind on version", as the planner noted
+    adopted: list[str] = field(default_factory=list)  # "h2 (+idle_failure_rate)"
+    fixes: list[str] = field(default_factory=list)  # skills of the clean promotions
 
 
-def build_workspace(root: Path, setup: Setup, planner: str, seed: int, *, quick: bool,
+def build_workspace(root: Path, setup: Setup, arm: str, seed: int, *, quick: bool,
                     rounds: int) -> Workspace:
     """`evotrainer init` + the setup's project recipe, committed on main like a user edit."""
     init_workspace(root, setup.example)
@@ -136,7 +177,8 @@ def build_workspace(root: Path, setup: Setup, planner: str, seed: int, *, quick:
         recipe = deep_merge(recipe, setup.quick)
     recipe["seeds"] = [seed]
     project["recipe"] = recipe
-    project["harness"] = (setup.harness if planner == "rules" else None) or ARMS[planner]
+    planner, harness, _ = ARMS[arm]
+    project["harness"] = (setup.harness if planner == "rules" else None) or harness
     project["planner"] = {"name": "rules"}  # the arm's planner is passed to evolve
     # Equal compute: every arm may spend the same GRPO steps, `rounds` trainings' worth.
     project["autonomy"] = {**project["autonomy"], "mode": "human_gated",
@@ -144,7 +186,7 @@ def build_workspace(root: Path, setup: Setup, planner: str, seed: int, *, quick:
     text = f"{modeline}\n{yaml.safe_dump(project, sort_keys=False)}"
     ws = Workspace(root)
     ws.git.commit_files("main", {PROJECT_FILE: text.encode()},  # updates the work tree too
-                        f"Gym setup {setup.name} ({planner} arm, seed {seed}): "
+                        f"Gym setup {setup.name} ({arm} arm, seed {seed}): "
                         f"{setup.pathology}", {"Action": "init"})
     # The baseline's approval covers the recipe it resolves to: approve the planted one.
     approve(ws, "v0", by="bench/autonomy.py")
@@ -161,7 +203,7 @@ def leaky(ws: Workspace, version: str) -> bool:
     return any((metrics.get(k) or 0.0) > 0.0 for k in ("leak_ratio", "val_leak_ratio"))
 
 
-def measure(ws: Workspace, setup: str, planner: str, seed: int, seconds: float) -> ArmResult:
+def measure(ws: Workspace, setup: str, arm: str, seed: int, seconds: float) -> ArmResult:
     states = ws.versions()
     baseline = recorded_scores(ws, "v0")
     order = sorted(
@@ -197,38 +239,65 @@ def measure(ws: Workspace, setup: str, planner: str, seed: int, seconds: float) 
                          "skills": (state.spec.get("intervention") or {}).get("skills") or []})
     best = best or compare_tables(baseline, baseline)
     tokens = sum(int((states[n].spec.get("proposal") or {}).get("tokens") or 0) for n in order)
-    return ArmResult(setup, planner, seed, frontier, best["mean_a"], best["mean_b"],
+    fixes = list(dict.fromkeys(s for v in versions if v["verdict"] == "promote"
+                               and not v["leak"] for s in v["skills"]))
+    return ArmResult(setup, arm, seed, frontier, best["mean_a"], best["mean_b"],
                      best["delta"], (best["ci_low"], best["ci_high"]),
                      frontier != "v0" and best["ci_low"] > 0, leaky_promoted, spent,
-                     first_gain, tokens, versions, seconds)
+                     first_gain, tokens, versions, seconds, fixes=fixes)
 
 
-def run_arm(root: Path, setup: Setup, planner: str, seed: int, *, rounds: int, quick: bool,
+def run_arm(root: Path, setup: Setup, arm: str, seed: int, *, rounds: int, quick: bool,
             backends: dict[str, Backend] | None = None,
             log: Callable[[str], None] = lambda _: None) -> ArmResult:
-    ws = build_workspace(root, setup, planner, seed, quick=quick, rounds=rounds)
+    ws = build_workspace(root, setup, arm, seed, quick=quick, rounds=rounds)
+    planner, _, harness_evolution = ARMS[arm]
     started = time.monotonic()
-    evolve(ws, rounds, planner=planner, approve_all=True, backends=backends, log=log,
-           poll_s=0.2 if backends else 2.0)
-    return measure(ws, setup.name, planner, seed, time.monotonic() - started)
+    done = evolve(ws, rounds, planner=planner, approve_all=True, backends=backends, log=log,
+                  poll_s=0.2 if backends else 2.0, harness_evolution=harness_evolution)
+    result = measure(ws, setup.name, arm, seed, time.monotonic() - started)
+    # "gap no_next_step on v2: ..." -> "no_next_step on v2"
+    result.gaps = list(dict.fromkeys(
+        n.removeprefix("gap ").split(":", 1)[0]
+        for r in done for n in r.result.notes if n.startswith("gap ")))
+    revisions = {h.name: h for r in done for h in r.result.harness}
+    result.adopted = [
+        f"{name} (+{', '.join(_added_metrics(revisions[name].document, ws))})"
+        for r in done for name in r.adopted]
+    return result
+
+
+def _added_metrics(document: dict[str, Any], ws: Workspace) -> list[str]:
+    """The metrics a revision adds to its parent."""
+    parent = resolve_harness(document["parent"], ws.root)
+    return [m["name"] for m in document["metrics"]
+            if m["name"] not in {pm.name for pm in parent.metrics}]
 
 
 def table(results: list[ArmResult]) -> str:
-    """A Markdown table, one row per setup and planner, seeds pooled."""
-    lines = ["| setup | planner | Δ Avg@k vs v0 (per seed, 95% CI) | significant | "
-             "leaky promoted | steps to first clean gain | tokens |",
-             "|---|---|---|---|---|---|---|"]
+    """A Markdown table, one row per setup and arm, seeds pooled."""
+    lines = ["| setup | arm | Δ Avg@k vs v0 (per seed, 95% CI) | significant | "
+             "leaky promoted | steps to first clean gain | steps spent | tokens | gaps | "
+             "revision adopted | fix |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = dict.fromkeys((r.setup, r.planner) for r in results)
     for setup, planner in keys:
         rows = [r for r in results if (r.setup, r.planner) == (setup, planner)]
         deltas = "; ".join(f"{r.delta:+.3f} [{r.ci[0]:+.3f}, {r.ci[1]:+.3f}]" for r in rows)
         steps = ", ".join("—" if r.steps_to_first_gain is None else str(r.steps_to_first_gain)
                           for r in rows)
+        spent = ", ".join(str(r.steps_spent) for r in rows)
         lines.append(
             f"| {setup} | {planner} | {deltas} | {sum(r.significant for r in rows)}/{len(rows)} "
-            f"| {sum(len(r.leaky_promoted) for r in rows)} | {steps} "
-            f"| {sum(r.tokens for r in rows)} |")
+            f"| {sum(len(r.leaky_promoted) for r in rows)} | {steps} | {spent} "
+            f"| {sum(r.tokens for r in rows)} | {_listed([g for r in rows for g in r.gaps])} "
+            f"| {_listed([a for r in rows for a in r.adopted])} "
+            f"| {_listed([f for r in rows for f in r.fixes])} |")
     return "\n".join(lines)
+
+
+def _listed(values: list[str]) -> str:
+    return "; ".join(dict.fromkeys(values)) or "—"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,9 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--setup", action="append", choices=sorted(SETUPS),
                         help="run only this setup (repeatable); default: all")
     parser.add_argument("--planner", action="append", choices=sorted(ARMS),
-                        help="run only this arm (repeatable); default: both")
+                        help="run only this arm (repeatable); default: all three")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int,
+                        help="rounds per arm (default: the setup's, 3 or 5 for the unseen)")
     parser.add_argument("--quick", action="store_true",
                         help="shorter training per version (a smoke run, not the result)")
     parser.add_argument("--json", type=Path, help="also write every result here")
@@ -252,12 +322,15 @@ def main(argv: list[str] | None = None) -> int:
             for seed in args.seeds:
                 for planner in args.planner or list(ARMS):
                     root = base / f"{name}-{planner}-s{seed}"
-                    result = run_arm(root, SETUPS[name], planner, seed, rounds=args.rounds,
-                                     quick=args.quick)
+                    setup = SETUPS[name]
+                    result = run_arm(root, setup, planner, seed,
+                                     rounds=args.rounds or setup.rounds, quick=args.quick)
                     results.append(result)
-                    print(f"{name:12s} {planner:6s} seed {seed}: frontier {result.frontier} "
+                    print(f"{name:12s} {planner:16s} seed {seed}: frontier {result.frontier} "
                           f"Δ {result.delta:+.3f} [{result.ci[0]:+.3f}, {result.ci[1]:+.3f}] "
-                          f"leaky promoted {result.leaky_promoted or 'none'} "
+                          f"leaky promoted {result.leaky_promoted or 'none'}; steps "
+                          f"{result.steps_spent}; gaps {result.gaps or 'none'}; adopted "
+                          f"{result.adopted or 'none'}; fix {result.fixes or 'none'} "
                           f"({result.seconds:.0f} s)", flush=True)
     print(table(results))
     if args.json:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from standin import StandinBackend
+from standin_planted import PlantedBackend
 
 from evotrainer.backends.base import JobSpec
 from evotrainer.store.recipe import deep_merge
@@ -81,3 +82,48 @@ def test_each_arm_trains_under_its_harness(tmp_path):
     }
     assert harness == {("leak", "rules"): "h0", ("leak", "score"): "score-only",
                        ("echo", "rules"): "h1", ("echo", "score"): "score-only"}
+
+
+class IdleFollowsRecipe(PlantedBackend):
+    """The `idle` setup on the planted stand-in: acting episodes untrained 50% correct, trained
+    90%, and 40% of the episodes idle failures (no call, wrong) until the reward has `partial`
+    at weight 0.5 or more — the fix that ranks a searched answer above a blind guess. Solved
+    groups stay ahead of unsolved ones: the stand-in's train reward is flat, and with unsolved
+    groups ahead h0 would fire partial-credit-on-stall (the same patch) on the stall alone."""
+
+    def submit(self, job: JobSpec) -> None:
+        trained = job.recipe["grpo"]["steps"] > 0
+        components = {c["name"]: c.get("weight", 1.0)
+                      for c in (job.recipe.get("reward") or {}).get("components") or []}
+        fixed = components.get("partial", 0.0) >= 0.5
+        params = {"domain": {"params": {"standin_skill": 0.9 if trained else 0.5,
+                                        "planted_idle": 0.0 if fixed else 0.4}}}
+        super().submit(JobSpec(job.job_id, job.version, deep_merge(job.recipe, params),
+                               job.workdir, job.artifact_dir, job.env))
+
+
+def test_idle_setup_only_the_evolving_arm_sees_and_fixes_it(tmp_path):
+    backends = {"local": IdleFollowsRecipe()}
+    setup = gym.SETUPS["idle"]
+    arms = {arm: gym.run_arm(tmp_path / arm, setup, arm, 0, rounds=setup.rounds, quick=True,
+                             backends=backends)
+            for arm in ("rules", "rules-no-harness", "score")}
+    rules = arms["rules"]
+    # A stall with no trigger: gap (c); the revision adds the metric whose alert explains it.
+    assert any(g.startswith("no_next_step on ") for g in rules.gaps)
+    assert rules.adopted[0] == "h2 (+idle_failure_rate)"
+    assert rules.fixes == ["act-before-answering"]
+    assert rules.significant and rules.ci[0] > 0
+    fixed = [v for v in rules.versions if v["skills"] == ["act-before-answering"]]
+    assert fixed and fixed[0]["verdict"] == "promote"
+    # Harness evolution off: the same gap is noted, nothing adopted, nothing fixes it.
+    off = arms["rules-no-harness"]
+    assert off.gaps and not off.adopted and "act-before-answering" not in off.fixes
+    assert arms["score"].adopted == [] and "act-before-answering" not in arms["score"].fixes
+    # The clean gain over v0 each control reaches is the training alone (90% of the acting
+    # 60%), below the evolving arm's.
+    assert rules.frontier_avg > max(off.frontier_avg, arms["score"].frontier_avg)
+    budget = 2 * setup.rounds * setup.quick["grpo"]["steps"]
+    assert all(r.steps_spent <= budget for r in arms.values())
+    table = gym.table(list(arms.values()))
+    assert "| idle | rules | " in table and "h2 (+idle_failure_rate)" in table

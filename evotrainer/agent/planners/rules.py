@@ -33,8 +33,9 @@
    catalogue metric (diagnosis/catalogue.py) that discriminates that gap — (a) the one that
    best separates the version from its parent on the recorded rollouts, (b) one whose
    hypotheses name the competing skills and whose values differ most over the versions that
-   tried them, (c) the one that moves most along the stalled lineage — backtested on every
-   recorded version, its cases = the recorded verdicts.
+   tried them, (c) one whose alert would fire on the stalled base (a pathology that persists
+   explains a stall without moving), else the one that moves most along the stalled lineage
+   — backtested on every recorded version, its cases = the recorded verdicts.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ from evotrainer.diagnosis.replay import (
     skill_reward,
     version_rollouts,
 )
-from evotrainer.diagnosis.skills import Match, match, refusals, resolve_skill
+from evotrainer.diagnosis.skills import Match, fires, match, refusals, resolve_skill
 from evotrainer.errors import EvoError
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.checkpoints import init_mode
@@ -732,8 +733,18 @@ def _discrimination(
         if len(along) < 2:
             return None, ""
         spread = _spread(list(along.values()))
-        return (spread,), (f"{metric} moves {spread:.2g} (relative range) along the stalled "
-                           f"lineage {', '.join(along)}")
+        # A pathology that persists along the lineage moves no metric, yet is what stalls it:
+        # a metric whose alert would fire on the stalled base explains the stall and ranks
+        # before one that merely moves (then the larger move, then its alert's margin).
+        alert = entry.alert
+        value = along.get(base)
+        stalls = bool(alert and value is not None
+                      and fires(alert["when"], {metric: value}, where="catalogue"))
+        why = (f"{metric} moves {spread:.2g} (relative range) along the stalled lineage "
+               f"{', '.join(along)}")
+        if stalls:
+            why += f"; its alert {alert['name']} would fire on {base} ({_fmt(value)})"
+        return (stalls, spread if spread > 0 else float(stalls)), why
     return None, ""
 
 

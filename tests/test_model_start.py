@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from evotrainer.backends.verl_render import JobFiles, render_run
-from evotrainer.contract.recipe import ModelStart, base_model, check_recipe, model_start
+from evotrainer.contract.model_start import ModelStart, base_model, model_start
+from evotrainer.contract.recipe import check_recipe
 from evotrainer.engine.model import checkpoint_source, model_digest
 from evotrainer.errors import EvoError
 from evotrainer.store.recipe import BASE_RECIPE, deep_merge

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from evotrainer.backends.verl_episode import domain_tools, max_tool_reply
-from evotrainer.contract.recipe import environment_config, evaluation_sampling, model_start
+from evotrainer.contract.model_start import model_start
+from evotrainer.contract.recipe import environment_config, evaluation_sampling
 from evotrainer.contract.typed import Recipe
 from evotrainer.domains import get_domain
 from evotrainer.errors import EvoError

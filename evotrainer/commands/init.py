@@ -11,7 +11,8 @@ import git
 import typer
 
 from evotrainer import API_VERSION
-from evotrainer.contract.recipe import base_model, package_checkpoint
+from evotrainer.contract.model_start import base_model
+from evotrainer.contract.recipe import package_checkpoint
 from evotrainer.errors import EvoError
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.git import GitStore, branch_name, with_trailers

@@ -23,6 +23,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import jsonschema
 
+from evotrainer.contract.model_start import base_model
 from evotrainer.domains.params import schema_problem
 from evotrainer.errors import EvoError
 from evotrainer.store import specs
@@ -196,10 +197,6 @@ class Recipe:
             raise EvoError(f"a recipe is a mapping, got {type(resolved).__name__}",
                            hint="e.g. {grpo: {steps: 40}}")
         _raise(schema_problem(resolved, _validator(None), ""))
-        # Lazily: contract/recipe (the checks) builds on this module, and its base_model is
-        # the one precedence of model starts.
-        from evotrainer.contract.recipe import base_model
-
         values: dict[str, Any] = {}
         for item in fields(cls):
             value = resolved.get(item.name)

@@ -17,7 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
-from evotrainer.contract.recipe import base_model
+from evotrainer.contract.model_start import base_model
 from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import (
     directory_digest,

@@ -35,11 +35,11 @@ import torch
 from transformers import PreTrainedModel
 
 from evotrainer.contract.filters import Trajectory, filter_batch, make_filter
+from evotrainer.contract.model_start import model_start
 from evotrainer.contract.recipe import (
     check_recipe,
     environment_config,
     evaluation_sampling,
-    model_start,
 )
 from evotrainer.contract.rollout import check_rollout
 from evotrainer.domains import Domain, Task, judge_records, make_domain

@@ -38,7 +38,8 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from evotrainer.contract.recipe import base_model, package_checkpoint
+from evotrainer.contract.model_start import base_model
+from evotrainer.contract.recipe import package_checkpoint
 from evotrainer.domains.data import resolve_data_path
 from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import directory_digest, file_sha256

@@ -317,3 +317,21 @@ def test_the_library_repositorys_own_config_and_hooks_never_run(two_domains, tmp
     assert "std-group-filter" in shared_library(swe).skills
     assert share_evidence(swe)["new"]
     assert not marker.exists()
+
+
+def test_a_version_may_apply_a_skill_only_the_shared_library_holds(tmp_path):
+    """The planners see the merged library; `version new --skill` resolves the same one, so a
+    skill reviewed on the library's main (not copied into the workspace) can be applied."""
+    repo = library_repo(tmp_path / "library", "kl-cap")
+    text = (builtin_dir("skills") / "kl-cap.yaml").read_text()
+    (Path(repo.working_dir) / "skills" / "shared-kl.yaml").write_text(
+        text.replace("name: kl-cap", "name: shared-kl"))
+    commit_all(repo, "a skill only the library has")
+    ws = use_library(init_workspace(tmp_path / "ws", "arith"), repo="../library")
+    assert "shared-kl" not in ws.skill_names()
+    new_version(ws, "v1", "v0", skills=["shared-kl"], rationale="KL cap from the library")
+    spec = ws.version("v1").spec
+    assert spec["intervention"]["skills"] == ["shared-kl"]
+    assert spec["recipe"]["grpo"]["kl_coef"] == 0.002  # resolved against v0: raised to 0.002
+    with pytest.raises(EvoError, match="unknown skill 'nowhere'"):
+        new_version(ws, "v2", "v0", skills=["nowhere"], rationale="x")

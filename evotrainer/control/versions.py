@@ -12,7 +12,7 @@ from evotrainer.control.validation import (
     check_workspace,
     declared_data_roots,
 )
-from evotrainer.diagnosis.skills import skill_overrides
+from evotrainer.diagnosis.skills import skill_overrides, workspace_library
 from evotrainer.errors import EvoError
 from evotrainer.store import specs
 from evotrainer.store.clock import now_iso
@@ -62,19 +62,18 @@ def new_version(
             hint="pick a new name; versions are never overwritten",
         )
     ws.version(parent, states)  # the parent must exist and have a readable spec
-    paths = []
+    # The library the planners read: the workspace's skills with the shared library's.
+    library = workspace_library(ws) if skills else {}
     for skill in skills:
-        path = ws.skill_path(skill)
-        if not path.is_file():
+        if skill not in library:
             raise EvoError(
                 f"unknown skill {skill!r}",
                 field="--skill",
-                hint=f"known skills: {', '.join(ws.skill_names()) or 'none'}",
+                hint=f"known skills: {', '.join(library) or 'none'}",
             )
-        paths.append(path)
     # A skill's patch is relative (x2, at most a ceiling): resolved against the parent's
     # recipe into the concrete values this spec records.
-    overrides = skill_overrides(paths, ws.resolved_recipe(parent, states))
+    overrides = skill_overrides([library[s] for s in skills], ws.resolved_recipe(parent, states))
     for setting in settings:
         key, value = parse_assignment(setting)
         set_dotted(overrides, key, value)

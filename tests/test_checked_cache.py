@@ -43,3 +43,22 @@ def test_a_remembered_spec_reports_a_recipe_problem_at_the_same_line(workspace, 
     assert first.code == 1 and "evo/v1:spec/versions/v1.yaml:" in first.err
     assert list(workspace.checked_dir.glob("PolicyVersion-*.json"))
     assert cli("-C", str(workspace.root), "validate").err == first.err
+
+
+def test_the_rules_the_cache_is_keyed_by_are_all_there_and_a_missing_one_changes_the_key(
+        tmp_path, monkeypatch):
+    """Every file the key names exists (a missing one used to make every read raise, which
+    the cache readers took for a miss: the cache was off without a word); were one to go
+    missing, the key changes instead of the cache switching off."""
+    from evotrainer.store import specs
+
+    files = specs.rule_files()
+    assert all(path.is_file() for path in files), [p for p in files if not p.is_file()]
+    assert {"specs.py", "cel.py", "recipe.schema.json"} <= {p.name for p in files}
+    present = specs.rules_digest()
+    specs.rules_digest.cache_clear()
+    monkeypatch.setattr(specs, "rule_files", lambda: [*files, tmp_path / "gone.py"])
+    try:
+        assert specs.rules_digest() != present
+    finally:
+        specs.rules_digest.cache_clear()

@@ -121,15 +121,23 @@ def _resolved(kind: str, subschema: dict) -> dict:
     return {**target.contents, **{k: v for k, v in subschema.items() if k != "$ref"}}
 
 
+def rule_files() -> list[Path]:
+    """The files a document's validity depends on besides its bytes: every schema and the
+    code that checks it (this module, and CEL's for the expressions it holds)."""
+    here = Path(__file__).resolve()
+    return [here, here.parent / "cel.py",
+            *sorted(builtin_dir("spec/schemas").glob("*.schema.json"))]
+
+
 @cache
 def rules_digest() -> str:
-    """What a document's validity depends on besides its bytes: every schema and the code
-    that checks it (this module, and CEL's for the expressions it holds), byte for byte."""
-    here = Path(__file__).resolve()
-    code = [here, here.parent / "cel.py"]
+    """The digest of `rule_files`, byte for byte. A file that is not there is hashed as
+    absent rather than raising: a read error here would switch the checked-spec cache off
+    without a word (its readers treat OSError as a miss)."""
     digest = hashlib.sha256(API_VERSION.encode())
-    for path in [*code, *sorted(builtin_dir("spec/schemas").glob("*.schema.json"))]:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in rule_files():
+        data = path.read_bytes() if path.is_file() else b"\0absent\0"
+        digest.update(path.name.encode() + b"\0" + data + b"\0")
     return digest.hexdigest()[:16]
 
 

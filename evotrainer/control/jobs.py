@@ -22,6 +22,7 @@ from evotrainer.control.reconcile import (
 )
 from evotrainer.errors import EvoError
 from evotrainer.store.clock import now_iso
+from evotrainer.store.records import ended_run
 from evotrainer.store.workspace import VersionState, Workspace, run_path
 
 
@@ -61,7 +62,7 @@ def cancel_version(
             hint="cancel stops a Pending, Running or Stalled job",
         )
     if run["state"] != "Cancelled":
-        run.update(state="Cancelled", finished_at=now_iso(), detail=f"cancelled by {by}")
+        run = ended_run(run, now_iso(), state="Cancelled", detail=f"cancelled by {by}")
         ws.commit_records(
             name,
             {run_path(name, "run.yaml"): record_text("run", run).encode()},

@@ -59,7 +59,7 @@ def test_a_significant_move_with_flat_signal_and_behavior_is_unexplained(compari
     assert ("rose" if comparison is GAIN else "fell") in gap.reason
 
 
-def test_a_signal_move_beyond_its_noise_or_a_new_alert_explains_the_move():
+def test_a_signal_move_beyond_its_noise_or_a_changed_alert_explains_the_move():
     parent = diagnosis(dead_group_ratio=(0.40, "signal", [0.39, 0.41, 0.40]))
     moved = diagnosis(dead_group_ratio=(0.10, "signal", [0.11, 0.09, 0.10]))
     assert unexplained_outcome("v2", GAIN, moved, parent) is None
@@ -70,6 +70,11 @@ def test_a_signal_move_beyond_its_noise_or_a_new_alert_explains_the_move():
     parent_alerting = diagnosis(["truncation"],
                                 dead_group_ratio=(0.40, "signal", [0.39, 0.41, 0.40]))
     assert unexplained_outcome("v2", GAIN, flat_but_alerting, parent_alerting) is not None
+    # An alert that cleared explains it too: the main job's v2 closed v0's leak (its metrics
+    # have no per-step series) and gained; the gain is the leak fix's, not a gap.
+    leaky_parent = diagnosis(["leak"], leak_ratio=(0.3, "behavior", None))
+    closed = diagnosis(leak_ratio=(0.0, "behavior", None))
+    assert unexplained_outcome("v2", GAIN, closed, leaky_parent) is None
 
 
 def test_a_move_inside_the_ci_is_no_gap_whatever_the_metrics():

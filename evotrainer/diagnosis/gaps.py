@@ -8,11 +8,12 @@ tested on hand-made records and re-derived by anyone reading `git log`.
 - `unexplained_outcome`: the score moved significantly (the gate's paired-bootstrap CI
   excludes 0, either way) and nothing outside the score layer explains it: no signal or
   behavior metric moved beyond its own noise, and no alert fired that did not fire on the
-  parent. A metric's **noise** is the spread of its per-step series over training (the
-  sample standard deviation of the parent's and the version's per-step values, pooled):
-  what the metric does between steps of one run with no intervention. A move beyond
-  `NOISE_SIGMAS` of it is a move. A metric recorded without a series has no noise estimate:
-  it is listed as `unjudged` and explains nothing either way.
+  parent, or cleared that did (a fix that removed the leak explains its own gain). A
+  metric's **noise** is the spread of its per-step series over training (the sample
+  standard deviation of the parent's and the version's per-step values, pooled): what the
+  metric does between steps of one run with no intervention. A move beyond `NOISE_SIGMAS`
+  of it is a move. A metric recorded without a series has no noise estimate: it is listed
+  as `unjudged` and explains nothing either way.
 - `indistinguishable_hypotheses`: two or more skills fired on the same evidence (their
   triggers read a common metric) and the recorded numbers cannot rank them: neither has a
   backtest, or their backtests show the same effect.
@@ -127,14 +128,15 @@ def unexplained_outcome(
     diagnosis: Mapping[str, Any],
     parent_diagnosis: Mapping[str, Any] | None,
 ) -> Gap | None:
-    """Gap (a): a significant score move that no signal/behavior metric or new alert
+    """Gap (a): a significant score move that no signal/behavior metric or change of alerts
     explains; None when the move is not significant or something explains it."""
     if comparison is None or not significant(comparison) or parent_diagnosis is None:
         return None
     judged, unjudged = metric_moves(diagnosis, parent_diagnosis)
     moved = sorted(n for n, m in judged.items() if m["sigmas"] > NOISE_SIGMAS)
-    new_alerts = sorted(_alert_names(diagnosis) - _alert_names(parent_diagnosis))
-    if moved or new_alerts:
+    # An alert that fires now and did not, or fired on the parent and cleared.
+    changed_alerts = _alert_names(diagnosis) ^ _alert_names(parent_diagnosis)
+    if moved or changed_alerts:
         return None
     direction = "rose" if comparison["ci_low"] > 0 else "fell"
     largest = max(judged.items(), key=lambda item: item[1]["sigmas"], default=None)
@@ -144,8 +146,8 @@ def unexplained_outcome(
         UNEXPLAINED, version,
         f"Avg@k {direction} significantly (Δ {comparison['delta']:+.4f}, CI "
         f"[{comparison['ci_low']:+.4f}, {comparison['ci_high']:+.4f}]) and no signal or "
-        f"behavior metric moved beyond {NOISE_SIGMAS:g}σ of its own noise, nor did a new alert "
-        f"fire ({len(judged)} metric(s) judged{why})",
+        f"behavior metric moved beyond {NOISE_SIGMAS:g}σ of its own noise, nor did an alert "
+        f"fire or clear ({len(judged)} metric(s) judged{why})",
         {"delta": comparison["delta"], "ci": [comparison["ci_low"], comparison["ci_high"]],
          "noise": "pooled sd of the per-step series", "sigmas": NOISE_SIGMAS,
          "metrics": {n: {k: round(v, 6) if math.isfinite(v) else None for k, v in m.items()}

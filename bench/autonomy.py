@@ -121,6 +121,12 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
           "a learning rate that collapses training (30x the example's)",
           {"grpo": {"lr": 1.0e-2, "steps": 100}}, {"grpo": {"steps": 40}}),
     # ---- pathologies h0 cannot see (issue 29 D11) ----
+    # Measured on the embedded engine (--quick, seed 0, all three arms): the trained v1 idles
+    # in 14% of its episodes (idle_failure_rate 0.14, abandonment 0.23), but its dead groups
+    # (0.36) fire h0's dead_groups, and h0's shaped-correctness adds the same `partial`
+    # component act-before-answering would: h0 answers the symptom, so no arm reaches gap (c)
+    # and all three end at v1 (Δ +0.057 [+0.020, +0.094]). Unseen on the planted stand-in
+    # (tests/test_unseen_pathologies.py), not yet on this engine at this size.
     Setup("idle", "toolenv",
           "idle failure: 40% of the demonstrations answer a blind guess without a single "
           "compare, so the warm-started policy often quits without acting; no leak",

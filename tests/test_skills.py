@@ -14,6 +14,7 @@ from evotrainer.backends import get_backend
 from evotrainer.commands.init import EXAMPLES_DIR
 from evotrainer.contract.filters import check_filter_spec
 from evotrainer.control.versions import new_version
+from evotrainer.diagnosis.catalogue import catalogue
 from evotrainer.diagnosis.skills import (
     fires,
     load_library,
@@ -37,6 +38,10 @@ METRICS = {"avg_at_k", "reward_mean", "dead_group_ratio", "all_correct_group_rat
            "length_reward_corr", "mean_logprob"}
 ALERTS = {"dead_groups", "weak_signal", "truncation", "echo_trap", "abandonment", "leak",
           "overconfidence", "length_gaming"}
+# ... and what the metric catalogue adds through the revisions the planner proposes from it
+# (a skill answering a pathology h0 cannot see reads the catalogue alert that sees it).
+METRICS |= {entry.metric["name"] for entry in catalogue()}
+ALERTS |= {entry.alert["name"] for entry in catalogue() if entry.alert}
 GATE_NAMES = {"delta", "ci_low", "ci_high", "p_value", "parent"}
 EMBEDDED = {"arith", "toolenv"}
 

@@ -156,9 +156,6 @@ def _adopt(ws: Workspace, current: Round, allowed: bool, log: Callable[[str], No
         except EvoError as err:
             log(f"harness {name} not adopted: {err.message}; it stays on main for review")
             continue
-        # The project spec changed on main under this Workspace: its cached copy would keep
-        # the reconcile of this round diagnosing with the revision just replaced.
-        ws.__dict__.pop("project", None)
         current.adopted.append(name)
         log(f"adopted harness {name}: backtest cases {len(report['cases'])}/"
             f"{len(report['cases'])} pass, versions that change: "

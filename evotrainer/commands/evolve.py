@@ -27,6 +27,12 @@ def register(app: typer.Typer) -> None:
         max_: int = typer.Option(1, "--max", min=1, help="Versions proposed per round."),
         report: bool = typer.Option(True, "--report/--no-report",
                                     help="Write the HTML report at the end."),
+        harness_evolution: bool = typer.Option(
+            True, "--harness-evolution/--no-harness-evolution",
+            help="Let the planner propose a harness revision when a diagnostic gap fires "
+            "(adopted with --approve or autonomy auto when its backtest flips no recorded "
+            "verdict); off, gaps are only noted.",
+        ),
     ) -> None:
         """Run the trainer loop: train and gate what is approved, let the planner propose,
         approve as autonomy allows, train and gate again; print each round and the
@@ -36,11 +42,13 @@ def register(app: typer.Typer) -> None:
 
         def show_proposals(current: Round) -> None:
             console.rule(f"round {current.number}")
-            print_result(console, current.result)
+            print_result(console, current.result, current.adopted)
 
         def show_outcomes(current: Round) -> None:
             for row in current.outcomes:
                 console.print("  " + describe(row))
+            for name in current.skills_proposed:
+                console.print(f"skill proposed for review on branch {safe(name)}")
             if current.stop:
                 console.print(f"[yellow]stopping:[/] {safe(current.stop)}")
 
@@ -51,6 +59,7 @@ def register(app: typer.Typer) -> None:
                     f"{safe(p.version)} ({p.health.lower()})" for p in running))
 
             evolve(ws, rounds, planner=planner, approve_all=approve, max_proposals=max_,
+                   harness_evolution=harness_evolution,
                    log=lambda line: console.print(f"[bold]→[/] {safe(line)}"),
                    on_proposed=show_proposals, on_round=show_outcomes, on_wait=waiting)
         console.print(lineage_tree(lineage_rows(ws)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Collection
 
 import typer
 from rich.console import Console
@@ -28,7 +29,9 @@ def proposals_table(result: PlannerResult) -> Table:
     return table
 
 
-def print_result(console: Console, result: PlannerResult) -> None:
+def print_result(console: Console, result: PlannerResult, adopted: Collection[str] = ()) -> None:
+    """The proposals, harness revisions (`adopted`: those the loop already put in force) and
+    the planner's notes."""
     if result.proposals:
         console.print(proposals_table(result))
     for p in result.proposals:
@@ -42,7 +45,8 @@ def print_result(console: Console, result: PlannerResult) -> None:
             f"backtest against {backtest.get('against')}: "
             f"{sum(c['passed'] for c in cases)}/{len(cases)} cases pass, "
             f"changes {safe(', '.join(backtest.get('changed') or []) or 'no verdict or alert')}. "
-            f"Adopt with `evotrainer harness adopt {safe(harness.name)}`."
+            + ("Adopted: this round's versions are diagnosed with it." if harness.name in adopted
+               else f"Adopt with `evotrainer harness adopt {safe(harness.name)}`.")
         )
     for note in result.notes:
         console.print(f"[dim]· {safe(note)}[/]")

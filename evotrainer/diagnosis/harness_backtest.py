@@ -245,6 +245,8 @@ def adopt_harness(ws: Workspace, name: str) -> dict[str, Any]:
         f"{len(report['cases'])}/{len(report['cases'])} pass; versions that change: {changed}",
         {"Action": "adopt-harness", "Harness": name, "Previous-Harness": current},
     )
+    # Whoever holds this Workspace (a reconcile in the same loop) diagnoses with it now.
+    ws.reload_project()
     return report
 
 

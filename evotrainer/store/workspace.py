@@ -152,6 +152,10 @@ class Workspace:
     def project(self) -> dict:
         return specs.load(self.root / PROJECT_FILE, "Project", source=PROJECT_FILE).data
 
+    def reload_project(self) -> None:
+        """Read the project spec afresh next time: a commit on main changed it."""
+        self.__dict__.pop("project", None)
+
     @property
     def state_dir(self) -> Path:
         return self.root / STATE_DIR

@@ -160,3 +160,24 @@ def test_no_trigger_on_a_stalled_frontier_evolves_the_harness(workspace):
     assert any(n.startswith("gap no_next_step on v1") for n in result.notes)
     # The default moves are still proposed beside it.
     assert result.proposals and all(p.parent == "v1" for p in result.proposals)
+
+
+def test_a_fired_skill_already_applied_is_no_next_step(workspace):
+    """Gap (c) when a trigger fires but its fix is already in the recipe: it selects no next
+    intervention, so the stalled frontier still evolves the harness (a persistent pathology
+    whose library fix is applied stalls a lineage as surely as no trigger at all)."""
+    text = (workspace.root / "skills" / "kl-cap.yaml").read_text()
+    applied = (text.replace("name: kl-cap", "name: already-there")
+               .replace(text[text.index("trigger:"):text.index("mechanism:")],
+                        "trigger: avg_at_k >= 0.0\n")
+               .replace(text[text.index("  recipe_patch:"):text.index("domains:")],
+                        "  recipe_patch:\n    grpo:\n      kl_estimator: k3\n"))
+    workspace.git.commit_files("main", {"skills/already-there.yaml": applied.encode()},
+                               "a skill whose patch every recipe here already has")
+    train(workspace, "v1", standin_skill=0.65)
+    train(workspace, "v2", parent="v1", standin_skill=0.4)
+    converge(workspace)
+    result = RulesPlanner().propose(View.load(workspace), 2)
+    assert any(n.startswith("skipped already-there: it changes nothing") for n in result.notes)
+    [harness] = result.harness
+    assert harness.gap["kind"] == "no_next_step" and harness.gap["version"] == "v1"

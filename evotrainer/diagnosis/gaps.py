@@ -205,15 +205,17 @@ def indistinguishable_hypotheses(version: str, fired: list[FiredSkill]) -> Gap |
 # ---- (c) no next step ------------------------------------------------------------------
 
 
-def no_next_step(frontier: str, triggers_fired: bool, stalled: list[str]) -> Gap | None:
-    """Gap (c): no skill trigger fired and the frontier is not improving (`stalled`: the
-    versions decided since it became the frontier, all failed; none tried means it may yet
-    improve with the defaults)."""
-    if triggers_fired or not stalled:
+def no_next_step(frontier: str, next_step_offered: bool, stalled: list[str]) -> Gap | None:
+    """Gap (c): no fired skill offers a next step (none fired, or each that fired is already
+    applied or refuted) and the frontier is not improving (`stalled`: the versions decided
+    since it became the frontier, all failed; none tried means it may yet improve with the
+    defaults)."""
+    if next_step_offered or not stalled:
         return None
     return Gap(
         NO_NEXT_STEP, frontier,
-        f"no skill trigger fires on {frontier} and the frontier is not improving "
+        f"no skill trigger offers a next step on {frontier} (none fires, or each that fires "
+        "is applied or refuted) and the frontier is not improving "
         f"({len(stalled)} version(s) since failed: {', '.join(stalled)})",
         {"stalled": list(stalled)},
     )

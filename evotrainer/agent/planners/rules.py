@@ -100,10 +100,12 @@ class _Candidate:
 
 @dataclass
 class _Fired:
-    """What the skill candidates saw: whether any trigger fired, and each fired skill with
-    the evidence it read (for gap (b))."""
+    """What the skill candidates saw: whether any trigger fired, whether one offers a next
+    step (a fired skill whose patch is already applied, or that this lineage refuted, does
+    not), and each fired skill with the evidence it read (for gap (b))."""
 
     any: bool = False
+    actionable: bool = False
     skills: dict[str, list[FiredSkill]] = field(default_factory=dict)  # evidence version →
 
 
@@ -242,7 +244,7 @@ class RulesPlanner:
                 fired.skills.setdefault(source, []).append(FiredSkill(
                     name, found.skill.category, _metrics_read(found.values),
                     _effect(proposal.proposal.get("backtest"))))
-        fired.any = bool(seen)
+        fired.any, fired.actionable = bool(seen), bool(out)
         return out
 
     def _skill_proposal(
@@ -522,7 +524,9 @@ class RulesPlanner:
                 break
         decided = [c for c in view.decided_order() if view.states[c].parent == base]
         stalled = decided if all(view.failed(c) for c in decided) else []
-        if gap := no_next_step(base, fired.any, stalled):
+        # A persistent pathology whose library fix is already applied stalls a lineage as
+        # surely as no trigger at all: neither selects the next intervention.
+        if gap := no_next_step(base, fired.actionable, stalled):
             gaps.append(gap)
         return gaps
 

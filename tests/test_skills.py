@@ -15,11 +15,11 @@ from evotrainer.commands.init import EXAMPLES_DIR
 from evotrainer.contract.filters import check_filter_spec
 from evotrainer.control.versions import new_version
 from evotrainer.diagnosis.catalogue import catalogue
+from evotrainer.diagnosis.skill_library import record_evidence
 from evotrainer.diagnosis.skills import (
     fires,
     load_library,
     match,
-    record_evidence,
     refusals,
     resolve_skill,
     search,

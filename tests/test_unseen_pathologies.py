@@ -19,7 +19,8 @@ from evotrainer.diagnosis.catalogue import catalogue
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
 from evotrainer.diagnosis.harness import parse_harness, resolve_harness
 from evotrainer.diagnosis.replay import version_rollouts
-from evotrainer.diagnosis.skills import match, workspace_library
+from evotrainer.diagnosis.skill_library import workspace_library
+from evotrainer.diagnosis.skills import match
 from evotrainer.store.specs import load_yaml
 from evotrainer.store.workspace import Workspace
 

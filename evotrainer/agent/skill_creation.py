@@ -27,6 +27,7 @@ import re
 from typing import Any
 
 from evotrainer import API_VERSION
+from evotrainer.diagnosis.skill_library import workspace_library
 from evotrainer.diagnosis.skills import (
     SKILL_MODELINE,
     Skill,
@@ -34,7 +35,6 @@ from evotrainer.diagnosis.skills import (
     evidence_entry,
     resolve_patch,
     resolve_skill,
-    workspace_library,
 )
 from evotrainer.errors import EvoError
 from evotrainer.store import cel, specs

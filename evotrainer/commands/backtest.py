@@ -25,7 +25,8 @@ from evotrainer.diagnosis.replay import (
     skill_reward,
     version_rollouts,
 )
-from evotrainer.diagnosis.skills import get_skill, workspace_library
+from evotrainer.diagnosis.skill_library import workspace_library
+from evotrainer.diagnosis.skills import get_skill
 from evotrainer.domains.judge import component_name
 from evotrainer.engine.judge_servers import served_judges
 from evotrainer.errors import EvoError

@@ -11,16 +11,8 @@ from rich.table import Table
 
 from evotrainer.agent.retrieval import Query, query_for, retrieve
 from evotrainer.agent.skill_creation import propose_skill
-from evotrainer.diagnosis.skill_library import share_evidence
-from evotrainer.diagnosis.skills import (
-    Match,
-    Skill,
-    get_skill,
-    match_version,
-    search,
-    version_domain,
-    workspace_library,
-)
+from evotrainer.diagnosis.skill_library import match_version, share_evidence, workspace_library
+from evotrainer.diagnosis.skills import Match, Skill, get_skill, search, version_domain
 from evotrainer.errors import EvoError
 from evotrainer.store.specs import dump
 from evotrainer.store.workspace import Workspace

@@ -30,7 +30,7 @@ from evotrainer.control.validation import (
     job_env,
 )
 from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
-from evotrainer.diagnosis.skills import pending_evidence
+from evotrainer.diagnosis.skill_library import pending_evidence
 from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import CHECKPOINT, init_mode, is_dropped, parent_checkpoint
 from evotrainer.store.clock import now_iso

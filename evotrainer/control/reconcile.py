@@ -47,7 +47,7 @@ from evotrainer.control.observe import (
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
 from evotrainer.diagnosis.gate import decide, recorded_scores
 from evotrainer.diagnosis.harness import HarnessRevision
-from evotrainer.diagnosis.skills import record_evidence
+from evotrainer.diagnosis.skill_library import record_evidence
 from evotrainer.errors import EvoError
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.store import specs

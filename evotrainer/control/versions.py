@@ -12,7 +12,8 @@ from evotrainer.control.validation import (
     check_workspace,
     declared_data_roots,
 )
-from evotrainer.diagnosis.skills import skill_overrides, workspace_library
+from evotrainer.diagnosis.skill_library import workspace_library
+from evotrainer.diagnosis.skills import skill_overrides
 from evotrainer.errors import EvoError
 from evotrainer.store import specs
 from evotrainer.store.clock import now_iso

@@ -1,7 +1,7 @@
 """A skill library shared by several workspaces: a git repository of `skills/*.yaml`.
 
 `skill_library: {repo: PATH, ref: main}` in the project spec makes the skills committed on
-that repository's `ref` part of the workspace's library (`skills.workspace_library` merges
+that repository's `ref` part of the workspace's library (`workspace_library` merges
 them). They are read from git objects — never checked out, never executed — and only from
 `ref`, the library's reviewed branch: a skill proposed on another branch is not trusted
 until a reviewer merges it there.
@@ -22,8 +22,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from evotrainer.diagnosis.skills import (
+    EVIDENCE_LISTS,
+    SKILL_MODELINE,
+    Match,
+    Skill,
+    check_operations,
+    evidence_entry,
+    load_library,
+    match,
+    refusals,
+    version_domain,
+    with_evidence,
+)
 from evotrainer.errors import EvoError
 from evotrainer.store import specs
+from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.git import GitStore
 from evotrainer.store.workspace import PROJECT_FILE
 
@@ -102,8 +116,6 @@ def _tree(store: GitStore, treeish: str) -> list[tuple[str, str, str, int | None
 
 def read_skills(store: GitStore, commit: str, repo: str, ref: str) -> dict[str, Any]:
     """Every `skills/*.yaml` at `commit`, checked (see the module docstring), by name."""
-    from evotrainer.diagnosis.skills import Skill, check_operations
-
     def where(path: str) -> str:
         return f"skill library {repo}@{ref}:{path}"
 
@@ -158,8 +170,6 @@ def merged(local: dict[str, Any], shared: SharedLibrary | None) -> dict[str, Any
     """The workspace's skills with the shared library's: a skill in both keeps the
     workspace's copy (reviewed here) plus the library's evidence entries it lacks; a skill
     only in the library joins as it is there."""
-    from evotrainer.diagnosis.skills import Skill
-
     if shared is None:
         return local
     out = {**shared.skills}
@@ -198,8 +208,6 @@ def share_evidence(ws: Any) -> dict[str, Any] | None:
     has that the library lacks and that carry such evidence) back to the shared library:
     one commit on the library's `evidence/<project name>` branch, from its reviewed `ref`.
     Returns {branch, commit, skills}, or None when the library already holds it all."""
-    from evotrainer.diagnosis.skills import SKILL_MODELINE
-
     shared = shared_library(ws)
     if shared is None:
         raise EvoError("the project names no shared skill library", where=PROJECT_FILE,
@@ -251,3 +259,111 @@ def share_evidence(ws: Any) -> dict[str, Any] | None:
         start=shared.commit if tip is None else None,
     )
     return {"branch": branch, "commit": commit, "skills": sorted(files), "new": True}
+
+
+# ------------------------------------------------------------------- the workspace's library
+
+
+def workspace_library(ws: Any | None) -> dict[str, Skill]:
+    """The workspace's `skills/` when it holds any skill, else the built-in library; with
+    the shared library the project names (`skill_library`) merged in."""
+    if ws is None:
+        return load_library()
+    local = load_library(ws.root / "skills") if ws.skill_names() else load_library()
+    return merged(local, shared_library(ws))
+
+
+def pending_evidence(
+    ws: Any, version: str, decision: dict[str, Any], states: dict | None = None
+) -> dict[str, bytes]:
+    """The skill files on `main` that still lack `version`'s gated outcome: {path: new text}.
+
+    promote → `evidence`, prune/revert → `negative_evidence`; other verdicts record nothing.
+    Empty once recorded, so reconcile can tell (level-triggered) whether it is still to do.
+    """
+    if decision.get("verdict") not in EVIDENCE_LISTS:
+        return {}
+    states = states if states is not None else ws.versions()
+    state = ws.version(version, states)
+    applied = list(((state.spec or {}).get("intervention") or {}).get("skills") or [])
+    if not applied:
+        return {}
+    entry = evidence_entry(version, version_domain(ws, version, states), decision)
+    builtin = builtin_dir("skills")
+    files: dict[str, bytes] = {}
+    for name in applied:
+        path = f"skills/{name}.yaml"
+        raw = ws.git.read("main", path)
+        if raw is None and (builtin / f"{name}.yaml").is_file():
+            raw = (builtin / f"{name}.yaml").read_bytes()  # first evidence on a built-in skill
+        if raw is None and name in (shared := _shared_skills(ws)):
+            # First evidence on a shared library's skill: the workspace keeps its own copy.
+            raw = (SKILL_MODELINE + specs.dump(shared[name].data)).encode()
+        if raw is None:
+            raise EvoError(
+                f"version {version!r} applied skill {name!r}, which is neither in "
+                "the workspace, its shared library nor built in",
+                where=f"main:{path}",
+                hint=f"restore {path} on main",
+            )
+        doc = specs.load_text(raw, f"main:{path}", "Skill")
+        updated = with_evidence(doc.data, entry)
+        if updated is None:
+            continue
+        text = _leading_comments(raw.decode()) + specs.dump(updated)
+        specs.load_text(text, f"main:{path}", "Skill")  # never commit an invalid skill
+        files[path] = text.encode()
+    return files
+
+
+def _shared_skills(ws: Any) -> dict[str, Skill]:
+    shared = shared_library(ws)
+    return shared.skills if shared else {}
+
+
+def record_evidence(ws: Any, version: str, decision: dict[str, Any]) -> list[str]:
+    """File `version`'s gated outcome on every skill it applied: one commit on `main`
+    (trailer Action: evidence). Idempotent. Returns the names of the skills that changed."""
+    files = pending_evidence(ws, version, decision)
+    names = [Path(p).stem for p in files]
+    if files:
+        ws.git.commit_files(
+            "main",
+            files,
+            f"Evidence from {version} ({decision['verdict']}): {', '.join(names)}",
+            {"Action": "evidence", "Version": version},
+        )
+    return names
+
+
+def _leading_comments(text: str) -> str:
+    """The comment lines at the top of a file (the editor's schema modeline), kept on rewrite."""
+    lines = []
+    for line in text.splitlines(keepends=True):
+        if not line.startswith("#"):
+            break
+        lines.append(line)
+    return "".join(lines) or SKILL_MODELINE
+
+
+def match_version(ws: Any, version: str) -> tuple[list[Match], list[Match]]:
+    """(matches, refusals) for a version's recorded diagnosis, with the workspace library."""
+    states = ws.versions()
+    state = ws.version(version, states)
+    diagnosis = state.records.get("diagnosis")
+    if not diagnosis:
+        raise EvoError(
+            f"version {version!r} has no diagnosis yet",
+            where=f"evo/{version}:runs/{version}/diagnosis.yaml",
+            hint="run `evotrainer reconcile` to train and diagnose it",
+        )
+    recipe = ws.resolved_recipe(version, states)
+    domain = recipe["domain"]["name"]
+    skills = workspace_library(ws)
+    return (
+        match(skills, diagnosis, domain=domain, recipe=recipe),
+        refusals(skills, diagnosis, domain=domain, recipe=recipe),
+    )
+
+
+# --------------------------------------------------------------------------------- evidence

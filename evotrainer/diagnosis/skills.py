@@ -155,17 +155,6 @@ def load_library(folder: Path | None = None) -> dict[str, Skill]:
     return skills
 
 
-def workspace_library(ws: Any | None) -> dict[str, Skill]:
-    """The workspace's `skills/` when it holds any skill, else the built-in library; with
-    the shared library the project names (`skill_library`) merged in."""
-    if ws is None:
-        return load_library()
-    from evotrainer.diagnosis.skill_library import merged, shared_library
-
-    local = load_library(ws.root / "skills") if ws.skill_names() else load_library()
-    return merged(local, shared_library(ws))
-
-
 def skill_overrides(paths: list[Path | Skill], parent_recipe: dict[str, Any]
                     ) -> dict[str, Any]:
     """The concrete recipe overrides of the skills in `paths` (files, or skills already
@@ -644,29 +633,6 @@ def version_domain(ws: Any, version: str, states: dict | None = None) -> str:
     return ws.resolved_recipe(version, states)["domain"]["name"]
 
 
-def match_version(ws: Any, version: str) -> tuple[list[Match], list[Match]]:
-    """(matches, refusals) for a version's recorded diagnosis, with the workspace library."""
-    states = ws.versions()
-    state = ws.version(version, states)
-    diagnosis = state.records.get("diagnosis")
-    if not diagnosis:
-        raise EvoError(
-            f"version {version!r} has no diagnosis yet",
-            where=f"evo/{version}:runs/{version}/diagnosis.yaml",
-            hint="run `evotrainer reconcile` to train and diagnose it",
-        )
-    recipe = ws.resolved_recipe(version, states)
-    domain = recipe["domain"]["name"]
-    skills = workspace_library(ws)
-    return (
-        match(skills, diagnosis, domain=domain, recipe=recipe),
-        refusals(skills, diagnosis, domain=domain, recipe=recipe),
-    )
-
-
-# --------------------------------------------------------------------------------- evidence
-
-
 def evidence_entry(version: str, domain: str, decision: dict[str, Any]) -> dict[str, Any]:
     comparison = decision.get("comparison") or {}
     low, high = comparison.get("ci_low"), comparison.get("ci_high")
@@ -692,78 +658,3 @@ def with_evidence(data: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]
     if all((out[k] or []) == (data.get(k) or []) for k in ("evidence", "negative_evidence")):
         return None
     return out
-
-
-def pending_evidence(
-    ws: Any, version: str, decision: dict[str, Any], states: dict | None = None
-) -> dict[str, bytes]:
-    """The skill files on `main` that still lack `version`'s gated outcome: {path: new text}.
-
-    promote → `evidence`, prune/revert → `negative_evidence`; other verdicts record nothing.
-    Empty once recorded, so reconcile can tell (level-triggered) whether it is still to do.
-    """
-    if decision.get("verdict") not in EVIDENCE_LISTS:
-        return {}
-    states = states if states is not None else ws.versions()
-    state = ws.version(version, states)
-    applied = list(((state.spec or {}).get("intervention") or {}).get("skills") or [])
-    if not applied:
-        return {}
-    entry = evidence_entry(version, version_domain(ws, version, states), decision)
-    builtin = builtin_dir("skills")
-    files: dict[str, bytes] = {}
-    for name in applied:
-        path = f"skills/{name}.yaml"
-        raw = ws.git.read("main", path)
-        if raw is None and (builtin / f"{name}.yaml").is_file():
-            raw = (builtin / f"{name}.yaml").read_bytes()  # first evidence on a built-in skill
-        if raw is None and name in (shared := _shared_skills(ws)):
-            # First evidence on a shared library's skill: the workspace keeps its own copy.
-            raw = (SKILL_MODELINE + specs.dump(shared[name].data)).encode()
-        if raw is None:
-            raise EvoError(
-                f"version {version!r} applied skill {name!r}, which is neither in "
-                "the workspace, its shared library nor built in",
-                where=f"main:{path}",
-                hint=f"restore {path} on main",
-            )
-        doc = specs.load_text(raw, f"main:{path}", "Skill")
-        updated = with_evidence(doc.data, entry)
-        if updated is None:
-            continue
-        text = _leading_comments(raw.decode()) + specs.dump(updated)
-        specs.load_text(text, f"main:{path}", "Skill")  # never commit an invalid skill
-        files[path] = text.encode()
-    return files
-
-
-def _shared_skills(ws: Any) -> dict[str, Skill]:
-    from evotrainer.diagnosis.skill_library import shared_library
-
-    shared = shared_library(ws)
-    return shared.skills if shared else {}
-
-
-def record_evidence(ws: Any, version: str, decision: dict[str, Any]) -> list[str]:
-    """File `version`'s gated outcome on every skill it applied: one commit on `main`
-    (trailer Action: evidence). Idempotent. Returns the names of the skills that changed."""
-    files = pending_evidence(ws, version, decision)
-    names = [Path(p).stem for p in files]
-    if files:
-        ws.git.commit_files(
-            "main",
-            files,
-            f"Evidence from {version} ({decision['verdict']}): {', '.join(names)}",
-            {"Action": "evidence", "Version": version},
-        )
-    return names
-
-
-def _leading_comments(text: str) -> str:
-    """The comment lines at the top of a file (the editor's schema modeline), kept on rewrite."""
-    lines = []
-    for line in text.splitlines(keepends=True):
-        if not line.startswith("#"):
-            break
-        lines.append(line)
-    return "".join(lines) or SKILL_MODELINE

@@ -20,7 +20,8 @@ import yaml
 
 from evotrainer.control.reconcile import Context, steps_spent
 from evotrainer.diagnosis.harness import LAYERS, HarnessRevision, load_harness, resolve_harness
-from evotrainer.diagnosis.skills import Skill, workspace_library
+from evotrainer.diagnosis.skill_library import workspace_library
+from evotrainer.diagnosis.skills import Skill
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts
 from evotrainer.evidence.layout import RunArtifacts

@@ -31,7 +31,8 @@ import yaml
 from evotrainer.control.versions import new_version, parse_assignment
 from evotrainer.diagnosis.harness import HarnessRevision, parse_harness, resolve_harness
 from evotrainer.diagnosis.outcomes import MIXED, SUPPORTED
-from evotrainer.diagnosis.skills import Skill, workspace_library
+from evotrainer.diagnosis.skill_library import workspace_library
+from evotrainer.diagnosis.skills import Skill
 from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import CHECKPOINT, is_dropped
 from evotrainer.store.git import PRUNED_TAG_PREFIX

@@ -403,8 +403,16 @@ def token_logprobs(
     logits = model(
         input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=tail + 1
     ).logits[:, :-1]
+    return target_logprobs(logits, ids[:, -tail:])
+
+
+def target_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (B, T, V) predicting targets (B, T) → the targets' log-probabilities and the
+    policy's entropy at each position, both (B, T)."""
     logp_all = logits.float().log_softmax(-1)
-    logp = logp_all.gather(-1, ids[:, -tail:, None]).squeeze(-1)
+    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
     with torch.no_grad():  # a statistic only: its vocabulary-sized product needs no graph
         probs_logp = logp_all.detach()
         entropy = -(probs_logp.exp() * probs_logp).sum(-1)

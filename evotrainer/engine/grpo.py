@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from evotrainer.contract.filters import Trajectory, filter_batch, make_filter
 from evotrainer.contract.model_start import model_start
@@ -58,7 +58,9 @@ from evotrainer.engine.rollout import (
     Episode,
     Sampler,
     batch_tensors,
+    left_pad,
     sample_episodes,
+    target_logprobs,
     token_logprobs,
 )
 from evotrainer.engine.scoring import Scoring
@@ -129,6 +131,74 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Te
     return per_seq.mean()
 
 
+# The training forward runs each distinct prompt once and its group's responses over that
+# prompt's KV cache (as the sampler does), so a group of G pays for its prompt once instead of G
+# times: the same log-probabilities and gradients in fewer FLOPs. False: every episode as one
+# full row, the engine before issue 30 (bench/real_model.py's baseline).
+SHARE_PROMPT_FORWARD = True
+
+
+class FullRows:
+    """The kept episodes as left-padded rows of prompt + response; responses end at the right
+    edge, so the loss covers the last `tail` positions."""
+
+    def __init__(self, episodes: list[Episode], pad_id: int) -> None:
+        rows = [e.prompt_ids + e.ids for e in episodes]
+        self.ids, self.attn, self.positions, mask = batch_tensors(
+            rows, [e.mask for e in episodes], pad_id
+        )
+        self.tail = max(len(e.mask) for e in episodes)
+        self.mask = mask[:, -self.tail:]
+
+    def logprobs(self, model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_logprobs(model, self.ids, self.attn, self.positions, self.tail)
+
+
+class SharedPrompts:
+    """The kept episodes as one batch of distinct (left-padded) prompts and one of responses
+    (right-padded, aligned with `mask`), each response row attending to its prompt's cache."""
+
+    def __init__(self, episodes: list[Episode], pad_id: int) -> None:
+        distinct: dict[tuple[int, ...], int] = {}
+        for e in episodes:
+            distinct.setdefault(tuple(e.prompt_ids), len(distinct))
+        self.prompt_ids, self.prompt_attn = left_pad([list(p) for p in distinct], pad_id)
+        self.source = torch.tensor([distinct[tuple(e.prompt_ids)] for e in episodes])
+        width = max(len(e.ids) for e in episodes)
+        self.ids = torch.full((len(episodes), width), pad_id, dtype=torch.long)
+        response_attn = torch.zeros((len(episodes), width), dtype=torch.long)
+        self.mask = torch.zeros((len(episodes), width), dtype=torch.float32)
+        for i, e in enumerate(episodes):
+            self.ids[i, : len(e.ids)] = torch.tensor(e.ids, dtype=torch.long)
+            response_attn[i, : len(e.ids)] = 1
+            self.mask[i, : len(e.mask)] = torch.tensor(e.mask, dtype=torch.float32)
+        prompt_attn = self.prompt_attn[self.source]
+        self.attn = torch.cat([prompt_attn, response_attn], dim=-1)
+        self.positions = prompt_attn.sum(-1, keepdim=True) + torch.arange(width)
+
+    def logprobs(self, model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = DynamicCache()
+        prompt_out = model(
+            input_ids=self.prompt_ids,
+            attention_mask=self.prompt_attn,
+            position_ids=(self.prompt_attn.cumsum(-1) - 1).clamp(min=0),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache.batch_select_indices(self.source)  # gradients flow back to the shared prompt rows
+        response_logits = model(
+            input_ids=self.ids, attention_mask=self.attn, position_ids=self.positions,
+            cache=cache, use_cache=True,
+        ).logits
+        # The prompt's last position predicts the first response token; the rest predict
+        # the next one.
+        logits = torch.cat(
+            [prompt_out.logits[self.source, -1:], response_logits[:, :-1]], dim=1
+        )
+        return target_logprobs(logits, self.ids)
+
+
 def update(
     model: PreTrainedModel,
     ref: torch.nn.Module | None,
@@ -139,19 +209,17 @@ def update(
     pad_id: int,
 ) -> dict[str, float]:
     """`ppo_epochs` gradient steps on the kept episodes (one full batch each)."""
-    rows = [e.prompt_ids + e.ids for e in episodes]
-    ids, attn, positions, mask = batch_tensors(rows, [e.mask for e in episodes], pad_id)
-    tail = max(len(e.mask) for e in episodes)  # only response tokens carry loss
-    mask = mask[:, -tail:]
+    batch = (SharedPrompts if SHARE_PROMPT_FORWARD else FullRows)(episodes, pad_id)
+    mask = batch.mask
     adv = torch.tensor(advantages, dtype=torch.float32)
     ref_logp = None
     if ref is not None:
         with torch.no_grad():
-            ref_logp = token_logprobs(ref, ids, attn, positions, tail)[0]
+            ref_logp = batch.logprobs(ref)[0]
     old_logp = None
     model.train()
     for _ in range(g["ppo_epochs"]):
-        logp, entropy = token_logprobs(model, ids, attn, positions, tail)
+        logp, entropy = batch.logprobs(model)
         if old_logp is None:
             old_logp = logp.detach()
         loss, stats = policy_loss(logp, old_logp, ref_logp, adv, mask, g)

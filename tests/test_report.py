@@ -151,6 +151,19 @@ def test_version_pages_show_what_was_decided(report):
     assert "anthropic" in index and "1545" in index  # the planner's tokens, totalled
 
 
+def test_index_shows_each_versions_spend_and_the_gpu_hour_budget(report, ws):
+    """Issue 29 C10: the report shows spend per version beside the budgets it counts against."""
+    index = html.unescape(report.read_text())
+    assert "GPU-hours spent" in index and "max_gpu_hours" in index
+    versions = index[index.index("<h2>Versions</h2>"):]
+    rows = {row.name: row for row in lineage_rows(ws)}
+    assert rows["v1"].spend.steps > 0  # trained, so it spent steps
+    for name, row in rows.items():
+        cells = re.search(rf'versions/{name}\.html.*?</tr>', versions, re.S)
+        assert cells is not None and (row.spend.text() or "—") in cells.group(0), name
+    assert "1545 tokens" in index  # v2's proposal tokens are part of its spend
+
+
 def test_a_run_result_without_seeds_shows_the_recipes(ws, tmp_path):
     """A run stopped early (or a backend that does not list them) records no seeds in its
     result: the page names the seeds the recipe ran, never a bare "seeds"."""

@@ -51,6 +51,7 @@ from evotrainer.engine.model import (
     initial_model,
     save_checkpoint,
     uses_chat_template,
+    with_cache,
     with_lora,
 )
 from evotrainer.engine.outputs import RunLog, RunOutputs, Stopped, write_json
@@ -182,14 +183,13 @@ class SharedPrompts:
             input_ids=self.prompt_ids,
             attention_mask=self.prompt_attn,
             position_ids=(self.prompt_attn.cumsum(-1) - 1).clamp(min=0),
-            cache=cache,
-            use_cache=True,
             logits_to_keep=1,
+            **with_cache(cache),
         )
         cache.batch_select_indices(self.source)  # gradients flow back to the shared prompt rows
         response_logits = model(
             input_ids=self.ids, attention_mask=self.attn, position_ids=self.positions,
-            cache=cache, use_cache=True,
+            **with_cache(cache),
         ).logits
         # The prompt's last position predicts the first response token; the rest predict
         # the next one.

@@ -16,6 +16,7 @@ Caches are keyed by content (`model_digest`), never by the path's text.
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import time
@@ -31,6 +32,7 @@ from transformers import (
     AutoTokenizer,
     GenerationConfig,
     LlamaConfig,
+    LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
@@ -52,6 +54,21 @@ SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 ALPHABET = [chr(c) for c in range(32, 127)]
 CONFIGS = {"qwen2": Qwen2Config, "llama": LlamaConfig}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# transformers 5.20 renamed every model's `past_key_values` argument to `cache`, and vLLM's pin
+# keeps transformers below 5.20 where the `vllm` extra is installed. A name the installed version
+# does not read is swallowed by the forward's **kwargs, and the model then runs without its KV
+# cache and no error; so the name is read from the installed version (the rename was global).
+CACHE_ARGUMENT = (
+    "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters
+    else "past_key_values"
+)
+
+
+def with_cache(cache: Any) -> dict[str, Any]:
+    """The forward's keyword arguments that make it read and extend `cache`."""
+    return {CACHE_ARGUMENT: cache, "use_cache": True}
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:

@@ -59,6 +59,7 @@ from evotrainer.diagnosis.replay import version_rollouts
 from evotrainer.diagnosis.stats import compare_tables
 from evotrainer.errors import EvoError
 from evotrainer.store.recipe import deep_merge
+from evotrainer.store.records import RunRecord
 from evotrainer.store.workspace import PROJECT_FILE, Workspace
 
 # arm -> (planner, harness in force unless the setup names one, harness evolution)
@@ -121,18 +122,25 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
           "a learning rate that collapses training (30x the example's)",
           {"grpo": {"lr": 1.0e-2, "steps": 100}}, {"grpo": {"steps": 40}}),
     # ---- pathologies h0 cannot see (issue 29 D11) ----
-    # Measured on the embedded engine (--quick, seed 0, all three arms): the trained v1 idles
-    # in 14% of its episodes (idle_failure_rate 0.14, abandonment 0.23), but its dead groups
-    # (0.36) fire h0's dead_groups, and h0's shaped-correctness adds the same `partial`
-    # component act-before-answering would: h0 answers the symptom, so no arm reaches gap (c)
-    # and all three end at v1 (Δ +0.057 [+0.020, +0.094]). Unseen on the planted stand-in
-    # (tests/test_unseen_pathologies.py), not yet on this engine at this size.
+    # A shaped reward that pays quitting: 40% of the demonstrations answer a blind guess, and
+    # the project's reward adds to correctness partial credit (0.5, so no group is dead: h0's
+    # dead-groups skills stay quiet) and an efficiency term (0.5 × 1/actions). An answer alone
+    # earns the whole efficiency term, so GRPO trains the policy to guess: on the embedded
+    # engine (40 steps, seed 0) idle failures rise from 31% to 76% of the rollouts and val
+    # Avg@8 falls 0.059 → 0.039 with no h0 alert; the same recipe without the efficiency term
+    # idles 14% and reaches 0.141. Scored at temperature 1.0 whatever the arm trains at, as in
+    # `cold`: a colder sampler that guesses less shows as a training gain, not as a change of
+    # the evaluation protocol.
     Setup("idle", "toolenv",
           "idle failure: 40% of the demonstrations answer a blind guess without a single "
-          "compare, so the warm-started policy often quits without acting; no leak",
+          "compare, and the reward's efficiency term (beside correctness and partial credit) "
+          "pays an answer alone most; no leak",
           {"domain": {"params": {"idle_demo_rate": 0.4, "reveal_demo_rate": 0.0}},
            "environment": {"tools": [{"name": "reveal", "enabled": False}]},
-           "grpo": {"steps": 100}},
+           "reward": {"components": [{"name": "correctness", "weight": 1.0},
+                                     {"name": "partial", "weight": 0.5},
+                                     {"name": "efficiency", "weight": 0.5}]},
+           "grpo": {"steps": 100, "eval_temperature": 1.0}},
           {"grpo": {"steps": 40}}, rounds=5),
     # The echo setup under h0: loops of a few turns hit the 24-turn budget (the catalogue's
     # tool_limit_ratio sees them) but never h0's 60-turn echo trap; rarer than in `echo`
@@ -209,6 +217,19 @@ def leaky(ws: Workspace, version: str) -> bool:
     return any((metrics.get(k) or 0.0) > 0.0 for k in ("leak_ratio", "val_leak_ratio"))
 
 
+def trained_steps(run: RunRecord | None) -> int:
+    """GRPO steps a version's run really trained, every seed and earlier attempt included. A run
+    record's `steps_done` is one seed's steps when the run finished (the engine writes its
+    recipe's steps after each seed) but the steps over all seeds when an early stop ended it
+    (the live record's count): a two-seed run trains twice its recipe's steps, and the arms
+    are compared at equal compute."""
+    if run is None:
+        return 0
+    seeds = len(run.result.get("seeds") or [0])
+    this = run.steps_done if run.stopped else run.steps_done * seeds
+    return this + run.steps_spent - run.steps_done  # + the attempts before this one
+
+
 def measure(ws: Workspace, setup: str, arm: str, seed: int, seconds: float) -> ArmResult:
     states = ws.versions()
     baseline = recorded_scores(ws, "v0")
@@ -221,9 +242,7 @@ def measure(ws: Workspace, setup: str, arm: str, seed: int, seconds: float) -> A
     leaky_promoted = []
     for name in order:
         state = states[name]
-        # The steps the run really trained (an early-stopped run spends fewer than its recipe
-        # asks), every attempt included: the unit `max_total_steps` budgets.
-        spent += state.run.steps_spent if state.run else 0
+        spent += trained_steps(state.run)
         verdict = state.records["decision"]["verdict"]
         leak = leaky(ws, name)
         try:

@@ -13,6 +13,7 @@ from standin_planted import PlantedBackend
 
 from evotrainer.backends.base import JobSpec
 from evotrainer.store.recipe import deep_merge
+from evotrainer.store.records import RunRecord
 
 pytestmark = pytest.mark.usefixtures("standin")
 
@@ -85,19 +86,20 @@ def test_each_arm_trains_under_its_harness(tmp_path):
 
 
 class IdleFollowsRecipe(PlantedBackend):
-    """The `idle` setup on the planted stand-in: acting episodes untrained 50% correct, trained
-    90%, and 40% of the episodes idle failures (no call, wrong) until the reward has `partial`
-    at weight 0.5 or more — the fix that ranks a searched answer above a blind guess. Solved
-    groups stay ahead of unsolved ones: the stand-in's train reward is flat, and with unsolved
-    groups ahead h0 would fire partial-credit-on-stall (the same patch) on the stall alone."""
+    """The `idle` setup on the planted stand-in, as it went on the embedded engine: untrained,
+    40% of the episodes are idle failures (no call, wrong) and acting ones are 50% correct;
+    trained while the reward weights `efficiency` (which pays an answer alone most), the
+    policy learns to guess: 60% idle, acting 60% correct, below the untrained score. Trained
+    without it, nobody idles and acting is 90% correct. Acting groups keep some solved
+    members, so h0's dead groups stay quiet."""
 
     def submit(self, job: JobSpec) -> None:
         trained = job.recipe["grpo"]["steps"] > 0
         components = {c["name"]: c.get("weight", 1.0)
                       for c in (job.recipe.get("reward") or {}).get("components") or []}
-        fixed = components.get("partial", 0.0) >= 0.5
-        params = {"domain": {"params": {"standin_skill": 0.9 if trained else 0.5,
-                                        "planted_idle": 0.0 if fixed else 0.4}}}
+        pays_quitting = components.get("efficiency", 0.0) > 0.0
+        skill, idle = (0.5, 0.4) if not trained else (0.6, 0.6) if pays_quitting else (0.9, 0.0)
+        params = {"domain": {"params": {"standin_skill": skill, "planted_idle": idle}}}
         super().submit(JobSpec(job.job_id, job.version, deep_merge(job.recipe, params),
                                job.workdir, job.artifact_dir, job.env))
 
@@ -109,21 +111,41 @@ def test_idle_setup_only_the_evolving_arm_sees_and_fixes_it(tmp_path):
                              backends=backends)
             for arm in ("rules", "rules-no-harness", "score")}
     rules = arms["rules"]
-    # A stall with no trigger: gap (c); the revision adds the metric whose alert explains it.
-    assert any(g.startswith("no_next_step on ") for g in rules.gaps)
+    # Training as is fails (the policy learns to guess) and no h0 trigger offers a step:
+    # gap (c) on the untrained root; the revision adds the metric whose alert fires on the
+    # stalled child and lets a skill act.
+    assert rules.versions[0]["name"] == "v1" and rules.versions[0]["verdict"] != "promote"
+    assert "no_next_step on v0" in rules.gaps
     assert rules.adopted[0] == "h2 (+idle_failure_rate)"
-    assert rules.fixes == ["act-before-answering"]
+    assert rules.fixes == ["drop-efficiency-reward"]
+    fixed = [v for v in rules.versions if v["skills"] == ["drop-efficiency-reward"]]
+    assert fixed[0]["verdict"] == "promote" and fixed[0]["parent"] == "v0"
+    assert fixed[0]["changes"]["reward"]["components"] == [{"name": "efficiency",
+                                                            "weight": 0.0}]
     assert rules.significant and rules.ci[0] > 0
-    fixed = [v for v in rules.versions if v["skills"] == ["act-before-answering"]]
-    assert fixed and fixed[0]["verdict"] == "promote"
-    # Harness evolution off: the same gap is noted, nothing adopted, nothing fixes it.
+    # Harness evolution off: the same gap is noted, nothing adopted, nothing fixes it; the
+    # score arm's moves (steps, lr, temperature, ...) all keep the term.
     off = arms["rules-no-harness"]
-    assert off.gaps and not off.adopted and "act-before-answering" not in off.fixes
-    assert arms["score"].adopted == [] and "act-before-answering" not in arms["score"].fixes
-    # The clean gain over v0 each control reaches is the training alone (90% of the acting
-    # 60%), below the evolving arm's.
-    assert rules.frontier_avg > max(off.frontier_avg, arms["score"].frontier_avg)
+    assert "no_next_step on v0" in off.gaps and not off.adopted and not off.fixes
+    assert arms["score"].adopted == [] and not arms["score"].fixes
+    for control in (off, arms["score"]):
+        assert control.frontier == "v0" and not control.significant
     budget = 2 * setup.rounds * setup.quick["grpo"]["steps"]
-    assert all(r.steps_spent <= budget for r in arms.values())
+    assert all(0 < r.steps_spent <= budget for r in arms.values())
     table = gym.table(list(arms.values()))
     assert "| idle | rules | " in table and "h2 (+idle_failure_rate)" in table
+
+
+def test_steps_spent_counts_every_seed_a_run_trained():
+    # The engine's result.json says one seed's steps for a finished run; a two-seed run
+    # trained twice that. An early-stopped run's record already counts over its seeds.
+    job = "evo-v1-a2-0123456789"
+    finished = RunRecord.from_record({"state": "Succeeded", "job_id": job,
+                                      "attempts": [{"steps": 12}],
+                                      "result": {"steps_done": 30, "seeds": [0, 1]}})
+    assert gym.trained_steps(finished) == 2 * 30 + 12
+    stopped = RunRecord.from_record({"state": "Stopped", "job_id": job,
+                                     "stopped": {"rule": "leak"},
+                                     "result": {"steps_done": 45, "seeds": [0, 1]}})
+    assert gym.trained_steps(stopped) == 45
+    assert gym.trained_steps(None) == 0

@@ -1,7 +1,8 @@
 """The autonomy gym's unseen pathologies (bench/autonomy.py `idle`, `echo_h0`) on planted
 stand-in runs: h0 raises no alert and no library skill fires on its diagnosis, while the
 catalogue metric a harness revision would add alerts on them — and not on the same run
-without the pathology — and a library skill reads that alert."""
+without the pathology — and a library skill reads that alert. Beside them, the idle setup's
+`efficiency` reward term and the skill that takes it out."""
 
 from __future__ import annotations
 
@@ -28,9 +29,13 @@ pytestmark = pytest.mark.usefixtures("standin")
 
 # setup → (planted params, extra settings, the catalogue metric that sees it, its alert, the
 # library skill whose trigger reads that alert)
+# The idle setup's reward (bench/autonomy.py): correctness, partial credit and the efficiency
+# term that pays an answer alone; the skill that fires names that term as the cause.
+IDLE_REWARD = ('reward.components=[{"name": "correctness", "weight": 1.0}, '
+               '{"name": "partial", "weight": 0.5}, {"name": "efficiency", "weight": 0.5}]')
 CASES = {
-    "idle": ({"planted_idle": 0.4}, [], "idle_failure_rate", "idle_failure",
-             "act-before-answering"),
+    "idle": ({"planted_idle": 0.4}, [IDLE_REWARD], "idle_failure_rate", "idle_failure",
+             "drop-efficiency-reward"),
     # A quarter of the rollouts loop for 12 calls: h0's same-tool streak (max-turns-cap fires
     # on a mean over 4.0) is 0.25 × 12 + 0.75 × 1 = 3.75. At 40% looping it is 5.4 and h0
     # sees the loops through that streak: this setup is unseen only while loops are rarer.
@@ -107,3 +112,44 @@ def test_idle_demonstrations_are_planted_only_when_asked():
     assert 0.33 < len(idle) / len(planted) < 0.47
     # An idle demonstration answers at once, a guess inside the task's range: no action.
     assert all(text.startswith("=") and text.endswith(";") and acts for [(text, acts)] in idle)
+
+
+def test_efficiency_pays_an_answer_alone_most():
+    from evotrainer.domains.toolenv import ToolEnvDomain
+
+    domain = ToolEnvDomain({})
+    domain.validate_params()
+    task = domain.task_at(0)
+
+    def efficiency(response: str) -> float:
+        return domain.score(task, response, []).components["efficiency"]
+
+    # 1 / actions: an answer alone earns it all, a search pays for each step, nothing earns 0.
+    assert efficiency("=3;") == 1.0
+    assert efficiency("?8;<;?4;<;=3;") == pytest.approx(1 / 3)
+    assert efficiency("") == 0.0
+    # The components the recipe weights are scored as before.
+    assert domain.score(task, "?8;<;?4;<;=3;", []).components["no_repeat"] == 1.0
+
+
+def test_drop_efficiency_reward_fires_only_with_the_term_and_the_alert(tmp_path):
+    ws = Workspace(init_workspace(tmp_path, "toolenv"))
+    new_version(ws, "v1", "v0", rationale="planted", settings=[IDLE_REWARD])
+    planted, plain = ws.resolved_recipe("v1"), ws.resolved_recipe("v0")
+    idle = {"metrics": {"idle_failure_rate": {"value": 0.7}},
+            "alerts": [{"name": "idle_failure"}]}
+    library = workspace_library(ws)
+
+    def fired_on(diagnosis: dict, recipe: dict) -> dict:
+        return {m.skill.name: m for m in match(library, diagnosis, domain="toolenv",
+                                               recipe=recipe, patch_base=recipe)}
+
+    found = fired_on(idle, planted)["drop-efficiency-reward"]
+    assert found.names_cause and not found.applied
+    assert [str(c) for c in found.resolution.changes] == [
+        "reward.components[efficiency].weight 0.5 → 0"]
+    # Partial credit is already on: act-before-answering would change nothing.
+    assert fired_on(idle, planted)["act-before-answering"].applied
+    # Without the term, or without the alert, it does not fire.
+    assert "drop-efficiency-reward" not in fired_on(idle, plain)
+    assert "drop-efficiency-reward" not in fired_on({"metrics": {}, "alerts": []}, planted)

@@ -25,6 +25,13 @@ with a guess drawn from the range, without a single compare, so the warm-started
 ends the episode without any action on the task and fails (the catalogue's
 `idle_failure_rate`; h0 has no alert for it). The `partial` component (closeness of the final
 answer) ranks a searched answer above a blind guess even in groups that all fail.
+
+The `efficiency` component (1 / the number of actions: 1.0 for an answer alone, 0.25 for three
+compares and an answer, 0 with no action) pays short episodes: the kind of turn-cost term a
+project adds to discourage long searches, and the paper's SWE-4B lesson about it (the model
+learned to exit after one turn). No recipe weights it unless it asks; with idle demonstrations
+in the warm start it makes answering without acting the reward's optimum (the gym's `idle`
+setup).
 """
 
 from __future__ import annotations
@@ -73,7 +80,7 @@ class HiddenNumberEnv:
 
 class ToolEnvDomain(Domain):
     name = "toolenv"
-    components = ("correctness", "format", "partial", "no_repeat")
+    components = ("correctness", "format", "partial", "no_repeat", "efficiency")
     tools = ("compare", "reveal")
     turn_end = ";"
     default_params: dict[str, Any] = {
@@ -192,8 +199,10 @@ class ToolEnvDomain(Domain):
             partial = max(0.0, 1.0 - abs(int(last[1:]) - int(task.answer)) / width)
         fmt = valid / len(actions) if actions else 0.0
         no_repeat = 1.0 - repeats / len(actions) if actions else 0.0
+        efficiency = 1.0 / len(actions) if actions else 0.0
         return Score(
-            {"correctness": correct, "format": fmt, "partial": partial, "no_repeat": no_repeat},
+            {"correctness": correct, "format": fmt, "partial": partial, "no_repeat": no_repeat,
+             "efficiency": efficiency},
             correct,
         )
 

@@ -34,8 +34,11 @@
    best separates the version from its parent on the recorded rollouts, (b) one whose
    hypotheses name the competing skills and whose values differ most over the versions that
    tried them, (c) one whose alert would fire on the stalled base (a pathology that persists
-   explains a stall without moving), else the one that moves most along the stalled lineage
-   — backtested on every recorded version, its cases = the recorded verdicts.
+   explains a stall without moving; on every stalled child when the base is an untrained
+   root with nothing measured), first the one whose alert lets a library skill offer a step
+   not yet taken (the gap is that nothing selects the next intervention), else the one that
+   moves most along the stalled lineage — backtested on every recorded version, its cases =
+   the recorded verdicts.
 """
 
 from __future__ import annotations
@@ -461,6 +464,19 @@ class RulesPlanner:
                             f"over the untrained {frontier}, because GRPO reinforces the "
                             "correct samples the base policy already produces.",
                             (4, False, 0, -1) if view.children(frontier) else (-2, False, 0, 0)))
+            seeds = list(recipe.get("seeds") or [0])
+            if any(view.failed(c) for c in view.children(frontier)):
+                # Its recipe trained as is failed: before anything else is believed about that
+                # recipe, one more seed says whether the failure was the seed's.
+                options.append(([f"seeds={json.dumps([max(seeds) + 1])}"],
+                                f"{why}; {frontier} trained as is failed, so the most "
+                                f"informative default is its recipe on another seed (seed "
+                                f"{max(seeds) + 1} instead of {seeds}): is the failure the "
+                                "seed's or the recipe's?",
+                                f"If {frontier}'s recipe trains on seed {max(seeds) + 1}, then "
+                                f"Avg@k rises over the untrained {frontier}, because the "
+                                "failed run was seed noise.",
+                                (4, False, 0, 1)))
         else:
             steps = recipe["grpo"]["steps"]
             if view.has_policy(frontier):
@@ -598,6 +614,14 @@ class RulesPlanner:
         best: tuple[tuple, CatalogueEntry, str] | None = None
         for entry in candidates:
             score, why = _discrimination(view, gap, base, entry, values)
+            if score is not None and gap.kind == NO_NEXT_STEP and score[0]:
+                # Gap (c) is evidence that cannot select the next intervention: among the
+                # metrics whose alert explains the stall, one whose alert makes a library skill
+                # offer a step it has not taken closes the gap; the others leave it open.
+                opens = _next_steps(view, base, [base, *gap.details["stalled"]], entry, values)
+                score = (score[0], bool(opens), *score[1:])
+                if opens:
+                    why += f"; with its alert {', '.join(opens)} would offer a next step"
             if score is not None and score[-1] > 0 and (best is None or score > best[0]):
                 best = (score, entry, why)
         return None if best is None else (best[1], best[2])
@@ -734,22 +758,56 @@ def _discrimination(
     if gap.kind == NO_NEXT_STEP:
         stalled = gap.details["stalled"]
         along = measured([*view.chain(base), *stalled])
-        if len(along) < 2:
+        if not along:
             return None, ""
-        spread = _spread(list(along.values()))
+        spread = _spread(list(along.values())) if len(along) >= 2 else 0.0
         # A pathology that persists along the lineage moves no metric, yet is what stalls it:
         # a metric whose alert would fire on the stalled base explains the stall and ranks
-        # before one that merely moves (then the larger move, then its alert's margin).
+        # before one that merely moves (then the larger move). An untrained root has no train
+        # rollouts to measure: then the alert must fire on every stalled child it measures
+        # (each attempt kept the pathology).
         alert = entry.alert
-        value = along.get(base)
-        stalls = bool(alert and value is not None
-                      and fires(alert["when"], {metric: value}, where="catalogue"))
+        judged = [base] if base in along else [v for v in stalled if v in along]
+        stalls = bool(alert and judged and all(
+            fires(alert["when"], {metric: along[v]}, where="catalogue") for v in judged))
         why = (f"{metric} moves {spread:.2g} (relative range) along the stalled lineage "
                f"{', '.join(along)}")
         if stalls:
-            why += f"; its alert {alert['name']} would fire on {base} ({_fmt(value)})"
+            shown = ", ".join(f"{v} ({_fmt(along[v])})" for v in judged)
+            why += f"; its alert {alert['name']} would fire on {shown}"
         return (stalls, spread if spread > 0 else float(stalls)), why
     return None, ""
+
+
+def _next_steps(
+    view: View, base: str, versions: list[str], entry: CatalogueEntry,
+    values: dict[str, dict[str, Any]],
+) -> list[str]:
+    """The library skills that would fire, with `entry`'s alert added to the diagnosis of a
+    version in `versions` where it fires, and change `base`'s recipe: not applied already,
+    not refuted on this lineage, not tried from `base`."""
+    metric, alert = entry.metric["name"], entry.alert
+    if alert is None:
+        return []
+    recipe = view.ws.resolved_recipe(base, view.states)
+    domain = recipe["domain"]["name"]
+    closed = set(view.refuted_skills(base)) | {
+        s for child in view.children(base) for s in view.applied_skills(child)}
+    opens: set[str] = set()
+    for version in dict.fromkeys(versions):
+        value = (values.get(version) or {}).get(metric)
+        diagnosis = view.states[version].records.get("diagnosis")
+        if value is None or diagnosis is None or not fires(
+                alert["when"], {metric: value}, where="catalogue"):
+            continue
+        seen = {**diagnosis,
+                "metrics": {**(diagnosis.get("metrics") or {}), metric: {"value": value}},
+                "alerts": [*(diagnosis.get("alerts") or []), {"name": alert["name"]}]}
+        produced_by = view.ws.resolved_recipe(version, view.states)
+        opens |= {m.skill.name for m in match(view.skills, seen, domain=domain,
+                                               recipe=produced_by, patch_base=recipe)
+                  if not m.applied and m.skill.name not in closed}
+    return sorted(opens)
 
 
 def _dotted_keys(overrides: dict) -> set[str]:

@@ -1,5 +1,7 @@
-"""The built-in sampler's decode loop (issue 30 A2): its preallocated KV cache decodes exactly
-as transformers' growing one does."""
+"""The built-in sampler (issue 30 A2): its preallocated KV cache decodes exactly as
+transformers' growing one does, and its draw (the cumulative sums inverted, in place of
+`torch.multinomial` on a real model's vocabulary) samples the tempered top-p distribution it
+reports log-probs for."""
 
 from __future__ import annotations
 
@@ -9,7 +11,15 @@ from real_checkpoint import chat_tokenizer, tiny_llama
 from transformers import DynamicCache
 
 from evotrainer.engine import rollout
-from evotrainer.engine.rollout import PreallocatedLayer, decode_cache, generate
+from evotrainer.engine.rollout import (
+    DRAW_MIN_VOCABULARY,
+    PreallocatedLayer,
+    decode_cache,
+    draw,
+    generate,
+    sample_next,
+)
+from evotrainer.errors import EvoError
 
 torch.set_num_threads(1)
 
@@ -62,3 +72,65 @@ def test_the_cache_refuses_to_write_past_its_capacity():
     assert layer.keys.shape == (2, 1, 4, 8) and layer.keys[:, :, 3].eq(1).all()
     with pytest.raises(ValueError, match="holds 4 positions, not 5"):
         layer.update(torch.ones(2, 1, 1, 8), torch.ones(2, 1, 1, 8))
+
+
+def test_draw_samples_each_index_in_proportion_to_its_weight_and_never_a_zero():
+    """One draw per row, 200,000 rows: the counts fit the weights (chi-square far below the
+    0.01% critical value for 4 degrees of freedom, 23.5), zero-weight indices (first, middle,
+    last: outside a top-p nucleus) are never drawn, and the weights need not sum to one."""
+    weights = torch.tensor([0.0, 5.0, 1e-2 * 5, 0.0, 2.0, 30.0, 8.0, 0.0])
+    rows = 200_000
+    torch.manual_seed(0)
+    drawn = draw(weights.expand(rows, -1))
+    assert drawn.shape == (rows,) and drawn.dtype == torch.long
+    counts = torch.bincount(drawn, minlength=len(weights)).double()
+    assert counts[weights == 0].sum() == 0
+    expected = rows * weights.double() / weights.sum()
+    alive = weights > 0
+    chi2 = float(((counts[alive] - expected[alive]) ** 2 / expected[alive]).sum())
+    assert chi2 < 23.5
+    # A one-hot row always draws its index, wherever it sits.
+    for index in (0, 3, 7):
+        assert draw(torch.nn.functional.one_hot(torch.tensor([index] * 50), 8).float()).eq(
+            index).all()
+
+
+def test_sample_next_draws_from_the_tempered_nucleus_and_reports_its_logprobs():
+    """A vocabulary large enough to draw by `draw`: five live tokens among -inf ones."""
+    vocabulary = DRAW_MIN_VOCABULARY + 3
+    row = torch.full((vocabulary,), float("-inf"))
+    live = torch.tensor([0, 17, 2048, vocabulary - 2, vocabulary - 1])
+    row[live] = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
+    torch.manual_seed(1)
+    tokens, logps = sample_next(row.expand(100_000, -1), 0.7, 0.8)
+    scaled = row[live] / 0.7
+    kept = scaled.softmax(-1).cumsum(-1) - scaled.softmax(-1) < 0.8  # the top-p nucleus
+    nucleus = scaled.masked_fill(~kept, float("-inf")).log_softmax(-1)
+    counts = torch.bincount(tokens, minlength=vocabulary)
+    assert counts.sum() == counts[live[kept]].sum() == 100_000  # nothing outside the nucleus
+    expected = 100_000 * nucleus[kept].exp()
+    assert ((counts[live[kept]] - expected).abs() < 5 * expected.sqrt()).all()
+    index = {int(t): i for i, t in enumerate(live)}
+    assert torch.allclose(logps, nucleus[[index[int(t)] for t in tokens]])
+
+
+def test_small_vocabularies_draw_exactly_what_torch_multinomial_draws():
+    """The tiny models' seeded runs sample what they always did."""
+    logits = torch.randn(6, DRAW_MIN_VOCABULARY - 1)
+    torch.manual_seed(5)
+    tokens, _ = sample_next(logits, 1.0, 1.0)
+    torch.manual_seed(5)
+    assert torch.equal(tokens, torch.multinomial(logits.log_softmax(-1).exp(), 1).squeeze(-1))
+
+
+@pytest.mark.parametrize("vocabulary", [400, DRAW_MIN_VOCABULARY])
+def test_a_diverged_policy_is_refused_in_one_line_naming_the_learning_rate(vocabulary):
+    """torch.multinomial used to raise its own RuntimeError (a traceback) on NaN; the inverted
+    sums would draw garbage from it without a word."""
+    for bad in (float("nan"), float("inf")):
+        logits = torch.zeros(2, vocabulary)
+        logits[1, 3] = bad
+        for top_p in (1.0, 0.9):
+            with pytest.raises(EvoError) as refused:
+                sample_next(logits, 1.0, top_p)
+            assert refused.value.field == "grpo.lr" and "not finite" in str(refused.value)

@@ -8,14 +8,16 @@ in the same run.
              least max(FLOPs / GFLOP/s, bytes / GB/s), and tokens/s <= batch / that
   sampling   tokens/s of each engine on the same contexts (prompts x group, same budget),
              contenders alternated round by round (a shared machine's load hits them alike),
-             medians: `builtin` (the engine's sampler, prepacked weights), `unpacked` (the same
-             sampler calling torch's plain linear: the engine before issue 30, the baseline),
+             medians: `builtin` (the engine's sampler as it is), `baseline` (the engine before
+             issue 30: torch's plain linear, a KV cache grown by torch.cat, torch.multinomial),
+             `prepacked` (the baseline with prepacked weights: issue 30's first step),
              `generate` (transformers), `vllm` and `llamacpp` where they import (vLLM's
              start-up is reported apart); each as a share of the bound and against the baseline
-  grpo       short GRPO runs of the same recipe, alternated: the baseline (unpacked, scoring
-             after sampling) against the engine as it is (prepacked, `rollout.score_workers:
-             1`) and vLLM where it imports; the median step split into sampling_s, scoring_s
-             (the wait for scores after sampling) and training_s, and the step's speed-up
+  steps      short GRPO runs of the same recipe, alternated: the baseline (the sampler before
+             issue 30, scoring after sampling, a training forward over full rows) against the
+             engine as it is (`rollout.score_workers: 1`) and vLLM where it imports; the median
+             step split into sampling_s, scoring_s (the wait for scores after sampling) and
+             training_s, and the step's speed-up
   quality    (--parts baseline,grpo) the untrained model's val pass@1 with a 95% Wilson CI,
              the GRPO run's h0 diagnosis and `backtest reward --component pass_fraction`
 
@@ -52,12 +54,13 @@ offline_environment()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 from evotrainer.diagnosis.diagnose import diagnose  # noqa: E402
 from evotrainer.diagnosis.harness import resolve_harness  # noqa: E402
 from evotrainer.diagnosis.replay import backtest_reward  # noqa: E402
 from evotrainer.domains import make_domain  # noqa: E402
-from evotrainer.engine import rollout, run_job  # noqa: E402
+from evotrainer.engine import grpo, rollout, run_job  # noqa: E402
 from evotrainer.engine.model import initial_model  # noqa: E402
 from evotrainer.engine.rollout import Generation, generate, prompt_ids, stop_ids  # noqa: E402
 from evotrainer.evidence.io import read_steps  # noqa: E402
@@ -91,14 +94,21 @@ def domain_section(args: argparse.Namespace) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def unpacked() -> Iterator[None]:
-    """The sampler as it was before issue 30: no layer is large enough to be prepacked."""
-    saved = rollout.PACK_MIN_WEIGHTS
-    rollout.PACK_MIN_WEIGHTS = math.inf
+def before_issue_30(packed: bool = False) -> Iterator[None]:
+    """The engine as it was before issue 30, for the baselines: the KV cache grown by
+    torch.cat each step, torch.multinomial's draw at every vocabulary size, the training
+    forward over full rows, and (unless `packed`) no layer large enough to be prepacked."""
+    saved = (rollout.decode_cache, rollout.DRAW_MIN_VOCABULARY, rollout.PACK_MIN_WEIGHTS,
+             grpo.SHARE_PROMPT_FORWARD)
+    rollout.decode_cache = lambda capacity: DynamicCache()
+    rollout.DRAW_MIN_VOCABULARY = math.inf
+    rollout.PACK_MIN_WEIGHTS = rollout.PACK_MIN_WEIGHTS if packed else math.inf
+    grpo.SHARE_PROMPT_FORWARD = False
     try:
         yield
     finally:
-        rollout.PACK_MIN_WEIGHTS = saved
+        (rollout.decode_cache, rollout.DRAW_MIN_VOCABULARY, rollout.PACK_MIN_WEIGHTS,
+         grpo.SHARE_PROMPT_FORWARD) = saved
 
 
 def median(values: list[float]) -> float:
@@ -154,7 +164,12 @@ def contenders(
             return generate(model, contexts, stops, budget, 1.0, 1.0, pad)
 
     def baseline(contexts: list[list[int]], stops: list[int]) -> list[Generation]:
-        return generate(model, contexts, stops, budget, 1.0, 1.0, pad)
+        with before_issue_30():
+            return generate(model, contexts, stops, budget, 1.0, 1.0, pad)
+
+    def prepacked(contexts: list[list[int]], stops: list[int]) -> list[Generation]:
+        with before_issue_30(packed=True), rollout.prepacked(model):
+            return generate(model, contexts, stops, budget, 1.0, 1.0, pad)
 
     def hf_generate(contexts: list[list[int]], stops: list[int]) -> list[Generation]:
         ids, attn = rollout.left_pad(contexts, pad)
@@ -168,7 +183,8 @@ def contenders(
         return gens
 
     engines: dict[str, Callable[[list[list[int]], list[int]], list[Generation]]] = {
-        "unpacked": baseline, "builtin": builtin, "generate": hf_generate,
+        "baseline": baseline, "prepacked": prepacked, "builtin": builtin,
+        "generate": hf_generate,
     }
     if HAS_VLLM and "vllm" in args.engines:
         from evotrainer.engine.vllm_rollout import VllmSampler
@@ -234,14 +250,14 @@ def bench_sampling(args: argparse.Namespace, report: dict) -> dict:
         for key in ("gemm_gflops", "copy_gb_s", "bound_tokens_per_s")
     } | {"rounds": [b["bound_tokens_per_s"] for b in bounds]}
     print(json.dumps({"bound": report["bound"]}, indent=2), flush=True)
-    base = median(rates["unpacked"]) if rates.get("unpacked") else float("nan")
+    base = median(rates["baseline"]) if rates.get("baseline") else float("nan")
     bound = report["bound"]["bound_tokens_per_s"]
     figures = {
         name: {
             "tokens_per_s": median(values),
             "rounds": values,
             "of_bound": median(values) / bound,
-            "vs_unpacked": median(values) / base,
+            "vs_baseline": median(values) / base,
         }
         for name, values in rates.items()
     }
@@ -292,7 +308,7 @@ def step_split(run: Path) -> dict[str, float]:
 def bench_grpo_steps(args: argparse.Namespace, out: Path) -> dict:
     """The same GRPO steps under each configuration, alternated; medians over steps."""
     configurations: dict[str, tuple[dict | None, bool]] = {
-        "baseline": (None, True),  # unpacked, scoring after sampling: the engine before
+        "baseline": (None, True),  # scoring after sampling, before_issue_30: the engine before
         "builtin": ({"score_workers": 1}, False),
     }
     if HAS_VLLM and "vllm" in args.engines:
@@ -303,7 +319,7 @@ def bench_grpo_steps(args: argparse.Namespace, out: Path) -> dict:
         for name in order:
             section, old = configurations[name]
             run = out / f"steps-{name}-{round_}"
-            with unpacked() if old else contextlib.nullcontext():
+            with before_issue_30() if old else contextlib.nullcontext():
                 run_job(recipe(args, args.steps, section), run, cache_dir=CACHE)
             splits[name].append(step_split(run))
     figures = {
@@ -357,7 +373,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="bound,sampling,steps",
                         help="bound,sampling (together), steps, baseline, grpo")
-    parser.add_argument("--engines", default="unpacked,builtin,generate,vllm,llamacpp")
+    parser.add_argument("--engines",
+                        default="baseline,prepacked,builtin,generate,vllm,llamacpp")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--group", type=int, default=4)

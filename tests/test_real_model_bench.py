@@ -1,16 +1,19 @@
 """bench/real_model.py at its smallest size, on a tiny random Llama built here (no download):
-the bound, every engine that imports here against the unpacked baseline, and GRPO steps split
-into sampling, scoring and training against the baseline, all from one run."""
+the bound, every engine that imports here against the baseline (the engine before issue 30),
+and GRPO steps split into sampling, scoring and training against the baseline, all from one
+run; the baseline really is the old engine, and the engine is itself again afterwards."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
 import pytest
-from real_checkpoint import save_hf
+import torch
+from real_checkpoint import chat_tokenizer, save_hf, tiny_llama
 from test_real_model import PROBLEMS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +35,7 @@ def test_the_bench_reports_engines_the_bound_and_the_step_split(tmp_path, monkey
     data.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
     bench = load_bench()
     report = bench.main([
-        "--parts", "bound,sampling,steps", "--engines", "unpacked,builtin,generate",
+        "--parts", "bound,sampling,steps", "--engines", "baseline,prepacked,builtin,generate",
         "--rounds", "1", "--prompts", "1", "--group", "2", "--tokens", "4", "--train", "4",
         "--val", "2", "--steps", "1", "--model-path", str(save_hf(tmp_path / "model")),
         "--data", str(data), "--out", str(tmp_path / "out"),
@@ -40,12 +43,45 @@ def test_the_bench_reports_engines_the_bound_and_the_step_split(tmp_path, monkey
     bound = report["bound"]
     assert bound["bound_tokens_per_s"] > 0 and bound["bound_by"] in ("memory", "compute")
     sampling = report["sampling"]
-    for engine in ("unpacked", "builtin", "generate"):
+    for engine in ("baseline", "prepacked", "builtin", "generate"):
         assert sampling[engine]["tokens_per_s"] > 0 and sampling[engine]["of_bound"] > 0
-    assert sampling["unpacked"]["vs_unpacked"] == 1.0
+    assert sampling["baseline"]["vs_baseline"] == 1.0
     steps = report["steps"]
     assert set(steps) >= {"baseline", "builtin"} and steps["baseline"]["speedup"] == 1.0
     for split in steps.values():
         assert split["sampling_s"] + split["scoring_s"] + split["training_s"] == pytest.approx(
             split["time_per_step"])
     assert json.loads((tmp_path / "out" / "real_model.json").read_text())["steps"]
+
+
+def test_the_baseline_is_the_engine_before_issue_30_and_only_inside(monkeypatch):
+    bench = load_bench()
+    from transformers.cache_utils import DynamicLayer
+
+    from evotrainer.engine import grpo, rollout
+
+    calls: dict[str, object] = {}
+    real_multinomial = torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda *a, **k: calls.setdefault(
+        "multinomial", real_multinomial(*a, **k)))
+    tokenizer = chat_tokenizer()
+    model = tiny_llama(tokenizer).eval()
+    contexts = [tokenizer.encode("def add")] * 2
+    caches = []
+    # A vocabulary above the threshold: the engine as it is draws there without multinomial.
+    monkeypatch.setattr(rollout, "DRAW_MIN_VOCABULARY", len(tokenizer) - 1)
+    before = (rollout.decode_cache, rollout.DRAW_MIN_VOCABULARY, rollout.PACK_MIN_WEIGHTS)
+    with bench.before_issue_30():
+        assert grpo.SHARE_PROMPT_FORWARD is False and math.isinf(rollout.PACK_MIN_WEIGHTS)
+        old_cache = rollout.decode_cache  # recorded by hand: the context restores its own
+        rollout.decode_cache = lambda capacity: caches.append(old_cache(capacity)) or caches[-1]
+        try:
+            torch.manual_seed(0)
+            rollout.generate(model, contexts, [tokenizer.eos_token_id], 3, 1.0, 1.0,
+                             tokenizer.pad_token_id)
+        finally:
+            rollout.decode_cache = old_cache
+    assert "multinomial" in calls
+    assert all(type(layer) is DynamicLayer for layer in caches[0].layers)  # grown by torch.cat
+    assert (rollout.decode_cache, rollout.DRAW_MIN_VOCABULARY, rollout.PACK_MIN_WEIGHTS) == before
+    assert grpo.SHARE_PROMPT_FORWARD is True

@@ -145,7 +145,11 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
     # The echo setup under h0: loops of a few turns hit the 24-turn budget (the catalogue's
     # tool_limit_ratio sees them) but never h0's 60-turn echo trap; rarer than in `echo`
     # (15% of demonstrations), since at about a third of the rollouts looping h0's same-tool
-    # streak (max-turns-cap's trigger) sees them.
+    # streak (max-turns-cap's trigger) sees them. Unseen on the planted stand-in only: on the
+    # embedded engine (--quick, seed 0) training as is removes most loops and gains (+0.09 to
+    # +0.15), h0's abandonment alert fires on the short honest searches a 24-turn horizon
+    # allows, and max-turns-cap fires on a same-tool streak of 4.01, so every arm gains
+    # without the harness evolving (docs/gym.md).
     Setup("echo_h0", "toolenv",
           "short echo loops on a 24-turn budget under h0: 15% of the demonstrations repeat "
           "one compare until the budget runs out; no leak",

@@ -30,6 +30,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
 from evotrainer.domains import Domain, Task
+from evotrainer.engine.model import with_cache
 from evotrainer.errors import EvoError
 
 
@@ -270,8 +271,7 @@ def generate(
         input_ids=prefix_ids,
         attention_mask=prefix_attn,
         position_ids=(prefix_attn.cumsum(-1) - 1).clamp(min=0),
-        cache=cache,
-        use_cache=True,
+        **with_cache(cache),
         logits_to_keep=1,
     )
     source = torch.tensor([distinct[tuple(c)] for c in contexts])
@@ -307,8 +307,7 @@ def generate(
             input_ids=tokens[:, None],
             attention_mask=attn,
             position_ids=positions[:, None],
-            cache=cache,
-            use_cache=True,
+            **with_cache(cache),
         ).logits[:, -1]
         positions = positions + 1
     return results

@@ -614,14 +614,6 @@ class RulesPlanner:
         best: tuple[tuple, CatalogueEntry, str] | None = None
         for entry in candidates:
             score, why = _discrimination(view, gap, base, entry, values)
-            if score is not None and gap.kind == NO_NEXT_STEP and score[0]:
-                # Gap (c) is evidence that cannot select the next intervention: among the
-                # metrics whose alert explains the stall, one whose alert makes a library skill
-                # offer a step it has not taken closes the gap; the others leave it open.
-                opens = _next_steps(view, base, [base, *gap.details["stalled"]], entry, values)
-                score = (score[0], bool(opens), *score[1:])
-                if opens:
-                    why += f"; with its alert {', '.join(opens)} would offer a next step"
             if score is not None and score[-1] > 0 and (best is None or score > best[0]):
                 best = (score, entry, why)
         return None if best is None else (best[1], best[2])
@@ -772,10 +764,16 @@ def _discrimination(
             fires(alert["when"], {metric: along[v]}, where="catalogue") for v in judged))
         why = (f"{metric} moves {spread:.2g} (relative range) along the stalled lineage "
                f"{', '.join(along)}")
+        # Gap (c) is evidence that cannot select the next intervention: among the metrics
+        # whose alert explains the stall, one whose alert makes a library skill offer a step
+        # not yet taken closes the gap and ranks first; the others leave it open.
+        opens = _next_steps(view, base, [base, *stalled], entry, values) if stalls else []
         if stalls:
             shown = ", ".join(f"{v} ({_fmt(along[v])})" for v in judged)
             why += f"; its alert {alert['name']} would fire on {shown}"
-        return (stalls, spread if spread > 0 else float(stalls)), why
+        if opens:
+            why += f"; with its alert {', '.join(opens)} would offer a next step"
+        return (stalls, bool(opens), spread if spread > 0 else float(stalls)), why
     return None, ""
 
 

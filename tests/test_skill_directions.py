@@ -57,7 +57,11 @@ RECIPES = {**EXAMPLES, "paper-swe": PAPER_SWE,
                "model": {"warm_start": {"stop_at_accuracy": 0.04}}}),
            "paper-math": deep_merge(PAPER_SWE, {"domain": {"name": "math"},
                                                 "environment": None}),
-           "paper-toolenv": deep_merge(PAPER_SWE, {"domain": {"name": "toolenv"}})}
+           "paper-toolenv": deep_merge(PAPER_SWE, {"domain": {"name": "toolenv"}}),
+           # The autonomy gym's idle setup: its reward weights an efficiency term.
+           "toolenv-efficiency-reward": deep_merge(EXAMPLES["toolenv"], {"reward": {
+               "components": [{"name": "partial", "weight": 0.5},
+                              {"name": "efficiency", "weight": 0.5}]}})}
 
 
 def _has_operation(value: Any) -> bool:

@@ -59,7 +59,6 @@ from evotrainer.diagnosis.replay import version_rollouts
 from evotrainer.diagnosis.stats import compare_tables
 from evotrainer.errors import EvoError
 from evotrainer.store.recipe import deep_merge
-from evotrainer.store.records import RunRecord
 from evotrainer.store.workspace import PROJECT_FILE, Workspace
 
 # arm -> (planner, harness in force unless the setup names one, harness evolution)
@@ -221,19 +220,6 @@ def leaky(ws: Workspace, version: str) -> bool:
     return any((metrics.get(k) or 0.0) > 0.0 for k in ("leak_ratio", "val_leak_ratio"))
 
 
-def trained_steps(run: RunRecord | None) -> int:
-    """GRPO steps a version's run really trained, every seed and earlier attempt included. A run
-    record's `steps_done` is one seed's steps when the run finished (the engine writes its
-    recipe's steps after each seed) but the steps over all seeds when an early stop ended it
-    (the live record's count): a two-seed run trains twice its recipe's steps, and the arms
-    are compared at equal compute."""
-    if run is None:
-        return 0
-    seeds = len(run.result.get("seeds") or [0])
-    this = run.steps_done if run.stopped else run.steps_done * seeds
-    return this + run.steps_spent - run.steps_done  # + the attempts before this one
-
-
 def measure(ws: Workspace, setup: str, arm: str, seed: int, seconds: float) -> ArmResult:
     states = ws.versions()
     baseline = recorded_scores(ws, "v0")
@@ -246,7 +232,7 @@ def measure(ws: Workspace, setup: str, arm: str, seed: int, seconds: float) -> A
     leaky_promoted = []
     for name in order:
         state = states[name]
-        spent += trained_steps(state.run)
+        spent += state.run.steps_spent if state.run else 0  # every seed and attempt
         verdict = state.records["decision"]["verdict"]
         leak = leaky(ws, name)
         try:

@@ -13,7 +13,6 @@ from standin_planted import PlantedBackend
 
 from evotrainer.backends.base import JobSpec
 from evotrainer.store.recipe import deep_merge
-from evotrainer.store.records import RunRecord
 
 pytestmark = pytest.mark.usefixtures("standin")
 
@@ -134,18 +133,3 @@ def test_idle_setup_only_the_evolving_arm_sees_and_fixes_it(tmp_path):
     assert all(0 < r.steps_spent <= budget for r in arms.values())
     table = gym.table(list(arms.values()))
     assert "| idle | rules | " in table and "h2 (+idle_failure_rate)" in table
-
-
-def test_steps_spent_counts_every_seed_a_run_trained():
-    # The engine's result.json says one seed's steps for a finished run; a two-seed run
-    # trained twice that. An early-stopped run's record already counts over its seeds.
-    job = "evo-v1-a2-0123456789"
-    finished = RunRecord.from_record({"state": "Succeeded", "job_id": job,
-                                      "attempts": [{"steps": 12}],
-                                      "result": {"steps_done": 30, "seeds": [0, 1]}})
-    assert gym.trained_steps(finished) == 2 * 30 + 12
-    stopped = RunRecord.from_record({"state": "Stopped", "job_id": job,
-                                     "stopped": {"rule": "leak"},
-                                     "result": {"steps_done": 45, "seeds": [0, 1]}})
-    assert gym.trained_steps(stopped) == 45
-    assert gym.trained_steps(None) == 0

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from standin import StandinBackend, propose, standin_settings
 
-from evotrainer.control.observe import requested_resources
+from evotrainer.control.observe import recipe_steps, requested_resources, within_budget
 from evotrainer.control.reconcile import Reconciler, load_context, plan
 from evotrainer.control.versions import approve, new_version
 from evotrainer.errors import EvoError
@@ -164,3 +164,15 @@ def test_a_malformed_usage_is_named_not_a_traceback(usage):
     with pytest.raises(EvoError) as err:
         RunRecord.from_record({**RUN, "usage": usage}, "evo/v1:runs/v1/run.yaml")
     assert err.value.field.startswith("usage.") and "non-negative number" in err.value.message
+
+
+def test_the_step_budget_counts_every_seed_a_version_would_train(workspace):
+    """10 steps on two seeds are 20 steps of the budget: a version that would train them
+    fits under max_total_steps 20, not under 15."""
+    ws = set_project(workspace, {"seeds": [0, 1], "grpo": {"steps": 10}})
+    new_version(ws, "v1", "v0", rationale="train as is")
+    for budget, fits in ((15, False), (20, True)):
+        ws = set_project(ws, max_total_steps=budget)
+        ctx = load_context(ws)
+        assert recipe_steps(ctx, ctx.states["v1"]) == 20
+        assert within_budget(ctx, ctx.states["v1"]) is fits

@@ -256,6 +256,13 @@ def test_same_seed_same_run_and_warm_start_cache_is_reused(tmp_path):
     assert first["val_avg"] == second["val_avg"]
 
 
+def test_steps_done_counts_every_seed_trained(tmp_path):
+    """The budget's unit: a two-seed run trains its recipe's steps twice, and says so (an
+    early stop's live record counts over seeds too)."""
+    result = run_job(tiny_recipe(grpo={"steps": 2}, seeds=[0, 1]), tmp_path / "v1", "v1")
+    assert result["status"] == "ok" and result["steps_done"] == 4
+
+
 @pytest.mark.slow
 def test_steps_zero_only_evaluates(tmp_path):
     result = run_job(tiny_recipe(grpo={"steps": 0}), tmp_path / "v0", "v0")

@@ -184,10 +184,12 @@ def job_recipe(ctx: Context, state: VersionState, verify_parent: bool = False) -
 
 
 def recipe_steps(ctx: Context, state: VersionState) -> int:
-    """The training steps a version's job would run (0 for an evaluation-only version)."""
+    """The training steps a version's job would run, every seed's (0 for an evaluation-only
+    version): the unit its run record's `steps_done` counts."""
     if state.spec.get("train") is False:
         return 0
-    return int(ctx.ws.resolved_recipe(state.name, ctx.states)["grpo"]["steps"])
+    recipe = ctx.ws.resolved_recipe(state.name, ctx.states)
+    return int(recipe["grpo"]["steps"]) * len(recipe.get("seeds") or [0])
 
 
 def within_budget(ctx: Context, state: VersionState) -> bool:

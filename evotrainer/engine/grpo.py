@@ -562,7 +562,8 @@ def run_job(
                     sampler = trainer.sampler  # one vLLM engine for all the job's seeds
                     result["warm_start"][str(seed)] = trainer.warm_start
                     result["val_avg_by_seed"][str(seed)] = trainer.run()
-                    result["steps_done"] = recipe["grpo"]["steps"]
+                    # Over every seed trained, as the live record counts an early stop's.
+                    result["steps_done"] += recipe["grpo"]["steps"]
                     save_checkpoint(trainer.model, trainer.tokenizer,
                                     out_dir / seed_checkpoint_name(index, seed))
             finally:  # the judges' identity and counts, a failed run's too

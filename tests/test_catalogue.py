@@ -255,15 +255,29 @@ def test_alert_fires_exactly_past_its_threshold(diagnosis, entry):
 
 def test_the_budget_comes_from_the_recipe_when_the_planner_binds_it():
     entry = next(e for e in catalogue() if e.metric["name"] == "response_length_p90_budget")
-    metric = entry.metric_for({"grpo": {"max_response_tokens": 400}})
-    assert metric["params"] == {"max_response_tokens": 400}
-    assert entry.metric["params"] == {"max_response_tokens": None}  # the entry is unchanged
+    metric = entry.metric_for({"grpo": {"max_response_tokens": 400}, "backend": "verl"})
+    assert metric["params"] == {"max_response_tokens": 400, "backend": "verl"}
+    assert entry.metric["params"] == {"max_response_tokens": None, "backend": None}  # unchanged
     assert entry.metric_for({"grpo": {}}) == entry.metric  # no budget: the fallback
-    entry = dataclasses.replace(entry, metric=metric)
-    d = diagnose(rollout_table(ROWS), None, parse_harness(_revision([entry], "budget")))
+    d = diagnose(rollout_table(ROWS), None, parse_harness(
+        _revision([dataclasses.replace(entry, metric=metric)], "budget")))
     tokens = [r["response_tokens"] for r in TRAIN if r["response_tokens"] is not None]
     assert d["metrics"]["response_length_p90_budget"] == pytest.approx(
         np.percentile(tokens, 90) / 400)
+
+
+def test_the_embedded_engines_budget_is_per_turn():
+    """The engine cuts each assistant turn at grpo.max_response_tokens, so a multi-turn
+    episode's length against it is its tokens per turn (verl's budget covers all turns)."""
+    entry = next(e for e in catalogue() if e.metric["name"] == "response_length_p90_budget")
+    metric = entry.metric_for({"grpo": {"max_response_tokens": 40}, "backend": "local"})
+    d = diagnose(rollout_table(ROWS), None, parse_harness(
+        _revision([dataclasses.replace(entry, metric=metric)], "per-turn")))
+    per_turn = [r["response_tokens"] / max(r["turns"] or 1, 1)
+                for r in TRAIN if r["response_tokens"] is not None]
+    assert max(r["turns"] or 1 for r in TRAIN) > 1  # the table has multi-turn episodes
+    assert d["metrics"]["response_length_p90_budget"] == pytest.approx(
+        np.percentile(per_turn, 90) / 40)
 
 
 def test_no_budget_known_leaves_the_metric_null():
@@ -289,7 +303,7 @@ def test_entries_name_real_gaps_and_hypotheses():
             field = BASE_RECIPE
             for key in dotted.split("."):
                 field = field[key]  # a real recipe field
-            assert isinstance(field, int)
+            assert isinstance(field, (int, str))  # a budget, the backend
 
 
 def test_every_entry_extends_the_builtin_revision():
@@ -315,10 +329,10 @@ def test_catalogue_values_are_finite_on_the_table(diagnosis):
 def test_a_metrics_own_params_are_checked_like_the_revisions():
     entry = next(e for e in catalogue() if e.metric["name"] == "response_length_p50_budget")
     doc = _revision([entry], "own")
-    del doc["metrics"][0]["params"]  # the SQL reads $max_response_tokens: now undefined
-    with pytest.raises(EvoError, match=r"undefined param\(s\) \$max_response_tokens"):
+    del doc["metrics"][0]["params"]  # the SQL reads $backend and $max_response_tokens: undefined
+    with pytest.raises(EvoError, match=r"undefined param\(s\) \$backend, \$max_response_tokens"):
         parse_harness(doc)
-    doc["params"] = {"max_response_tokens": 250}  # the revision's serves as well
+    doc["params"] = {"max_response_tokens": 250, "backend": "local"}  # the revision's serve
     assert parse_harness(doc).metric("response_length_p50_budget").params == {}
     analyzer_metric = {"name": "x", "layer": "behavior", "analyzer": {"name": "leak"},
                        "params": {"leak_tools": []}}

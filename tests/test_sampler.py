@@ -17,6 +17,7 @@ from evotrainer.engine.rollout import (
     decode_cache,
     draw,
     generate,
+    prepacked,
     sample_next,
 )
 from evotrainer.errors import EvoError
@@ -134,3 +135,43 @@ def test_a_diverged_policy_is_refused_in_one_line_naming_the_learning_rate(vocab
             with pytest.raises(EvoError) as refused:
                 sample_next(logits, 1.0, top_p)
             assert refused.value.field == "grpo.lr" and "not finite" in str(refused.value)
+
+
+def test_a_lora_policy_samples_on_its_adapters_merged_into_the_packed_weights():
+    """A LoRA layer over a large linear computes with base + delta packed once: the same
+    logits as peft's own forward, its adapter matrices untouched while sampling, every layer
+    itself again on exit, and adapters switched off give the base model's logits."""
+    pytest.importorskip("peft")
+    from test_rollout_speed import wide_llama
+
+    from evotrainer.engine.model import with_lora
+
+    tokenizer = chat_tokenizer()
+    policy = with_lora(wide_llama(tokenizer), {"r": 4, "alpha": 8})
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:  # peft starts B at zero: give the adapter an effect
+                parameter.normal_(std=0.05)
+    policy.eval()
+    adapter_calls = []
+    for name, module in policy.named_modules():
+        if name.endswith("lora_A.default"):
+            module.register_forward_hook(lambda *_: adapter_calls.append(1))
+    ids = torch.tensor([tokenizer.encode("def add(a, b):\n    return a + b")] * 3)
+    with torch.no_grad():
+        plain = policy(input_ids=ids).logits
+        with policy.disable_adapter():
+            base = policy(input_ids=ids).logits
+        assert not torch.allclose(plain, base, atol=1e-3)  # the adapter changes the policy
+        adapter_calls.clear()
+        with prepacked(policy) as packed:
+            merged = policy(input_ids=ids).logits
+        assert packed == 7 and not adapter_calls  # q, k, v, o, gate, up, down: merged, once
+        assert torch.allclose(merged, plain, atol=1e-4)
+        with policy.disable_adapter(), prepacked(policy) as packed:
+            assert packed == 7
+            assert torch.allclose(policy(input_ids=ids).logits, base, atol=1e-4)
+        assert torch.equal(policy(input_ids=ids).logits, plain)  # peft's forward again
+        assert adapter_calls
+    assert all("forward" not in m.__dict__ for m in policy.modules())

@@ -19,6 +19,7 @@ rest of the batch is still sampling.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -114,20 +115,29 @@ PACK_BATCH = 8
 def prepacked(model: torch.nn.Module) -> Iterator[int]:
     """Inside: every float32 `nn.Linear` with at least PACK_MIN_WEIGHTS weights computes with a
     copy of its weights reordered once for oneDNN, instead of MKL packing them again on each
-    call. For no-grad use only (sampling); the copies are dropped on exit, so the next update's
-    weights are packed afresh. Yields how many layers were packed (0 without oneDNN)."""
+    call; a peft LoRA layer over such a layer computes with its adapters merged into that
+    copy (one product per sampling call instead of two small ones per layer and step: a
+    LoRA r=16 SmolLM2 policy samples ~10% faster so). For no-grad use only
+    (sampling); the copies are dropped on exit, so the next update's weights are packed
+    afresh. Yields how many layers were packed (0 without oneDNN)."""
     packed: list[torch.nn.Module] = []
     if torch.backends.mkldnn.is_available():
-        for module in model.modules():
-            weight = getattr(module, "weight", None)
-            if (
+        # peft is imported already wherever a model carries LoRA layers.
+        lora_linear = getattr(sys.modules.get("peft.tuners.lora.layer"), "Linear", None)
+        merged_bases: set[int] = set()  # a merged LoRA layer's base is not packed again
+        for module in model.modules():  # parents before their children
+            if lora_linear is not None and type(module) is lora_linear:
+                weight = _lora_weight(module)
+                if weight is not None and _packable(weight):
+                    module.forward = _packed_forward(weight, module.base_layer.bias)
+                    packed.append(module)
+                    merged_bases.add(id(module.base_layer))
+            elif (
                 type(module) is torch.nn.Linear
-                and weight is not None
-                and weight.dtype == torch.float32
-                and weight.device.type == "cpu"
-                and weight.numel() >= PACK_MIN_WEIGHTS
+                and id(module) not in merged_bases
+                and _packable(module.weight)
             ):
-                module.forward = _packed_forward(module)
+                module.forward = _packed_forward(module.weight, module.bias)
                 packed.append(module)
     try:
         yield len(packed)
@@ -136,13 +146,44 @@ def prepacked(model: torch.nn.Module) -> Iterator[int]:
             del module.forward  # the class's forward again
 
 
-def _packed_forward(module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_BATCH)
-    bias = None if module.bias is None else module.bias.detach()
+def _packable(weight: torch.Tensor) -> bool:
+    return (
+        weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and weight.numel() >= PACK_MIN_WEIGHTS
+    )
+
+
+def _lora_weight(module: Any) -> torch.Tensor | None:
+    """The weight a peft LoRA `Linear` computes with now: its base's, plus the delta of each
+    active adapter unless they are off or already merged into the base. None where its own
+    forward does more than that (DoRA and other variants, a bias on B, or adapters switched
+    off over merged weights, which that forward unmerges), so it keeps it."""
+    base = module.base_layer.weight.detach()
+    if module.disable_adapters:
+        return None if module.merged else base
+    if module.merged:
+        return base
+    adapters = [name for name in module.active_adapters if name in module.lora_A]
+    if any(name in module.lora_variant or module.lora_B[name].bias is not None
+           for name in adapters):
+        return None
+    weight = base.clone()
+    with torch.no_grad():
+        for name in adapters:
+            weight += module.get_delta_weight(name)
+    return weight
+
+
+def _packed_forward(
+    weight: torch.Tensor, bias: torch.Tensor | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH)
+    bias = None if bias is None else bias.detach()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     return forward

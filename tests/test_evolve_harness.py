@@ -123,3 +123,34 @@ def test_a_promotion_that_cannot_be_a_skill_is_logged_and_the_loop_goes_on(works
     assert ws.version("v1").records["decision"]["verdict"] == "promote"
     assert len(rounds) == 2 and not rounds[0].skills_proposed
     assert any(line.startswith("no skill proposed from v1: ") for line in lines)
+
+
+def test_an_adopted_revision_with_nothing_proposed_reads_the_evidence_again_and_plans(
+        workspace, monkeypatch):
+    """The planner drafted h2 but no version: once h2 is adopted the frontier and its
+    decided children are diagnosed under it and the planner runs again, instead of the loop
+    stopping with nothing proposed."""
+    from evotrainer.agent.planners import rules
+
+    ws = stalled(workspace)
+    calls = []
+    propose = rules.RulesPlanner.propose
+
+    def revision_only_first(self, view, max_proposals):
+        result = propose(self, view, max_proposals)
+        calls.append([p.name for p in result.proposals])
+        if len(calls) == 1:
+            result.proposals = []
+        return result
+
+    monkeypatch.setattr(rules.RulesPlanner, "propose", revision_only_first)
+    lines: list[str] = []
+    [first] = evolve(ws, 1, approve_all=True, backends={"local": StandinBackend()},
+                     log=lines.append, poll_s=0.05)
+    assert first.adopted == ["h2"] and len(calls) == 2
+    assert first.proposed and first.stop is None and first.approved == first.proposed
+    assert [h.name for h in first.result.harness] == ["h2"]  # the round keeps its revision
+    ws = Workspace(ws.root)
+    for name in ("v1", "v2"):  # main's frontier and its pruned child, read again under h2
+        assert ws.version(name).records["diagnosis"]["harness"]["name"] == "h2"
+    assert any("diagnosed v1, v2 again under it" in line for line in lines)

@@ -180,7 +180,7 @@ def read_rows(path: Path) -> list[dict]:
 def test_arith_run_writes_every_output_in_its_schema(tmp_path):
     out = tmp_path / "run"
     result = run_job(tiny_recipe(seeds=[0, 1]), out, "v1")
-    assert result["status"] == "ok" and result["steps_done"] == 3
+    assert result["status"] == "ok" and result["steps_done"] == 2 * 3  # over both seeds
     assert set(result["val_avg_by_seed"]) == {"0", "1"}
     assert json.loads((out / "result.json").read_text()) == result
     for split in ("train", "val"):

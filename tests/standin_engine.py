@@ -119,6 +119,7 @@ def main(recipe_file: str, out_dir: str, version: str) -> int:
     progress.evaluated(recipe["grpo"]["steps"], accuracy)
     (out / "result.json").write_text(json.dumps({
         "status": "ok", "val_avg": accuracy,
+        "steps": recipe["grpo"]["steps"],
         "steps_done": recipe["grpo"]["steps"] * len(recipe.get("seeds") or [0]),
         "eval_k": GROUP, "seeds": [0], "wall_time_s": 0.01}))
     return 0

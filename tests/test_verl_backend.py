@@ -105,6 +105,9 @@ def check_collected(backend: VerlBackend, job: JobSpec) -> None:
     steps = pq.read_table(collected.steps)
     assert "critic/score/mean" in steps.column("metric").to_pylist()
     assert collected.result["tasks"] == VAL_SIZE and collected.result["skipped_lines"] == 0
+    # The step budget's unit: every seed's steps, from verl's own metrics files.
+    assert collected.result["steps"] == STEPS
+    assert collected.result["steps_done"] == len(SEEDS) * STEPS
     # V1 train dumps carry no reward extras: task and source are joined back to the data.
     assert all(t.startswith("arith:") for t in train.column("task_id").to_pylist())
     assert "unknown" not in set(train.column("data_source").to_pylist())

@@ -283,6 +283,9 @@ class VerlBackend:
         result: dict[str, Any] = {
             "backend": "verl",
             "seeds": list(seeds),
+            # The step budget's unit, over every seed, as the embedded engine counts it.
+            "steps": job.recipe["grpo"]["steps"],
+            "steps_done": sum(_last_step(files.metrics_file(seed)) for seed in seeds),
             "tasks": len(set(scores.column("task_id").to_pylist())),
             "avg_correct": pc.mean(correct).as_py(),
             "skipped_lines": len(skipped),

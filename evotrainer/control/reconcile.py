@@ -296,7 +296,8 @@ class Reconciler:
             artifacts=artifacts,
             result={
                 key: result.get(key)
-                for key in ("val_avg", "steps_done", "eval_k", "seeds", "wall_time_s", "judges")
+                for key in ("val_avg", "steps", "steps_done", "eval_k", "seeds", "wall_time_s",
+                            "judges")
                 if key in result
             },
         )

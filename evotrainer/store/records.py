@@ -97,6 +97,12 @@ class RunRecord:
         return int(self.result.get("steps_done") or 0)
 
     @property
+    def seed_steps(self) -> int:
+        """The step each seed's training ends at: its recipe's steps (trackers log the gate
+        there). A record from before `steps_done` counted every seed says it as steps_done."""
+        return int(self.result.get("steps") or self.steps_done)
+
+    @property
     def steps_spent(self) -> int:
         """Training steps of this run and of every earlier attempt (the budget's unit)."""
         return self.steps_done + sum(int(a.get("steps", 0)) for a in self.attempts)

@@ -124,7 +124,7 @@ def export_version(
                            replace=True) as trackers:
             for step in sorted(by_step):  # W&B drops a step lower than one already logged
                 trackers.log(step, by_step[step])
-            final = run.steps_done or trackers.last_step
+            final = run.seed_steps or trackers.last_step
             trackers.summary(summary.values, summary.tags, step=max(final, trackers.last_step))
         written += len(by_step)
     return Exported(name, seeds, written, run_dir)
@@ -152,4 +152,4 @@ def log_gate(
     for seed in run.result.get("seeds") or [0]:
         with open_trackers(loggers, run_dir_of(ws, state), identity, seed=int(seed),
                            emit=emit) as trackers:
-            trackers.summary(summary.values, summary.tags, step=run.steps_done)
+            trackers.summary(summary.values, summary.tags, step=run.seed_steps)

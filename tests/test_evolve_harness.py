@@ -153,4 +153,5 @@ def test_an_adopted_revision_with_nothing_proposed_reads_the_evidence_again_and_
     ws = Workspace(ws.root)
     for name in ("v1", "v2"):  # main's frontier and its pruned child, read again under h2
         assert ws.version(name).records["diagnosis"]["harness"]["name"] == "h2"
-    assert any("diagnosed v1, v2 again under it" in line for line in lines)
+    assert any("v2: rediagnose" in line for line in lines)
+    assert any("planning again on the evidence diagnosed under it" in line for line in lines)

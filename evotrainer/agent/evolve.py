@@ -13,10 +13,9 @@ recorded verdict (its cases are the recorded verdicts; `adopt_harness` re-runs t
 own commit (Action: adopt-harness), before the round's versions train, so the revision
 diagnoses them; otherwise the loop stops and says what to adopt. A revision whose backtest
 fails stays on main for a human and the loop goes on without it. When the planner proposed
-no version beside the revision it drafted, the evidence it reads (main's frontier and that
-frontier's decided children) is diagnosed again under the adopted revision and the planner
-runs once more: the revision sees what the recorded diagnoses could not, so the round does not
-stop with nothing to try.
+no version beside the revision it drafted, reconcile diagnoses the recorded versions again
+under the adopted revision and the planner runs once more: the revision sees what the
+recorded diagnoses could not, so the round does not stop with nothing to try.
 `harness_evolution=False` (`--no-harness-evolution`) keeps the harness in force as it is.
 
 After a promotion of a version that applied no library skill (a settings change, an LLM
@@ -35,23 +34,11 @@ from evotrainer.agent.propose import get_planner, propose
 from evotrainer.agent.skill_creation import propose_skill
 from evotrainer.backends import Backends
 from evotrainer.backends.base import Backend
-from evotrainer.control.reconcile import (
-    Reconciler,
-    VersionPlan,
-    diagnose_version,
-    load_context,
-    within_budget,
-)
+from evotrainer.control.reconcile import Reconciler, VersionPlan, load_context, within_budget
 from evotrainer.control.versions import approve
 from evotrainer.diagnosis.harness_backtest import adopt_harness
 from evotrainer.errors import EvoError
-from evotrainer.store.lineage import (
-    LineageRow,
-    lineage_rows,
-    main_frontier,
-    merged_into_main,
-    verdict_of,
-)
+from evotrainer.store.lineage import LineageRow, lineage_rows
 from evotrainer.store.lock import workspace_lock
 from evotrainer.store.workspace import Workspace
 
@@ -108,6 +95,8 @@ def evolve(
             done.append(current)
             adoption = _adopt(ws, current, mode == "auto" or approve_all, log)
             if current.adopted and not current.proposed:
+                # Reconcile diagnoses the recorded versions again under the adopted revision.
+                reconciler.run(wait=True, poll_s=poll_s, on_wait=on_wait)
                 _plan_again(ws, current, planner, max_proposals, log)
             current.stop = _approve(ws, current, mode, approve_all, backends)
             if adoption:
@@ -183,26 +172,10 @@ def _adopt(ws: Workspace, current: Round, allowed: bool, log: Callable[[str], No
 
 def _plan_again(ws: Workspace, current: Round, planner: str | None, max_proposals: int,
                 log: Callable[[str], None]) -> None:
-    """Diagnose main's frontier and its decided children again under the revision just
-    adopted, then plan once more (no second revision this round); the round keeps the
-    revision it adopted and both plannings' notes."""
-    states = ws.versions()
-    frontier = main_frontier(states, merged_into_main(ws))
-    evidence = [] if frontier is None else [frontier] + sorted(
-        n for n, s in states.items() if s.parent == frontier and verdict_of(s) is not None)
-    diagnosed = []
-    for name in evidence:
-        run = states[name].run
-        if run is None or not run.succeeded:
-            continue
-        try:
-            diagnose_version(ws, name)
-        except EvoError as err:
-            log(f"{name} not diagnosed again: {err.message}")
-            continue
-        diagnosed.append(name)
-    log(f"nothing proposed beside harness {current.adopted[-1]}: diagnosed "
-        f"{', '.join(diagnosed) or 'nothing'} again under it; planning again")
+    """Plan once more, on the evidence diagnosed again under the revision just adopted (no
+    second revision this round); the round keeps that revision and both plannings' notes."""
+    log(f"nothing proposed beside harness {current.adopted[-1]}: planning again on the "
+        "evidence diagnosed under it")
     again = propose(ws, planner, max_proposals, harness_evolution=False)
     current.result = PlannerResult(
         proposals=again.proposals, harness=current.result.harness,

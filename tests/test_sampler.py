@@ -103,13 +103,13 @@ def test_sample_next_draws_from_the_tempered_nucleus_and_reports_its_logprobs():
     live = torch.tensor([0, 17, 2048, vocabulary - 2, vocabulary - 1])
     row[live] = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
     torch.manual_seed(1)
-    tokens, logps = sample_next(row.expand(100_000, -1), 0.7, 0.8)
+    tokens, logps = sample_next(row.expand(20_000, -1), 0.7, 0.8)
     scaled = row[live] / 0.7
     kept = scaled.softmax(-1).cumsum(-1) - scaled.softmax(-1) < 0.8  # the top-p nucleus
     nucleus = scaled.masked_fill(~kept, float("-inf")).log_softmax(-1)
     counts = torch.bincount(tokens, minlength=vocabulary)
-    assert counts.sum() == counts[live[kept]].sum() == 100_000  # nothing outside the nucleus
-    expected = 100_000 * nucleus[kept].exp()
+    assert counts.sum() == counts[live[kept]].sum() == 20_000  # nothing outside the nucleus
+    expected = 20_000 * nucleus[kept].exp()
     assert ((counts[live[kept]] - expected).abs() < 5 * expected.sqrt()).all()
     index = {int(t): i for i, t in enumerate(live)}
     assert torch.allclose(logps, nucleus[[index[int(t)] for t in tokens]])

@@ -59,7 +59,7 @@ from evotrainer.engine.rollout import (
     Episode,
     Sampler,
     batch_tensors,
-    left_pad,
+    distinct_rows,
     sample_episodes,
     target_logprobs,
     token_logprobs,
@@ -160,11 +160,8 @@ class SharedPrompts:
     (right-padded, aligned with `mask`), each response row attending to its prompt's cache."""
 
     def __init__(self, episodes: list[Episode], pad_id: int) -> None:
-        distinct: dict[tuple[int, ...], int] = {}
-        for e in episodes:
-            distinct.setdefault(tuple(e.prompt_ids), len(distinct))
-        self.prompt_ids, self.prompt_attn = left_pad([list(p) for p in distinct], pad_id)
-        self.source = torch.tensor([distinct[tuple(e.prompt_ids)] for e in episodes])
+        self.prompt_ids, self.prompt_attn, self.source = distinct_rows(
+            [e.prompt_ids for e in episodes], pad_id)
         width = max(len(e.ids) for e in episodes)
         self.ids = torch.full((len(episodes), width), pad_id, dtype=torch.long)
         response_attn = torch.zeros((len(episodes), width), dtype=torch.long)

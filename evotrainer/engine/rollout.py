@@ -303,10 +303,7 @@ def generate(
     """Sample a continuation of every context, all in one batch over one KV cache. `on_stop`
     (index, generation) runs for each row the moment it samples a stop token."""
     # Prefill each distinct context once; rows that share it (a group) copy its cache rows.
-    distinct: dict[tuple[int, ...], int] = {}
-    for context in contexts:
-        distinct.setdefault(tuple(context), len(distinct))
-    prefix_ids, prefix_attn = left_pad([list(c) for c in distinct], pad_id)
+    prefix_ids, prefix_attn, source = distinct_rows(contexts, pad_id)
     cache = decode_cache(prefix_ids.shape[1] + max_new_tokens)
     out = model(
         input_ids=prefix_ids,
@@ -315,7 +312,6 @@ def generate(
         **with_cache(cache),
         logits_to_keep=1,
     )
-    source = torch.tensor([distinct[tuple(c)] for c in contexts])
     cache.batch_select_indices(source)
     logits = out.logits[source, -1]
     attn = prefix_attn[source]
@@ -493,6 +489,18 @@ def _settle(
     ep.text.append(reply.observation)
     ep.finish_reason = "tool_limit"  # stays so unless a later turn finishes
     return True
+
+
+def distinct_rows(
+    rows: list[list[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each distinct row once, left-padded (ids, attention mask), and for every row the index
+    of its distinct copy: a group's shared prompt runs once and its rows copy the result."""
+    distinct: dict[tuple[int, ...], int] = {}
+    for row in rows:
+        distinct.setdefault(tuple(row), len(distinct))
+    ids, attn = left_pad([list(r) for r in distinct], pad_id)
+    return ids, attn, torch.tensor([distinct[tuple(r)] for r in rows])
 
 
 def batch_tensors(

@@ -12,6 +12,7 @@ from transformers import DynamicCache
 
 from evotrainer.engine import rollout
 from evotrainer.engine.rollout import (
+    DRAW_BLOCK,
     DRAW_MIN_VOCABULARY,
     PreallocatedLayer,
     decode_cache,
@@ -94,6 +95,31 @@ def test_draw_samples_each_index_in_proportion_to_its_weight_and_never_a_zero():
     for index in (0, 3, 7):
         assert draw(torch.nn.functional.one_hot(torch.tensor([index] * 50), 8).float()).eq(
             index).all()
+
+
+def test_draw_across_blocks_picks_the_block_by_its_sum_and_skips_empty_ones():
+    """A vocabulary of several DRAW_BLOCK blocks, the last one partial (padded): weights in the
+    first, second and last blocks, one whole block empty, tiny and large weights together. The
+    counts of 200,000 draws fit the weights (chi-square below 23.5, the 0.01% critical value
+    for 4 degrees of freedom) and no zero-weight index is ever drawn."""
+    vocabulary = 3 * DRAW_BLOCK + 5
+    weights = torch.zeros(vocabulary)
+    live = {0: 4.0, 7: 0.05, DRAW_BLOCK + 44: 1.0, 3 * DRAW_BLOCK + 3: 2.5, 3 * DRAW_BLOCK: 0.5}
+    for index, weight in live.items():
+        weights[index] = weight
+    rows = 200_000
+    torch.manual_seed(1)
+    drawn = draw(weights.expand(rows, -1))
+    counts = torch.bincount(drawn, minlength=vocabulary).double()
+    assert counts[weights == 0].sum() == 0
+    expected = rows * weights.double() / weights.sum()
+    alive = weights > 0
+    chi2 = float(((counts[alive] - expected[alive]) ** 2 / expected[alive]).sum())
+    assert chi2 < 23.5
+    # The last live index of the padded block, alone, is always drawn.
+    one = torch.zeros(vocabulary)
+    one[-1] = 1.0
+    assert draw(one.expand(50, -1)).eq(vocabulary - 1).all()
 
 
 def test_sample_next_draws_from_the_tempered_nucleus_and_reports_its_logprobs():

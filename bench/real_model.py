@@ -60,7 +60,7 @@ from evotrainer.diagnosis.diagnose import diagnose  # noqa: E402
 from evotrainer.diagnosis.harness import resolve_harness  # noqa: E402
 from evotrainer.diagnosis.replay import backtest_reward  # noqa: E402
 from evotrainer.domains import make_domain  # noqa: E402
-from evotrainer.engine import grpo, rollout, run_job  # noqa: E402
+from evotrainer.engine import group_decode, grpo, rollout, run_job  # noqa: E402
 from evotrainer.engine.model import initial_model  # noqa: E402
 from evotrainer.engine.rollout import Generation, generate, prompt_ids, stop_ids  # noqa: E402
 from evotrainer.evidence.io import read_steps  # noqa: E402
@@ -96,19 +96,21 @@ def domain_section(args: argparse.Namespace) -> dict[str, Any]:
 @contextlib.contextmanager
 def before_issue_30(packed: bool = False) -> Iterator[None]:
     """The engine as it was before issue 30, for the baselines: the KV cache grown by
-    torch.cat each step, torch.multinomial's draw at every vocabulary size, the training
-    forward over full rows, and (unless `packed`) no layer large enough to be prepacked."""
+    torch.cat each step and every row holding a copy of its prompt's (no group decode),
+    torch.multinomial's draw at every vocabulary size, the training forward over full rows,
+    and (unless `packed`) no layer large enough to be prepacked."""
     saved = (rollout.decode_cache, rollout.DRAW_MIN_VOCABULARY, rollout.PACK_MIN_WEIGHTS,
-             grpo.SHARE_PROMPT_FORWARD)
+             grpo.SHARE_PROMPT_FORWARD, group_decode.MIN_WEIGHTS)
     rollout.decode_cache = lambda capacity: DynamicCache()
     rollout.DRAW_MIN_VOCABULARY = math.inf
     rollout.PACK_MIN_WEIGHTS = rollout.PACK_MIN_WEIGHTS if packed else math.inf
     grpo.SHARE_PROMPT_FORWARD = False
+    group_decode.MIN_WEIGHTS = math.inf
     try:
         yield
     finally:
         (rollout.decode_cache, rollout.DRAW_MIN_VOCABULARY, rollout.PACK_MIN_WEIGHTS,
-         grpo.SHARE_PROMPT_FORWARD) = saved
+         grpo.SHARE_PROMPT_FORWARD, group_decode.MIN_WEIGHTS) = saved
 
 
 def median(values: list[float]) -> float:
@@ -218,6 +220,16 @@ def contenders(
     return {name: f for name, f in engines.items() if name in args.engines}
 
 
+def prefill_s(model: Any, contexts: list[list[int]], args: argparse.Namespace,
+              tokenizer: Any) -> float:
+    """Seconds the built-in sampler takes to prefill `contexts` on weights already packed:
+    its call's time less this is its decode (with the packing in it: against the decode)."""
+    with rollout.prepacked(model), torch.no_grad():
+        start = time.perf_counter()
+        rollout.start_decode(model, contexts, args.tokens, tokenizer.pad_token_id)
+        return time.perf_counter() - start
+
+
 def bench_sampling(args: argparse.Namespace, report: dict) -> dict:
     model, tokenizer = initial_model(model_section(args), 0, CACHE)
     model.eval()
@@ -229,6 +241,7 @@ def bench_sampling(args: argparse.Namespace, report: dict) -> dict:
     closers: list[Callable] = []
     engines = contenders(model, tokenizer, args, report, closers)
     rates: dict[str, list[float]] = {name: [] for name in engines}
+    decode_rates: list[float] = []
     bounds = []
     try:
         for round_ in range(args.rounds):
@@ -240,8 +253,12 @@ def bench_sampling(args: argparse.Namespace, report: dict) -> dict:
                 start = time.perf_counter()
                 with torch.no_grad():
                     gens = engines[name](contexts, stops)
-                rates[name].append(
-                    sum(len(g.tokens) for g in gens) / (time.perf_counter() - start))
+                elapsed = time.perf_counter() - start
+                rates[name].append(sum(len(g.tokens) for g in gens) / elapsed)
+                if name == "builtin":  # its prefill timed apart, the rest is the decode
+                    tokens_decoded = sum(len(g.tokens) for g in gens)
+                    decode_rates.append(tokens_decoded / (elapsed - prefill_s(model, contexts,
+                                                                              args, tokenizer)))
     finally:
         for close in closers:
             close()
@@ -261,6 +278,9 @@ def bench_sampling(args: argparse.Namespace, report: dict) -> dict:
         }
         for name, values in rates.items()
     }
+    if decode_rates:
+        figures["builtin"] |= {"decode_tokens_per_s": median(decode_rates),
+                               "decode_of_bound": median(decode_rates) / bound}
     figures["batch"] = len(contexts)
     figures["prompt_tokens_mean"] = float(np.mean([len(c) for c in contexts]))
     figures["missing"] = [n for n, ok in (("vllm", HAS_VLLM), ("llamacpp", HAS_LLAMACPP))

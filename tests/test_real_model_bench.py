@@ -46,6 +46,11 @@ def test_the_bench_reports_engines_the_bound_and_the_step_split(tmp_path, monkey
     for engine in ("baseline", "prepacked", "builtin", "generate"):
         assert sampling[engine]["tokens_per_s"] > 0 and sampling[engine]["of_bound"] > 0
     assert sampling["baseline"]["vs_baseline"] == 1.0
+    # The built-in sampler's decode, its prefill timed apart, against the same bound.
+    builtin = sampling["builtin"]
+    assert builtin["decode_tokens_per_s"] > 0
+    assert builtin["decode_of_bound"] == pytest.approx(
+        builtin["decode_tokens_per_s"] / bound["bound_tokens_per_s"])
     steps = report["steps"]
     assert set(steps) >= {"baseline", "builtin"} and steps["baseline"]["speedup"] == 1.0
     for split in steps.values():
@@ -58,7 +63,7 @@ def test_the_baseline_is_the_engine_before_issue_30_and_only_inside(monkeypatch)
     bench = load_bench()
     from transformers.cache_utils import DynamicLayer
 
-    from evotrainer.engine import grpo, rollout
+    from evotrainer.engine import group_decode, grpo, rollout
 
     calls: dict[str, object] = {}
     real_multinomial = torch.multinomial
@@ -70,7 +75,10 @@ def test_the_baseline_is_the_engine_before_issue_30_and_only_inside(monkeypatch)
     caches = []
     # A vocabulary above the threshold: the engine as it is draws there without multinomial.
     monkeypatch.setattr(rollout, "DRAW_MIN_VOCABULARY", len(tokenizer) - 1)
-    before = (rollout.decode_cache, rollout.DRAW_MIN_VOCABULARY, rollout.PACK_MIN_WEIGHTS)
+    # A model above the threshold: the engine as it is decodes this group over one prompt.
+    monkeypatch.setattr(group_decode, "MIN_WEIGHTS", 0)
+    before = (rollout.decode_cache, rollout.DRAW_MIN_VOCABULARY, rollout.PACK_MIN_WEIGHTS,
+              group_decode.MIN_WEIGHTS)
     with bench.before_issue_30():
         assert grpo.SHARE_PROMPT_FORWARD is False and math.isinf(rollout.PACK_MIN_WEIGHTS)
         old_cache = rollout.decode_cache  # recorded by hand: the context restores its own
@@ -82,6 +90,8 @@ def test_the_baseline_is_the_engine_before_issue_30_and_only_inside(monkeypatch)
         finally:
             rollout.decode_cache = old_cache
     assert "multinomial" in calls
-    assert all(type(layer) is DynamicLayer for layer in caches[0].layers)  # grown by torch.cat
-    assert (rollout.decode_cache, rollout.DRAW_MIN_VOCABULARY, rollout.PACK_MIN_WEIGHTS) == before
+    # The padded decode (the group decode makes no such cache), grown by torch.cat.
+    assert all(type(layer) is DynamicLayer for layer in caches[0].layers)
+    assert (rollout.decode_cache, rollout.DRAW_MIN_VOCABULARY, rollout.PACK_MIN_WEIGHTS,
+            group_decode.MIN_WEIGHTS) == before
     assert grpo.SHARE_PROMPT_FORWARD is True

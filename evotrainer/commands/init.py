@@ -187,6 +187,6 @@ def register(app: typer.Typer) -> None:
             f"main + {branch_name(BASELINE)}"
         )
         # Paths and names here are the user's: printed, never read as markup.
-        console.print(f"Next: cd {safe(str(root))} && evotrainer evolve --rounds 3 --approve "
+        console.print(f"Next: cd {safe(str(root))} && evotrainer evolve --rounds 4 --approve "
                       "(evaluates v0, then the planner proposes versions and they train), or by "
                       "hand: evotrainer version new v1 --parent v0 --rationale '...'")

@@ -67,14 +67,26 @@ def test_the_group_decode_gives_the_padded_decodes_logits(family, layout):
     assert model.config._attn_implementation == "sdpa"  # switched for the step only
 
 
-def test_generate_samples_the_same_tokens_over_shared_prompts(monkeypatch):
+@pytest.mark.parametrize("lora", [False, True])
+def test_generate_samples_the_same_tokens_over_shared_prompts(monkeypatch, lora):
     """A tiny Llama whose end-of-turn token is likely, so rows stop at different steps: two
-    prompts times four rows, the same seed, the padded decode and the group decode."""
+    prompts times four rows, the same seed, the padded decode and the group decode; as a
+    LoRA policy too (peft's model, its config the base's), sampling on packed weights."""
     tokenizer = chat_tokenizer()
     model = tiny_llama(tokenizer).eval()
     with torch.no_grad():
         model.lm_head.weight[tokenizer.eos_token_id] *= 0
         model.model.norm.weight.fill_(1.0)
+    if lora:
+        pytest.importorskip("peft")
+        from evotrainer.engine.model import with_lora
+
+        model = with_lora(model, {"r": 4, "alpha": 8}).eval()
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:  # peft starts B at zero: give the adapter an effect
+                    parameter.normal_(std=0.05)
+        monkeypatch.setattr(rollout, "PACK_MIN_WEIGHTS", 0)
     contexts = [tokenizer.encode(text) for text in ("def add(a, b):", "x = 1")
                 for _ in range(4)]
     built = []
@@ -83,8 +95,9 @@ def test_generate_samples_the_same_tokens_over_shared_prompts(monkeypatch):
 
     def sample() -> list[rollout.Generation]:
         torch.manual_seed(3)
-        return generate(model, contexts, [tokenizer.eos_token_id], 24, 1.0, 1.0,
-                        tokenizer.pad_token_id)
+        with torch.no_grad(), rollout.prepacked(model):
+            return generate(model, contexts, [tokenizer.eos_token_id], 24, 1.0, 1.0,
+                            tokenizer.pad_token_id)
 
     padded = sample()
     assert not built  # a tiny model: under MIN_WEIGHTS

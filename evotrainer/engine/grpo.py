@@ -151,8 +151,11 @@ class FullRows:
         self.tail = max(len(e.mask) for e in episodes)
         self.mask = mask[:, -self.tail:]
 
-    def logprobs(self, model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_logprobs(model, self.ids, self.attn, self.positions, self.tail)
+    def logprobs(
+        self, model: torch.nn.Module, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_logprobs(model, self.ids, self.attn, self.positions, self.tail,
+                              temperature)
 
 
 class SharedPrompts:
@@ -174,7 +177,9 @@ class SharedPrompts:
         self.attn = torch.cat([prompt_attn, response_attn], dim=-1)
         self.positions = prompt_attn.sum(-1, keepdim=True) + torch.arange(width)
 
-    def logprobs(self, model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    def logprobs(
+        self, model: torch.nn.Module, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cache = DynamicCache()
         prompt_out = model(
             input_ids=self.prompt_ids,
@@ -193,7 +198,7 @@ class SharedPrompts:
         logits = torch.cat(
             [prompt_out.logits[self.source, -1:], response_logits[:, :-1]], dim=1
         )
-        return target_logprobs(logits, self.ids)
+        return target_logprobs(logits, self.ids, temperature)
 
 
 def update(
@@ -209,14 +214,17 @@ def update(
     batch = (SharedPrompts if SHARE_PROMPT_FORWARD else FullRows)(episodes, pad_id)
     mask = batch.mask
     adv = torch.tensor(advantages, dtype=torch.float32)
+    # Log-probabilities at the temperature the episodes were sampled at, the policy's and the
+    # reference's alike (as verl and TRL compute them).
+    temperature = g["temperature"]
     ref_logp = None
     if ref is not None:
         with torch.no_grad():
-            ref_logp = batch.logprobs(ref)[0]
+            ref_logp = batch.logprobs(ref, temperature)[0]
     old_logp = None
     model.train()
     for _ in range(g["ppo_epochs"]):
-        logp, entropy = batch.logprobs(model)
+        logp, entropy = batch.logprobs(model, temperature)
         if old_logp is None:
             old_logp = logp.detach()
         loss, stats = policy_loss(logp, old_logp, ref_logp, adv, mask, g)

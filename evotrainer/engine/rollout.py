@@ -574,23 +574,30 @@ def token_logprobs(
     attn: torch.Tensor,
     positions: torch.Tensor,
     tail: int | None = None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each next token and the policy's entropy there, both (B, T-1), or
     (B, tail) for the last `tail` targets only: responses sit at the right end of left-padded
-    rows, so the vocabulary-sized logits of the prompt never need to exist."""
+    rows, so the vocabulary-sized logits of the prompt never need to exist. `temperature` as
+    `target_logprobs`."""
     tail = ids.shape[1] - 1 if tail is None else tail
     logits = model(
         input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=tail + 1
     ).logits[:, :-1]
-    return target_logprobs(logits, ids[:, -tail:])
+    return target_logprobs(logits, ids[:, -tail:], temperature)
 
 
 def target_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (B, T, V) predicting targets (B, T) → the targets' log-probabilities and the
-    policy's entropy at each position, both (B, T)."""
-    logp_all = logits.float().log_softmax(-1)
+    policy's entropy at each position, both (B, T), under softmax(logits / temperature): the
+    distribution the sampler drew from at that temperature (top-p aside), as verl's actor and
+    TRL's GRPOTrainer divide the logits by the rollout temperature before the loss."""
+    logits = logits.float()
+    if temperature != 1.0:  # x / 1.0 is x: at temperature 1 no copy of the logits
+        logits = logits / temperature
+    logp_all = logits.log_softmax(-1)
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
     with torch.no_grad():  # a statistic only: its vocabulary-sized product needs no graph
         probs_logp = logp_all.detach()

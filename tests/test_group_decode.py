@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 from evotrainer.engine import group_decode, rollout
 from evotrainer.engine.group_decode import GroupDecode
-from evotrainer.engine.rollout import PaddedDecode, generate
+from evotrainer.engine.rollout import PaddedDecode, distinct_contexts, generate
 
 torch.set_num_threads(1)
 
@@ -50,7 +50,7 @@ def test_the_group_decode_gives_the_padded_decodes_logits(family, layout):
         contexts.index(prompts[2])]
     with torch.no_grad():
         padded = PaddedDecode(model, contexts, 10, pad_id=0)
-        grouped = GroupDecode(model, contexts, 10)
+        grouped = GroupDecode(model, *distinct_contexts(contexts), 10)
         assert torch.allclose(grouped.logits, padded.logits, atol=1e-5)
         rows = len(contexts)
         for step in range(8):
@@ -113,16 +113,17 @@ def test_generate_samples_the_same_tokens_over_shared_prompts(monkeypatch, lora)
 
 def test_it_applies_to_repeated_prompts_on_the_architectures_it_takes(monkeypatch):
     model = random_model("llama")
-    repeated = [[5, 6, 7]] * 4 + [[8, 9]] * 4
-    assert not group_decode.applies(model, repeated)  # well under MIN_WEIGHTS
+    repeated = (2, 8)  # two prompts, four rows each
+    assert not group_decode.applies(model, *repeated)  # well under MIN_WEIGHTS
     monkeypatch.setattr(group_decode, "MIN_WEIGHTS", 0)
-    assert group_decode.applies(model, repeated)
+    assert group_decode.applies(model, *repeated)
     # A multi-turn episode's later turns: every context distinct, one prefill a row.
-    assert not group_decode.applies(model, [[5, 6, i] for i in range(8)])
+    assert not group_decode.applies(model, 8, 8)
+    assert not group_decode.applies(model, 5, 8)
     # Sliding-window attention is not plain causal attention over the whole prompt.
     sliding = random_model("qwen2")
     sliding.config.use_sliding_window = True
-    assert not group_decode.applies(sliding, repeated)
+    assert not group_decode.applies(sliding, *repeated)
     sliding.config.use_sliding_window = False
     sliding.config.layer_types = ["sliding_attention", "full_attention"]
-    assert not group_decode.applies(sliding, repeated)
+    assert not group_decode.applies(sliding, *repeated)

@@ -33,11 +33,12 @@ FAMILIES = ("llama", "qwen2", "qwen3")
 MIN_WEIGHTS = 1 << 24
 
 
-def applies(model: PreTrainedModel, contexts: list[list[int]]) -> bool:
-    """Whether `model` decodes `contexts` over shared prompts: an architecture this attention
-    takes, and contexts that repeat, two rows a prompt or more on average (a multi-turn
-    episode's later turns are all distinct; one prefill per row would cost more there)."""
-    if len({tuple(c) for c in contexts}) * 2 > len(contexts):
+def applies(model: PreTrainedModel, prompts: int, rows: int) -> bool:
+    """Whether `model` decodes `rows` continuing `prompts` distinct contexts over shared
+    prompts: an architecture this attention takes, and two rows a prompt or more on average
+    (a multi-turn episode's later turns are all distinct; one prefill per row would cost more
+    there)."""
+    if prompts * 2 > rows:
         return False
     config = model.config
     full_attention = all(
@@ -164,32 +165,31 @@ def _attention(model: PreTrainedModel, name: str) -> Iterator[None]:
 
 
 class GroupDecode:
-    """Prefill each distinct context once, then decode every row over the shared prompts.
-    `logits` holds the rows' next-token logits; `step(tokens)` feeds one token per row and
-    returns the next logits; `select(keep)` drops the rows not kept."""
+    """Prefill each of the distinct `prompts` once, then decode every row (row i continues
+    `prompts[prompt_of_row[i]]`) over them. `logits` holds the rows' next-token logits;
+    `step(tokens)` feeds one token per row and returns the next logits; `select(keep)` drops
+    the rows not kept."""
 
-    def __init__(self, model: PreTrainedModel, contexts: list[list[int]], capacity: int) -> None:
+    def __init__(self, model: PreTrainedModel, prompts: list[list[int]],
+                 prompt_of_row: torch.Tensor, capacity: int) -> None:
         self.model = model
-        distinct: dict[tuple[int, ...], int] = {}
-        prompt_of_row = torch.tensor([distinct.setdefault(tuple(c), len(distinct))
-                                      for c in contexts])
         prompt_keys: list[list[torch.Tensor]] = [[] for _ in range(model.config.num_hidden_layers)]
         prompt_values: list[list[torch.Tensor]] = [[] for _ in prompt_keys]
         last_logits = []
-        for context in distinct:
+        for prompt in prompts:
             cache = DynamicCache()
-            out = model(input_ids=torch.tensor([context]), **with_cache(cache), logits_to_keep=1)
+            out = model(input_ids=torch.tensor([prompt]), **with_cache(cache), logits_to_keep=1)
             last_logits.append(out.logits[0, -1])
             for i, layer in enumerate(cache.layers):
                 prompt_keys[i].append(layer.keys[0])
                 prompt_values[i].append(layer.values[0])
         self.cache = GroupCache(
-            [GroupLayer(keys, values, len(contexts), capacity)
+            [GroupLayer(keys, values, len(prompt_of_row), capacity)
              for keys, values in zip(prompt_keys, prompt_values, strict=True)],
             prompt_of_row,
         )
         self.logits = torch.stack(last_logits)[prompt_of_row]
-        self.positions = torch.tensor([len(c) for c in contexts])
+        self.positions = torch.tensor([len(prompt) for prompt in prompts])[prompt_of_row]
 
     def select(self, keep: torch.Tensor) -> None:
         indices = keep.nonzero().squeeze(-1)

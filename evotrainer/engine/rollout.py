@@ -359,8 +359,9 @@ def start_decode(
 ) -> group_decode.GroupDecode | PaddedDecode:
     """The contexts prefilled, ready to decode: over shared prompts where the group decode
     applies (a real model's groups), else padded."""
-    if group_decode.applies(model, contexts):
-        return group_decode.GroupDecode(model, contexts, max_new_tokens)
+    prompts, prompt_of_row = distinct_contexts(contexts)
+    if group_decode.applies(model, len(prompts), len(contexts)):
+        return group_decode.GroupDecode(model, prompts, prompt_of_row, max_new_tokens)
     return PaddedDecode(model, contexts, max_new_tokens, pad_id)
 
 class PaddedDecode:
@@ -542,16 +543,21 @@ def _settle(
     return True
 
 
+def distinct_contexts(rows: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
+    """Each distinct row once, in first-seen order, and for every row the index of its
+    distinct copy: a group's shared prompt runs once and its rows share the result."""
+    distinct: dict[tuple[int, ...], int] = {}
+    source = [distinct.setdefault(tuple(row), len(distinct)) for row in rows]
+    return [list(row) for row in distinct], torch.tensor(source)
+
+
 def distinct_rows(
     rows: list[list[int]], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each distinct row once, left-padded (ids, attention mask), and for every row the index
-    of its distinct copy: a group's shared prompt runs once and its rows copy the result."""
-    distinct: dict[tuple[int, ...], int] = {}
-    for row in rows:
-        distinct.setdefault(tuple(row), len(distinct))
-    ids, attn = left_pad([list(r) for r in distinct], pad_id)
-    return ids, attn, torch.tensor([distinct[tuple(r)] for r in rows])
+    """`distinct_contexts`, the distinct rows left-padded (ids, attention mask)."""
+    unique, source = distinct_contexts(rows)
+    ids, attn = left_pad(unique, pad_id)
+    return ids, attn, source
 
 
 def batch_tensors(

@@ -254,11 +254,11 @@ def bench_sampling(args: argparse.Namespace, report: dict) -> dict:
                 with torch.no_grad():
                     gens = engines[name](contexts, stops)
                 elapsed = time.perf_counter() - start
-                rates[name].append(sum(len(g.tokens) for g in gens) / elapsed)
+                sampled = sum(len(g.tokens) for g in gens)
+                rates[name].append(sampled / elapsed)
                 if name == "builtin":  # its prefill timed apart, the rest is the decode
-                    tokens_decoded = sum(len(g.tokens) for g in gens)
-                    decode_rates.append(tokens_decoded / (elapsed - prefill_s(model, contexts,
-                                                                              args, tokenizer)))
+                    decode_rates.append(
+                        sampled / (elapsed - prefill_s(model, contexts, args, tokenizer)))
     finally:
         for close in closers:
             close()

@@ -286,7 +286,7 @@ def draw(probs: torch.Tensor) -> torch.Tensor:
     block's cumulative sums in float64 at a second uniform draw. `torch.multinomial` draws an
     exponential per vocabulary entry instead (9 ms of a ~130 ms decode step for SmolLM2 at
     batch 8), and one float64 cumulative sum over the whole vocabulary took 4 ms at batch 8
-    and 15 ms at batch 32, against 0.2 and 1 ms here. Each index's probability is exact but
+    and 15 ms at batch 32, against 0.14 and 0.21 ms here. Each index's probability is exact but
     for its block's float32 sum, off by about 1e-7 of itself (a single float32 cumulative sum
     over the vocabulary would put one of probability 1e-6 off by ~6%). A zero-probability
     index (outside the top-p nucleus, or the last block's padding) has an empty interval, and

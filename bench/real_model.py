@@ -11,11 +11,16 @@ in the same run.
              medians: `builtin` (the engine's sampler as it is), `baseline` (the engine before
              issue 30: torch's plain linear, a KV cache grown by torch.cat, torch.multinomial),
              `prepacked` (the baseline with prepacked weights: issue 30's first step),
+             `int8` (the built-in sampler on int8 layers, `rollout.quantization: int8`, with
+             how far its samples' distribution is from the float32 policy's, as the loss's
+             correction logs it: rollout_kl, rollout_is_mean, rollout_is_ratio_fraction_high),
              `generate` (transformers), `vllm` and `llamacpp` where they import (vLLM's
              start-up is reported apart); each as a share of the bound and against the baseline
   steps      short GRPO runs of the same recipe, alternated: the baseline (the sampler before
              issue 30, scoring after sampling, a training forward over full rows) against the
-             engine as it is (`rollout.score_workers: 1`) and vLLM where it imports; the median
+             engine as it is (`rollout.score_workers: 1`), int8 rollouts with the loss's
+             correction (importance_cap 2) when `int8` is among --engines, and vLLM where it
+             imports; the median
              step split into sampling_s, scoring_s (the wait for scores after sampling) and
              training_s, and the step's speed-up
   quality    (--parts baseline,grpo) the untrained model's val pass@1 with a 95% Wilson CI,
@@ -173,6 +178,10 @@ def contenders(
         with before_issue_30(packed=True), rollout.prepacked(model):
             return generate(model, contexts, stops, budget, 1.0, 1.0, pad)
 
+    def int8(contexts: list[list[int]], stops: list[int]) -> list[Generation]:
+        with rollout.prepacked(model, "int8"):
+            return generate(model, contexts, stops, budget, 1.0, 1.0, pad)
+
     def hf_generate(contexts: list[list[int]], stops: list[int]) -> list[Generation]:
         ids, attn = rollout.left_pad(contexts, pad)
         out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, top_k=0,
@@ -185,7 +194,7 @@ def contenders(
         return gens
 
     engines: dict[str, Callable[[list[list[int]], list[int]], list[Generation]]] = {
-        "baseline": baseline, "prepacked": prepacked, "builtin": builtin,
+        "baseline": baseline, "prepacked": prepacked, "builtin": builtin, "int8": int8,
         "generate": hf_generate,
     }
     if HAS_VLLM and "vllm" in args.engines:
@@ -281,11 +290,29 @@ def bench_sampling(args: argparse.Namespace, report: dict) -> dict:
     if decode_rates:
         figures["builtin"] |= {"decode_tokens_per_s": median(decode_rates),
                                "decode_of_bound": median(decode_rates) / bound}
+    if "int8" in engines:
+        figures["int8"] |= int8_mismatch(model, contexts, engines["int8"](contexts, stops),
+                                         tokenizer.pad_token_id)
     figures["batch"] = len(contexts)
     figures["prompt_tokens_mean"] = float(np.mean([len(c) for c in contexts]))
     figures["missing"] = [n for n, ok in (("vllm", HAS_VLLM), ("llamacpp", HAS_LLAMACPP))
                           if not ok]
     return figures
+
+
+def int8_mismatch(model: Any, contexts: list[list[int]], generations: list[Generation],
+                  pad: int) -> dict[str, float]:
+    """How far the int8 sampler's distribution is from the float32 policy's on its own samples
+    (temperature 1): the statistics the loss's correction logs (`grpo.importance_weights`)."""
+    rows = [c + g.tokens for c, g in zip(contexts, generations, strict=True)]
+    ids, attn, positions, mask = rollout.batch_tensors(
+        rows, [[1] * len(g.tokens) for g in generations], pad)
+    tail = max(len(g.tokens) for g in generations)
+    with torch.no_grad():
+        policy = rollout.token_logprobs(model, ids, attn, positions, tail)[0]
+    mask = mask[:, -tail:]
+    sampled = grpo.sampler_logprobs([g.logprobs for g in generations], mask)
+    return grpo.importance_weights(policy, sampled, mask, 2.0)[1]
 
 
 # ---------------------------------------------------------------------------- GRPO steps
@@ -321,7 +348,9 @@ def step_split(run: Path) -> dict[str, float]:
             per_metric.setdefault(row["metric"], []).append(row["value"])
     return {
         key: median(per_metric.get(key, []))
-        for key in ("time_per_step", "sampling_s", "scoring_s", "training_s", "tokens_per_s")
+        for key in ("time_per_step", "sampling_s", "scoring_s", "training_s", "tokens_per_s",
+                    "rollout_kl", "rollout_is_ratio_fraction_high")
+        if per_metric.get(key)
     }
 
 
@@ -331,6 +360,9 @@ def bench_grpo_steps(args: argparse.Namespace, out: Path) -> dict:
         "baseline": (None, True),  # scoring after sampling, before_issue_30: the engine before
         "builtin": ({"score_workers": 1}, False),
     }
+    if "int8" in args.engines:
+        configurations["int8"] = (
+            {"score_workers": 1, "quantization": "int8", "importance_cap": 2.0}, False)
     if HAS_VLLM and "vllm" in args.engines:
         configurations["vllm"] = ({"engine": "vllm", "score_workers": 1}, False)
     splits: dict[str, list[dict[str, float]]] = {name: [] for name in configurations}
@@ -394,7 +426,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parts", default="bound,sampling,steps",
                         help="bound,sampling (together), steps, baseline, grpo")
     parser.add_argument("--engines",
-                        default="baseline,prepacked,builtin,generate,vllm,llamacpp")
+                        default="baseline,prepacked,builtin,int8,generate,vllm,llamacpp")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--group", type=int, default=4)

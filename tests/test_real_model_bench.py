@@ -35,7 +35,8 @@ def test_the_bench_reports_engines_the_bound_and_the_step_split(tmp_path, monkey
     data.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
     bench = load_bench()
     report = bench.main([
-        "--parts", "bound,sampling,steps", "--engines", "baseline,prepacked,builtin,generate",
+        "--parts", "bound,sampling,steps",
+        "--engines", "baseline,prepacked,builtin,int8,generate",
         "--rounds", "1", "--prompts", "1", "--group", "2", "--tokens", "4", "--train", "4",
         "--val", "2", "--steps", "1", "--model-path", str(save_hf(tmp_path / "model")),
         "--data", str(data), "--out", str(tmp_path / "out"),
@@ -43,8 +44,10 @@ def test_the_bench_reports_engines_the_bound_and_the_step_split(tmp_path, monkey
     bound = report["bound"]
     assert bound["bound_tokens_per_s"] > 0 and bound["bound_by"] in ("memory", "compute")
     sampling = report["sampling"]
-    for engine in ("baseline", "prepacked", "builtin", "generate"):
+    for engine in ("baseline", "prepacked", "builtin", "int8", "generate"):
         assert sampling[engine]["tokens_per_s"] > 0 and sampling[engine]["of_bound"] > 0
+    # The int8 sampler's distance from the float32 policy, as the loss's correction logs it.
+    assert {"rollout_kl", "rollout_is_mean"} <= set(sampling["int8"])
     assert sampling["baseline"]["vs_baseline"] == 1.0
     # The built-in sampler's decode, its prefill timed apart, against the same bound.
     builtin = sampling["builtin"]
@@ -52,7 +55,8 @@ def test_the_bench_reports_engines_the_bound_and_the_step_split(tmp_path, monkey
     assert builtin["decode_of_bound"] == pytest.approx(
         builtin["decode_tokens_per_s"] / bound["bound_tokens_per_s"])
     steps = report["steps"]
-    assert set(steps) >= {"baseline", "builtin"} and steps["baseline"]["speedup"] == 1.0
+    assert set(steps) >= {"baseline", "builtin", "int8"} and steps["baseline"]["speedup"] == 1.0
+    assert "rollout_kl" in steps["int8"] and "rollout_kl" not in steps["builtin"]
     for split in steps.values():
         assert split["sampling_s"] + split["scoring_s"] + split["training_s"] == pytest.approx(
             split["time_per_step"])

@@ -69,6 +69,7 @@ RECIPES = {
     # A multi-turn domain with no tool config of its own runs the domain's verl tools.
     "toolenv_tools": {"domain": {"name": "toolenv"}},
     "dual_level": {"group_filter": {"name": "dual_level", "params": {"echo_min_repeats": 4}}},
+    "importance": {"rollout": {"importance_cap": 2.5}},
 }
 
 
@@ -191,6 +192,17 @@ def test_mapped_settings(composed):
     assert dual.trainer.v1.sampler.custom_sampler.name == "EvoDualLevelReplayBuffer"
     assert json.loads(dual.trainer.v1.sampler.sampler_kwargs.spec)["filter"] == {
         "name": "dual_level", "params": {"echo_min_repeats": 4}}
+
+
+def test_the_importance_cap_is_verls_token_level_rollout_correction(composed, tmp_path):
+    _, results = composed
+    correction = results["importance"][2][0].algorithm.rollout_correction
+    assert (correction.rollout_is, correction.rollout_is_threshold) == ("token", 2.5)
+    assert results["importance"][2][0].actor_rollout_ref.rollout.calculate_log_probs is True
+    assert results["base"][2][0].algorithm.rollout_correction.rollout_is is None
+    with pytest.raises(EvoError) as refused:  # int8 is the embedded engine's CPU sampler
+        render({"rollout": {"quantization": "int8", "importance_cap": 2.0}}, tmp_path)
+    assert refused.value.field == "rollout.quantization" and "fp8" in str(refused.value)
 
 
 def test_verl_rejects_a_misspelt_override(tmp_path):

@@ -371,6 +371,7 @@ def render_run(
         # user's, perhaps): a local job gets a private one.
         values["+ray_kwargs.ray_init.address"] = "local"
     values.update(_group_filter_values(recipe, files))
+    values.update(_rollout_correction_values(recipe))
     values.update(_environment_values(recipe, settings, files, workdir))
     for key, value in (settings["overrides"] or {}).items():
         values[str(key)] = value
@@ -449,6 +450,27 @@ def recipe_environment(recipe: dict) -> dict[str, Any] | None:
     """The environment a multi-turn domain runs with (its defaults under the recipe's
     `environment`), as the engine gets it; None for a single-turn domain."""
     return environment_config(recipe, get_domain(recipe["domain"]["name"]))
+
+
+def _rollout_correction_values(recipe: dict) -> dict[str, Any]:
+    """`rollout.importance_cap` as verl's own rollout correction: token-level truncated
+    importance weights pi_old / pi_rollout capped at it, from the rollout log-probs vLLM
+    returns (`rollout.calculate_log_probs`, on by default in verl 0.9.1)."""
+    section = recipe.get("rollout") or {}
+    if section.get("quantization") is not None:
+        raise EvoError(
+            f"rollout.quantization {section['quantization']} is the embedded engine's CPU "
+            "sampler; verl quantizes its vLLM rollouts itself",
+            field="rollout.quantization",
+            hint="remove it; for fp8 rollouts on GPUs set verl.overrides: "
+            "{actor_rollout_ref.rollout.quantization: fp8} with rollout.importance_cap",
+        )
+    if section.get("importance_cap") is None:
+        return {}
+    return {
+        "algorithm.rollout_correction.rollout_is": "token",
+        "algorithm.rollout_correction.rollout_is_threshold": float(section["importance_cap"]),
+    }
 
 
 def _environment_values(

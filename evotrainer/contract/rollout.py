@@ -1,10 +1,12 @@
 """The recipe's optional `rollout` section (spec/schemas/rollout.schema.json): which engine
-samples the groups and how many processes score beside it. Absent, the built-in sampler
-samples and scoring runs after it, as before the section existed (it is not in the base
-recipe, so an existing recipe's digest is unchanged).
+samples the groups, in what precision, how the loss corrects for the sampler's distribution
+and how many processes score beside it. Absent, the built-in float32 sampler samples, the loss
+has no correction and scoring runs after sampling, as before the section existed (it is not in
+the base recipe, so an existing recipe's digest is unchanged).
 
 What the schema cannot say is checked here: `engine: vllm` needs vLLM installed where the
-job runs. Imports no torch and no vllm (it only looks the package up)."""
+job runs; `quantization: int8` is the built-in sampler's and needs `importance_cap`. Imports
+no torch and no vllm (it only looks the package up)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,26 @@ def rollout_engine(recipe: dict[str, Any]) -> str:
 
 
 def check_rollout(recipe: dict[str, Any]) -> None:
-    """Raise EvoError naming `rollout.engine` when it asks for an engine this machine lacks."""
-    if rollout_engine(recipe) == "vllm" and find_spec("vllm") is None:
+    """Raise EvoError naming the `rollout` field that asks for what this machine lacks or for a
+    combination that cannot train soundly."""
+    engine = rollout_engine(recipe)
+    if engine == "vllm" and find_spec("vllm") is None:
         raise EvoError("vLLM is not installed", field="rollout.engine", hint=VLLM_INSTALL)
+    section = recipe.get("rollout") or {}
+    if section.get("quantization") is None:
+        return
+    if engine != "builtin":
+        raise EvoError(
+            f"quantization {section['quantization']} is the built-in sampler's; {engine} "
+            "samples in the policy's own precision",
+            field="rollout.quantization",
+            hint="remove rollout.quantization, or set rollout.engine: builtin",
+        )
+    if section.get("importance_cap") is None:
+        # Unweighted, the loss would treat the quantized sampler's tokens as the policy's own.
+        raise EvoError(
+            "int8 rollouts sample from a distribution near the policy's, not the policy's, "
+            "and the loss needs the importance weights that correct for it",
+            field="rollout.importance_cap",
+            hint="set rollout.importance_cap: 2.0 (verl's rollout_is_threshold)",
+        )

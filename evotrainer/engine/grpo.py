@@ -16,8 +16,11 @@ at `eval_temperature` / `eval_top_p`, by default the training ones) runs at step
 
 The recipe's optional `rollout` section picks what samples (`engine`: builtin, the default, or
 vllm: vLLM generates, the policy's weights pushed to it after every update, and the trainer
-computes the log-probabilities the loss uses itself, as verl does) and how many processes
-score beside the sampler (`score_workers`, default 0: after sampling, in this process).
+computes the log-probabilities the loss uses itself, as verl does), in what precision the
+built-in sampler samples training groups (`quantization: int8`), whether the surrogate is
+importance-weighted against the sampler's distribution (`importance_cap`: truncated importance
+sampling, as verl's rollout correction) and how many processes score beside the sampler
+(`score_workers`, default 0: after sampling, in this process).
 """
 
 from __future__ import annotations
@@ -94,14 +97,19 @@ def policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     g: dict[str, Any],
+    importance: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level clipped surrogate (+ KL). logp/old_logp/ref_logp/mask: (B, T); advantages
-    (B,), one per sequence, broadcast over its tokens."""
+    (B,), one per sequence, broadcast over its tokens. `importance` (B, T), no gradient: each
+    token's truncated importance weight (`importance_weights`), multiplying its surrogate term
+    and not the KL, as verl's rollout correction weights the policy gradient."""
     adv = advantages[:, None]
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - g["clip_low"], 1 + g["clip_high"]) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    if importance is not None:
+        per_token = per_token * importance
     kl = torch.zeros_like(logp)
     if ref_logp is not None:
         log_ref_ratio = ref_logp - logp
@@ -121,6 +129,39 @@ def policy_loss(
             "ratio_mean": float((ratio * mask).sum() / tokens),
         }
     return loss, stats
+
+
+def sampler_logprobs(logprobs: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
+    """Each row's sampling log-probabilities (an episode's `logprobs`) laid out as `mask`
+    (B, T), either training batch's: a row's masked-in positions, in order, are its sampled
+    tokens."""
+    logp = torch.zeros_like(mask)
+    for row, values in enumerate(logprobs):
+        logp[row, mask[row] > 0] = torch.tensor(values, dtype=logp.dtype)
+    return logp
+
+
+def importance_weights(
+    old_logp: torch.Tensor, sampled_logp: torch.Tensor, mask: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance sampling (TIS), per token: min(pi_old / pi_sampler, cap), the
+    trainer's probability of the sampled token over the probability it was sampled with, both
+    at the sampling temperature. The sampler's is after top-p (the nucleus renormalized, as
+    vLLM's processed log-probs are), so below top_p 1 a weight also carries the nucleus's mass.
+    With the statistics of the mismatch, defined as verl's `rollout_corr/` metrics of token-level
+    TIS: the applied weights' mean, the share of tokens whose weight the cap cut, and the k1
+    estimate of KL(sampler || trainer), all over the trained tokens."""
+    with torch.no_grad():
+        log_ratio = old_logp - sampled_logp
+        raw = torch.exp(log_ratio)
+        weights = raw.clamp(max=cap) * mask
+        tokens = mask.sum().clamp(min=1)
+        stats = {
+            "rollout_is_mean": float(weights.sum() / tokens),
+            "rollout_is_ratio_fraction_high": float(((raw > cap).float() * mask).sum() / tokens),
+            "rollout_kl": float((-log_ratio * mask).sum() / tokens),
+        }
+        return weights, stats
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
@@ -209,8 +250,11 @@ def update(
     advantages: np.ndarray,
     g: dict[str, Any],
     pad_id: int,
+    importance_cap: float | None = None,
 ) -> dict[str, float]:
-    """`ppo_epochs` gradient steps on the kept episodes (one full batch each)."""
+    """`ppo_epochs` gradient steps on the kept episodes (one full batch each). With
+    `importance_cap` (`rollout.importance_cap`) the surrogate is importance-weighted against
+    the distribution the episodes were sampled from (`importance_weights`)."""
     batch = (SharedPrompts if SHARE_PROMPT_FORWARD else FullRows)(episodes, pad_id)
     mask = batch.mask
     adv = torch.tensor(advantages, dtype=torch.float32)
@@ -221,19 +265,25 @@ def update(
     if ref is not None:
         with torch.no_grad():
             ref_logp = batch.logprobs(ref, temperature)[0]
-    old_logp = None
+    old_logp = importance = None
+    correction: dict[str, float] = {}
     model.train()
     for _ in range(g["ppo_epochs"]):
         logp, entropy = batch.logprobs(model, temperature)
         if old_logp is None:
             old_logp = logp.detach()
-        loss, stats = policy_loss(logp, old_logp, ref_logp, adv, mask, g)
+            if importance_cap is not None:
+                importance, correction = importance_weights(
+                    old_logp, sampler_logprobs([e.logprobs for e in episodes], mask), mask,
+                    importance_cap)
+        loss, stats = policy_loss(logp, old_logp, ref_logp, adv, mask, g, importance)
         optimizer.zero_grad()
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), g["grad_clip"])
         optimizer.step()
     return {
         **stats,
+        **correction,
         "loss": loss.item(),
         "grad_norm": float(grad_norm),
         "entropy": float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1)),
@@ -305,6 +355,10 @@ class Trainer:
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=self.g["lr"])
         rollout = recipe.get("rollout") or {}
+        # Training groups sample in this precision; evaluation always in the policy's own, so
+        # val_avg means the same with and without int8 rollouts.
+        self.rollout_weights = rollout.get("quantization") or "float32"
+        self.importance_cap = rollout.get("importance_cap")
         self.scoring = Scoring(
             domain, recipe["domain"], self.weights, rollout.get("score_workers") or 0
         )
@@ -323,8 +377,11 @@ class Trainer:
             seed=seed,
         )
 
-    def sample(self, tasks: list[Task], temperature: float, top_p: float) -> list[Episode]:
-        """Episodes of `tasks`, each handed to the scorers the moment it is over."""
+    def sample(
+        self, tasks: list[Task], temperature: float, top_p: float, weights: str = "float32"
+    ) -> list[Episode]:
+        """Episodes of `tasks`, each handed to the scorers the moment it is over; `weights`:
+        the built-in sampler's precision."""
         if self.sampler is not None and not self.policy_pushed:
             self.sampler.load(self.model)  # vLLM samples from the weights of the last update
             self.policy_pushed = True
@@ -340,6 +397,7 @@ class Trainer:
             self.chat,
             on_finished=self.scoring.submit,
             sampler=self.sampler,
+            weights=weights,
         )
 
     def score(self, episodes: list[Episode]) -> tuple[np.ndarray, list[Any]]:
@@ -366,7 +424,8 @@ class Trainer:
         size = self.g["group_size"]
         tasks = self.rng.sample(self.train_tasks, self.g["prompts_per_step"])
         episodes = self.sample(
-            [t for t in tasks for _ in range(size)], self.g["temperature"], self.g["top_p"]
+            [t for t in tasks for _ in range(size)], self.g["temperature"], self.g["top_p"],
+            self.rollout_weights,
         )
         sampled_at = time.perf_counter()
         rewards, scores = self.score(episodes)
@@ -405,6 +464,7 @@ class Trainer:
                 advantages[keep],
                 self.g,
                 self.tokenizer.pad_token_id,
+                self.importance_cap,
             )
             self.policy_pushed = False
         elapsed = time.perf_counter() - start

@@ -12,7 +12,8 @@ The cache is allocated once for the whole decode (`PreallocatedLayer`): each ste
 column in place instead of copying the whole cache.
 While it samples, the large linear layers run on weights packed once for oneDNN
 (`prepacked`): a plain fp32 `linear` has MKL re-pack the whole weight matrix on every
-small-batch call, which was a third of the sampler's time on a real model. A caller that
+small-batch call, which was a third of the sampler's time on a real model; with
+`rollout.quantization: int8` they run on int8 copies instead (`_int8_forward`). A caller that
 scores episodes as they finish (`on_finished`) gets each one as soon as it is over, while the
 rest of the batch is still sampling.
 """

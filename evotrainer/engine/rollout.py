@@ -230,8 +230,8 @@ def _int8_forward(
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        scale = torch.linalg.vector_norm(rows, ord=float("inf"), dim=1, keepdim=True)
-        scale = scale.clamp_(min=1e-12).div_(127)
+        # abs().amax: 4 us at 8 x 576, where linalg.vector_norm(ord=inf) took 15.
+        scale = rows.abs().amax(1, keepdim=True).clamp_(min=1e-12).div_(127)
         products = torch._int_mm((rows / scale).round_().to(torch.int8), quantized)
         out = products.mul(scale).mul_(weight_scale)
         if bias is not None:

@@ -21,6 +21,7 @@ rest of the batch is still sampling.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -127,36 +128,37 @@ def prepacked(model: torch.nn.Module, weights: str = "float32") -> Iterator[int]
     int8 instead (`_int8_forward`): a quarter of the bytes to stream per decode step and int8
     products, the policy's own float32 weights untouched."""
     packed: list[torch.nn.Module] = []
-    pack = _int8_forward if weights == "int8" else _packed_forward
-    if weights == "int8" and not torch.backends.mkldnn.is_available():
+    if weights == "int8" and torch.backends.quantized.engine not in ("x86", "fbgemm"):
         raise EvoError(
-            "this machine's torch has no oneDNN, which int8 rollouts run on",
+            "this machine's torch has no fbgemm, which int8 rollouts run on",
             field="rollout.quantization", hint="remove rollout.quantization to sample in float32")
     # The vocabulary projection stays float32 even so: its input has a few channels of
     # massive activations (SmolLM2-135M's final hidden state: a row's largest entry ~12x its
     # root mean square). With it in int8 too, the next-token distribution was 0.034
     # nats/token from the float32 policy's (mean KL over 16 x 64 sampled positions), 0.025
-    # without, at no speed measurably lost.
+    # without. Float16 weights (fbgemm) took 5.5-8.7 ms a step at batch 8 against 13.5, but
+    # 460 ms to pack, once per update. The key and value projections (SmolLM2: 110K weights,
+    # under PACK_MIN_WEIGHTS) stay float32 too: in int8 they took 20 us a call against 72,
+    # but put the distribution 0.040 nats/token from the float32 policy's against 0.026
+    # (HumanEval's first 24 solutions).
     head = model.get_output_embeddings() if weights == "int8" else None
-    if torch.backends.mkldnn.is_available():
+    if torch.backends.mkldnn.is_available() or weights == "int8":
         # peft is imported already wherever a model carries LoRA layers.
         lora_linear = getattr(sys.modules.get("peft.tuners.lora.layer"), "Linear", None)
         merged_bases: set[int] = set()  # a merged LoRA layer's base is not packed again
         for module in model.modules():  # parents before their children
             if lora_linear is not None and type(module) is lora_linear:
-                weight = _lora_weight(module)
-                if weight is not None and _packable(weight):
-                    module.forward = pack(weight, module.base_layer.bias)
-                    packed.append(module)
-                    merged_bases.add(id(module.base_layer))
-            elif (
-                type(module) is torch.nn.Linear
-                and id(module) not in merged_bases
-                and _packable(module.weight)
-            ):
-                layer_pack = _packed_forward if module is head else pack
-                module.forward = layer_pack(module.weight, module.bias)
-                packed.append(module)
+                weight, base = _lora_weight(module), module.base_layer
+            elif type(module) is torch.nn.Linear and id(module) not in merged_bases:
+                weight, base = module.weight, module
+            else:
+                continue
+            if weight is None or not _packable(weight):
+                continue
+            merged_bases.add(id(base))
+            pack = _int8_forward if weights == "int8" and base is not head else _packed_forward
+            module.forward = pack(weight, base.bias)
+            packed.append(module)
     try:
         yield len(packed)
     finally:
@@ -207,33 +209,52 @@ def _packed_forward(
     return forward
 
 
-# Int8 weights span [-63, 63], not [-127, 127]: on AVX2 (where the engine pins oneDNN,
-# PINNED_KERNELS) `torch._int_mm` adds two u8 x s8 products in 16 bits, the inputs shifted to
-# [1, 255], and 2 x 255 x 127 overflows them: a product came out 43,112 off, measured. With
-# weights within 63 the sums are exact (2 x 255 x 63 < 2^15).
+# Int8 weights span [-63, 63], not [-127, 127]: fbgemm's AVX2 kernel adds two u8 x s8
+# products in 16 bits, and 2 x 255 x 127 overflows them (a product came out 99% off,
+# measured). Within 63 the sums are exact (2 x 255 x 63 < 2^15) on every instruction set, and
+# the product leaves them by one float multiply, so int8 rollouts sample bit for bit the same
+# with fbgemm's AVX2, AVX-512 or VNNI kernels: fbgemm need not be pinned (PINNED_KERNELS), and
+# runs at this machine's best (VNNI here: 97 against 175 us for SmolLM2's MLP projection).
 INT8_WEIGHT_MAX = 63
+# The grid every int8 input is quantized on: fbgemm's dynamic linear picks one from the whole
+# batch's range, so each row is first scaled to [-1, 1] and two input columns pinned at 1 and
+# -128/127 (their weights zero) make that range the same for any batch: steps of 1/127
+# around a zero point of 128, so a row is quantized as round(127 x / max|x|), its own scale.
+INT8_RANGE = torch.tensor([[1.0, -128 / 127]])
 
 
 def _int8_forward(
     weight: torch.Tensor, bias: torch.Tensor | None
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The layer in int8 (W8A8): weights quantized once, symmetric per output row; each call
-    quantizes its input symmetric per row (one token's activations), multiplies in int8 with
-    exact int32 sums (`torch._int_mm`, oneDNN) and scales back. Per token rather than per
-    batch, so a row samples the same whatever else is in the batch: fbgemm's dynamic linear
-    (one input scale for the whole batch) ran faster, but put SmolLM2-135M's next-token
-    distribution ~0.3 nats/token off at batch 8 and ~2 over a prefill."""
+    """The layer in int8 (W8A8) on fbgemm's dynamic linear: weights quantized once, symmetric
+    per output row and prepacked; each call scales every row (one token's activations) by its
+    largest entry, quantizes it on the fixed grid (INT8_RANGE), multiplies in int8 with exact
+    int32 sums and scales back. A row's result is the same whatever else is in the batch:
+    fbgemm's own per-batch scale put SmolLM2-135M's next-token distribution ~0.3 nats/token
+    off at batch 8. fbgemm rather than `torch._int_mm` (oneDNN, pinned to AVX2 with the rest):
+    97 against 330-490 us for SmolLM2's MLP projection at batch 8."""
     weight = weight.detach()
-    weight_scale = (weight.abs().amax(1) / INT8_WEIGHT_MAX).clamp(min=1e-12)
-    quantized = (weight / weight_scale[:, None]).round().to(torch.int8).t()
+    weight_scale = (weight.abs().amax(1) / INT8_WEIGHT_MAX).clamp_(min=1e-12)
+    integers = weight.new_zeros((len(weight), weight.shape[1] + INT8_RANGE.shape[1]),
+                                dtype=torch.int8)
+    integers[:, : weight.shape[1]] = (weight / weight_scale[:, None]).round_()
+    with warnings.catch_warnings():
+        # fbgemm's packing takes its weights as a quantized tensor, a kind torch 2.13 marks
+        # deprecated; it only wraps the integers here, and only the packed weights are kept.
+        # One scale for the whole tensor (1: the rows' own are applied to the outputs), as
+        # per-row ones cost the packing two tensor lookups a row (~0.3 s for SmolLM2).
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation.*")
+        quantized = torch._make_per_tensor_quantized_tensor(integers, 1.0, 0)
+    packed = torch.ops.quantized.linear_prepack(quantized, None)
     bias = None if bias is None else bias.detach()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         # abs().amax: 4 us at 8 x 576, where linalg.vector_norm(ord=inf) took 15.
-        scale = rows.abs().amax(1, keepdim=True).clamp_(min=1e-12).div_(127)
-        products = torch._int_mm((rows / scale).round_().to(torch.int8), quantized)
-        out = products.mul(scale).mul_(weight_scale)
+        scale = rows.abs().amax(1, keepdim=True).clamp_(min=1e-12)
+        scaled = torch.cat([rows / scale, INT8_RANGE.expand(len(rows), -1)], 1)
+        out = torch.ops.quantized.linear_dynamic(scaled, packed, False)
+        out = out.mul_(scale).mul_(weight_scale)
         if bias is not None:
             out += bias
         return out.reshape(*x.shape[:-1], out.shape[-1])

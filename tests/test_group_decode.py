@@ -10,7 +10,7 @@ import torch
 from real_checkpoint import chat_tokenizer, tiny_llama
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from evotrainer.engine import group_decode, rollout
+from evotrainer.engine import decode_kernels, group_decode, rollout
 from evotrainer.engine.group_decode import GroupDecode
 from evotrainer.engine.rollout import PaddedDecode, distinct_contexts, generate
 
@@ -102,13 +102,56 @@ def test_generate_samples_the_same_tokens_over_shared_prompts(monkeypatch, lora)
     padded = sample()
     assert not built  # a tiny model: under MIN_WEIGHTS
     monkeypatch.setattr(group_decode, "MIN_WEIGHTS", 0)
+    scripted_calls = []
+    script = decode_kernels.decode_layers
+    monkeypatch.setattr(decode_kernels, "decode_layers",
+                        lambda *a: scripted_calls.append(1) or script(*a))
     grouped = sample()
     assert len(built) == 1
+    assert scripted_calls  # LoRA layers merged and packed, or plain ones: scripted either way
     assert [g.tokens for g in grouped] == [g.tokens for g in padded]
     assert [g.stopped for g in grouped] == [g.stopped for g in padded]
     assert len({len(g.tokens) for g in padded}) > 1  # rows did leave at different steps
     for a, b in zip(grouped, padded, strict=True):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("weights", ["float32", "int8"])
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_the_scripted_step_computes_what_the_modules_compute(monkeypatch, family, weights):
+    """Llama and Qwen2 layers step through `decode_kernels.decode_layers` on the products
+    `prepacked` made (every layer packed here, for oneDNN or int8); Qwen3's query and key
+    norms keep transformers' modules. Either way a step's logits are the modules' own, two
+    prompts of three rows, one of them leaving."""
+    monkeypatch.setattr(rollout, "PACK_MIN_WEIGHTS", 0)
+    model = random_model(family)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (7, 4)]
+    contexts = [p for p in prompts for _ in range(3)]
+    scripted_calls = []
+    script = decode_kernels.decode_layers
+    monkeypatch.setattr(decode_kernels, "decode_layers",
+                        lambda *a: scripted_calls.append(1) or script(*a))
+    with torch.no_grad(), rollout.prepacked(model, weights):
+        scripted = GroupDecode(model, *distinct_contexts(contexts), 6)
+        modules = GroupDecode(model, *distinct_contexts(contexts), 6)
+        rows = len(contexts)
+        for step in range(4):
+            tokens = torch.randint(3, 300, (rows,), generator=generator)
+            if step == 2:
+                keep = torch.ones(rows, dtype=torch.bool)
+                keep[1] = False
+                scripted.select(keep)
+                modules.select(keep)
+                tokens, rows = tokens[keep], rows - 1
+            got = scripted.step(tokens)
+            with monkeypatch.context() as through_modules:
+                through_modules.setattr(group_decode, "scripted_projections", lambda m: None)
+                want = modules.step(tokens)
+            # int8: a float rounding apart can move an activation to the next int8 level.
+            tolerance = 1e-5 if weights == "float32" else 1e-2 * float(want.abs().max())
+            assert torch.allclose(got, want, atol=tolerance), (step, (got - want).abs().max())
+    assert len(scripted_calls) == (0 if family == "qwen3" else 4)
 
 
 def test_it_applies_to_repeated_prompts_on_the_architectures_it_takes(monkeypatch):

@@ -21,6 +21,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from evotrainer.engine import decode_kernels
 from evotrainer.engine.model import with_cache
 
 ATTENTION = "evotrainer_group_decode"
@@ -97,6 +98,9 @@ class GroupCache(DynamicCache):
 
     def select_rows(self, prompt_of_row: torch.Tensor) -> None:
         self.prompt_of_row = prompt_of_row
+        # Each prompt's rows as indices, in `rows_of_prompt`'s order (`decode_kernels`).
+        self.member_indices = [(prompt_of_row == prompt).nonzero().squeeze(-1)
+                               for prompt in prompt_of_row.unique().tolist()]
         # Each prompt's rows: a slice where they are consecutive (a batch laid out prompt by
         # prompt, as the engine's groups are, stays so as rows leave), else their indices.
         self.rows_of_prompt: list[tuple[int, slice | torch.Tensor]] = []
@@ -197,12 +201,83 @@ class GroupDecode:
         self.positions = self.positions[indices]
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        with _attention(self.model, ATTENTION):
-            logits = self.model(
-                input_ids=tokens[:, None],
-                position_ids=self.positions[:, None],
-                group_cache=self.cache,
-                **with_cache(self.cache),
-            ).logits[:, -1]
+        projections = scripted_projections(self.model)
+        if projections is not None:
+            logits = self._scripted_step(tokens, projections)
+        else:
+            with _attention(self.model, ATTENTION):
+                logits = self.model(
+                    input_ids=tokens[:, None],
+                    position_ids=self.positions[:, None],
+                    group_cache=self.cache,
+                    **with_cache(self.cache),
+                ).logits[:, -1]
         self.positions = self.positions + 1
         return logits
+
+    def _scripted_step(self, tokens: torch.Tensor, projections: Projections) -> torch.Tensor:
+        """The step as `decode_kernels.decode_layers` runs it, the embedding, the rotary
+        embedding, the final norm and the vocabulary projection from the model's own modules."""
+        decoder = self.model.get_decoder()
+        hidden = decoder.embed_tokens(tokens)
+        cos, sin = decoder.rotary_emb(hidden[:, None], self.positions[:, None])
+        layers = self.cache.layers
+        order = [prompt for prompt, _ in self.cache.rows_of_prompt]
+        attention = decoder.layers[0].self_attn
+        hidden = decode_kernels.decode_layers(
+            hidden, cos, sin, *projections, decode_kernels.INT8_RANGE,
+            [[layer.prompt_keys[p] for p in order] for layer in layers],
+            [[layer.prompt_values[p] for p in order] for layer in layers],
+            self.cache.member_indices,
+            [layer.key_buffer for layer in layers], [layer.value_buffer for layer in layers],
+            layers[0].length, self.model.config.num_attention_heads,
+            self.model.config.num_key_value_heads, float(attention.scaling))
+        for layer in layers:
+            layer.length += 1
+        return self.model.get_output_embeddings()(decoder.norm(hidden))
+
+
+# What `decode_kernels.decode_layers` takes of a model's layers: the norms' weights and
+# epsilon, then each projection's kind, weight (an int8 one's per-output scales), bias and
+# fbgemm weights.
+Projections = tuple[list[torch.Tensor], float, list[int], list[torch.Tensor],
+                    list[torch.Tensor | None], list[Any]]
+
+
+def scripted_projections(model: PreTrainedModel) -> Projections | None:
+    """The layers of a Llama-shaped model (a Llama or a Qwen2: RMS norms, rotary attention,
+    a SiLU-gated MLP) as `decode_kernels.decode_layers` takes them: each projection as
+    `rollout.prepacked` packed it, or its plain float32 weight; None where a layer holds
+    anything else (Qwen3's query and key norms, a LoRA layer `prepacked` left as it was), so
+    the step runs through transformers' modules."""
+    config = model.config
+    if config.model_type not in ("llama", "qwen2") or config.hidden_act != "silu":
+        return None
+    norms: list[torch.Tensor] = []
+    kinds: list[int] = []
+    weights: list[torch.Tensor] = []
+    biases: list[torch.Tensor | None] = []
+    int8: list[Any] = []
+    epsilons = set()
+    for layer in model.get_decoder().layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norms.append(norm.weight.detach())
+            epsilons.add(norm.variance_epsilon)
+        for module in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,
+                       mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            product = getattr(vars(module).get("forward"), "product", None)
+            if product is not None:
+                kind, weight, bias, packed = product
+            elif type(module) is torch.nn.Linear:
+                kind, weight, bias, packed = (decode_kernels.PLAIN, module.weight.detach(),
+                                              module.bias, None)
+            else:
+                return None
+            kinds.append(kind)
+            weights.append(weight)
+            biases.append(None if bias is None else bias.detach())
+            int8.append(packed)
+    if len(epsilons) != 1:
+        return None
+    return norms, epsilons.pop(), kinds, weights, biases, int8

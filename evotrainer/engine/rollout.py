@@ -33,7 +33,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
 from evotrainer.domains import Domain, Task
-from evotrainer.engine import group_decode
+from evotrainer.engine import decode_kernels, group_decode
 from evotrainer.engine.model import with_cache
 from evotrainer.errors import EvoError
 
@@ -202,10 +202,10 @@ def _packed_forward(
     bias = None if bias is None else bias.detach()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+        out = decode_kernels.packed_product(x.reshape(-1, x.shape[-1]), packed, bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
+    forward.product = (decode_kernels.PACKED, packed, bias, None)  # type: ignore[attr-defined]
     return forward
 
 
@@ -216,11 +216,6 @@ def _packed_forward(
 # with fbgemm's AVX2, AVX-512 or VNNI kernels: fbgemm need not be pinned (PINNED_KERNELS), and
 # runs at this machine's best (VNNI here: 97 against 175 us for SmolLM2's MLP projection).
 INT8_WEIGHT_MAX = 63
-# The grid every int8 input is quantized on: fbgemm's dynamic linear picks one from the whole
-# batch's range, so each row is first scaled to [-1, 1] and two input columns pinned at 1 and
-# -128/127 (their weights zero) make that range the same for any batch: steps of 1/127
-# around a zero point of 128, so a row is quantized as round(127 x / max|x|), its own scale.
-INT8_RANGE = torch.tensor([[1.0, -128 / 127]])
 
 
 def _int8_forward(
@@ -228,15 +223,15 @@ def _int8_forward(
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The layer in int8 (W8A8) on fbgemm's dynamic linear: weights quantized once, symmetric
     per output row and prepacked; each call scales every row (one token's activations) by its
-    largest entry, quantizes it on the fixed grid (INT8_RANGE), multiplies in int8 with exact
-    int32 sums and scales back. A row's result is the same whatever else is in the batch:
-    fbgemm's own per-batch scale put SmolLM2-135M's next-token distribution ~0.3 nats/token
-    off at batch 8. fbgemm rather than `torch._int_mm` (oneDNN, pinned to AVX2 with the rest):
-    97 against 330-490 us for SmolLM2's MLP projection at batch 8."""
+    largest entry, quantizes it on the fixed grid (`decode_kernels.INT8_RANGE`), multiplies in
+    int8 with exact int32 sums and scales back. A row's result is the same whatever else is
+    in the batch: fbgemm's own per-batch scale put SmolLM2-135M's next-token distribution
+    ~0.3 nats/token off at batch 8. fbgemm rather than `torch._int_mm` (oneDNN, pinned to
+    AVX2 with the rest): 97 against 330-490 us for SmolLM2's MLP projection at batch 8."""
     weight = weight.detach()
     weight_scale = (weight.abs().amax(1) / INT8_WEIGHT_MAX).clamp_(min=1e-12)
-    integers = weight.new_zeros((len(weight), weight.shape[1] + INT8_RANGE.shape[1]),
-                                dtype=torch.int8)
+    columns = weight.shape[1] + decode_kernels.INT8_RANGE.shape[1]
+    integers = weight.new_zeros((len(weight), columns), dtype=torch.int8)
     integers[:, : weight.shape[1]] = (weight / weight_scale[:, None]).round_()
     with warnings.catch_warnings():
         # fbgemm's packing takes its weights as a quantized tensor, a kind torch 2.13 marks
@@ -249,16 +244,13 @@ def _int8_forward(
     bias = None if bias is None else bias.detach()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        # abs().amax: 4 us at 8 x 576, where linalg.vector_norm(ord=inf) took 15.
-        scale = rows.abs().amax(1, keepdim=True).clamp_(min=1e-12)
-        scaled = torch.cat([rows / scale, INT8_RANGE.expand(len(rows), -1)], 1)
-        out = torch.ops.quantized.linear_dynamic(scaled, packed, False)
-        out = out.mul_(scale).mul_(weight_scale)
+        out = decode_kernels.int8_product(x.reshape(-1, x.shape[-1]), packed, weight_scale,
+                                          decode_kernels.INT8_RANGE)
         if bias is not None:
             out += bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
+    forward.product = (decode_kernels.INT8, weight_scale, bias, packed)  # type: ignore[attr-defined]
     return forward
 
 

@@ -116,15 +116,27 @@ def test_generate_samples_the_same_tokens_over_shared_prompts(monkeypatch, lora)
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
-@pytest.mark.parametrize("weights", ["float32", "int8"])
+@pytest.mark.parametrize("weights", ["float32", "int8", "lora"])
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_the_scripted_step_computes_what_the_modules_compute(monkeypatch, family, weights):
     """Llama and Qwen2 layers step through `decode_kernels.decode_layers` on the products
-    `prepacked` made (every layer packed here, for oneDNN or int8); Qwen3's query and key
-    norms keep transformers' modules. Either way a step's logits are the modules' own, two
-    prompts of three rows, one of them leaving."""
-    monkeypatch.setattr(rollout, "PACK_MIN_WEIGHTS", 0)
+    `prepacked` made (every layer packed here, for oneDNN or int8), or on a LoRA policy's
+    layers too small to pack, their adapters merged; Qwen3's query and key norms keep
+    transformers' modules. Either way a step's logits are the modules' own, two prompts of
+    three rows, one of them leaving."""
     model = random_model(family)
+    if weights == "lora":
+        pytest.importorskip("peft")
+        from evotrainer.engine.model import with_lora
+
+        model = with_lora(model, {"r": 4, "alpha": 8}).eval()
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:  # peft starts B at zero: give the adapter an effect
+                    parameter.normal_(std=0.05)
+        weights = "float32"
+    else:
+        monkeypatch.setattr(rollout, "PACK_MIN_WEIGHTS", 0)
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (7, 4)]
     contexts = [p for p in prompts for _ in range(3)]
@@ -134,7 +146,9 @@ def test_the_scripted_step_computes_what_the_modules_compute(monkeypatch, family
                         lambda *a: scripted_calls.append(1) or script(*a))
     with torch.no_grad(), rollout.prepacked(model, weights):
         scripted = GroupDecode(model, *distinct_contexts(contexts), 6)
-        modules = GroupDecode(model, *distinct_contexts(contexts), 6)
+        with monkeypatch.context() as through_modules:
+            through_modules.setattr(group_decode, "scripted_projections", lambda m: None)
+            modules = GroupDecode(model, *distinct_contexts(contexts), 6)
         rows = len(contexts)
         for step in range(4):
             tokens = torch.randint(3, 300, (rows,), generator=generator)
@@ -144,10 +158,7 @@ def test_the_scripted_step_computes_what_the_modules_compute(monkeypatch, family
                 scripted.select(keep)
                 modules.select(keep)
                 tokens, rows = tokens[keep], rows - 1
-            got = scripted.step(tokens)
-            with monkeypatch.context() as through_modules:
-                through_modules.setattr(group_decode, "scripted_projections", lambda m: None)
-                want = modules.step(tokens)
+            got, want = scripted.step(tokens), modules.step(tokens)
             # int8: a float rounding apart can move an activation to the next int8 level.
             tolerance = 1e-5 if weights == "float32" else 1e-2 * float(want.abs().max())
             assert torch.allclose(got, want, atol=tolerance), (step, (got - want).abs().max())

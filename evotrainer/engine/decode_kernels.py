@@ -1,12 +1,12 @@
 """The sampler's decode step as TorchScript: every layer of a Llama-shaped model for one new
 position per row, over the group decode's cache (`group_decode`).
 
-A batch-8 decode step of SmolLM2-135M is ~2,700 small operations; run from Python they cost
-as much again as their arithmetic (62-70 ms of wall time against 45-50 ms of operations,
+A batch-8 decode step of SmolLM2-135M is ~2,700 small operations; run from Python they add
+about 40% to their arithmetic (62-70 ms of wall time against 45-50 ms of operations,
 `torch.profiler`). The same operations scripted ran 56 ms a step against 88 from transformers'
 modules, measured in one process. torch.compile was no help here: the whole step in one
-inductor graph ran 254 ms against 195 eager, after 145 s of compiling. TorchScript is
-deprecated from torch 2.10 on; this project pins torch 2.13.
+inductor graph ran 254 ms against 195 eager, after 145 s of compiling. `torch.jit.script`
+warns that TorchScript is deprecated in torch 2.13, the version this project pins.
 
 The products are the ones `rollout.prepacked` makes (`int8_product`, `packed_product`, plain
 float32), so the step computes what the modules compute; tests/test_group_decode.py holds its

@@ -22,7 +22,7 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from evotrainer.engine import decode_kernels
-from evotrainer.engine.model import with_cache
+from evotrainer.engine.model import lora_layer_class, lora_weight, with_cache
 
 ATTENTION = "evotrainer_group_decode"
 # Architectures whose attention goes through transformers' attention interface with plain
@@ -193,6 +193,8 @@ class GroupDecode:
             prompt_of_row,
         )
         self.logits = torch.stack(last_logits)[prompt_of_row]
+        # Read once: the weights do not change while a sampling call decodes.
+        self.projections = scripted_projections(model)
         self.positions = torch.tensor([len(prompt) for prompt in prompts])[prompt_of_row]
 
     def select(self, keep: torch.Tensor) -> None:
@@ -201,9 +203,8 @@ class GroupDecode:
         self.positions = self.positions[indices]
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        projections = scripted_projections(self.model)
-        if projections is not None:
-            logits = self._scripted_step(tokens, projections)
+        if self.projections is not None:
+            logits = self._scripted_step(tokens, self.projections)
         else:
             with _attention(self.model, ATTENTION):
                 logits = self.model(
@@ -247,9 +248,10 @@ Projections = tuple[list[torch.Tensor], float, list[int], list[torch.Tensor],
 def scripted_projections(model: PreTrainedModel) -> Projections | None:
     """The layers of a Llama-shaped model (a Llama or a Qwen2: RMS norms, rotary attention,
     a SiLU-gated MLP) as `decode_kernels.decode_layers` takes them: each projection as
-    `rollout.prepacked` packed it, or its plain float32 weight; None where a layer holds
-    anything else (Qwen3's query and key norms, a LoRA layer `prepacked` left as it was), so
-    the step runs through transformers' modules."""
+    `rollout.prepacked` packed it, or its plain float32 weight (a LoRA layer's with its
+    adapters merged); None where a layer holds anything else (Qwen3's query and key norms, a
+    LoRA variant `lora_weight` does not merge), so the step runs through transformers'
+    modules."""
     config = model.config
     if config.model_type not in ("llama", "qwen2") or config.hidden_act != "silu":
         return None
@@ -259,6 +261,7 @@ def scripted_projections(model: PreTrainedModel) -> Projections | None:
     biases: list[torch.Tensor | None] = []
     int8: list[Any] = []
     epsilons = set()
+    lora = lora_layer_class()
     for layer in model.get_decoder().layers:
         attention, mlp = layer.self_attn, layer.mlp
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
@@ -272,6 +275,13 @@ def scripted_projections(model: PreTrainedModel) -> Projections | None:
             elif type(module) is torch.nn.Linear:
                 kind, weight, bias, packed = (decode_kernels.PLAIN, module.weight.detach(),
                                               module.bias, None)
+            elif lora is not None and type(module) is lora and (
+                merged := lora_weight(module)
+            ) is not None:
+                # A LoRA layer too small to pack (a key or value projection): its adapters
+                # merged once here, one product a step instead of three.
+                kind, weight, bias, packed = (decode_kernels.PLAIN, merged,
+                                              module.base_layer.bias, None)
             else:
                 return None
             kinds.append(kind)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from functools import lru_cache
@@ -69,6 +70,33 @@ CACHE_ARGUMENT = (
 def with_cache(cache: Any) -> dict[str, Any]:
     """The forward's keyword arguments that make it read and extend `cache`."""
     return {CACHE_ARGUMENT: cache, "use_cache": True}
+
+
+def lora_layer_class() -> type | None:
+    """peft's LoRA `Linear`, or None where peft is not imported (so no model carries one:
+    peft is imported wherever a model has LoRA layers)."""
+    return getattr(sys.modules.get("peft.tuners.lora.layer"), "Linear", None)
+
+
+def lora_weight(module: Any) -> torch.Tensor | None:
+    """The weight a peft LoRA `Linear` computes with now: its base's, plus the delta of each
+    active adapter unless they are off or already merged into the base. None where its own
+    forward does more than that (DoRA and other variants, a bias on B, or adapters switched
+    off over merged weights, which that forward unmerges), so it keeps it."""
+    base = module.base_layer.weight.detach()
+    if module.disable_adapters:
+        return None if module.merged else base
+    if module.merged:
+        return base
+    adapters = [name for name in module.active_adapters if name in module.lora_A]
+    if any(name in module.lora_variant or module.lora_B[name].bias is not None
+           for name in adapters):
+        return None
+    weight = base.clone()
+    with torch.no_grad():
+        for name in adapters:
+            weight += module.get_delta_weight(name)
+    return weight
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:

@@ -20,7 +20,6 @@ rest of the batch is still sampling.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,7 +33,7 @@ from transformers.cache_utils import DynamicLayer
 
 from evotrainer.domains import Domain, Task
 from evotrainer.engine import decode_kernels, group_decode
-from evotrainer.engine.model import with_cache
+from evotrainer.engine.model import lora_layer_class, lora_weight, with_cache
 from evotrainer.errors import EvoError
 
 
@@ -143,12 +142,11 @@ def prepacked(model: torch.nn.Module, weights: str = "float32") -> Iterator[int]
     # (HumanEval's first 24 solutions).
     head = model.get_output_embeddings() if weights == "int8" else None
     if torch.backends.mkldnn.is_available() or weights == "int8":
-        # peft is imported already wherever a model carries LoRA layers.
-        lora_linear = getattr(sys.modules.get("peft.tuners.lora.layer"), "Linear", None)
+        lora_linear = lora_layer_class()
         merged_bases: set[int] = set()  # a merged LoRA layer's base is not packed again
         for module in model.modules():  # parents before their children
             if lora_linear is not None and type(module) is lora_linear:
-                weight, base = _lora_weight(module), module.base_layer
+                weight, base = lora_weight(module), module.base_layer
             elif type(module) is torch.nn.Linear and id(module) not in merged_bases:
                 weight, base = module.weight, module
             else:
@@ -172,27 +170,6 @@ def _packable(weight: torch.Tensor) -> bool:
         and weight.device.type == "cpu"
         and weight.numel() >= PACK_MIN_WEIGHTS
     )
-
-
-def _lora_weight(module: Any) -> torch.Tensor | None:
-    """The weight a peft LoRA `Linear` computes with now: its base's, plus the delta of each
-    active adapter unless they are off or already merged into the base. None where its own
-    forward does more than that (DoRA and other variants, a bias on B, or adapters switched
-    off over merged weights, which that forward unmerges), so it keeps it."""
-    base = module.base_layer.weight.detach()
-    if module.disable_adapters:
-        return None if module.merged else base
-    if module.merged:
-        return base
-    adapters = [name for name in module.active_adapters if name in module.lora_A]
-    if any(name in module.lora_variant or module.lora_B[name].bias is not None
-           for name in adapters):
-        return None
-    weight = base.clone()
-    with torch.no_grad():
-        for name in adapters:
-            weight += module.get_delta_weight(name)
-    return weight
 
 
 def _packed_forward(

@@ -33,6 +33,19 @@ def random_model(family: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+def lora_policy(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with LoRA adapters (r=4) that change what it computes."""
+    pytest.importorskip("peft")
+    from evotrainer.engine.model import with_lora
+
+    model = with_lora(model, {"r": 4, "alpha": 8}).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:  # peft starts B at zero: give the adapter an effect
+                parameter.normal_(std=0.05)
+    return model
+
+
 @pytest.mark.parametrize("layout", ["grouped", "interleaved"])
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_the_group_decode_gives_the_padded_decodes_logits(family, layout):
@@ -78,14 +91,7 @@ def test_generate_samples_the_same_tokens_over_shared_prompts(monkeypatch, lora)
         model.lm_head.weight[tokenizer.eos_token_id] *= 0
         model.model.norm.weight.fill_(1.0)
     if lora:
-        pytest.importorskip("peft")
-        from evotrainer.engine.model import with_lora
-
-        model = with_lora(model, {"r": 4, "alpha": 8}).eval()
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if "lora_B" in name:  # peft starts B at zero: give the adapter an effect
-                    parameter.normal_(std=0.05)
+        model = lora_policy(model)
         monkeypatch.setattr(rollout, "PACK_MIN_WEIGHTS", 0)
     contexts = [tokenizer.encode(text) for text in ("def add(a, b):", "x = 1")
                 for _ in range(4)]
@@ -126,15 +132,7 @@ def test_the_scripted_step_computes_what_the_modules_compute(monkeypatch, family
     three rows, one of them leaving."""
     model = random_model(family)
     if weights == "lora":
-        pytest.importorskip("peft")
-        from evotrainer.engine.model import with_lora
-
-        model = with_lora(model, {"r": 4, "alpha": 8}).eval()
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if "lora_B" in name:  # peft starts B at zero: give the adapter an effect
-                    parameter.normal_(std=0.05)
-        weights = "float32"
+        model, weights = lora_policy(model), "float32"
     else:
         monkeypatch.setattr(rollout, "PACK_MIN_WEIGHTS", 0)
     generator = torch.Generator().manual_seed(2)

@@ -98,14 +98,14 @@ class GroupCache(DynamicCache):
 
     def select_rows(self, prompt_of_row: torch.Tensor) -> None:
         self.prompt_of_row = prompt_of_row
-        # Each prompt's rows as indices, in `rows_of_prompt`'s order (`decode_kernels`).
-        self.member_indices = [(prompt_of_row == prompt).nonzero().squeeze(-1)
-                               for prompt in prompt_of_row.unique().tolist()]
         # Each prompt's rows: a slice where they are consecutive (a batch laid out prompt by
-        # prompt, as the engine's groups are, stays so as rows leave), else their indices.
+        # prompt, as the engine's groups are, stays so as rows leave), else their indices;
+        # and always as indices, in the same order, for the scripted step (`decode_kernels`).
         self.rows_of_prompt: list[tuple[int, slice | torch.Tensor]] = []
+        self.member_indices: list[torch.Tensor] = []
         for prompt in prompt_of_row.unique().tolist():
             members = (prompt_of_row == prompt).nonzero().squeeze(-1)
+            self.member_indices.append(members)
             first, last = int(members[0]), int(members[-1])
             consecutive = last - first + 1 == len(members)
             self.rows_of_prompt.append((prompt, slice(first, last + 1) if consecutive else members))

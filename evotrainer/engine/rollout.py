@@ -141,22 +141,22 @@ def prepacked(model: torch.nn.Module, weights: str = "float32") -> Iterator[int]
     # but put the distribution 0.040 nats/token from the float32 policy's against 0.026
     # (HumanEval's first 24 solutions).
     head = model.get_output_embeddings() if weights == "int8" else None
-    if torch.backends.mkldnn.is_available() or weights == "int8":
-        lora_linear = lora_layer_class()
-        merged_bases: set[int] = set()  # a merged LoRA layer's base is not packed again
-        for module in model.modules():  # parents before their children
-            if lora_linear is not None and type(module) is lora_linear:
-                weight, base = lora_weight(module), module.base_layer
-            elif type(module) is torch.nn.Linear and id(module) not in merged_bases:
-                weight, base = module.weight, module
-            else:
-                continue
-            if weight is None or not _packable(weight):
-                continue
-            merged_bases.add(id(base))
-            pack = _int8_forward if weights == "int8" and base is not head else _packed_forward
-            module.forward = pack(weight, base.bias)
-            packed.append(module)
+    lora_linear = lora_layer_class()
+    merged_bases: set[int] = set()  # a merged LoRA layer's base is not packed again
+    for module in model.modules():  # parents before their children
+        if lora_linear is not None and type(module) is lora_linear:
+            weight, base = lora_weight(module), module.base_layer
+        elif type(module) is torch.nn.Linear and id(module) not in merged_bases:
+            weight, base = module.weight, module
+        else:
+            continue
+        pack = _int8_forward if weights == "int8" and base is not head else _packed_forward
+        if (weight is None or not _packable(weight)
+                or (pack is _packed_forward and not torch.backends.mkldnn.is_available())):
+            continue
+        merged_bases.add(id(base))
+        module.forward = pack(weight, base.bias)
+        packed.append(module)
     try:
         yield len(packed)
     finally:
@@ -222,9 +222,7 @@ def _int8_forward(
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         out = decode_kernels.int8_product(x.reshape(-1, x.shape[-1]), packed, weight_scale,
-                                          decode_kernels.INT8_RANGE)
-        if bias is not None:
-            out += bias
+                                          bias, decode_kernels.INT8_RANGE)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     forward.product = (decode_kernels.INT8, weight_scale, bias, packed)  # type: ignore[attr-defined]

@@ -19,7 +19,7 @@ from real_checkpoint import chat_tokenizer, tiny_llama
 from evotrainer.contract.rollout import check_rollout
 from evotrainer.contract.typed import Recipe
 from evotrainer.domains import Task
-from evotrainer.engine import grpo, rollout, run_job
+from evotrainer.engine import decode_kernels, grpo, rollout, run_job
 from evotrainer.engine.grpo import (
     FullRows,
     SharedPrompts,
@@ -83,7 +83,7 @@ def test_int8_sums_are_exact_on_fbgemms_avx2_kernel():
 def test_int8_layers_compute_bit_for_bit_the_same_on_every_instruction_set():
     """Why fbgemm is not pinned with the engine's other kernels (PINNED_KERNELS): the integer
     sums are exact and leave the product through one float multiply, so AVX2, AVX-512 and
-    VNNI give the same bits, ragged shapes and massive channels included."""
+    VNNI give the same bits, ragged shapes and massive channels included, in one pass or two."""
     script = (
         "import torch\n"
         "from evotrainer.engine.rollout import _int8_forward\n"
@@ -91,15 +91,18 @@ def test_int8_layers_compute_bit_for_bit_the_same_on_every_instruction_set():
         "for rows, inputs, outputs in ((8, 576, 3072), (292, 1536, 576), (3, 577, 100)):\n"
         "    x = torch.randn(rows, inputs) * torch.rand(rows, 1) * 10\n"
         "    x[:, 3] *= 20\n"
-        "    out = _int8_forward(torch.randn(outputs, inputs), None)(x)\n"
-        "    print(out.view(torch.int32).sum(dtype=torch.int64).item(), float(out.sum()))\n"
+        "    weight = torch.randn(outputs, inputs)\n"
+        "    for two_pass in (False, True):\n"
+        "        out = _int8_forward(weight, None, two_pass)(x)\n"
+        "        print(out.view(torch.int32).sum(dtype=torch.int64).item(), float(out.sum()))\n"
     )
     kernels = {name: _int8_layer_in_a_process(name, script)
                for name in ("AVX2", "AVX512", "AVX512_E1")}
     assert len(set(kernels.values())) == 1, kernels
 
 
-def test_int8_sampling_packs_every_layer_but_the_vocabulary_projection(monkeypatch):
+def test_int8_sampling_packs_every_layer_the_massive_inputs_quantized_in_two_passes(
+        monkeypatch):
     monkeypatch.setattr(rollout, "PACK_MIN_WEIGHTS", 0)
     tokenizer = chat_tokenizer()
     model = tiny_llama(tokenizer).eval()
@@ -107,15 +110,74 @@ def test_int8_sampling_packs_every_layer_but_the_vocabulary_projection(monkeypat
     with torch.no_grad():
         want = model(input_ids=ids).logits
         with prepacked(model, "int8") as packed:
-            linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+            linears = {name: m for name, m in model.named_modules()
+                       if type(m) is torch.nn.Linear}
             assert packed == len(linears)
-            head = model.get_output_embeddings()
-            hidden = torch.randn(3, head.in_features)
-            assert torch.allclose(head(hidden), hidden @ head.weight.T, atol=1e-5)  # float32
+            two_pass = {name for name, m in linears.items()
+                        if m.forward.product[0] == decode_kernels.INT8_TWO_PASS}
+            assert two_pass == {"lm_head", "model.layers.0.mlp.down_proj",
+                                "model.layers.1.mlp.down_proj"}
+            assert all(m.forward.product[0] == decode_kernels.INT8
+                       for name, m in linears.items() if name not in two_pass)
             got = model(input_ids=ids).logits
-        assert all("forward" not in vars(m) for m in linears)  # restored on exit
+        assert all("forward" not in vars(m) for m in linears.values())  # restored on exit
         assert torch.equal(model(input_ids=ids).logits, want)
     assert 0 < float((got - want).norm() / want.norm()) < 0.05
+
+
+def test_two_passes_resolve_a_row_around_its_massive_channels():
+    """One 8-bit grid per row is as wide as the row's largest entry allows: beside a massive
+    channel the others get a few steps. The second pass quantizes what the first left; against
+    the int8 weights' exact product the input's error falls by two orders of magnitude, and a
+    row's result still does not depend on the rest of the batch."""
+    torch.manual_seed(0)
+    weight = torch.randn(160, 96)
+    x = torch.randn(6, 96)
+    x[:, 5] *= 40  # a massive channel
+    x[0] *= 50
+    one_pass = rollout._int8_forward(weight, None)
+    two_pass = rollout._int8_forward(weight, None, two_pass=True)
+    scale = weight.abs().amax(1, keepdim=True) / rollout.INT8_WEIGHT_MAX
+    exact = x @ ((weight / scale).round() * scale).T  # the int8 weights, the input unrounded
+    error = {name: float((forward(x) - exact).norm() / exact.norm())
+             for name, forward in (("one", one_pass), ("two", two_pass))}
+    assert error["two"] < error["one"] / 100, error
+    got = two_pass(x)
+    for row in range(6):
+        assert torch.equal(two_pass(x[row : row + 1])[0], got[row])
+
+
+def test_frozen_layers_stay_packed_across_calls_until_their_weights_change(monkeypatch):
+    """A LoRA policy's vocabulary projection never trains, so it is packed once per run; the
+    trained layers are packed afresh on every call. A frozen weight written after all (in
+    place, or by loading a checkpoint) is packed again: sampling never runs on a stale copy."""
+    monkeypatch.setattr(rollout, "PACK_MIN_WEIGHTS", 0)
+    model = tiny_llama(chat_tokenizer()).eval()
+    head, mlp = model.get_output_embeddings(), model.model.layers[0].mlp.up_proj
+    head.weight.requires_grad_(False)
+    hidden = torch.randn(3, head.in_features)
+
+    def computes_with_its_weight() -> bool:
+        want = hidden @ head.weight.T
+        return float((head(hidden) - want).norm() / want.norm()) < 0.02
+
+    with torch.no_grad():
+        with prepacked(model, "int8"):
+            first_head, first_mlp = head.forward, mlp.forward
+        with prepacked(model, "int8"):
+            assert head.forward is first_head
+            assert mlp.forward is not first_mlp
+        head.weight.mul_(-2)  # a write through the parameter
+        with prepacked(model, "int8"):
+            assert head.forward is not first_head
+            assert computes_with_its_weight()
+        state = {name: value.clone() for name, value in model.state_dict().items()}
+        state["lm_head.weight"] = -state["lm_head.weight"]
+        model.load_state_dict(state)
+        with prepacked(model, "int8"):
+            assert computes_with_its_weight()
+        with prepacked(model, "float32"):  # another precision, another copy
+            assert torch.allclose(head(hidden), hidden @ head.weight.T, atol=1e-5)
 
 
 def test_the_importance_weights_are_truncated_ratios_with_verls_statistics():

@@ -21,6 +21,7 @@ rest of the batch is still sampling.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -113,6 +114,28 @@ PACK_MIN_WEIGHTS = 1 << 18
 PACK_BATCH = 8
 
 
+# Int8 layers whose inputs carry a few channels of massive activations, quantized in two passes
+# (`decode_kernels.int8_product`): the vocabulary projection (the final hidden state: on
+# SmolLM2-135M a row's largest entry ~12x its root mean square) and each MLP's output
+# projection (the gated product; `down_proj` in Llama, Qwen and Mistral). One 8-bit pass over
+# those put the next-token distribution 0.037 nats/token from the float32 policy's with the
+# vocabulary projection in int8 (exact KL, teacher-forced on HumanEval's first 24 solutions);
+# two passes there, 0.024: nearer than the float32 vocabulary projection (0.026), and its
+# batch-8 product 5-6 ms a step against 13-17. Two passes everywhere came to 0.013 but ~5 ms
+# more a step. The key and value projections (SmolLM2: 110K weights, under PACK_MIN_WEIGHTS)
+# stay float32: in int8 they took 30 us a call against 31-41, and (one pass) put the
+# distribution 0.040 nats/token from the policy's against 0.026.
+TWO_PASS_LAYERS = ("down_proj",)
+
+# Packed copies of frozen weights (a LoRA policy's vocabulary projection, any layer its
+# adapters leave alone), kept across sampling calls: training never changes them, so they are
+# packed once per run, not once per update (SmolLM2's vocabulary projection: 0.3 s in int8).
+# Keyed by the weight's storage and version counter, which any in-place write through the
+# parameter bumps (a `load_state_dict` included).
+_frozen_packs: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[Any, ...], Callable]] = (
+    weakref.WeakKeyDictionary())
+
+
 @contextmanager
 def prepacked(model: torch.nn.Module, weights: str = "float32") -> Iterator[int]:
     """Inside: every float32 `nn.Linear` with at least PACK_MIN_WEIGHTS weights computes with a
@@ -120,42 +143,45 @@ def prepacked(model: torch.nn.Module, weights: str = "float32") -> Iterator[int]
     call; a peft LoRA layer over such a layer computes with its adapters merged into that
     copy (one product per sampling call instead of two small ones per layer and step: a
     LoRA r=16 SmolLM2 policy samples ~10% faster so). For no-grad use only
-    (sampling); the copies are dropped on exit, so the next update's weights are packed
-    afresh. Yields how many layers were packed (0 without oneDNN).
+    (sampling); the copies of trainable weights are dropped on exit, so the next update's
+    weights are packed afresh (frozen ones are kept: `_frozen_packs`). Yields how many layers
+    were packed (0 without oneDNN).
 
-    `weights: int8` (`rollout.quantization`) packs those layers but the vocabulary projection as
-    int8 instead (`_int8_forward`): a quarter of the bytes to stream per decode step and int8
+    `weights: int8` (`rollout.quantization`) packs those layers as int8 instead
+    (`_int8_forward`; TWO_PASS_LAYERS and the vocabulary projection with their inputs
+    quantized in two passes): a quarter of the bytes to stream per decode step and int8
     products, the policy's own float32 weights untouched."""
     packed: list[torch.nn.Module] = []
-    if weights == "int8" and torch.backends.quantized.engine not in ("x86", "fbgemm"):
+    int8 = weights == "int8"
+    if int8 and torch.backends.quantized.engine not in ("x86", "fbgemm"):
         raise EvoError(
             "this machine's torch has no fbgemm, which int8 rollouts run on",
             field="rollout.quantization", hint="remove rollout.quantization to sample in float32")
-    # The vocabulary projection stays float32 even so: its input has a few channels of
-    # massive activations (SmolLM2-135M's final hidden state: a row's largest entry ~12x its
-    # root mean square). With it in int8 too, the next-token distribution was 0.034
-    # nats/token from the float32 policy's (mean KL over 16 x 64 sampled positions), 0.025
-    # without. Float16 weights (fbgemm) took 5.5-8.7 ms a step at batch 8 against 13.5, but
-    # 460 ms to pack, once per update. The key and value projections (SmolLM2: 110K weights,
-    # under PACK_MIN_WEIGHTS) stay float32 too: in int8 they took 20 us a call against 72,
-    # but put the distribution 0.040 nats/token from the float32 policy's against 0.026
-    # (HumanEval's first 24 solutions).
-    head = model.get_output_embeddings() if weights == "int8" else None
+    head = model.get_output_embeddings()
     lora_linear = lora_layer_class()
     merged_bases: set[int] = set()  # a merged LoRA layer's base is not packed again
-    for module in model.modules():  # parents before their children
+    for name, module in model.named_modules():  # parents before their children
         if lora_linear is not None and type(module) is lora_linear:
             weight, base = lora_weight(module), module.base_layer
         elif type(module) is torch.nn.Linear and id(module) not in merged_bases:
             weight, base = module.weight, module
         else:
             continue
-        pack = _int8_forward if weights == "int8" and base is not head else _packed_forward
         if (weight is None or not _packable(weight)
-                or (pack is _packed_forward and not torch.backends.mkldnn.is_available())):
+                or (not int8 and not torch.backends.mkldnn.is_available())):
             continue
+        two_pass = base is head or name.rsplit(".", 1)[-1] in TWO_PASS_LAYERS
+        pack = partial(_int8_forward, two_pass=two_pass) if int8 else _packed_forward
         merged_bases.add(id(base))
-        module.forward = pack(weight, base.bias)
+        if base is module and not any(p.requires_grad for p in module.parameters()):
+            key = (weights, weight.data_ptr(), weight._version,
+                   None if module.bias is None else module.bias._version)
+            cached = _frozen_packs.get(module)
+            if cached is None or cached[0] != key:
+                cached = _frozen_packs[module] = (key, pack(weight, module.bias))
+            module.forward = cached[1]
+        else:
+            module.forward = pack(weight, base.bias)
         packed.append(module)
     try:
         yield len(packed)
@@ -196,7 +222,7 @@ INT8_WEIGHT_MAX = 63
 
 
 def _int8_forward(
-    weight: torch.Tensor, bias: torch.Tensor | None
+    weight: torch.Tensor, bias: torch.Tensor | None, two_pass: bool = False
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The layer in int8 (W8A8) on fbgemm's dynamic linear: weights quantized once, symmetric
     per output row and prepacked; each call scales every row (one token's activations) by its
@@ -222,10 +248,11 @@ def _int8_forward(
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         out = decode_kernels.int8_product(x.reshape(-1, x.shape[-1]), packed, weight_scale,
-                                          bias, decode_kernels.INT8_RANGE)
+                                          bias, decode_kernels.INT8_RANGE, two_pass)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    forward.product = (decode_kernels.INT8, weight_scale, bias, packed)  # type: ignore[attr-defined]
+    kind = decode_kernels.INT8_TWO_PASS if two_pass else decode_kernels.INT8
+    forward.product = (kind, weight_scale, bias, packed)  # type: ignore[attr-defined]
     return forward
 
 

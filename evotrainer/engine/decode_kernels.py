@@ -32,17 +32,26 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*torch.jit.script.*is deprecated.*")
 
     @torch.jit.script
+    def _int8_blocks(inputs: torch.Tensor,
+                     packed: list[torch.classes.quantized.LinearPackedParamsBase]) -> torch.Tensor:
+        if len(packed) == 1:
+            return torch.ops.quantized.linear_dynamic(inputs, packed[0], False)
+        return torch.cat([torch.ops.quantized.linear_dynamic(inputs, block, False)
+                          for block in packed], 1)
+
+    @torch.jit.script
     def int8_product(
         rows: torch.Tensor,
-        packed: torch.classes.quantized.LinearPackedParamsBase,
+        packed: list[torch.classes.quantized.LinearPackedParamsBase],
         weight_scale: torch.Tensor,
         bias: torch.Tensor | None,
         input_range: torch.Tensor,
         two_pass: bool,
     ) -> torch.Tensor:
-        """`rows` [n, in] times int8 weights packed for fbgemm (`rollout._int8_forward`): each
-        row scaled by its largest entry onto the grid `input_range` pins, exact int32 sums,
-        scaled back per row and per output, plus `bias`.
+        """`rows` [n, in] times int8 weights packed for fbgemm in blocks of output rows
+        (`rollout._int8_forward`): each row scaled by its largest entry onto the grid
+        `input_range` pins, exact int32 sums, scaled back per row and per output, plus
+        `bias`.
 
         `two_pass`: each row is quantized in two passes, for inputs with a few massive
         channels, whose other entries one 8-bit grid leaves a few steps wide. The first pass
@@ -59,12 +68,10 @@ with warnings.catch_warnings():
             remainder = scaled - coarse
             remainder_scale = remainder.abs().amax(1, keepdim=True).clamp_(min=1e-12)
             both = torch.cat([coarse, remainder / remainder_scale])
-            out = torch.ops.quantized.linear_dynamic(
-                torch.cat([both, input_range.expand(2 * n, -1)], 1), packed, False)
+            out = _int8_blocks(torch.cat([both, input_range.expand(2 * n, -1)], 1), packed)
             out = out[:n].mul_(scale).add_(out[n:].mul_(scale * remainder_scale))
         else:
-            out = torch.ops.quantized.linear_dynamic(
-                torch.cat([scaled, input_range.expand(n, -1)], 1), packed, False)
+            out = _int8_blocks(torch.cat([scaled, input_range.expand(n, -1)], 1), packed)
             out = out.mul_(scale)
         out = out.mul_(weight_scale)
         return out if bias is None else out + bias
@@ -84,7 +91,7 @@ with warnings.catch_warnings():
         kinds: list[int],
         weights: list[torch.Tensor],
         biases: list[torch.Tensor | None],
-        int8: list[torch.classes.quantized.LinearPackedParamsBase | None],
+        int8: list[list[torch.classes.quantized.LinearPackedParamsBase] | None],
         input_range: torch.Tensor,
     ) -> torch.Tensor:
         kind, bias = kinds[index], biases[index]
@@ -115,7 +122,7 @@ with warnings.catch_warnings():
         kinds: list[int],
         weights: list[torch.Tensor],
         biases: list[torch.Tensor | None],
-        int8: list[torch.classes.quantized.LinearPackedParamsBase | None],
+        int8: list[list[torch.classes.quantized.LinearPackedParamsBase] | None],
         input_range: torch.Tensor,
         prompt_keys: list[list[torch.Tensor]],
         prompt_values: list[list[torch.Tensor]],

@@ -135,6 +135,7 @@ def test_the_scripted_step_computes_what_the_modules_compute(monkeypatch, family
         model, weights = lora_policy(model), "float32"
     else:
         monkeypatch.setattr(rollout, "PACK_MIN_WEIGHTS", 0)
+        monkeypatch.setattr(rollout, "INT8_MIN_WEIGHTS", 0)
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (7, 4)]
     contexts = [p for p in prompts for _ in range(3)]

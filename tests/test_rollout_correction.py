@@ -104,6 +104,7 @@ def test_int8_layers_compute_bit_for_bit_the_same_on_every_instruction_set():
 def test_int8_sampling_packs_every_layer_the_massive_inputs_quantized_in_two_passes(
         monkeypatch):
     monkeypatch.setattr(rollout, "PACK_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(rollout, "INT8_MIN_WEIGHTS", 0)
     tokenizer = chat_tokenizer()
     model = tiny_llama(tokenizer).eval()
     ids = torch.tensor([tokenizer.encode("def add(a, b):")])
@@ -115,8 +116,9 @@ def test_int8_sampling_packs_every_layer_the_massive_inputs_quantized_in_two_pas
             assert packed == len(linears)
             two_pass = {name for name, m in linears.items()
                         if m.forward.product[0] == decode_kernels.INT8_TWO_PASS}
-            assert two_pass == {"lm_head", "model.layers.0.mlp.down_proj",
-                                "model.layers.1.mlp.down_proj"}
+            assert two_pass == {"lm_head", *(f"model.layers.{layer}.{name}" for layer in (0, 1)
+                                             for name in ("self_attn.k_proj", "self_attn.v_proj",
+                                                          "mlp.down_proj"))}
             assert all(m.forward.product[0] == decode_kernels.INT8
                        for name, m in linears.items() if name not in two_pass)
             got = model(input_ids=ids).logits
@@ -152,6 +154,7 @@ def test_frozen_layers_stay_packed_across_calls_until_their_weights_change(monke
     trained layers are packed afresh on every call. A frozen weight written after all (in
     place, or by loading a checkpoint) is packed again: sampling never runs on a stale copy."""
     monkeypatch.setattr(rollout, "PACK_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(rollout, "INT8_MIN_WEIGHTS", 0)
     model = tiny_llama(chat_tokenizer()).eval()
     head, mlp = model.get_output_embeddings(), model.model.layers[0].mlp.up_proj
     head.weight.requires_grad_(False)
@@ -244,6 +247,7 @@ def test_int8_rollouts_train_with_the_correction_and_evaluate_in_float32(
     tmp_path, monkeypatch
 ):
     monkeypatch.setattr(rollout, "PACK_MIN_WEIGHTS", 0)  # the tiny model's layers in int8 too
+    monkeypatch.setattr(rollout, "INT8_MIN_WEIGHTS", 0)
     precisions: list[str] = []
     packing = rollout.prepacked
 

@@ -114,18 +114,23 @@ PACK_MIN_WEIGHTS = 1 << 18
 PACK_BATCH = 8
 
 
-# Int8 layers whose inputs carry a few channels of massive activations, quantized in two passes
-# (`decode_kernels.int8_product`): the vocabulary projection (the final hidden state: on
-# SmolLM2-135M a row's largest entry ~12x its root mean square) and each MLP's output
-# projection (the gated product; `down_proj` in Llama, Qwen and Mistral). One 8-bit pass over
-# those put the next-token distribution 0.037 nats/token from the float32 policy's with the
-# vocabulary projection in int8 (exact KL, teacher-forced on HumanEval's first 24 solutions);
-# two passes there, 0.024: nearer than the float32 vocabulary projection (0.026), and its
-# batch-8 product 5-6 ms a step against 13-17. Two passes everywhere came to 0.013 but ~5 ms
-# more a step. The key and value projections (SmolLM2: 110K weights, under PACK_MIN_WEIGHTS)
-# stay float32: in int8 they took 30 us a call against 31-41, and (one pass) put the
-# distribution 0.040 nats/token from the policy's against 0.026.
-TWO_PASS_LAYERS = ("down_proj",)
+# In int8 (`rollout.quantization`) smaller layers are packed too: SmolLM2's key and value
+# projections (110K weights) took 82 us a call in float32 inside the decode step (their weights
+# come from memory each step), and the step ran 39-43 ms against 48-52 with them in int8.
+# Still above the tiny models' layers.
+INT8_MIN_WEIGHTS = 1 << 16
+# Int8 layers whose inputs are quantized in two passes (`decode_kernels.int8_product`), besides
+# the vocabulary projection: the key and value projections, whose outputs every later step
+# attends to, and each MLP's output projection (`down_proj` in Llama, Qwen and Mistral). The
+# vocabulary projection's and the MLP output's inputs carry a few channels of massive
+# activations (SmolLM2-135M's final hidden state: a row's largest entry ~12x its root mean
+# square), which leave the other entries a few steps of one 8-bit grid. Exact KL from the
+# float32 policy, teacher-forced on HumanEval's first 24 solutions, nats/token: 0.026 with the
+# vocabulary projection in float32 and the rest in one pass; 0.037 with it in int8 too; 0.024
+# with it and the MLP outputs in two passes; 0.034 with the keys and values in int8 in one
+# pass, 0.026 in two (0.018 along the decode's own path, against 0.023 before). Every layer
+# in two passes came to 0.013 but ~5 ms more a batch-8 step.
+TWO_PASS_LAYERS = ("k_proj", "v_proj", "down_proj")
 
 # Packed copies of frozen weights (a LoRA policy's vocabulary projection, any layer its
 # adapters leave alone), kept across sampling calls: training never changes them, so they are
@@ -147,9 +152,9 @@ def prepacked(model: torch.nn.Module, weights: str = "float32") -> Iterator[int]
     weights are packed afresh (frozen ones are kept: `_frozen_packs`). Yields how many layers
     were packed (0 without oneDNN).
 
-    `weights: int8` (`rollout.quantization`) packs those layers as int8 instead
-    (`_int8_forward`; TWO_PASS_LAYERS and the vocabulary projection with their inputs
-    quantized in two passes): a quarter of the bytes to stream per decode step and int8
+    `weights: int8` (`rollout.quantization`) packs the layers with at least INT8_MIN_WEIGHTS
+    as int8 instead (`_int8_forward`; TWO_PASS_LAYERS and the vocabulary projection with
+    their inputs quantized in two passes): a quarter of the bytes to stream per decode step and int8
     products, the policy's own float32 weights untouched."""
     packed: list[torch.nn.Module] = []
     int8 = weights == "int8"
@@ -167,7 +172,8 @@ def prepacked(model: torch.nn.Module, weights: str = "float32") -> Iterator[int]
             weight, base = module.weight, module
         else:
             continue
-        if (weight is None or not _packable(weight)
+        minimum = INT8_MIN_WEIGHTS if int8 else PACK_MIN_WEIGHTS
+        if (weight is None or not _packable(weight, minimum)
                 or (not int8 and not torch.backends.mkldnn.is_available())):
             continue
         two_pass = base is head or name.rsplit(".", 1)[-1] in TWO_PASS_LAYERS
@@ -190,11 +196,11 @@ def prepacked(model: torch.nn.Module, weights: str = "float32") -> Iterator[int]
             del module.forward  # the class's forward again
 
 
-def _packable(weight: torch.Tensor) -> bool:
+def _packable(weight: torch.Tensor, minimum: int) -> bool:
     return (
         weight.dtype == torch.float32
         and weight.device.type == "cpu"
-        and weight.numel() >= PACK_MIN_WEIGHTS
+        and weight.numel() >= minimum
     )
 
 

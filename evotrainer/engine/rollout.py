@@ -115,8 +115,8 @@ PACK_BATCH = 8
 
 
 # In int8 (`rollout.quantization`) smaller layers are packed too: SmolLM2's key and value
-# projections (110K weights) took 82 us a call in float32 inside the decode step (their weights
-# come from memory each step), and the step ran 39-43 ms against 48-52 with them in int8.
+# projections (110K weights) took 82-95 us a call in float32 inside the decode step (their
+# weights come from memory each step), and the step ran 39-44 ms against 48-52 with them in int8.
 # Still above the tiny models' layers.
 INT8_MIN_WEIGHTS = 1 << 16
 # Int8 layers whose inputs are quantized in two passes (`decode_kernels.int8_product`), besides
@@ -227,8 +227,8 @@ def _packed_forward(
 # runs at this machine's best (VNNI here: 97 against 175 us for SmolLM2's MLP projection).
 INT8_WEIGHT_MAX = 63
 # Int8 weights are quantized and packed in blocks of this many output rows. fbgemm packs a
-# large matrix slower per weight (SmolLM2's vocabulary projection: 6.5 ns a weight in one
-# block, 2.3 in blocks of 1,536 rows) and its product runs no slower in blocks (5.1-5.3 ms
+# large matrix slower per weight (SmolLM2's vocabulary projection: 207 ms in one block,
+# 102-116 in blocks of 3,072-6,144 rows) and its product runs no slower in blocks (5.1-5.3 ms
 # at 16 rows in blocks of 3,072-6,144 against 5.9 in one); the quantization's temporaries
 # stay in cache (11-15 ms against 69 for the same matrix's largest entries).
 INT8_BLOCK_ROWS = 4096

@@ -75,7 +75,11 @@ def test_sleeping_program_hits_the_wall_clock(sandbox: LocalSandbox) -> None:
 
 def test_memory_hog_is_stopped(sandbox: LocalSandbox) -> None:
     hog = "chunks = []\nwhile True:\n    chunks.append(bytearray(10**7))"
-    result = sandbox.run(hog, limits=Limits(memory_bytes=256 * 2**20))
+    # CPU and wall limits far above its 0.15 s of CPU: the pages it touches are zeroed on its
+    # CPU time, and a loaded machine's memory reclaim is charged there too.
+    result = sandbox.run(
+        hog, limits=Limits(memory_bytes=256 * 2**20, cpu_seconds=30, wall_seconds=120)
+    )
     assert result.status == "memory_limit"
 
 

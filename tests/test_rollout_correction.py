@@ -114,13 +114,22 @@ def test_int8_sampling_packs_every_layer_the_massive_inputs_quantized_in_two_pas
             linears = {name: m for name, m in model.named_modules()
                        if type(m) is torch.nn.Linear}
             assert packed == len(linears)
-            two_pass = {name for name, m in linears.items()
-                        if m.forward.product[0] == decode_kernels.INT8_TWO_PASS}
-            assert two_pass == {"lm_head", *(f"model.layers.{layer}.{name}" for layer in (0, 1)
-                                             for name in ("self_attn.k_proj", "self_attn.v_proj",
-                                                          "mlp.down_proj"))}
-            assert all(m.forward.product[0] == decode_kernels.INT8
-                       for name, m in linears.items() if name not in two_pass)
+            # The key and value projections in two passes, and so their query sibling, whose
+            # one product makes all three; the gate's makes the up projection's.
+            each_layer = {
+                "self_attn.q_proj": decode_kernels.INT8_TWO_PASS,
+                "self_attn.k_proj": decode_kernels.JOINED,
+                "self_attn.v_proj": decode_kernels.JOINED,
+                "self_attn.o_proj": decode_kernels.INT8,
+                "mlp.gate_proj": decode_kernels.INT8,
+                "mlp.up_proj": decode_kernels.JOINED,
+                "mlp.down_proj": decode_kernels.INT8_TWO_PASS,
+            }
+            assert {name: m.forward.product[0] for name, m in linears.items()} == {
+                "lm_head": decode_kernels.INT8_TWO_PASS,
+                **{f"model.layers.{layer}.{name}": kind
+                   for layer in (0, 1) for name, kind in each_layer.items()},
+            }
             got = model(input_ids=ids).logits
         assert all("forward" not in vars(m) for m in linears.values())  # restored on exit
         assert torch.equal(model(input_ids=ids).logits, want)

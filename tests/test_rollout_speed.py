@@ -19,7 +19,7 @@ from evotrainer.backends.base import JobSpec
 from evotrainer.backends.local import LocalBackend
 from evotrainer.contract.typed import Recipe
 from evotrainer.domains import make_domain
-from evotrainer.engine import engine_threads, run_job
+from evotrainer.engine import decode_kernels, engine_threads, run_job
 from evotrainer.engine.model import build_tiny, char_tokenizer
 from evotrainer.engine.rollout import PACK_MIN_WEIGHTS, prepacked, sample_episodes
 from evotrainer.engine.scoring import Scoring
@@ -53,6 +53,32 @@ def test_prepacked_layers_compute_the_same_logits_and_are_restored_on_exit():
     assert torch.allclose(fast, plain, atol=1e-4) and not torch.equal(fast, plain)
     assert torch.equal(again, plain)  # the class's own forward again
     assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_siblings_share_one_product_and_never_reuse_a_stale_output():
+    """q/k/v and gate/up run as one packed product each; a sibling takes its part of the
+    product its input already went through, never one made before that input changed."""
+    model = wide_llama(chat_tokenizer())
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    x = torch.randn(3, 512)
+    with torch.no_grad():
+        want = {name: getattr(attention, name)(x) for name in ("q_proj", "k_proj", "v_proj")}
+        want_up = mlp.up_proj(x)
+        with prepacked(model):
+            assert attention.k_proj.forward.product[0] == decode_kernels.JOINED
+            got = {name: getattr(attention, name)(x) for name in ("q_proj", "k_proj", "v_proj")}
+            alone = mlp.up_proj(x)  # no gate call before it: the product runs for it
+            x.add_(1.0)  # the same tensor, changed in place after the query's product
+            changed = attention.k_proj(x)
+            attention.q_proj(torch.randn(3, 512))
+            other_input = torch.randn(3, 512)  # another tensor, at the same version
+            other = attention.v_proj(other_input)
+    for name, value in want.items():
+        assert torch.allclose(got[name], value, atol=1e-4)
+    assert torch.allclose(alone, want_up, atol=1e-4)
+    with torch.no_grad():
+        assert torch.allclose(changed, attention.k_proj(x), atol=1e-4)
+        assert torch.allclose(other, attention.v_proj(other_input), atol=1e-4)
 
 
 def test_the_tiny_models_have_no_layer_large_enough_to_pack():

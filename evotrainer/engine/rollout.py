@@ -132,14 +132,63 @@ INT8_MIN_WEIGHTS = 1 << 16
 # in two passes came to 0.013 but ~5 ms more a batch-8 step.
 TWO_PASS_LAYERS = ("k_proj", "v_proj", "down_proj")
 
+# Sibling projections that read the same input are packed as one product, its output split
+# among them: an attention's query, key and value, an MLP's gate and up projections. Fewer,
+# larger products stream their weights faster: at batch 8, SmolLM2's five as two int8
+# products took 358 against 440 us a layer, weights from memory, and each product saved is
+# one quantization of its input fewer.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
 # Packed copies of frozen weights (a LoRA policy's vocabulary projection, any layer its
 # adapters leave alone), kept across sampling calls: training never changes them, so they are
 # packed once per run, not once per update (SmolLM2's vocabulary projection: about 0.1 s in
-# int8, 0.08 s for oneDNN).
-# Keyed by the weight's storage and version counter, which any in-place write through the
+# int8, 0.08 s for oneDNN). Keyed by the layer (a fused group's by the module holding it)
+# and its weights' storage and version counters, which any in-place write through a
 # parameter bumps (a `load_state_dict` included).
 _frozen_packs: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[Any, ...], Callable]] = (
     weakref.WeakKeyDictionary())
+
+
+@dataclass
+class _Layer:
+    """A linear layer `prepacked` can pack: its weight (a LoRA layer's with its adapters
+    merged) and the plain layer that holds its bias."""
+
+    name: str
+    module: torch.nn.Module
+    weight: torch.Tensor
+    base: torch.nn.Module
+
+
+def _layer(name: str, module: torch.nn.Module, lora_linear: type | None) -> _Layer | None:
+    if lora_linear is not None and type(module) is lora_linear:
+        weight = lora_weight(module)  # None for a LoRA variant that does not merge
+        return None if weight is None else _Layer(name, module, weight, module.base_layer)
+    if type(module) is torch.nn.Linear:
+        return _Layer(name, module, module.weight, module)
+    return None
+
+
+def _packing_units(
+    model: torch.nn.Module, lora_linear: type | None
+) -> Iterator[tuple[torch.nn.Module, list[_Layer]]]:
+    """The model's layers as they are packed: each group of SIBLINGS as one unit (keyed by
+    the module holding them) where all are packable layers over the same input, every other
+    layer alone."""
+    done: set[int] = set()  # in a unit already: a fused sibling, a merged LoRA layer's base
+    for name, module in model.named_modules():  # parents before their children
+        for names in SIBLINGS:
+            members = [_layer(f"{name}.{child}", getattr(module, child), lora_linear)
+                       for child in names if isinstance(getattr(module, child, None),
+                                                        torch.nn.Module)]
+            if (len(members) == len(names) and all(members)
+                    and len({(m.weight.shape[1], m.weight.dtype) for m in members}) == 1):
+                done.update(id(m) for layer in members for m in (layer.module, layer.base))
+                yield module, members
+        layer = _layer(name, module, lora_linear)
+        if layer is not None and id(module) not in done:
+            done.update((id(module), id(layer.base)))
+            yield module, [layer]
 
 
 @contextmanager
@@ -148,15 +197,15 @@ def prepacked(model: torch.nn.Module, weights: str = "float32") -> Iterator[int]
     copy of its weights reordered once for oneDNN, instead of MKL packing them again on each
     call; a peft LoRA layer over such a layer computes with its adapters merged into that
     copy (one product per sampling call instead of two small ones per layer and step: a
-    LoRA r=16 SmolLM2 policy samples ~10% faster so). For no-grad use only
-    (sampling); the copies of trainable weights are dropped on exit, so the next update's
-    weights are packed afresh (frozen ones are kept: `_frozen_packs`). Yields how many layers
-    were packed (0 without oneDNN).
+    LoRA r=16 SmolLM2 policy samples ~10% faster so); SIBLINGS with as many weights together
+    share one such copy. For no-grad use only (sampling); the copies of trainable weights
+    are dropped on exit, so the next update's weights are packed afresh (frozen ones are
+    kept: `_frozen_packs`). Yields how many layers were packed (0 without oneDNN).
 
     `weights: int8` (`rollout.quantization`) packs the layers with at least INT8_MIN_WEIGHTS
-    as int8 instead (`_int8_forward`; TWO_PASS_LAYERS and the vocabulary projection with
-    their inputs quantized in two passes): a quarter of the bytes to stream per decode step
-    and int8 products, the policy's own float32 weights untouched."""
+    as int8 instead (`_int8_forward`; TWO_PASS_LAYERS, their siblings and the vocabulary
+    projection with their inputs quantized in two passes): a quarter of the bytes to stream
+    per decode step and int8 products, the policy's own float32 weights untouched."""
     packed: list[torch.nn.Module] = []
     int8 = weights == "int8"
     if int8 and torch.backends.quantized.engine not in ("x86", "fbgemm"):
@@ -164,37 +213,75 @@ def prepacked(model: torch.nn.Module, weights: str = "float32") -> Iterator[int]
             "this machine's torch has no fbgemm, which int8 rollouts run on",
             field="rollout.quantization", hint="remove rollout.quantization to sample in float32")
     head = model.get_output_embeddings()
-    lora_linear = lora_layer_class()
-    merged_bases: set[int] = set()  # a merged LoRA layer's base is not packed again
-    for name, module in model.named_modules():  # parents before their children
-        if lora_linear is not None and type(module) is lora_linear:
-            weight, base = lora_weight(module), module.base_layer
-        elif type(module) is torch.nn.Linear and id(module) not in merged_bases:
-            weight, base = module.weight, module
-        else:
+    minimum = INT8_MIN_WEIGHTS if int8 else PACK_MIN_WEIGHTS
+    units = (_packing_units(model, lora_layer_class())
+             if int8 or torch.backends.mkldnn.is_available() else iter(()))
+    for owner, members in units:
+        if (not all(_packable(m.weight, 0) for m in members)
+                or sum(m.weight.numel() for m in members) < minimum):
             continue
-        minimum = INT8_MIN_WEIGHTS if int8 else PACK_MIN_WEIGHTS
-        if (weight is None or not _packable(weight, minimum)
-                or (not int8 and not torch.backends.mkldnn.is_available())):
-            continue
-        two_pass = base is head or name.rsplit(".", 1)[-1] in TWO_PASS_LAYERS
+        two_pass = any(m.base is head or m.name.rsplit(".", 1)[-1] in TWO_PASS_LAYERS
+                       for m in members)
         pack = partial(_int8_forward, two_pass=two_pass) if int8 else _packed_forward
-        merged_bases.add(id(base))
-        if base is module and not any(p.requires_grad for p in module.parameters()):
-            key = (weights, weight.data_ptr(), weight._version,
-                   None if module.bias is None else module.bias._version)
-            cached = _frozen_packs.get(module)
+        biases = [m.base.bias for m in members]
+        if all(m.base is m.module for m in members) and not any(
+                p.requires_grad for m in members for p in m.module.parameters()):
+            key = (weights, *((m.weight.data_ptr(), m.weight._version,
+                               None if b is None else b._version)
+                              for m, b in zip(members, biases, strict=True)))
+            cached = _frozen_packs.get(owner)
             if cached is None or cached[0] != key:
-                cached = _frozen_packs[module] = (key, pack(weight, module.bias))
-            module.forward = cached[1]
+                cached = _frozen_packs[owner] = (key, pack(*_joined(members)))
+            product = cached[1]
         else:
-            module.forward = pack(weight, base.bias)
-        packed.append(module)
+            product = pack(*_joined(members))
+        forwards = ([product] if len(members) == 1
+                    else _split_forwards(product, [m.weight.shape[0] for m in members]))
+        for member, forward in zip(members, forwards, strict=True):
+            member.module.forward = forward
+            packed.append(member.module)
     try:
         yield len(packed)
     finally:
         for module in packed:
             del module.forward  # the class's forward again
+
+
+def _joined(members: list[_Layer]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The members' weights and biases as one layer's (its outputs theirs, in order)."""
+    if len(members) == 1:
+        return members[0].weight, members[0].base.bias
+    weight = torch.cat([m.weight.detach() for m in members])
+    biases = [m.base.bias for m in members]
+    if all(b is None for b in biases):
+        return weight, None
+    return weight, torch.cat([
+        m.weight.new_zeros(m.weight.shape[0]) if b is None else b.detach()
+        for m, b in zip(members, biases, strict=True)])
+
+
+def _split_forwards(
+    product: Callable[[torch.Tensor], torch.Tensor], sizes: list[int]
+) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """The siblings' forwards over one product of their joined weights: the first call with an
+    input computes every sibling's output, and each sibling called with that same input
+    (unchanged) takes its part. The decode step (`group_decode.scripted_projections`) reads
+    the product from the first and `decode_kernels.JOINED` from the rest."""
+    last: list[Any] = [None]  # (input, its version, the parts)
+
+    def forward_of(index: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            held = last[0]
+            if held is None or held[0] is not x or held[1] != x._version:
+                held = last[0] = (x, x._version, product(x).split(sizes, -1))
+            return held[2][index]
+
+        forward.product = (  # type: ignore[attr-defined]
+            product.product if index == 0  # type: ignore[attr-defined]
+            else (decode_kernels.JOINED, torch.empty(0), None, None))
+        return forward
+
+    return [forward_of(index) for index in range(len(sizes))]
 
 
 def _packable(weight: torch.Tensor, minimum: int) -> bool:
@@ -232,6 +319,9 @@ INT8_WEIGHT_MAX = 63
 # at 16 rows in blocks of 3,072-6,144 against 5.9 in one); the quantization's temporaries
 # stay in cache (11-15 ms against 69 for the same matrix's largest entries).
 INT8_BLOCK_ROWS = 4096
+# Each block is quantized this many rows at a time through one float buffer that stays in
+# cache (SmolLM2's vocabulary projection: 36 ms against 56 a block at a time).
+INT8_QUANTIZE_ROWS = 256
 
 
 def _int8_forward(
@@ -244,12 +334,23 @@ def _int8_forward(
     in the batch: fbgemm's own per-batch scale put SmolLM2-135M's next-token distribution
     ~0.3 nats/token off at batch 8. fbgemm rather than `torch._int_mm` (oneDNN, pinned to
     AVX2 with the rest): 97 against 330-490 us for SmolLM2's MLP projection at batch 8."""
-    columns = weight.shape[1] + decode_kernels.INT8_RANGE.shape[1]
-    scales, packed = [], []
-    for block in weight.detach().split(INT8_BLOCK_ROWS):
-        scale = (block.abs().amax(1) / INT8_WEIGHT_MAX).clamp_(min=1e-12)
-        integers = block.new_zeros((len(block), columns), dtype=torch.int8)
-        integers[:, : block.shape[1]] = (block / scale[:, None]).round_()
+    weight = weight.detach()
+    inputs = weight.shape[1]
+    weight_scale = weight.new_empty(weight.shape[0])
+    buffer = weight.new_empty(min(INT8_QUANTIZE_ROWS, weight.shape[0]), inputs)
+    packed = []
+    for first in range(0, weight.shape[0], INT8_BLOCK_ROWS):
+        block = weight[first : first + INT8_BLOCK_ROWS]
+        integers = block.new_zeros((len(block), inputs + decode_kernels.INT8_RANGE.shape[1]),
+                                   dtype=torch.int8)
+        for start in range(0, len(block), INT8_QUANTIZE_ROWS):
+            rows = block[start : start + INT8_QUANTIZE_ROWS]
+            values = buffer[: len(rows)]
+            scale = torch.amax(torch.abs(rows, out=values), 1,
+                               out=weight_scale[first + start : first + start + len(rows)])
+            scale.div_(INT8_WEIGHT_MAX).clamp_(min=1e-12)
+            integers[start : start + len(rows), :inputs] = torch.div(
+                rows, scale[:, None], out=values).round_()
         with warnings.catch_warnings():
             # fbgemm's packing takes its weights as a quantized tensor, a kind torch 2.13
             # marks deprecated; it only wraps the integers here, and only the packed weights
@@ -259,8 +360,6 @@ def _int8_forward(
             warnings.filterwarnings("ignore", message=".*quantized tensor creation.*")
             quantized = torch._make_per_tensor_quantized_tensor(integers, 1.0, 0)
         packed.append(torch.ops.quantized.linear_prepack(quantized, None))
-        scales.append(scale)
-    weight_scale = torch.cat(scales)
     bias = None if bias is None else bias.detach()
 
     def forward(x: torch.Tensor) -> torch.Tensor:

@@ -129,7 +129,8 @@ def test_the_scripted_step_computes_what_the_modules_compute(monkeypatch, family
     `prepacked` made (every layer packed here, for oneDNN or int8), or on a LoRA policy's
     layers too small to pack, their adapters merged; Qwen3's query and key norms keep
     transformers' modules. Either way a step's logits are the modules' own, two prompts of
-    three rows, one of them leaving."""
+    three rows (the first's apart, gathered by index; the second's consecutive, read as
+    views), one row leaving."""
     model = random_model(family)
     if weights == "lora":
         model, weights = lora_policy(model), "float32"
@@ -138,7 +139,7 @@ def test_the_scripted_step_computes_what_the_modules_compute(monkeypatch, family
         monkeypatch.setattr(rollout, "INT8_MIN_WEIGHTS", 0)
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (7, 4)]
-    contexts = [p for p in prompts for _ in range(3)]
+    contexts = [prompts[p] for p in (0, 0, 1, 1, 1, 0)]
     scripted_calls = []
     script = decode_kernels.decode_layers
     monkeypatch.setattr(decode_kernels, "decode_layers",

@@ -133,6 +133,7 @@ with warnings.catch_warnings():
         prompt_keys: list[list[torch.Tensor]],
         prompt_values: list[list[torch.Tensor]],
         members: list[torch.Tensor],
+        firsts: list[int],
         key_buffers: list[torch.Tensor],
         value_buffers: list[torch.Tensor],
         length: int,
@@ -144,8 +145,9 @@ with warnings.catch_warnings():
         projections are entries 7i..7i+6 of the projection lists (query, key, value, output,
         gate, up, down; a JOINED key and value, or up, take their part of the query's, or
         gate's, product), its norms 2i and 2i+1. Row r continues prompt p where r is in
-        `members[p]`; each row's own keys and values so far fill `length` positions of the
-        buffers, and this position's are written at `length`. The attention is
+        `members[p]`, consecutive rows from `firsts[p]` on (-1 where they are not); each
+        row's own keys and values so far fill `length` positions of the buffers, and this
+        position's are written at `length`. The attention is
         `group_decode.group_attention`'s, as one softmax over the prompt's positions and the
         row's own."""
         rows = hidden.shape[0]
@@ -170,22 +172,34 @@ with warnings.catch_warnings():
             own = torch.matmul(grouped, own_keys.transpose(-1, -2)) * scaling
             out = torch.empty_like(grouped)
             for prompt in range(len(members)):
-                these = members[prompt]
+                these, start = members[prompt], firsts[prompt]
                 n = these.shape[0]
+                # A prompt's rows are views where they are consecutive (the engine's groups
+                # are), else gathered by index.
+                if start >= 0:
+                    asked = grouped.narrow(0, start, n)
+                    own_scores = own.narrow(0, start, n)
+                    own_rows = own_values.narrow(0, start, n)
+                else:
+                    asked = grouped.index_select(0, these)
+                    own_scores = own.index_select(0, these)
+                    own_rows = own_values.index_select(0, these)
                 # [kv_heads, rows of this prompt x query heads per kv head, head_dim]: one
                 # product against the prompt's single copy.
-                asked = grouped.index_select(0, these).transpose(0, 1).reshape(kv_heads, -1, dim)
+                asked = asked.transpose(0, 1).reshape(kv_heads, -1, dim)
                 keys = prompt_keys[layer][prompt]
                 scores = torch.matmul(asked, keys.transpose(-1, -2)) * scaling
                 scores = scores.view(kv_heads, n, group, -1).transpose(0, 1)
-                probabilities = torch.cat([own.index_select(0, these), scores], -1).softmax(-1)
+                probabilities = torch.cat([own_scores, scores], -1).softmax(-1)
                 on_own, on_prompt = probabilities.split([length + 1, keys.shape[-2]], -1)
-                mine = torch.matmul(on_own, own_values.index_select(0, these))
-                theirs = torch.matmul(
+                attended = torch.matmul(on_own, own_rows) + torch.matmul(
                     on_prompt.transpose(0, 1).reshape(kv_heads, n * group, -1),
                     prompt_values[layer][prompt],
                 ).view(kv_heads, n, group, dim).transpose(0, 1)
-                out.index_copy_(0, these, mine + theirs)
+                if start >= 0:
+                    out.narrow(0, start, n).copy_(attended)
+                else:
+                    out.index_copy_(0, these, attended)
             hidden = hidden + _project(first + 3, out.reshape(rows, heads * dim), kinds, weights,
                                        biases, int8, input_range)
             normed = _rms_norm(hidden, norms[2 * layer + 1], eps)

@@ -230,6 +230,8 @@ class GroupDecode:
             [[layer.prompt_keys[p] for p in order] for layer in layers],
             [[layer.prompt_values[p] for p in order] for layer in layers],
             self.cache.member_indices,
+            [members.start if isinstance(members, slice) else -1
+             for _, members in self.cache.rows_of_prompt],
             [layer.key_buffer for layer in layers], [layer.value_buffer for layer in layers],
             layers[0].length, self.model.config.num_attention_heads,
             self.model.config.num_key_value_heads, float(attention.scaling))

@@ -16,7 +16,9 @@ from typing import Any
 # MKL and oneDNN; their float sums round differently, the warm start drifts by the third
 # decimal and a seeded run's whole lineage differs from machine to machine. Measured here
 # (AVX-512): the arith example's 30 steps ended at val avg@16 0.280 with the native kernels
-# and 0.277 pinned to AVX2, from the same seed. A variable the user sets wins (e.g.
+# and 0.277 pinned to AVX2, from the same seed. MKL honours its pin on Intel processors only
+# (oneMKL's documentation): an AMD EPYC and an Intel Xeon machine, both pinned, gave the
+# main job different lineages. A variable the user sets wins (e.g.
 # ATEN_CPU_CAPABILITY=default for the native kernels, trading reproducibility for speed).
 PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2",
                   "ONEDNN_MAX_CPU_ISA": "AVX2"}

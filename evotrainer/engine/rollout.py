@@ -223,12 +223,11 @@ def prepacked(model: torch.nn.Module, weights: str = "float32") -> Iterator[int]
         two_pass = any(m.base is head or m.name.rsplit(".", 1)[-1] in TWO_PASS_LAYERS
                        for m in members)
         pack = partial(_int8_forward, two_pass=two_pass) if int8 else _packed_forward
-        biases = [m.base.bias for m in members]
         if all(m.base is m.module for m in members) and not any(
                 p.requires_grad for m in members for p in m.module.parameters()):
             key = (weights, *((m.weight.data_ptr(), m.weight._version,
-                               None if b is None else b._version)
-                              for m, b in zip(members, biases, strict=True)))
+                               None if m.base.bias is None else m.base.bias._version)
+                              for m in members))
             cached = _frozen_packs.get(owner)
             if cached is None or cached[0] != key:
                 cached = _frozen_packs[owner] = (key, pack(*_joined(members)))

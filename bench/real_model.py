@@ -13,7 +13,8 @@ in the same run.
              `prepacked` (the baseline with prepacked weights: issue 30's first step),
              `int8` (the built-in sampler on int8 layers, `rollout.quantization: int8`, with
              how far its samples' distribution is from the float32 policy's, as the loss's
-             correction logs it: rollout_kl, rollout_is_mean, rollout_is_ratio_fraction_high),
+             correction logs it: rollout_kl, rollout_is_mean, rollout_is_ratio_fraction_high;
+             and exact_kl, over the whole vocabulary at the same positions),
              `generate` (transformers), `vllm` and `llamacpp` where they import (vLLM's
              start-up is reported apart); each as a share of the bound and against the baseline
   steps      short GRPO runs of the same recipe, alternated: the baseline (the sampler before
@@ -303,16 +304,29 @@ def bench_sampling(args: argparse.Namespace, report: dict) -> dict:
 def int8_mismatch(model: Any, contexts: list[list[int]], generations: list[Generation],
                   pad: int) -> dict[str, float]:
     """How far the int8 sampler's distribution is from the float32 policy's on its own samples
-    (temperature 1): the statistics the loss's correction logs (`grpo.importance_weights`)."""
+    (temperature 1): the statistics the loss's correction logs (`grpo.importance_weights`),
+    and `exact_kl`, KL(policy || int8) over the whole vocabulary at each sampled position,
+    both teacher-forced on these rows, in nats per token."""
     rows = [c + g.tokens for c, g in zip(contexts, generations, strict=True)]
     ids, attn, positions, mask = rollout.batch_tensors(
         rows, [[1] * len(g.tokens) for g in generations], pad)
     tail = max(len(g.tokens) for g in generations)
+
+    def next_token_logprobs() -> torch.Tensor:
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=positions,
+                       logits_to_keep=tail + 1).logits[:, :-1]
+        return logits.float().log_softmax(-1)
+
     with torch.no_grad():
-        policy = rollout.token_logprobs(model, ids, attn, positions, tail)[0]
+        policy = next_token_logprobs()
+        with rollout.prepacked(model, "int8"):
+            sampler = next_token_logprobs()
     mask = mask[:, -tail:]
+    exact = (policy.exp() * (policy - sampler)).sum(-1)
     sampled = grpo.sampler_logprobs([g.logprobs for g in generations], mask)
-    return grpo.importance_weights(policy, sampled, mask, 2.0)[1]
+    chosen = policy.gather(-1, ids[:, -tail:, None]).squeeze(-1)
+    return grpo.importance_weights(chosen, sampled, mask, 2.0)[1] | {
+        "exact_kl": float((exact * mask).sum() / mask.sum())}
 
 
 # ---------------------------------------------------------------------------- GRPO steps

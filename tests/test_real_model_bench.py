@@ -48,6 +48,7 @@ def test_the_bench_reports_engines_the_bound_and_the_step_split(tmp_path, monkey
         assert sampling[engine]["tokens_per_s"] > 0 and sampling[engine]["of_bound"] > 0
     # The int8 sampler's distance from the float32 policy, as the loss's correction logs it.
     assert {"rollout_kl", "rollout_is_mean"} <= set(sampling["int8"])
+    assert sampling["int8"]["exact_kl"] >= -1e-6  # a KL: zero where no layer is int8
     assert sampling["baseline"]["vs_baseline"] == 1.0
     # The built-in sampler's decode, its prefill timed apart, against the same bound.
     builtin = sampling["builtin"]

@@ -134,7 +134,7 @@ TWO_PASS_LAYERS = ("k_proj", "v_proj", "down_proj")
 
 # Sibling projections that read the same input are packed as one product, its output split
 # among them: an attention's query, key and value, an MLP's gate and up projections. Fewer,
-# larger products stream their weights faster: at batch 8, SmolLM2's five as two int8
+# larger products stream their weights faster: at batch 8, SmolLM2's five shapes as two int8
 # products took 358 against 440 us a layer, weights from memory, and each product saved is
 # one quantization of its input fewer.
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -319,7 +319,7 @@ INT8_WEIGHT_MAX = 63
 # stay in cache (11-15 ms against 69 for the same matrix's largest entries).
 INT8_BLOCK_ROWS = 4096
 # Each block is quantized this many rows at a time through one float buffer that stays in
-# cache (SmolLM2's vocabulary projection: 36 ms against 56 a block at a time).
+# cache (a matrix of SmolLM2's vocabulary-projection shape: 36 ms against 56 a block at once).
 INT8_QUANTIZE_ROWS = 256
 
 

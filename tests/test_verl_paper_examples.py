@@ -125,3 +125,35 @@ def test_paper_math_on_converted_benchmarks_keeps_each_one_a_stratum(tmp_path, m
     assert {r["extra_info"]["task_id"] for r in val} >= {"math:cnmo24-1", "math:2024-I-1"}
     config = json.loads(JobFiles(job.artifact_dir).reward_config.read_text())
     assert config["group_filter"] == {"name": "none", "params": {}}
+
+
+def test_paper_swe_on_converted_swe_rebench_instances(tmp_path, monkeypatch):
+    """The docs' path for SWE: convert SWE-rebench rows with local mirrors (the shipped
+    sample), switch paper-swe to the swe_rebench domain, and verl gets the instances, the
+    same four tools and the domain config its reward and tool workers build from."""
+    from evotrainer.domains.data import sample_path
+
+    workdir = tmp_path / "worktree"
+    monkeypatch.chdir(workdir.parent)
+    rows = convert_file("swe_rebench", sample_path("swe_rebench_sample.jsonl"),
+                        repos=sample_path("swe_rebench_repos")).rows
+    write_rows(rows[:1], Path("data/train.jsonl"))
+    write_rows(rows[1:], Path("data/val.jsonl"))
+    recipe = deep_merge(example_recipe("paper-swe"), {
+        "domain": {"name": "swe_rebench", "train_size": 1, "val_size": 1,
+                   "data": {"train": "data/train.jsonl", "val": "data/val.jsonl"}},
+        "grpo": {"prompts_per_step": 1},
+        "verl": {"n_gpus_per_node": 8, "nnodes": 1},
+    })
+    job = JobSpec(job_id("v1", 1, digest(recipe)), "v1", recipe, workdir,
+                  tmp_path / "art", {})
+    prepare(job)
+    val = pq.read_table(JobFiles(job.artifact_dir).val_file).to_pylist()
+    assert [r["extra_info"]["task_id"] for r in val] == ["swe_rebench:tinystats__tinystats-2"]
+    cfg = composed(recipe, tmp_path / "render")
+    assert cfg.actor_rollout_ref.rollout.multi_turn.enable is True
+    tool_file = JobFiles(job.artifact_dir).tool_config
+    tools = load_yaml(tool_file.read_bytes(), str(tool_file))["tools"]
+    assert [t["tool_schema"]["function"]["name"] for t in tools] == [
+        "shell", "write", "patch", "submit"]
+    assert tools[0]["config"]["domain"]["name"] == "swe_rebench"

@@ -98,6 +98,8 @@ DOMAIN_TOOLS: dict[str, dict[str, ToolSpec]] = {
                            lambda a: "submit"),
     },
 }
+# SWE-rebench instances are episodes of the same tools.
+DOMAIN_TOOLS["swe_rebench"] = DOMAIN_TOOLS["swe"]
 
 
 def domain_tools(domain_name: str) -> dict[str, ToolSpec]:

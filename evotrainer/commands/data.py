@@ -1,4 +1,4 @@
-"""`evotrainer data convert FORMAT SRC OUT`: benchmark files to the math and code domains' rows."""
+"""`evotrainer data convert FORMAT SRC OUT`: benchmark files to the dataset domains' rows."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def register(app: typer.Typer) -> None:
             ...,
             metavar="FORMAT",
             help="aime (math: AIME/CNMO/MATH-style {problem, answer}), taco, livecodebench, "
-            "code_contests (code: stdin/stdout tests).",
+            "code_contests (code: stdin/stdout tests), swe_rebench (swe_rebench: SWE-rebench "
+            "/ SWE-bench instances, with --repos).",
         ),
         src: Path = typer.Argument(..., help="The file to convert (JSONL or Parquet)."),
         out: Path = typer.Argument(..., help="The JSONL to write (domain.data.train / val)."),
@@ -34,12 +35,19 @@ def register(app: typer.Typer) -> None:
             help="The stratum its rows belong to (e.g. aime24) [default: the row's own, else "
             "SRC's name]; code rows add /<difficulty>.",
         ),
+        repos: Path = typer.Option(
+            None,
+            "--repos",
+            help="swe_rebench: the folder of local repository mirrors, owner__name.bundle "
+            "(or .git, or a clone) per repository; nothing is downloaded.",
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     ) -> None:
-        """Convert a benchmark file to the rows of the math or code domain, each checked by
-        building its task. Rows whose tests are not stdin/stdout are skipped and counted;
-        a malformed row stops the conversion, named by its row number."""
-        result = convert_file(fmt, src, data_source=data_source)
+        """Convert a benchmark file to the rows of the math, code or swe_rebench domain, each
+        checked by building its task. Rows whose tests are not stdin/stdout (or whose
+        repository has no local mirror) are skipped and counted; a malformed row stops the
+        conversion, named by its row number."""
+        result = convert_file(fmt, src, data_source=data_source, repos=repos)
         write_rows(result.rows, out)
         strata: dict[str, int] = {}
         for row in result.rows:

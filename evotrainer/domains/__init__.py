@@ -30,6 +30,7 @@ REGISTRY: dict[str, str] = {
     "code": "evotrainer.domains.code:CodeDomain",
     "humaneval": "evotrainer.domains.humaneval:HumanEvalDomain",
     "swe": "evotrainer.domains.swe:SweDomain",
+    "swe_rebench": "evotrainer.domains.swe_rebench:SweRebenchDomain",
 }
 
 

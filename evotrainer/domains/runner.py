@@ -29,10 +29,14 @@ from __future__ import annotations
 import ast
 import base64
 import contextlib
+import hashlib
+import hmac
 import io
 import json
 import os
+import secrets
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,12 +58,16 @@ AGENT_ENV = {
 }
 
 
-def command_env(scratch: str) -> dict[str, str]:
-    path = os.pathsep.join([os.path.dirname(sys.executable), "/usr/local/bin", "/usr/bin", "/bin"])
+def command_env(scratch: str, python: str | None = None) -> dict[str, str]:
+    """The environment of a command: `python` (the repository's test environment, when the
+    request names one) first on the PATH, else this interpreter."""
+    first = os.path.dirname(python if python and os.path.isabs(python) else sys.executable)
+    path = os.pathsep.join([first, "/usr/local/bin", "/usr/bin", "/bin"])
     return {**AGENT_ENV, "PATH": path, "HOME": scratch, "TMPDIR": scratch}
 
 
-def run_process(argv: list[str], repo: str, timeout: float, cap: int, stdin: str = "") -> dict:
+def run_process(argv: list[str], repo: str, timeout: float, cap: int, stdin: str = "",
+                python: str | None = None) -> dict:
     """Run `argv` in `repo`, stdout and stderr together into a file (the file-size limit of the
     executor bounds it), killing its whole process group at the deadline; the first `cap`
     bytes of output come back."""
@@ -72,7 +80,7 @@ def run_process(argv: list[str], repo: str, timeout: float, cap: int, stdin: str
             stdin=subprocess.PIPE,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=command_env(scratch),
+            env=command_env(scratch, python),
             start_new_session=True,
         )
         timed_out = False
@@ -104,9 +112,8 @@ def inside(repo: str, path: str) -> str | None:
 
 
 def do_shell(repo: str, request: dict) -> dict:
-    return run_process(
-        ["/bin/sh", "-c", request["command"]], repo, request["timeout"], request["cap"]
-    )
+    return run_process(["/bin/sh", "-c", request["command"]], repo, request["timeout"],
+                       request["cap"], python=request.get("python"))
 
 
 def do_write(repo: str, request: dict) -> dict:
@@ -469,6 +476,422 @@ def do_check(repo: str, request: dict) -> dict:
     return {"whole": whole, "units": units, "tampered": calls.tampered, "detail": detail[:300]}
 
 
+# The test process of a `pytest` evaluation (SWE-rebench-style repositories). It imports the
+# repository's code, so it is untrusted; this program starts it before any of that code runs.
+# It reads its setup and a fresh key from stdin (then closed), installs an audit hook that
+# refuses introspection from an edited file, snapshots pytest's, pluggy's and the builtins'
+# functions, runs every graded test through its own protocol hook and sends each record,
+# signed, on an inherited descriptor.
+#
+# Why it is written as it is: the code under test shares this interpreter, and Python lets it
+# rewrite a closure cell, a module attribute or an ordinary class attribute without any audit
+# event. So no function here reads anything it does not hold itself: every dependency
+# (builtins and library functions included) is a default argument, and reading or replacing
+# a function's defaults raises an audit event the hook refuses; containers are frozen; the
+# key and the channel live in one generator's frame (reaching a frame is refused) and it
+# signs only for this program's own code; the hook and the signer use C operations alone
+# once untrusted code may run (a library's Python function reads its module's globals, which
+# the code under test can replace).
+PYTEST_BOOTSTRAP = r"""
+import builtins, os, sys, sysconfig, types
+import _hashlib
+
+sys.dont_write_bytecode = True  # no cache the next run could take for a source
+
+
+def _boot(setup):
+    realpath = os.path.realpath
+    repo = realpath(os.getcwd())
+    edited = frozenset(repo + os.sep + path for path in setup["edited"])
+    wanted = frozenset(setup["tests"])
+    stdlib = tuple(realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib"))
+    # Standard modules that hand their caller frames, raw memory or files: an event inside
+    # one of them is its caller's doing. Any other standard module (typing, logging,
+    # traceback...) reads frames for itself.
+    passing = frozenset(
+        prefix + name for prefix in stdlib for name in (
+            "inspect.py", "ctypes/__init__.py", "pathlib.py", "os.py", "io.py", "glob.py",
+            "shutil.py", "codecs.py", "operator.py", "functools.py"))
+    watched = frozenset({
+        "gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._getframe",
+        "sys._current_frames", "sys.settrace", "sys.setprofile", "sys.addaudithook",
+        "ctypes.dlopen", "ctypes.dlsym", "ctypes.call_function", "ctypes.addressof",
+        "ctypes.string_at", "ctypes.wstring_at", "ctypes.cdata", "object.__getattr__",
+        "object.__setattr__", "object.__delattr__", "open", "os.listdir", "os.scandir",
+        "compile", "code.__new__", "function.__new__"})
+    frame_attrs = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
+
+    def signing(key, channel, digest=_hashlib.hmac_digest, getframe=sys._getframe,
+                frozenset=frozenset, str=str):
+        # Records are "n<TAB>kind<TAB>fields..." with tabs and newlines in a field made spaces,
+        # built with str operations alone; the first message names the code allowed to send.
+        line, count, senders = None, 0, None
+        while True:
+            kind, fields = yield line
+            if senders is None:
+                senders = frozenset(fields)
+                continue
+            caller = getframe(1).f_back
+            if caller is None or caller.f_code not in senders:
+                where = caller.f_code.co_filename if caller is not None else "?"
+                kind, fields = "tampered", ("the grader's send called from " + where,)
+            body = "\t".join([str(count), kind, *[
+                str(f).replace("\t", " ").replace("\n", " ") for f in fields]])
+            channel.write(digest(key, body.encode(), "sha256").hex() + " " + body + "\n")
+            channel.flush()
+            count += 1
+
+    signer = signing(bytes.fromhex(setup.pop("key")), os.fdopen(setup["fd"], "w"))
+    next(signer)
+
+    def send(kind, *fields, signer=signer):
+        signer.send((kind, fields))
+
+    own = []  # this program's functions: their defaults are not for the code under test
+
+    def hook(event, args, watched=watched, frame_attrs=frame_attrs, edited=edited,
+             passing=passing, getframe=sys._getframe, send=send, isinstance=isinstance,
+             getattr=getattr, str=str, bytes=bytes, type=type, FunctionType=types.FunctionType,
+             own=own, busy=[False]):
+        if event not in watched or busy[0]:
+            return
+        busy[0] = True
+        try:
+            target = args[0] if args else None
+            if event in ("object.__getattr__", "object.__setattr__", "object.__delattr__"):
+                name = args[1]
+                ours = isinstance(target, FunctionType) and target in own
+                if event == "object.__getattr__":
+                    relevant = name in frame_attrs or (ours and name in (
+                        "__defaults__", "__kwdefaults__", "__closure__"))
+                else:
+                    module = getattr(target, "__module__", None)
+                    relevant = name == "__code__" or ours or (
+                        isinstance(target, (type, FunctionType)) and isinstance(module, str)
+                        and module.split(".")[0] in ("_pytest", "pytest", "pluggy",
+                                                     "builtins", "__main__"))
+            elif event == "compile":  # compiled under a file's name: a borrowed provenance
+                relevant = isinstance(args[1], str) and not args[1].startswith("<")
+            elif event in ("open", "os.listdir", "os.scandir"):
+                relevant = isinstance(target, (str, bytes)) and (
+                    target.startswith("/proc") if isinstance(target, str)
+                    else target.startswith(b"/proc"))
+            else:
+                relevant = True
+            culprit = None
+            if relevant:
+                # The first frame outside the passing standard modules decides.
+                frame = getframe(1)
+                while frame is not None and (frame.f_code.co_filename in passing
+                                             or frame.f_code.co_filename.startswith("<frozen")):
+                    frame = frame.f_back
+                if frame is not None and frame.f_code.co_filename in edited:
+                    culprit = frame.f_code.co_filename
+        finally:
+            busy[0] = False
+        if culprit is not None:
+            send("tampered", event + " from " + culprit)
+            raise PermissionError(event + " is not allowed in the code under test")
+
+    sys.addaudithook(hook)
+    sys.path.insert(0, repo)
+    import pytest
+    import _pytest.main, _pytest.python, _pytest.reports, pluggy
+    from _pytest.runner import runtestprotocol
+
+    kinds = (type, types.FunctionType, types.BuiltinFunctionType, property, staticmethod,
+             classmethod)
+    owners = ("_pytest", "pytest", "pluggy", "builtins")
+
+    def members(modules=sys.modules, owners=owners, kinds=kinds, vars=vars, list=list,
+                isinstance=isinstance, id=id, type=type, FunctionType=types.FunctionType):
+        # pytest's, pluggy's and the builtins' module-level functions and classes, and their
+        # classes' methods and properties: name -> the object.
+        found = {}
+        for name, module in list(modules.items()):
+            if name.split(".")[0] not in owners:
+                continue
+            for attr, value in list(vars(module).items()):
+                if isinstance(value, (type, FunctionType, types.BuiltinFunctionType)):
+                    found[name + "." + attr] = value
+                if isinstance(value, type) and value.__module__ == name:
+                    for inner, member in list(vars(value).items()):
+                        if isinstance(member, kinds):
+                            found[name + "." + attr + "." + inner] = member
+        return found
+
+    def untrusted(code, edited=edited, own_codes=frozenset()):
+        # Code from an edited file, or compiled from a string (no file stands behind it).
+        path = code.co_filename
+        return code not in own_codes and (path in edited or (
+            path.startswith("<") and not path.startswith("<frozen")))
+
+    def own_doing(value, untrusted=untrusted, isinstance=isinstance, getattr=getattr,
+                  all=all, bool=bool):
+        # pytest patches a few of its own classes (legacypath, at configure): a replacement
+        # whose code comes from an unedited file is not the code under test's.
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        parts = [value.fget, value.fset, value.fdel] if isinstance(value, property) else [value]
+        codes = [getattr(p, "__code__", None) for p in parts if p is not None]
+        return bool(codes) and all(c is not None and not untrusted(c) for c in codes)
+
+    snapshot = {name: id(value) for name, value in members().items()}
+    holders = frozenset({name.rpartition(".")[0] for name in snapshot} | set(snapshot))
+    snapshot = frozenset(snapshot.items())
+
+    def changed(members=members, snapshot=snapshot, holders=holders, own_doing=own_doing,
+                id=id, dict=dict, sorted=sorted):
+        now, then = members(), dict(snapshot)
+        gone = [name for name in then if name not in now]
+        return sorted(gone + [
+            name for name, value in now.items()
+            if then.get(name) != id(value) and not own_doing(value)
+            and (name in then or name.rpartition(".")[0] in holders)])
+
+    def foreign_hooks(config, untrusted=untrusted, vars=vars, getattr=getattr):
+        # Hook implementations from an edited file, compiled from a string or without code.
+        found = []
+        for caller in vars(config.hook).values():
+            for impl in getattr(caller, "get_hookimpls", lambda: [])():
+                code = getattr(impl.function, "__code__", None)
+                if code is None or untrusted(code):
+                    found.append(getattr(impl.function, "__qualname__", "?") + " from "
+                                 + (code.co_filename if code is not None else "no code"))
+        return found
+
+    class Grader:
+        # Runs each test itself (first, in place of pytest's own protocol) and decides its
+        # verdict from the reports in hand, after checking pytest is still itself.
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_runtest_protocol(self, item, nextitem, runtestprotocol=runtestprotocol,
+                                    send=send, changed=changed, foreign_hooks=foreign_hooks,
+                                    untrusted=untrusted, wanted=wanted, realpath=realpath,
+                                    getattr=getattr, vars=vars, all=all, str=str):
+            code = getattr(getattr(item, "obj", None), "__code__", None)
+            if code is not None and untrusted(code):
+                send("tampered", item.nodeid + " runs code from an edited file")
+            elif item.nodeid in wanted and (
+                    code is None or code.co_name != getattr(item, "originalname", None)
+                    or realpath(code.co_filename) != realpath(str(
+                        getattr(item, "path", None) or item.fspath))):
+                send("tampered", item.nodeid + " does not run its own test function")
+            if "runtest" in vars(item):
+                send("tampered", item.nodeid + "'s runtest was replaced")
+            item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+            reports = runtestprotocol(item, nextitem=nextitem)
+            item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+            problems = changed() + foreign_hooks(item.config)
+            if problems:
+                send("tampered", "changed during " + item.nodeid + ": " + ", ".join(problems[:5]))
+            elif item.nodeid in wanted:
+                outcomes = {report.when: report.outcome for report in reports}
+                passed = all(outcomes.get(w) == "passed" for w in ("setup", "call", "teardown"))
+                send("test", item.nodeid, "pass" if passed else "fail")
+            return True
+
+    protocol = Grader.pytest_runtest_protocol
+    untrusted.__defaults__ = (edited, frozenset({protocol.__code__}))
+    own.extend([send, hook, members, untrusted, own_doing, changed, foreign_hooks, protocol])
+    signer.send((None, (protocol.__code__, hook.__code__, _boot.__code__)))
+    send("begin")
+    code = pytest.main(["-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-o", "addopts=",
+                        *setup["tests"]], plugins=[Grader()])
+    problems = changed()
+    if problems:
+        send("tampered", "changed by the end: " + ", ".join(problems[:5]))
+    send("end", str(int(code)))
+
+
+_boot(__import__("json").loads(sys.stdin.readline()))
+"""
+PYTEST_KEY_BYTES = 32
+
+
+def read_records(data: bytes, key: bytes) -> tuple[list[list[str]], list[str]]:
+    """The test process's authentic records in order, each [kind, fields...], and what was
+    wrong with the channel: a line without a valid HMAC, a record out of sequence, or no
+    `end` record (the process exited, crashed or was stopped before pytest finished)."""
+    records, problems = [], []
+    for line in data.decode("utf-8", "replace").splitlines():
+        mac, _, body = line.partition(" ")
+        expected = hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(mac, expected):
+            problems.append("a record on the results channel that the grader did not write")
+            continue
+        number, _, rest = body.partition("\t")
+        if number != str(len(records)):
+            problems.append("a results record out of sequence")
+            continue
+        records.append(rest.split("\t"))
+    if not records or records[-1][0] != "end":
+        problems.append("the test process ended before pytest finished")
+    return records, problems
+
+
+# Names of the files that run by themselves in the test process (pytest's conftest, Python's
+# startup hooks) and of pytest's configuration files: restored to the task's versions before
+# the tests run, or removed when the task has none.
+SELF_RUNNING = ("conftest.py", "sitecustomize.py", "usercustomize.py")
+CONFIG_FILES = ("pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml")
+
+
+def self_running(path: str) -> bool:
+    name = os.path.basename(path)
+    return name in SELF_RUNNING or name.endswith(".pth")
+
+
+def guarded(path: str) -> bool:
+    return self_running(path) or os.path.basename(path) in CONFIG_FILES
+
+
+def tree_digests(repo: str) -> dict[str, str]:
+    """sha256 of every file of `repo` and of every link's target text (a link to a folder
+    too, never followed), .git excluded."""
+    digests = {}
+    for root, dirs, names in os.walk(repo):
+        dirs[:] = [d for d in dirs if not (root == repo and d == ".git")]
+        for name in names + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            path = os.path.join(root, name)
+            data = (os.readlink(path).encode() if os.path.islink(path)
+                    else Path(path).read_bytes())
+            digests[os.path.relpath(path, repo)] = hashlib.sha256(data).hexdigest()
+    return digests
+
+
+def _put(root: str, path: str, text: str | None) -> None:
+    """Write `text` at `path` under `root` (None: remove it), through real folders only:
+    whatever file or link stands where a folder of the path should be is removed first."""
+    parts = path.split("/")
+    here = root
+    for part in parts[:-1]:
+        here = os.path.join(here, part)
+        if os.path.islink(here) or (os.path.exists(here) and not os.path.isdir(here)):
+            os.unlink(here)
+        if text is not None:
+            os.makedirs(here, exist_ok=True)
+    target = os.path.join(here, parts[-1])
+    if os.path.isdir(target) and not os.path.islink(target):
+        shutil.rmtree(target)
+    elif os.path.lexists(target):
+        os.unlink(target)
+    if text is not None:
+        with open(target, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+def do_pytest(repo: str, request: dict) -> dict:
+    """A SWE-rebench-style evaluation: the task's test files (`trusted`, path → text, the
+    test patch applied) written over whatever the episode left, every other conftest,
+    startup hook and pytest configuration file restored to the base tree's or removed, then
+    `tests` run by pytest in a child (`PYTEST_BOOTSTRAP`) whose verdicts come back signed on
+    their own descriptor. `tampered` lists what the code under test tried: a conftest, hook
+    or configuration of its own, introspection refused by the audit hook, pytest's machinery
+    changed, a plugin registered from an edited file, a forged or missing record. `restored`
+    lists the test files and configuration the episode had changed (put back, as SWE-bench
+    does with the test patch)."""
+    root = os.path.realpath(repo)
+    trusted, base = request["trusted"], request["base"]
+    tampered, restored = [], []
+    for folder, dirs, names in os.walk(root):
+        # Compiled caches, which Python and pytest would take for the sources they name.
+        for name in [d for d in dirs if d == "__pycache__"]:
+            dirs.remove(name)
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+        for name in names:
+            if name.endswith((".pyc", ".pyo")):
+                os.unlink(os.path.join(folder, name))
+    final = tree_digests(root)
+    for path in sorted(final):
+        full = os.path.join(root, path)
+        if os.path.islink(full) and base.get(path) != final[path]:
+            # A link of the episode's own could stand in for a test file or folder.
+            _put(root, path, None)
+            tampered.append(f"added the link {path}")
+        elif guarded(path) and path not in trusted and os.path.lexists(full):
+            _put(root, path, None)
+            (tampered if self_running(path) else restored).append(f"added {path}")
+    final = tree_digests(root)
+    for path, text in sorted(trusted.items()):
+        if ".." in path.split("/") or path.startswith("/"):
+            continue
+        digest = final.get(path)
+        wanted = None if text is None else hashlib.sha256(text.encode()).hexdigest()
+        if digest != wanted or (text is not None and os.path.islink(os.path.join(root, path))):
+            _put(root, path, text)
+            if digest is not None and (text is not None or path in base):
+                (tampered if self_running(path) else restored).append(f"changed {path}")
+    edited = sorted(p for p, d in tree_digests(root).items()
+                    if base.get(p) != d and p not in trusted and p.endswith(".py"))
+    key = secrets.token_bytes(PYTEST_KEY_BYTES)
+    scratch = tempfile.mkdtemp(prefix="swe-")
+    read_end, write_end = os.pipe()
+    setup = {"key": key.hex(), "fd": write_end, "edited": edited, "tests": request["tests"]}
+    proc = subprocess.Popen(
+        [request.get("python") or sys.executable, "-I", "-c", PYTEST_BOOTSTRAP],
+        cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=command_env(scratch, request.get("python")), start_new_session=True,
+        pass_fds=(write_end,),
+    )
+    os.close(write_end)
+    data, output, timed_out = _collect(proc, read_end, json.dumps(setup) + "\n",
+                                       float(request["timeout"]), int(request["cap"]))
+    records, problems = read_records(data, key)
+    if timed_out:
+        problems = [p for p in problems if "ended before" not in p]
+    tampered += problems + [r[1].replace(root + os.sep, "") for r in records
+                            if r[0] == "tampered" and len(r) > 1]
+    results = {t: "fail" for t in request["tests"]}
+    verdicts = [r[1:3] for r in records if r[0] == "test" and len(r) == 3]
+    if not problems:  # a channel that was written to by anyone else, or cut short, decides none
+        for test, outcome in verdicts:
+            if test in results:
+                results[test] = "pass" if outcome == "pass" else "fail"
+    for test in {t for t, _ in verdicts if [v[0] for v in verdicts].count(t) > 1}:
+        tampered.append(f"two verdicts for {test}")
+        results[test] = "fail"
+    text = output.decode("utf-8", "replace")[: int(request["cap"])]
+    if timed_out:
+        text += f"\n[timed out after {float(request['timeout']):g} s]"
+    return {"output": text, "exit_code": None if timed_out else proc.returncode,
+            "results": results, "tampered": tampered, "restored": restored}
+
+
+def _collect(proc: subprocess.Popen, channel: int, stdin: str, timeout: float, cap: int
+             ) -> tuple[bytes, bytes, bool]:
+    """(the results channel's bytes, the first `cap` bytes of output, timed out) of `proc`,
+    reading both until it exits or `timeout` passes; its process group is killed then."""
+    proc.stdin.write(stdin.encode())
+    proc.stdin.close()
+    deadline = time.monotonic() + timeout
+    data, output = bytearray(), bytearray()
+    streams = {channel: data, proc.stdout.fileno(): output}
+    timed_out = False
+    while streams:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            timed_out = True
+            break
+        exited = proc.poll() is not None
+        # Once it has exited, what is left in the pipes is read without waiting: a process it
+        # left behind may hold them open.
+        ready, _, _ = select.select(list(streams), [], [], 0 if exited else min(remaining, 0.2))
+        if exited and not ready:
+            break
+        for fd in ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                del streams[fd]
+            elif len(streams[fd]) < REPLY_LIMIT:
+                streams[fd] += chunk
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    os.close(channel)
+    proc.stdout.close()
+    return bytes(data), bytes(output[:cap]), timed_out
+
+
 def read_report(stdout: str, nonce: str) -> tuple[dict | None, str | None]:
     """The host's side of the reply channel: (the reply, None) when `stdout` is exactly one
     line, `nonce`, a space and a JSON object; else (None, why): "no report" (nothing written),
@@ -487,7 +910,7 @@ def read_report(stdout: str, nonce: str) -> tuple[dict | None, str | None]:
 
 
 ACTIONS = {"shell": do_shell, "write": do_write, "patch": do_patch, "evaluate": do_evaluate,
-           "check": do_check}
+           "check": do_check, "pytest": do_pytest}
 
 
 def unpack(snapshot: str, where: str) -> None:

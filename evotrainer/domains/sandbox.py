@@ -204,11 +204,18 @@ class LocalSandbox:
     mode is used); `False` forces the unprivileged mode.
     """
 
-    def __init__(self, python: str | None = None, privileged: bool | None = None) -> None:
+    def __init__(
+        self, python: str | None = None, privileged: bool | None = None,
+        expose: tuple[str, ...] = (),
+    ) -> None:
         # The real interpreter, not a venv launcher: -I ignores the venv anyway, and the mount
-        # namespace has to re-expose the directory it lives in.
+        # namespace has to re-expose the directory it lives in. `expose`: more directories
+        # the program may read (an environment its own children run tests in), read-only.
         self.python = os.path.realpath(python or sys.executable)
-        self.prefix = os.path.dirname(os.path.dirname(self.python))
+        self.prefixes = (
+            os.path.dirname(os.path.dirname(self.python)),
+            *(os.path.realpath(path) for path in expose),
+        )
         self._runs = itertools.count()
         self.user_netns = False
         self.privileged = (
@@ -258,7 +265,9 @@ class LocalSandbox:
             isolation += ["netns", "mountns"]
         elif self.user_netns:
             isolation.append("netns")
-        setup = _ChildSetup(limits, uid, source.encode(), self.prefix, self.user_netns, namespaced)
+        setup = _ChildSetup(
+            limits, uid, source.encode(), self.prefixes, self.user_netns, namespaced
+        )
         env = {
             "PATH": "/usr/bin:/bin",
             "LANG": "C.UTF-8",
@@ -311,7 +320,7 @@ class _ChildSetup:
     limits: Limits
     uid: int | None
     program: bytes
-    prefix: str
+    prefixes: tuple[str, ...]
     user_netns: bool
     namespaced: bool
 
@@ -385,8 +394,9 @@ class _ChildSetup:
         _mount("tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, shm)
 
     def _hide_host(self) -> None:
-        """Cover every non-system top-level entry; bring the interpreter prefix back, read-only."""
-        prefix_fd = os.open(self.prefix, os.O_PATH | os.O_DIRECTORY)
+        """Cover every non-system top-level entry; bring the interpreter prefix (and the
+        exposed directories) back, read-only."""
+        kept = [(prefix, os.open(prefix, os.O_PATH | os.O_DIRECTORY)) for prefix in self.prefixes]
         for name in os.listdir("/"):
             path = "/" + name
             if name in _SYSTEM_DIRS or name == "tmp" or os.path.islink(path):
@@ -395,17 +405,18 @@ class _ChildSetup:
                 _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=64k,mode=755")
             elif os.path.isfile(path):
                 _mount("/dev/null", path, None, _MS_BIND)
-        if not os.path.isdir(self.prefix):
-            # Its top-level directory was covered: recreate the path, then bind the original.
-            os.makedirs(self.prefix)
-            _mount(f"/proc/self/fd/{prefix_fd}", self.prefix, None, _MS_BIND | _MS_REC)
-            _mount(
-                "none",
-                self.prefix,
-                None,
-                _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV,
-            )
-        os.close(prefix_fd)
+        for prefix, fd in kept:
+            if not os.path.isdir(prefix):
+                # Its top-level directory was covered: recreate the path, then bind the original.
+                os.makedirs(prefix)
+                _mount(f"/proc/self/fd/{fd}", prefix, None, _MS_BIND | _MS_REC)
+                _mount(
+                    "none",
+                    prefix,
+                    None,
+                    _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV,
+                )
+            os.close(fd)
 
 
 def _drop_to(uid: int) -> None:
@@ -692,11 +703,16 @@ def check_executor(executor: str, image: str) -> None:
 _SANDBOXES: dict[str, Sandbox] = {}
 
 
-def default_sandbox(executor: str = "local", image: str = OFFLINE_IMAGE) -> Sandbox:
-    """One sandbox per executor and process (a Docker client is worth reusing)."""
-    key = f"{executor}:{image}"
+def default_sandbox(
+    executor: str = "local", image: str = OFFLINE_IMAGE, expose: tuple[str, ...] = ()
+) -> Sandbox:
+    """One sandbox per executor, image and exposed directories, and process (a Docker client
+    is worth reusing)."""
+    key = f"{executor}:{image}:{expose}"
     if key not in _SANDBOXES:
-        _SANDBOXES[key] = DockerSandbox(image) if executor == "docker" else LocalSandbox()
+        _SANDBOXES[key] = (
+            DockerSandbox(image) if executor == "docker" else LocalSandbox(expose=expose)
+        )
     return _SANDBOXES[key]
 
 

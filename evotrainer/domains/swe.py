@@ -122,7 +122,7 @@ def call_fields(call: dict[str, str]) -> dict[str, str]:
     return {"diff": args}
 
 
-class _Memo:
+class Memo:
     """A bounded, thread-safe LRU map."""
 
     def __init__(self, size: int = _CACHE_SIZE) -> None:
@@ -142,7 +142,7 @@ class _Memo:
                 self.items.popitem(last=False)
 
 
-def _key(task_id: str, calls: list[dict[str, str]]) -> str:
+def memo_key(task_id: str, calls: list[dict[str, str]]) -> str:
     text = json.dumps([task_id, calls], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -150,9 +150,9 @@ def _key(task_id: str, calls: list[dict[str, str]]) -> str:
 class LocalRepo:
     """The `local` executor: the repository is a tar snapshot carried between sandboxed runs."""
 
-    def __init__(self, snapshot: bytes, limits: Limits) -> None:
+    def __init__(self, snapshot: bytes, limits: Limits, expose: tuple[str, ...] = ()) -> None:
         self.snapshot, self.limits = snapshot, limits
-        self.sandbox = default_sandbox("local")
+        self.sandbox = default_sandbox("local", expose=expose)
 
     def act(self, request: dict[str, Any], keep: bool = True) -> dict[str, Any]:
         nonce = secrets.token_hex(16)
@@ -364,9 +364,9 @@ class SweDomain(Domain):
             if lines is None
             or len([x for x in row["canonical_solution"].splitlines() if x.strip()]) <= lines
         ]
-        self._repos = _Memo(256)
-        self._steps = _Memo()
-        self._results = _Memo()
+        self._repos = Memo(256)
+        self._steps = Memo()
+        self._results = Memo()
 
     def num_tasks(self) -> int:
         return len(self._targets)
@@ -407,7 +407,9 @@ class SweDomain(Domain):
             self._repos.put(str(index), snapshot)
         return snapshot
 
-    def open_repo(self, task: Task, snapshot: bytes) -> LocalRepo | DockerRepo:
+    def open_repo(self, task: Task, snapshot: bytes, grading: bool = False
+                  ) -> LocalRepo | DockerRepo:
+        """An executor holding `snapshot` (`grading`: for the final evaluation)."""
         if self.params["executor"] == "docker":
             return DockerRepo(
                 snapshot,
@@ -427,11 +429,11 @@ class SweDomain(Domain):
 
     def run_step(self, env: SweEnvironment, tool: str, fields: dict[str, str]) -> str:
         """Run one state-changing action for `env` and remember the repository it leaves."""
-        key = _key(env.task.task_id, env.calls)
+        key = memo_key(env.task.task_id, env.calls)
         memo = self.params["memoize"] and self.params["executor"] == "local"
         if memo and (hit := self._steps.get(key)) is not None:
             output, snapshot = hit
-            env.repo = env.repo or LocalRepo(snapshot, self.limits)
+            env.repo = env.repo or self.open_repo(env.task, snapshot)
             env.repo.snapshot = snapshot
             return output
         repo = env.executor()
@@ -457,7 +459,7 @@ class SweDomain(Domain):
             for i in range(len(tool_calls), 0, -1)
             if tool_calls[i - 1].get("name") in ("shell", "write", "patch")
         )
-        hit = self._steps.get(_key(task.task_id, tool_calls[:last]))
+        hit = self._steps.get(memo_key(task.task_id, tool_calls[:last]))
         if hit is not None:
             return hit[1]
         repo = self.open_repo(task, self.initial(task))
@@ -468,23 +470,23 @@ class SweDomain(Domain):
         finally:
             repo.close()
 
+    def evaluation(self, task: Task) -> dict[str, Any]:
+        """The runner request that grades a final repository: the pristine tests run by the
+        runner itself against the repository's code (`runner.do_evaluate`)."""
+        return {"kind": "evaluate", "pristine": task.meta["pristine"], "timeout": 60.0,
+                "cap": 1 << 20}
+
     def evaluate(
         self, task: Task, tool_calls: list[dict[str, str]]
     ) -> tuple[dict[str, str], list[str]]:
         """({test id: outcome}, what the code under test tried) for the episode's final
-        repository with pristine tests."""
-        key = _key(task.task_id, [c for c in tool_calls if c.get("name") != "submit"])
+        repository."""
+        key = memo_key(task.task_id, [c for c in tool_calls if c.get("name") != "submit"])
         evaluated = self._results.get(key)
         if evaluated is None:
-            repo = self.open_repo(task, self.final_repo(task, tool_calls))
+            repo = self.open_repo(task, self.final_repo(task, tool_calls), grading=True)
             try:
-                request = {
-                    "kind": "evaluate",
-                    "pristine": task.meta["pristine"],
-                    "timeout": 60.0,
-                    "cap": 1 << 20,
-                }
-                reply = repo.act(request, keep=False)
+                reply = repo.act(self.evaluation(task), keep=False)
             finally:
                 repo.close()
             results = reply.get("results")

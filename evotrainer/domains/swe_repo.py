@@ -91,7 +91,7 @@ main()
 _CHECK_DEF = re.compile(r"^def check\(")
 
 # Fixed identities and dates: the same problem gives the same commit ids everywhere.
-_GIT_ENV = {
+GIT_ENV = {
     "GIT_CONFIG_NOSYSTEM": "1",
     "GIT_AUTHOR_NAME": "Maintainer",
     "GIT_AUTHOR_EMAIL": "maintainer@example.org",
@@ -183,7 +183,7 @@ def build(task: RepoTask, clear_history: bool) -> bytes:
     with tempfile.TemporaryDirectory(prefix="evotrainer-swe-") as tmp:
         repo = Path(tmp) / "repo"
         repo.mkdir()
-        env = {**_GIT_ENV, "HOME": tmp}
+        env = {**GIT_ENV, "HOME": tmp}
         # No template: no sample hooks, a smaller repository.
         _git(repo, "init", "-q", "--template=", "-b", "main", env=env)
         _write(repo, tree)
@@ -195,10 +195,10 @@ def build(task: RepoTask, clear_history: bool) -> bytes:
             fix = _commit(repo, f"Implement {entry}", 2, env)
             _write(repo, {"solution.py": tree["solution.py"]})
             _commit(repo, f'Revert "Implement {entry}"\n\nThis reverts commit {fix}.', 3, env)
-        return _tar(repo)
+        return tar_repo(repo)
 
 
-def _tar(repo: Path) -> bytes:
+def tar_repo(repo: Path) -> bytes:
     def owned_by_nobody(info: tarfile.TarInfo) -> tarfile.TarInfo:
         info.uid = info.gid = NOBODY
         info.uname = info.gname = "nobody"

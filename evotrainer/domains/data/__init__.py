@@ -107,8 +107,8 @@ def stable_id(prefix: str, row: dict[str, Any], content: str) -> str:
     return f"{prefix}:{hashlib.sha256(content.encode()).hexdigest()[:12]}"
 
 
-class DatasetDomain(Domain):
-    """A domain whose tasks are the rows of a dataset file.
+class DataFiles:
+    """Tasks from the rows of dataset files, for a domain class that lists this first.
 
     Without `data` the shipped sample is the pool and `split` draws train and val from it, as
     for the generated domains. With `data.train` alone that file is the pool. With `data.val`
@@ -116,26 +116,11 @@ class DatasetDomain(Domain):
     sample of the requested size), so a benchmark file can serve as the validation set."""
 
     sample_file = ""
-
-    @abstractmethod
-    def judge(
-        self, task: Task, response: str, truncated: bool | None = None
-    ) -> tuple[Score, dict[str, Any]]:
-        """The Score plus details for the rollout record's `extra` (e.g. the failure reason)."""
-
-    def score(
-        self,
-        task: Task,
-        response: str,
-        tool_calls: list[dict[str, str]],
-        truncated: bool | None = None,
-    ) -> Score:
-        return self.judge(task, response, truncated)[0]
+    name: str
 
     def __init__(
         self, params: dict[str, Any] | None = None, data: dict[str, Any] | None = None
     ) -> None:
-        super().__init__(params)
         self.data = {key: value for key, value in (data or {}).items() if value is not None}
         unknown = sorted(set(self.data) - set(DATA_KEYS))
         if unknown:
@@ -152,21 +137,26 @@ class DatasetDomain(Domain):
             )
         # Loaded on first use: the verl reward workers build the domain only to score.
         self._pools: dict[str, list[Task]] = {}
+        super().__init__(params)  # type: ignore[call-arg]  # the domain class's
 
     @abstractmethod
     def make_task(self, row: dict[str, Any], source: str, where: str, field: str) -> Task:
         """One task from one row; EvoError at `where` (file:row) naming `field` for bad rows."""
 
+    def read_pool(self, key: str, path: Path, field: str) -> list[dict[str, Any]]:
+        """The rows behind `domain.data.<key>` (`path`: that file, else the shipped sample),
+        read where the path resolves to."""
+        return read_rows(resolve_data_path(str(path), field), field)
+
     def pool(self, key: str) -> list[Task]:
         if key not in self._pools:
             field = f"domain.data.{key}"
             path = Path(self.data[key]) if key in self.data else sample_path(self.sample_file)
-            # Read what the path resolves to; name it (source, errors) as the recipe does.
-            readable = resolve_data_path(str(path), field)
+            # Named (source, errors) as the recipe names it.
             source = f"{self.name}/{path.stem}"
             tasks = [
                 self.make_task(row, source, f"{path}:row {i + 1}", field)
-                for i, row in enumerate(read_rows(readable, field))
+                for i, row in enumerate(self.read_pool(key, path, field))
             ]
             ids = [t.task_id for t in tasks]
             if len(set(ids)) != len(ids):
@@ -189,7 +179,7 @@ class DatasetDomain(Domain):
         self, train_size: int, val_size: int, split_seed: int = 0
     ) -> tuple[list[Task], list[Task]]:
         if "val" not in self.data:
-            return super().split(train_size, val_size, split_seed)
+            return super().split(train_size, val_size, split_seed)  # type: ignore[misc]
         picked = []
         for key, size in (("train", train_size), ("val", val_size)):
             pool = self.pool(key)
@@ -201,6 +191,25 @@ class DatasetDomain(Domain):
                 )
             picked.append(random.Random(split_seed).sample(pool, size))
         return picked[0], picked[1]
+
+
+class DatasetDomain(DataFiles, Domain):
+    """A single-turn domain whose tasks are dataset rows, scored by `judge`."""
+
+    @abstractmethod
+    def judge(
+        self, task: Task, response: str, truncated: bool | None = None
+    ) -> tuple[Score, dict[str, Any]]:
+        """The Score plus details for the rollout record's `extra` (e.g. the failure reason)."""
+
+    def score(
+        self,
+        task: Task,
+        response: str,
+        tool_calls: list[dict[str, str]],
+        truncated: bool | None = None,
+    ) -> Score:
+        return self.judge(task, response, truncated)[0]
 
 
 def require_text(row: dict[str, Any], key: str, where: str, field: str) -> str:

@@ -9,6 +9,13 @@
   [{input, output, testtype}]).
 - `code_contests` → code: DeepMind CodeContests rows, `name`, `description`,
   `public_tests`/`private_tests` ({input: [...], output: [...]}), `difficulty`, `solutions`.
+- `swe_rebench` → swe_rebench: SWE-rebench / SWE-bench instances, `instance_id`, `repo`
+  (owner/name), `base_commit`, `problem_statement`, `test_patch`, `patch` (the reference fix,
+  the warm-start target), `FAIL_TO_PASS` and `PASS_TO_PASS` (lists, or JSON text of lists),
+  optional `docker_image` / `image_name`. Each row names a local mirror of its repository,
+  found under `--repos DIR` as `owner__name.bundle`, `owner__name.git`, `owner__name` or
+  `owner/name` (a clone, a bare repository or a git bundle): nothing is downloaded. Rows whose
+  mirror is missing are skipped and counted.
 
 Every output row is built into the domain's task before it is written (`make_task`), so a
 converted file loads. `data_source` is the benchmark stratum the gate resamples within: the
@@ -26,6 +33,7 @@ import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -209,23 +217,83 @@ def code_contests(row: dict[str, Any], source: str, notes: Counter) -> dict[str,
     return out
 
 
+def _test_ids(value: Any, what: str) -> list[str]:
+    ids = _json(value if value not in (None, "") else "[]", what)
+    if not isinstance(ids, list) or not all(isinstance(i, str) and i for i in ids):
+        raise RowError(f"{what} is not a list of test ids")
+    return ids
+
+
+def mirror_of(repo: str, repos: Path) -> Path | None:
+    """The local mirror of `repo` (owner/name) under `repos`, if there is one."""
+    owner, _, name = repo.partition("/")
+    flat = f"{owner}__{name}"
+    for candidate in (f"{flat}.bundle", f"{flat}.git", flat, f"{owner}/{name}",
+                      f"{owner}/{name}.git"):
+        if (repos / candidate).exists():
+            return repos / candidate
+    return None
+
+
+def swe_rebench(row: dict[str, Any], source: str, notes: Counter, *,
+                repos: Path) -> dict[str, Any]:
+    repo = _text(row.get("repo"), "repo")
+    if repo.count("/") != 1 or not all(repo.split("/")):
+        raise RowError(f"repo {repo!r} is not owner/name")
+    f2p = _test_ids(row.get("FAIL_TO_PASS"), "FAIL_TO_PASS")
+    if not f2p:
+        raise Skip("no fail-to-pass tests")
+    mirror = mirror_of(repo, repos)
+    if mirror is None:
+        raise Skip(f"no local mirror under {repos} (owner__name.bundle, .git or a folder)")
+    out: dict[str, Any] = {
+        "id": _text(row.get("instance_id"), "instance_id"),
+        "repo": repo,
+        "mirror": str(mirror),
+        "base_commit": _text(row.get("base_commit"), "base_commit").strip(),
+        "problem": _text(row.get("problem_statement"), "problem_statement"),
+        "test_patch": _text(row.get("test_patch"), "test_patch"),
+        "fail_to_pass": f2p,
+        "pass_to_pass": _test_ids(row.get("PASS_TO_PASS"), "PASS_TO_PASS"),
+        "data_source": str(_first(row, "data_source") or source),
+    }
+    if isinstance(row.get("patch"), str) and row["patch"].strip():
+        out["patch"] = row["patch"]
+    else:
+        notes["no reference patch: no warm-start demonstration"] += 1
+    image = _first(row, "docker_image", "image_name")
+    if isinstance(image, str):
+        out["image"] = image
+    return out
+
+
 Converter = Callable[[dict[str, Any], str, Counter], dict[str, Any]]
 FORMATS: dict[str, tuple[str, Converter]] = {
     "aime": ("math", aime),
     "taco": ("code", taco),
     "livecodebench": ("code", livecodebench),
     "code_contests": ("code", code_contests),
+    "swe_rebench": ("swe_rebench", swe_rebench),
 }
+# Formats whose rows name a local mirror of a repository (`convert_file`'s `repos`).
+NEEDS_REPOS = frozenset({"swe_rebench"})
 
 
-def convert_file(fmt: str, src: Path, *, data_source: str | None = None) -> Converted:
+def convert_file(fmt: str, src: Path, *, data_source: str | None = None,
+                 repos: Path | None = None) -> Converted:
     """The rows of `src` (JSONL or Parquet) in format `fmt` as the target domain's rows,
     each checked by building its task. EvoError at the row for a row that is malformed or
-    whose id repeats."""
+    whose id repeats. `repos`: the folder of local repository mirrors (swe_rebench)."""
     if fmt not in FORMATS:
         raise EvoError(f"unknown format {fmt!r}", field="format",
                        hint=f"one of: {', '.join(FORMATS)}")
     domain_name, convert = FORMATS[fmt]
+    if fmt in NEEDS_REPOS:
+        if repos is None or not repos.is_dir():
+            raise EvoError(f"{fmt} rows need local mirrors of their repositories",
+                           field="--repos", hint="give --repos DIR, a folder holding "
+                           "owner__name.bundle (or .git, or a clone) for each repository")
+        convert = partial(convert, repos=repos)
     domain = make_domain({"name": domain_name})
     source = data_source or src.stem
     result = Converted(domain_name)

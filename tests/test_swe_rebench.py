@@ -264,3 +264,33 @@ def test_records_are_authenticated_in_sequence_and_must_end():
     assert "a results record out of sequence" in problems
     _, problems = runner.read_records(line(0, "begin") + line(1, "end"), b"x" * 32)
     assert "a record on the results channel that the grader did not write" in problems
+
+
+def test_a_grpo_job_runs_on_the_instances(tmp_path):
+    """The embedded engine end to end on the shipped instances (a tiny model: what it learns
+    is not the point, the episode, the grading and the records are)."""
+    import pyarrow.parquet as pq
+
+    from evotrainer.engine import run_job
+    from evotrainer.store.recipe import resolve
+
+    recipe = resolve({
+        "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
+                           "num_heads": 2, "num_kv_heads": 2, "max_position_embeddings": 2048},
+                  "warm_start": {"steps": 2, "batch_size": 2}},
+        "domain": {"name": "swe_rebench", "train_size": 1, "val_size": 1,
+                   "params": {"prompt_template": "{problem}"}},
+        "environment": {"max_turns": 2},
+        "grpo": {"group_size": 2, "prompts_per_step": 1, "steps": 1, "eval_every": 1,
+                 "eval_k": 1, "max_response_tokens": 48},
+        "reward": {"components": [{"name": "correctness", "weight": 1.0},
+                                  {"name": "format", "weight": 0.1}]},
+    }, [])
+    result = run_job(recipe, tmp_path, "v1")
+    assert result["status"] == "ok" and result["steps_done"] == 1
+    rows = pq.read_table(tmp_path / "rollouts" / "val.parquet").to_pylist()
+    assert {r["task_id"] for r in rows} <= {"swe_rebench:tinystats__tinystats-1",
+                                            "swe_rebench:tinystats__tinystats-2"}
+    components = [dict(r["reward_components"]) for r in rows]
+    # Graded for real: the base repository passes its pass-to-pass tests, not the issue's.
+    assert all((c["p2p"], c["f2p"], c["tampered"]) == (1.0, 0.0, 0.0) for c in components)

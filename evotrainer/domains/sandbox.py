@@ -18,7 +18,8 @@
   fork bomb hits the limit; as root the limit would be ignored). It has its own network
   namespace (a downed loopback only: no network at all) and its own mount namespace, where
   every top-level directory except the system ones (/usr, /etc and the /bin, /lib symlinks)
-  is covered by an empty tmpfs, the interpreter's prefix is bind-mounted back read-only, /proc
+  is covered by an empty tmpfs, the interpreter's prefix (and any directory the caller
+  exposes: a test environment) is bind-mounted back read-only, /proc
   is the namespace's own (no other process is visible), /dev is a minimal one (null, zero,
   full, random, urandom, the fd links and a private /dev/shm tmpfs of `file_bytes`), and /tmp
   is a fresh tmpfs of `file_bytes`, owned by the sandbox uid, holding the program and serving

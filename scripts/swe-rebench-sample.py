@@ -13,18 +13,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from evotrainer.domains.swe_repo import GIT_ENV
+
 DATA = Path(__file__).resolve().parents[1] / "evotrainer" / "domains" / "data"
 REPO = "tinystats/tinystats"
-ENV = {
-    "GIT_CONFIG_NOSYSTEM": "1",
-    "GIT_CONFIG_GLOBAL": "/dev/null",
-    "GIT_AUTHOR_NAME": "Maintainer",
-    "GIT_AUTHOR_EMAIL": "maintainer@example.org",
-    "GIT_COMMITTER_NAME": "Maintainer",
-    "GIT_COMMITTER_EMAIL": "maintainer@example.org",
-    "LANG": "C.UTF-8",
-    "PATH": "/usr/local/bin:/usr/bin:/bin",
-}
+ENV = {**GIT_ENV, "GIT_CONFIG_GLOBAL": "/dev/null"}
 
 STATS = '''"""Small statistics helpers."""
 

@@ -547,35 +547,36 @@ def _boot(setup):
     def send(kind, *fields, signer=signer):
         signer.send((kind, fields))
 
-    own = []  # this program's functions: their defaults are not for the code under test
+    own = set()  # ids of this program's functions: their defaults are not for others to read
+
+    guarded = set()  # ids of pytest's, pluggy's and the builtins' classes (filled below)
 
     def hook(event, args, watched=watched, frame_attrs=frame_attrs, edited=edited,
-             passing=passing, getframe=sys._getframe, send=send, isinstance=isinstance,
-             getattr=getattr, str=str, bytes=bytes, type=type, FunctionType=types.FunctionType,
-             own=own, busy=[False]):
+             passing=passing, getframe=sys._getframe, send=send, id=id, str=str, bytes=bytes,
+             type=type, FunctionType=types.FunctionType, own=own, guarded=guarded,
+             busy=[False]):
+        # Nothing here may run code the code under test can define (a property, __eq__,
+        # __class__, __hash__ of its objects): while `busy`, the hook is off. So values of
+        # untrusted types are only compared by type and identity.
         if event not in watched or busy[0]:
             return
         busy[0] = True
         try:
             target = args[0] if args else None
+            kind = type(target)
             if event in ("object.__getattr__", "object.__setattr__", "object.__delattr__"):
                 name = args[1]
-                ours = isinstance(target, FunctionType) and target in own
+                ours = kind is FunctionType and id(target) in own
                 if event == "object.__getattr__":
-                    relevant = name in frame_attrs or (ours and name in (
-                        "__defaults__", "__kwdefaults__", "__closure__"))
-                else:
-                    module = getattr(target, "__module__", None)
-                    relevant = name == "__code__" or ours or (
-                        isinstance(target, (type, FunctionType)) and isinstance(module, str)
-                        and module.split(".")[0] in ("_pytest", "pytest", "pluggy",
-                                                     "builtins", "__main__"))
+                    relevant = type(name) is str and (name in frame_attrs or (ours and name in (
+                        "__defaults__", "__kwdefaults__", "__closure__")))
+                else:  # raised for a function's or a class's special attributes
+                    relevant = name == "__code__" or ours or id(target) in guarded
             elif event == "compile":  # compiled under a file's name: a borrowed provenance
-                relevant = isinstance(args[1], str) and not args[1].startswith("<")
-            elif event in ("open", "os.listdir", "os.scandir"):
-                relevant = isinstance(target, (str, bytes)) and (
-                    target.startswith("/proc") if isinstance(target, str)
-                    else target.startswith(b"/proc"))
+                relevant = type(args[1]) is not str or not args[1].startswith("<")
+            elif event in ("open", "os.listdir", "os.scandir"):  # the path, as text
+                relevant = (kind is str and target.startswith("/proc")) or (
+                    kind is bytes and target.startswith(b"/proc"))
             else:
                 relevant = True
             culprit = None
@@ -667,7 +668,7 @@ def _boot(setup):
         def pytest_runtest_protocol(self, item, nextitem, runtestprotocol=runtestprotocol,
                                     send=send, changed=changed, foreign_hooks=foreign_hooks,
                                     untrusted=untrusted, wanted=wanted, realpath=realpath,
-                                    getattr=getattr, vars=vars, all=all, str=str):
+                                    getattr=getattr, vars=vars, all=all, str=str, type=type):
             code = getattr(getattr(item, "obj", None), "__code__", None)
             if code is not None and untrusted(code):
                 send("tampered", item.nodeid + " runs code from an edited file")
@@ -685,14 +686,19 @@ def _boot(setup):
             if problems:
                 send("tampered", "changed during " + item.nodeid + ": " + ", ".join(problems[:5]))
             elif item.nodeid in wanted:
-                outcomes = {report.when: report.outcome for report in reports}
-                passed = all(outcomes.get(w) == "passed" for w in ("setup", "call", "teardown"))
+                outcomes = {report.when: report.outcome for report in reports
+                            if type(report.when) is str}
+                passed = all(type(outcomes.get(w)) is str and outcomes[w] == "passed"
+                             for w in ("setup", "call", "teardown"))
                 send("test", item.nodeid, "pass" if passed else "fail")
             return True
 
     protocol = Grader.pytest_runtest_protocol
     untrusted.__defaults__ = (edited, frozenset({protocol.__code__}))
-    own.extend([send, hook, members, untrusted, own_doing, changed, foreign_hooks, protocol])
+    own.update(id(f) for f in (send, hook, members, untrusted, own_doing, changed,
+                                foreign_hooks, protocol))
+    guarded.update(id(v) for v in members().values() if isinstance(v, type))
+    guarded.add(id(Grader))
     signer.send((None, (protocol.__code__, hook.__code__, _boot.__code__)))
     send("begin")
     code = pytest.main(["-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-o", "addopts=",

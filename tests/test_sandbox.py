@@ -149,6 +149,27 @@ def test_files_outside_the_scratch_dir_are_hidden(sandbox: LocalSandbox, tmp_pat
 
 
 @needs_root
+def test_exposed_directories_are_readable_and_read_only_even_under_tmp(tmp_path) -> None:
+    """A test environment exposed to the program (the swe_rebench grader's venv) is bound back
+    read-only, also where it lives under the host's /tmp, which the sandbox replaces; what is
+    beside it stays hidden."""
+    environment, beside = tmp_path / "venv", tmp_path / "beside.txt"
+    environment.mkdir()
+    (environment / "lib.txt").write_text("from the environment")
+    beside.write_text("not exposed")
+    for path in (tmp_path, environment, environment / "lib.txt", beside):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    exposed = LocalSandbox(expose=(str(environment),))
+    read = exposed.run(f"print(open({str(environment / 'lib.txt')!r}).read())",
+                       limits=CPU_BOUND)
+    assert read.status == "ok" and read.stdout.strip() == "from the environment"
+    write = exposed.run(f"open({str(environment / 'new.txt')!r}, 'w')", limits=CPU_BOUND)
+    assert "Read-only file system" in write.detail or "Permission denied" in write.detail
+    hidden = exposed.run(f"open({str(beside)!r})", limits=CPU_BOUND)
+    assert "FileNotFoundError" in hidden.detail
+
+
+@needs_root
 def test_scratch_dir_is_private_writable_and_size_limited(sandbox: LocalSandbox) -> None:
     program = (
         "import os\n"

@@ -833,12 +833,20 @@ def do_pytest(repo: str, request: dict) -> dict:
     scratch = tempfile.mkdtemp(prefix="swe-")
     read_end, write_end = os.pipe()
     setup = {"key": key.hex(), "fd": write_end, "edited": edited, "tests": request["tests"]}
-    proc = subprocess.Popen(
-        [request.get("python") or sys.executable, "-I", "-c", PYTEST_BOOTSTRAP],
-        cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env=command_env(scratch, request.get("python")), start_new_session=True,
-        pass_fds=(write_end,),
-    )
+    python = request.get("python") or sys.executable
+    try:
+        proc = subprocess.Popen(
+            [python, "-I", "-c", PYTEST_BOOTSTRAP],
+            cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=command_env(scratch, request.get("python")), start_new_session=True,
+            pass_fds=(write_end,),
+        )
+    except OSError as err:  # the environment's fault, not the code's: the host says so
+        os.close(read_end)
+        os.close(write_end)
+        return {"output": "", "exit_code": None, "results": {}, "tampered": tampered,
+                "restored": restored, "error": f"the test environment's {python} could not "
+                f"start here: {err}"}
     os.close(write_end)
     data, output, timed_out = _collect(proc, read_end, json.dumps(setup) + "\n",
                                        float(request["timeout"]), int(request["cap"]))

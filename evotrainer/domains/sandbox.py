@@ -368,10 +368,12 @@ class _ChildSetup:
         # Now pid 1 of the new pid namespace: when it exits, the kernel kills and reaps every
         # process it left behind, setsid or not.
         _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-        self._hide_host()
+        kept = self._hide_host()
         self._private_dev()
         scratch = f"size={self.limits.file_bytes},nr_inodes=4096,mode=700,uid={uid},gid={uid}"
         _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, scratch)
+        # After /tmp: a directory exposed from the host's /tmp (a venv there) is bound too.
+        self._expose(kept)
         with open("/tmp/main.py", "wb") as f:
             f.write(self.program)
         os.chown("/tmp/main.py", uid, uid)
@@ -394,9 +396,10 @@ class _ChildSetup:
         shm = f"size={self.limits.file_bytes},nr_inodes=1024,mode=1777"
         _mount("tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, shm)
 
-    def _hide_host(self) -> None:
-        """Cover every non-system top-level entry; bring the interpreter prefix (and the
-        exposed directories) back, read-only."""
+    def _hide_host(self) -> list[tuple[str, int]]:
+        """Cover every non-system top-level entry. Returns the interpreter prefix and the
+        exposed directories, each with a descriptor opened before the covering, for
+        `_expose` to bind back once /tmp is the sandbox's own too."""
         kept = [(prefix, os.open(prefix, os.O_PATH | os.O_DIRECTORY)) for prefix in self.prefixes]
         for name in os.listdir("/"):
             path = "/" + name
@@ -406,6 +409,11 @@ class _ChildSetup:
                 _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=64k,mode=755")
             elif os.path.isfile(path):
                 _mount("/dev/null", path, None, _MS_BIND)
+        return kept
+
+    @staticmethod
+    def _expose(kept: list[tuple[str, int]]) -> None:
+        """Bind each kept directory back where it was, read-only, where a covering hid it."""
         for prefix, fd in kept:
             if not os.path.isdir(prefix):
                 # Its top-level directory was covered: recreate the path, then bind the original.

@@ -69,6 +69,7 @@ from evotrainer.domains.sandbox import (
 )
 from evotrainer.domains.sandboxed import EXECUTOR_PARAMS
 from evotrainer.domains.swe_repo import RepoTask, build, files
+from evotrainer.errors import EvoError
 
 TURN_END = "`"
 TOOLS = ("shell", "write", "patch", "submit")
@@ -489,6 +490,10 @@ class SweDomain(Domain):
                 reply = repo.act(self.evaluation(task), keep=False)
             finally:
                 repo.close()
+            if reply.get("error"):
+                raise EvoError(str(reply["error"]), field="domain.params",
+                               hint="check the domain's executor and its test environment "
+                               "(test_python, docker_image)")
             results = reply.get("results")
             tampered = reply.get("tampered")
             evaluated = (

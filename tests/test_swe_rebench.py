@@ -294,3 +294,20 @@ def test_a_grpo_job_runs_on_the_instances(tmp_path):
     components = [dict(r["reward_components"]) for r in rows]
     # Graded for real: the base repository passes its pass-to-pass tests, not the issue's.
     assert all((c["p2p"], c["f2p"], c["tampered"]) == (1.0, 0.0, 0.0) for c in components)
+
+
+def test_a_test_environment_without_pytest_is_named_not_taken_for_tampering(tmp_path,
+                                                                             median_task):
+    import subprocess
+    import sys
+
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    for path in [tmp_path, *bare.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() or path.name.startswith("python") else 0o644)
+    domain = make_domain({"name": "swe_rebench",
+                          "params": {"test_python": str(bare / "bin" / "python")}})
+    with pytest.raises(EvoError) as err:
+        domain.score(median_task, "", [SUBMIT])
+    assert err.value.field == "domain.params"
+    assert "pytest cannot be imported in the test environment" in str(err.value)

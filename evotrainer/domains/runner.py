@@ -595,10 +595,15 @@ def _boot(setup):
             raise PermissionError(event + " is not allowed in the code under test")
 
     sys.addaudithook(hook)
+    try:  # before the repository is on the path: only the environment can fail this
+        import pytest
+        import _pytest.main, _pytest.python, _pytest.reports, pluggy
+        from _pytest.runner import runtestprotocol
+    except ImportError as err:
+        signer.send((None, (_boot.__code__,)))
+        send("error", "pytest cannot be imported in the test environment: " + str(err))
+        return
     sys.path.insert(0, repo)
-    import pytest
-    import _pytest.main, _pytest.python, _pytest.reports, pluggy
-    from _pytest.runner import runtestprotocol
 
     kinds = (type, types.FunctionType, types.BuiltinFunctionType, property, staticmethod,
              classmethod)
@@ -851,6 +856,10 @@ def do_pytest(repo: str, request: dict) -> dict:
     data, output, timed_out = _collect(proc, read_end, json.dumps(setup) + "\n",
                                        float(request["timeout"]), int(request["cap"]))
     records, problems = read_records(data, key)
+    failure = next((r[1] for r in records if r[0] == "error" and len(r) > 1), None)
+    if failure:  # the environment's fault, not the code's: the host says so
+        return {"output": "", "exit_code": None, "results": {}, "tampered": tampered,
+                "restored": restored, "error": failure}
     if timed_out:
         problems = [p for p in problems if "ended before" not in p]
     tampered += problems + [r[1].replace(root + os.sep, "") for r in records

@@ -134,6 +134,8 @@ def test_missing_artifacts_and_dirty_worktree_give_clear_errors(workspace):
     plans = {p.version: p for p in converge(workspace)}  # v1's error does not stop the pass
     assert "uncommitted changes" in plans["v1"].error
     assert (worktree / "notes.txt").read_text() == "my analysis"
+    # Refused before anything is recorded: no attempt spent on a job never submitted.
+    assert record(workspace, "v1", "run")["attempt"] == 1
     # Artifacts deleted under a recorded run: the re-diagnosis names the folder and the fix.
     run = record(workspace, "v0", "run")
     shutil.rmtree(workspace.root / run["artifact_dir"])

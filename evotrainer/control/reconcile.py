@@ -227,10 +227,12 @@ class Reconciler:
         previous = state.records.get("run") or {}
         run, job = launch_job(ctx, state, attempt, history)
         jid, attempt = run["job_id"], run["attempt"]
+        # The worktree first: one that cannot move (uncommitted work in it) refuses the launch
+        # before anything is recorded, so no attempt is spent on a job never submitted.
+        self.ws.git.worktree_add(job.workdir, self.ws.spec_commit(state))
         if previous.get("job_id") != jid or previous.get("state") != "Pending":
             self._commit_run(state, run, f"Launch {state.name} attempt {attempt} ({jid})", "launch")
             self.boundary()
-        self.ws.git.worktree_add(job.workdir, self.ws.spec_commit(state))
         job.artifact_dir.mkdir(parents=True, exist_ok=True)
         launched = replace(state, records={**state.records, "run": run})
         run_identity(self.ws, launched, ctx.states).write(job.artifact_dir)  # tracker tags

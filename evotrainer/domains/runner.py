@@ -493,7 +493,7 @@ def do_check(repo: str, request: dict) -> dict:
 # once untrusted code may run (a library's Python function reads its module's globals, which
 # the code under test can replace).
 PYTEST_BOOTSTRAP = r"""
-import builtins, os, sys, sysconfig, types
+import os, sys, sysconfig, types
 import _hashlib
 
 sys.dont_write_bytecode = True  # no cache the next run could take for a source
@@ -798,12 +798,12 @@ def do_pytest(repo: str, request: dict) -> dict:
     `tests` run by pytest in a child (`PYTEST_BOOTSTRAP`) whose verdicts come back signed on
     their own descriptor. `tampered` lists what the code under test tried: a conftest, hook
     or configuration of its own, introspection refused by the audit hook, pytest's machinery
-    changed, a plugin registered from an edited file, a forged or missing record. `restored`
-    lists the test files and configuration the episode had changed (put back, as SWE-bench
-    does with the test patch)."""
+    changed, a plugin registered from an edited file, a forged or missing record. The
+    episode's edits of test files and pytest's configuration are put back silently (as
+    SWE-bench applies the test patch): not tampering."""
     root = os.path.realpath(repo)
     trusted, base = request["trusted"], request["base"]
-    tampered, restored = [], []
+    tampered: list[str] = []
     for folder, dirs, names in os.walk(root):
         # Compiled caches, which Python and pytest would take for the sources they name.
         for name in [d for d in dirs if d == "__pycache__"]:
@@ -818,11 +818,13 @@ def do_pytest(repo: str, request: dict) -> dict:
         if os.path.islink(full) and base.get(path) != final[path]:
             # A link of the episode's own could stand in for a test file or folder.
             _put(root, path, None)
+            del final[path]
             tampered.append(f"added the link {path}")
         elif guarded(path) and path not in trusted and os.path.lexists(full):
             _put(root, path, None)
-            (tampered if self_running(path) else restored).append(f"added {path}")
-    final = tree_digests(root)
+            del final[path]
+            if self_running(path):
+                tampered.append(f"added {path}")
     for path, text in sorted(trusted.items()):
         if ".." in path.split("/") or path.startswith("/"):
             continue
@@ -830,8 +832,9 @@ def do_pytest(repo: str, request: dict) -> dict:
         wanted = None if text is None else hashlib.sha256(text.encode()).hexdigest()
         if digest != wanted or (text is not None and os.path.islink(os.path.join(root, path))):
             _put(root, path, text)
-            if digest is not None and (text is not None or path in base):
-                (tampered if self_running(path) else restored).append(f"changed {path}")
+            # The episode's own conftest (or startup hook): one it changed from the base's.
+            if self_running(path) and digest is not None and digest != base.get(path):
+                tampered.append(f"changed {path}")
     edited = sorted(p for p, d in tree_digests(root).items()
                     if base.get(p) != d and p not in trusted and p.endswith(".py"))
     key = secrets.token_bytes(PYTEST_KEY_BYTES)
@@ -850,7 +853,7 @@ def do_pytest(repo: str, request: dict) -> dict:
         os.close(read_end)
         os.close(write_end)
         return {"output": "", "exit_code": None, "results": {}, "tampered": tampered,
-                "restored": restored, "error": f"the test environment's {python} could not "
+                "error": f"the test environment's {python} could not "
                 f"start here: {err}"}
     os.close(write_end)
     data, output, timed_out = _collect(proc, read_end, json.dumps(setup) + "\n",
@@ -859,7 +862,7 @@ def do_pytest(repo: str, request: dict) -> dict:
     failure = next((r[1] for r in records if r[0] == "error" and len(r) > 1), None)
     if failure:  # the environment's fault, not the code's: the host says so
         return {"output": "", "exit_code": None, "results": {}, "tampered": tampered,
-                "restored": restored, "error": failure}
+                "error": failure}
     if timed_out:
         problems = [p for p in problems if "ended before" not in p]
     tampered += problems + [r[1].replace(root + os.sep, "") for r in records
@@ -877,7 +880,7 @@ def do_pytest(repo: str, request: dict) -> dict:
     if timed_out:
         text += f"\n[timed out after {float(request['timeout']):g} s]"
     return {"output": text, "exit_code": None if timed_out else proc.returncode,
-            "results": results, "tampered": tampered, "restored": restored}
+            "results": results, "tampered": tampered}
 
 
 def _collect(proc: subprocess.Popen, channel: int, stdin: str, timeout: float, cap: int

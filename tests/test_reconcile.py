@@ -118,9 +118,14 @@ def test_drift_and_harness_change(workspace):
     assert next(p for p in plan(load_context(fresh)) if p.version == "v1").action.kind == "retry"
 
 
-def test_missing_artifacts_and_dirty_worktree_give_clear_errors(workspace):
+def test_missing_artifacts_and_dirty_worktree_give_clear_errors(workspace, monkeypatch):
     propose(workspace, "v1", standin_skill=0.5)
     converge(workspace)
+    # The re-approval below lands in the launch's own second (records are to the second): it
+    # still counts. This once flaked on a fast machine.
+    import evotrainer.control.versions as versions
+
+    monkeypatch.setattr(versions, "now_iso", lambda: record(workspace, "v1", "run")["created_at"])
     # Uncommitted work in a worktree that a retrain would have to move: refused, untouched.
     worktree = workspace.worktree_path("v1")
     (worktree / "notes.txt").write_text("my analysis")

@@ -287,8 +287,11 @@ def observe(ctx: Context, state: VersionState) -> Observed:
         run=run,
         approval=approval,
         spec_digest=state.spec_digest,
+        # Timestamps are to the second, so an approval in the launch's own second counts:
+        # drifted, an approval that holds binds content other than what ran, and only an
+        # older one (a restored approval block) must not retrain it.
         reapproved_after_run=run is not None
-        and state.approval.get("at", "") > run.created_at,
+        and state.approval.get("at", "") >= run.created_at,
         auto_approvable=approval not in ("approved", "not needed")
         and _auto_approvable(ctx, state),
         slot_free=_slot_free(ctx),

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Build the `swe` domain's Docker image offline: Debian bookworm minbase with python3 and git,
-# made by debootstrap from the apt mirror and imported (no image registry is needed).
-# Cached: does nothing when the image already exists. Needs root and a running dockerd.
+# Build the `swe` domains' Docker image offline: Debian bookworm minbase with python3, git and
+# pytest (the swe_rebench grader runs the instances' pytest suites with it), made by
+# debootstrap from the apt mirror and imported (no image registry is needed).
+# Cached: does nothing when the image already exists with pytest in it (an image built before
+# pytest was added is rebuilt). Needs root and a running dockerd.
 #   usage: scripts/swe-docker-image.sh [IMAGE]      (default evotrainer-swe:bookworm)
 #   env:   SWE_DEBIAN_MIRROR (default: the mirror apt already uses, else deb.debian.org)
 set -euo pipefail
 
 image="${1:-evotrainer-swe:bookworm}"
-if docker image inspect "$image" >/dev/null 2>&1; then
+if docker image inspect "$image" >/dev/null 2>&1 \
+        && docker run --rm --network none "$image" python3 -c "import pytest" >/dev/null 2>&1; then
     echo "swe image $image: cached"
     exit 0
 fi
@@ -23,7 +26,7 @@ fi
 rootfs="$(mktemp -d /var/tmp/evotrainer-swe-rootfs.XXXXXX)"
 trap 'rm -rf "$rootfs"' EXIT
 start=$SECONDS
-debootstrap --variant=minbase --include=python3,git bookworm "$rootfs" "$mirror" >/dev/null
+debootstrap --variant=minbase --include=python3,git,python3-pytest bookworm "$rootfs" "$mirror" >/dev/null
 # A default identity, so `git commit` inside an episode works as it does in the local executor.
 chroot "$rootfs" git config --system user.name agent
 chroot "$rootfs" git config --system user.email agent@localhost

@@ -27,8 +27,42 @@ def domain():
 
 @pytest.fixture(scope="module")
 def median_task(domain):
+    return median_of(domain)
+
+
+def median_of(domain):
     return next(t for t in domain.split(1, 1)[0] + domain.split(1, 1)[1]
                 if t.task_id.endswith("-1"))
+
+
+def docker_unready() -> str | None:
+    """Why the instances cannot be graded in a container here, or None."""
+    from evotrainer.domains.sandbox import OFFLINE_IMAGE, DockerSandbox
+
+    if not DockerSandbox.image_present():
+        return ("needs the docker SDK, a running dockerd and the image built by "
+                "scripts/swe-docker-image.sh")
+    import docker
+
+    try:
+        docker.from_env().containers.run(OFFLINE_IMAGE, ["python3", "-c", "import pytest"],
+                                         remove=True, network_disabled=True)
+    except docker.errors.ContainerError:
+        return "the offline image has no pytest: rebuild it with scripts/swe-docker-image.sh"
+    return None
+
+
+@pytest.fixture(scope="module", params=["local", "docker"])
+def graded(request, domain):
+    """The domain and its median instance, graded in the local sandbox (this interpreter's
+    pytest) or in a container of the offline image (Debian's pytest, another major version)."""
+    if request.param == "local":
+        return domain, median_of(domain)
+    why = docker_unready()
+    if why:
+        pytest.skip(why)
+    in_docker = make_domain({"name": "swe_rebench", "params": {"executor": "docker"}})
+    return in_docker, median_of(in_docker)
 
 
 def write(path: str, content: str) -> dict[str, str]:
@@ -80,7 +114,8 @@ def test_converted_file_is_the_domains_data(tmp_path, monkeypatch):
     assert "slugify" in task.prompt
 
 
-def test_base_fails_the_issue_and_the_reference_fix_resolves_it(domain, median_task):
+def test_base_fails_the_issue_and_the_reference_fix_resolves_it(graded):
+    domain, median_task = graded
     base = domain.score(median_task, "", [SUBMIT]).components
     assert (base["f2p"], base["p2p"], base["correctness"], base["tampered"]) == (0, 1, 0, 0)
     demo = domain.demonstration(median_task, random.Random(0))
@@ -216,7 +251,8 @@ ATTACKS = {
 
 
 @pytest.mark.parametrize("attack", list(ATTACKS))
-def test_the_code_under_test_cannot_fake_a_verdict(domain, median_task, attack):
+def test_the_code_under_test_cannot_fake_a_verdict(graded, attack):
+    domain, median_task = graded
     calls, trace = ATTACKS[attack]
     scored = domain.score(median_task, "", [*calls, SUBMIT]).components
     assert scored["f2p"] == 0 and scored["correctness"] == 0, attack
@@ -225,7 +261,8 @@ def test_the_code_under_test_cannot_fake_a_verdict(domain, median_task, attack):
     assert any(trace in t for t in tampered), tampered
 
 
-def test_edited_tests_are_put_back_and_honest_code_is_not_flagged(domain, median_task):
+def test_edited_tests_are_put_back_and_honest_code_is_not_flagged(graded):
+    domain, median_task = graded
     weakened = runner_file("tests/test_stats.py").replace("== 2.5", "!= 2.5")
     weakened += "\n\ndef test_median_even(numbers):\n    assert True\n"
     calls = [write("tests/test_stats.py", weakened), SUBMIT]

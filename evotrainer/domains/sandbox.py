@@ -605,7 +605,7 @@ def _classify(
 # Docker's spelling of PR_SET_NO_NEW_PRIVS for every process of a container.
 NO_NEW_PRIVILEGES = "no-new-privileges"
 
-# Built offline from Debian's packages by scripts/swe-docker-image.sh (python3 and git);
+# Built offline from Debian's packages by scripts/swe-docker-image.sh (python3, git, pytest);
 # no image registry is reachable, so nothing defaults to an image that must be pulled.
 OFFLINE_IMAGE = "evotrainer-swe:bookworm"
 

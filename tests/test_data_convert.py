@@ -117,3 +117,50 @@ def test_the_cli_writes_the_rows_and_says_what_it_skipped(tmp_path):
     assert summary["data_sources"] == {"livecodebench/atcoder/easy": 1,
                                        "livecodebench/atcoder/medium": 1}
     assert len(out.read_text().splitlines()) == 2
+
+
+DEEP = "[" * 100_000
+
+
+@pytest.mark.parametrize(("fmt", "line"), [
+    ("aime", DEEP),
+    ("taco", json.dumps({"question": "q", "input_output": DEEP})),
+])
+def test_json_nested_past_the_stack_is_one_error_line(cli, tmp_path, fmt, line):
+    """A line (or a JSON-text field) of `[` nested 100,000 deep: the decoder would recurse
+    past the interpreter's stack; the user gets one line naming the file and row."""
+    src = tmp_path / "deep.jsonl"
+    src.write_text(line + "\n")
+    result = cli("data", "convert", fmt, str(src), str(tmp_path / "out.jsonl"))
+    assert result.code == 1 and "Traceback" not in result.err + result.out
+    lines = result.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "nested too deeply" in lines[0]
+    assert str(src) in lines[0]
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("repo", ["../outside", "./outside", "owner/..", "/abs/outside",
+                                  "owner\\..\\x/name", "owner/name/extra", "owner/."])
+def test_swe_rebench_repo_must_be_owner_and_name(cli, tmp_path, repo):
+    """`repo: "../outside"` would name `mirrors/../outside`, a folder outside --repos, as the
+    mirror; every such name is refused at its row, even when that folder exists."""
+    from evotrainer.domains.data import sample_path
+
+    raw = json.loads(sample_path("swe_rebench_sample.jsonl").read_text().splitlines()[0])
+    mirrors, outside = tmp_path / "mirrors", tmp_path / "outside"
+    mirrors.mkdir()
+    (mirrors / "owner").mkdir()
+    bundle = sample_path("swe_rebench_repos") / "tinystats__tinystats.bundle"
+    for where in (outside, mirrors / "owner" / "name", mirrors / "owner" / "."):
+        where.mkdir(exist_ok=True)
+        (where / "repo.bundle").write_bytes(bundle.read_bytes())
+    src = tmp_path / "rows.jsonl"
+    src.write_text(json.dumps({**raw, "repo": repo}) + "\n")
+    with pytest.raises(EvoError) as err:
+        convert_file("swe_rebench", src, repos=mirrors)
+    assert err.value.where == f"{src}:row 1" and "is not owner/name" in err.value.message
+    result = cli("data", "convert", "swe_rebench", str(src), str(tmp_path / "out.jsonl"),
+                 "--repos", str(mirrors))
+    lines = result.err.splitlines()
+    assert result.code == 1 and len(lines) == 1 and "is not owner/name" in lines[0]
+    assert "Traceback" not in result.err

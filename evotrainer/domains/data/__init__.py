@@ -89,6 +89,15 @@ def read_rows(path: Path, field: str) -> list[dict[str, Any]]:
                 field=field,
                 hint="each line must be one JSON object",
             ) from exc
+        except RecursionError:
+            # The decoder recurses once per nesting level: a line of `[[[[...` deeper than
+            # the interpreter's stack is hostile (or broken) input, not a row.
+            raise EvoError(
+                "a value nested too deeply to read",
+                where=f"{path}:{number}",
+                field=field,
+                hint="each line must be one JSON object of ordinary depth",
+            ) from None
         if not isinstance(row, dict):
             raise EvoError(
                 "a line is not a JSON object",

@@ -30,6 +30,7 @@ tests and the count says how many rows lost their private ones.
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,6 +77,8 @@ def _json(value: Any, what: str) -> Any:
             return json.loads(value)
         except json.JSONDecodeError as err:
             raise RowError(f"{what} is not JSON ({err.msg})") from err
+        except RecursionError:  # `[[[[...` deeper than the decoder's stack
+            raise RowError(f"{what} is JSON nested too deeply to read") from None
     return value
 
 
@@ -224,6 +227,11 @@ def _test_ids(value: Any, what: str) -> list[str]:
     return ids
 
 
+# GitHub's owner/name: the mirror's path is built from it, so nothing else may pass (`..`,
+# `.`, an absolute path, a backslash, a third part would name a folder outside `--repos`).
+_OWNER_NAME = re.compile(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+")
+
+
 def mirror_of(repo: str, repos: Path) -> Path | None:
     """The local mirror of `repo` (owner/name) under `repos`, if there is one."""
     owner, _, name = repo.partition("/")
@@ -238,8 +246,9 @@ def mirror_of(repo: str, repos: Path) -> Path | None:
 def swe_rebench(row: dict[str, Any], source: str, notes: Counter, *,
                 repos: Path) -> dict[str, Any]:
     repo = _text(row.get("repo"), "repo")
-    if repo.count("/") != 1 or not all(repo.split("/")):
-        raise RowError(f"repo {repo!r} is not owner/name")
+    if not _OWNER_NAME.fullmatch(repo) or any(part in (".", "..") for part in repo.split("/")):
+        raise RowError(f"repo {repo!r} is not owner/name (letters, digits, '-', '_', '.'; "
+                       "neither part '.' or '..')")
     f2p = _test_ids(row.get("FAIL_TO_PASS"), "FAIL_TO_PASS")
     if not f2p:
         raise Skip("no fail-to-pass tests")

@@ -589,7 +589,7 @@ def run_job(
     """
     check_recipe(recipe)
     check_rollout(recipe)
-    offline_environment()
+    offline_environment(recipe)
     torch.set_num_threads(engine_threads(recipe.get("threads")))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

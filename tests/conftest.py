@@ -16,6 +16,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The fast lane first: every test that trains a model for real (`slow`) runs after the
+    rest, so a broken check shows within the first minutes of a run."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+
+
 @dataclass
 class CliResult:
     code: int

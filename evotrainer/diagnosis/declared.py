@@ -22,13 +22,26 @@ What each kind returns, and what the metric makes of it:
              {"seed", "step", "group_id", "value"}. For both: the mean over rows / groups,
              and its mean per step (null values left out).
 
-Neither reaches anything but its declared rows. SQL runs in the locked-down DuckDB sandbox
+Neither reaches anything but its declared rows. `rows.where` is parsed by DuckDB as one
+expression over rollout columns (no subquery, UNION or table) and the rows' query is written
+from the parsed expression, never pasted text. SQL runs in the locked-down DuckDB sandbox
 (sql.ReadOnlyQuery) over a table of the declared columns only. Python is untrusted program
-text: it is refused at load time unless it is one function (imports only from a small list of
-pure standard-library modules, no dunder attributes, no open/exec/eval/...), and it runs in
-the model-code sandbox (domains/sandbox.py: no network, a private /tmp, CPU, memory and
-wall-clock limits, the process group killed at the end) with the standard library only, its
-rows on stdin and its result read back as JSON and checked against the declared kind.
+text. Its load check (one function, imports from a small list of pure standard-library
+modules, no dunder attributes, no open/exec/eval/...) is a lint that names mistakes early; it
+is not the boundary, since Python's introspection has more ways out than any source check
+sees. The boundary is the operating system's: the program runs in the model-code sandbox
+(domains/sandbox.py) as a uid that can read neither the caller's own files (the record key,
+mode 0600) nor its environment, with no network, a private /tmp, CPU, memory and wall-clock
+limits and nothing left running after it. As root that is a fresh uid in namespaces; without
+root, the caller's uid confined in user, mount, pid and network namespaces that hide the
+host. Where the machine gives neither (not root, no unprivileged user namespaces), a Python
+analyzer of a revision not reviewed on main is not run: its metrics are gaps naming the
+revision, and SQL analyzers and catalogue metrics still run. Its rows arrive on stdin and its
+result is read back as JSON and checked against the declared kind.
+
+Each diagnosis runs an analyzer once per (analyzer, params, rows), however many metrics name
+it, and a revision's analyzers share MAX_REVISION_SECONDS of wall time per diagnosis
+(AnalyzerRuns): past it the diagnosis stops with one line naming the revision.
 """
 
 from __future__ import annotations
@@ -36,7 +49,9 @@ from __future__ import annotations
 import ast
 import json
 import math
-from dataclasses import dataclass
+import os
+import time
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
 
@@ -44,8 +59,8 @@ import numpy as np
 import pyarrow as pa
 
 from evotrainer.diagnosis.analyzers import mean_by_step
-from evotrainer.diagnosis.sql import ReadOnlyQuery, metric_result, query_columns
-from evotrainer.domains.sandbox import Limits, Sandbox, default_sandbox
+from evotrainer.diagnosis.sql import ReadOnlyQuery, metric_result, query_columns, rows_query
+from evotrainer.domains.sandbox import Limits, LocalSandbox
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 
@@ -88,6 +103,9 @@ MAX_INPUT_BYTES = 64 * 2**20
 MAX_OUTPUT_BYTES = 16 * 2**20
 # The row order column added to a Python analyzer's rows while they are written as JSON.
 _ROW = "__evotrainer_row"
+# Wall seconds all of a revision's declared analyzers may take in one diagnosis, together:
+# a revision naming one slow analyzer from many metrics, or declaring many, stops here.
+MAX_REVISION_SECONDS = 120.0
 
 # Runs the analyzer: its rows and params arrive on stdin, its result leaves on the real
 # stdout (what the analyzer prints goes to stderr, so it cannot forge the result), and it
@@ -123,10 +141,44 @@ class DeclaredAnalyzer:
     function: str | None  # the Python source's one function
     limits: Limits
     description: str = ""
+    # The revision's text is the one on main (or built in): reviewed. Only then may its Python
+    # run where the machine cannot give the OS isolation (see the module doc).
+    reviewed: bool = False
 
     def error(self, message: str, hint: str | None = None) -> EvoError:
         """A one-line error naming the revision and the analyzer."""
         return EvoError(f"harness {self.revision}, analyzer {self.name}: {message}", hint=hint)
+
+
+class AnalyzerRefused(EvoError):
+    """A Python analyzer not run because this machine cannot isolate it: its metric is a gap
+    (this line), the rest of the diagnosis goes on."""
+
+
+@dataclass
+class AnalyzerRuns:
+    """One diagnosis's runs of a revision's declared analyzers: each (analyzer, params, rows)
+    runs once however many metrics name it, and all of them share `budget_s` of wall time."""
+
+    revision: str
+    budget_s: float = MAX_REVISION_SECONDS
+    spent_s: float = 0.0
+    results: dict[tuple, tuple[float | None, list[list[float]]]] = field(default_factory=dict)
+
+    def remaining(self, analyzer: DeclaredAnalyzer) -> float:
+        """Seconds left; EvoError naming the revision when none are."""
+        left = self.budget_s - self.spent_s
+        if left <= 0:
+            raise self.exhausted(analyzer)
+        return left
+
+    def exhausted(self, analyzer: DeclaredAnalyzer) -> EvoError:
+        return EvoError(
+            f"harness {self.revision}: its declared analyzers took more than the "
+            f"{self.budget_s:g} s of wall time a diagnosis allows them (stopped at analyzer "
+            f"{analyzer.name}, after {self.spent_s:.1f} s)",
+            hint="make the analyzers cheaper, narrow their rows.where, or let fewer run",
+        )
 
 
 def declared_analyzer(raw: dict[str, Any], *, revision: str, where: str) -> DeclaredAnalyzer:
@@ -233,22 +285,91 @@ def run_declared(
     *,
     timeout_s: float,
     memory_limit: str,
+    runs: AnalyzerRuns | None = None,
 ) -> tuple[float | None, list[list[float]]]:
     """(value, series points) of `analyzer` over the rows of `sandbox`'s split that hold its
-    `rows.where`, with only its declared columns."""
-    keys = [c for c in ("step",) if c not in analyzer.inputs]  # per_row series need steps
-    columns = ", ".join(f'"{c}"' for c in (*analyzer.inputs, *keys))
-    condition = f" WHERE ({analyzer.where})" if analyzer.where else ""
+    `rows.where`, with only its declared columns. `runs` (one per diagnosis) keeps each
+    result, so a second metric naming the same analyzer, params and rows reuses it, and
+    bounds the time all of them take. AnalyzerRefused when a Python analyzer cannot be
+    isolated here."""
+    runs = runs or AnalyzerRuns(analyzer.revision)
     try:
-        rows = sandbox.table(f"SELECT {columns} FROM rollouts{condition}", params,
-                             field=f"analyzers.{analyzer.name}.rows")
+        params_key = json.dumps(params, sort_keys=True, default=str)
+    except (TypeError, ValueError) as err:
+        raise analyzer.error(f"params are not JSON: {err}") from None
+    # The sandbox is the split's for this diagnosis: the same sandbox, the same rows.
+    key = (analyzer.name, analyzer.sql, analyzer.python, analyzer.where, analyzer.inputs,
+           analyzer.kind, id(sandbox), params_key)
+    if key in runs.results:
+        return runs.results[key]
+    if analyzer.python is not None:
+        box = analyzer_sandbox()
+        if not box.separated and not analyzer.reviewed:
+            raise AnalyzerRefused(
+                f"harness {analyzer.revision}, analyzer {analyzer.name}: not run: revision "
+                f"{analyzer.revision} is not reviewed on main and this machine cannot isolate "
+                "its Python (not root, and no unprivileged user namespaces)",
+                hint="run as root, allow unprivileged user namespaces "
+                "(sysctl user.max_user_namespaces), or review and merge the revision; SQL "
+                "analyzers and catalogue metrics still run",
+            )
+    left = runs.remaining(analyzer)
+    start = time.monotonic()
+    try:
+        result, out_of_time = _run(analyzer, sandbox, params, min(timeout_s, left),
+                                   memory_limit, left), False
+    except _OutOfTime:
+        result, out_of_time = (None, []), True
+    runs.spent_s += time.monotonic() - start
+    if out_of_time or runs.spent_s > runs.budget_s:
+        raise runs.exhausted(analyzer)
+    runs.results[key] = result
+    return result
+
+
+class _OutOfTime(Exception):
+    """A run stopped by the revision's remaining time, not by its own limits."""
+
+
+def _run(
+    analyzer: DeclaredAnalyzer, sandbox: ReadOnlyQuery, params: dict[str, Any],
+    timeout_s: float, memory_limit: str, left: float,
+) -> tuple[float | None, list[list[float]]]:
+    keys = [c for c in ("step",) if c not in analyzer.inputs]  # per_row series need steps
+    try:
+        # Written by DuckDB from the parsed `rows.where` (checked when the revision loaded).
+        query = rows_query((*analyzer.inputs, *keys), analyzer.where)
+        rows = sandbox.table(query, params, field=f"analyzers.{analyzer.name}.rows")
     except EvoError as err:
         raise analyzer.error(err.message, err.hint) from None
     steps = rows.column("step").to_numpy(zero_copy_only=False)
     seen = rows.select(list(analyzer.inputs))
     if analyzer.sql is not None:
-        return _run_sql(analyzer, seen, params, timeout_s, memory_limit)
-    return _run_python(analyzer, seen, steps, params, default_sandbox(), timeout_s, memory_limit)
+        try:
+            return _run_sql(analyzer, seen, params, timeout_s, memory_limit)
+        except EvoError as err:
+            if timeout_s < left or "ran longer than" not in err.message:
+                raise
+            raise _OutOfTime from None
+    limits = analyzer.limits
+    if left < limits.wall_seconds:
+        limits = replace(limits, wall_seconds=left, cpu_seconds=min(limits.cpu_seconds, left))
+    return _run_python(analyzer, seen, steps, params, analyzer_sandbox(), timeout_s,
+                       memory_limit, limits, clipped=limits is not analyzer.limits)
+
+
+_ANALYZER_SANDBOXES: dict[tuple[str, str], LocalSandbox] = {}
+
+
+def analyzer_sandbox() -> LocalSandbox:
+    """The sandbox Python analyzers run in: the local one, confined in namespaces when not
+    root, with the current directory (the workspace, which holds the record key) and the
+    home directory covered even where they lie under a visible directory. One per process
+    and place."""
+    key = (os.getcwd(), os.path.expanduser("~"))
+    if key not in _ANALYZER_SANDBOXES:
+        _ANALYZER_SANDBOXES[key] = LocalSandbox(confine=True, hide=key)
+    return _ANALYZER_SANDBOXES[key]
 
 
 def _run_sql(
@@ -313,7 +434,8 @@ def _mean(
 
 def _run_python(
     analyzer: DeclaredAnalyzer, rows: pa.Table, steps: np.ndarray, params: dict[str, Any],
-    sandbox: Sandbox, timeout_s: float, memory_limit: str,
+    sandbox: LocalSandbox, timeout_s: float, memory_limit: str, limits: Limits,
+    *, clipped: bool,
 ) -> tuple[float | None, list[list[float]]]:
     try:
         params_json = json.dumps(params, default=str)
@@ -330,7 +452,9 @@ def _run_python(
         allowed=sorted(ALLOWED_MODULES), safe=_SAFE_BUILTINS, source=analyzer.python,
         filename=f"<analyzer {analyzer.name}>", function=analyzer.function,
     )
-    outcome = sandbox.run(program, stdin, analyzer.limits)
+    outcome = sandbox.run(program, stdin, limits)
+    if clipped and outcome.status in ("timeout", "cpu_limit"):
+        raise _OutOfTime
     if outcome.status != "ok":
         last = (outcome.stderr.strip().splitlines() or [""])[-1][:200]
         detail = outcome.detail if outcome.status != "runtime_error" or not last else last

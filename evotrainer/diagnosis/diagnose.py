@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from evotrainer.diagnosis.analyzers import ANALYZERS, call_table, mean_by_step
-from evotrainer.diagnosis.declared import run_declared
+from evotrainer.diagnosis.declared import AnalyzerRefused, AnalyzerRuns, run_declared
 from evotrainer.diagnosis.harness import Alert, HarnessRevision, Metric
 from evotrainer.diagnosis.sql import (
     MEMORY_LIMIT,
@@ -349,6 +349,8 @@ class _Run:
         self.fusions: set[tuple[str, str]] = set()
         # Metric name: its analyzer's (value, points), computed on another thread.
         self.analyzed: dict[str, Future[tuple[float | None, list[list[float]]]]] = {}
+        # The declared analyzers' results and time budget, for this diagnosis.
+        self.declared_runs = AnalyzerRuns(harness.name)
 
     def start_analyzers(self, pool: ThreadPoolExecutor) -> None:
         """Run the analyzer metrics on `pool` while the queries run here; `metric` collects
@@ -422,11 +424,14 @@ class _Run:
                     {**self.harness.params, **metric.analyzer_params},
                     timeout_s=self.timeout_s,
                     memory_limit=self.memory_limit,
+                    runs=self.declared_runs,
                 )
             elif metric.name in self.analyzed:
                 value, points = self.analyzed.pop(metric.name).result()
             else:
                 value, points = self._analyzer(metric)
+        except AnalyzerRefused as err:  # this machine cannot isolate it: a gap, not a stop
+            return None, [], err.message
         except EvoError as err:
             raise EvoError(
                 err.message, where=self.harness.source, field=field, hint=err.hint

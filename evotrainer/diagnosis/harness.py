@@ -18,13 +18,13 @@ Document shape (see harness_versions/h0.yaml):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from evotrainer.diagnosis.analyzers import ANALYZERS
 from evotrainer.diagnosis.declared import DeclaredAnalyzer, declared_analyzer
-from evotrainer.diagnosis.sql import check_select, sql_params
+from evotrainer.diagnosis.sql import check_condition, check_select, condition_type, sql_params
 from evotrainer.diagnosis.stats import GateProcedure
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
@@ -179,19 +179,46 @@ def parse_harness(doc: Any, *, source: str = "<harness>") -> HarnessRevision:
 
 
 def resolve_harness(name_or_file: str, workspace: str | Path = ".") -> HarnessRevision:
-    """A file path, else `<workspace>/harness_versions/<name>.yaml`, else the built-in one."""
+    """A file path, else `<workspace>/harness_versions/<name>.yaml`, else the built-in one.
+    Marked reviewed when it is a built-in file or its bytes are the workspace main's."""
     candidate = Path(name_or_file)
     if candidate.suffix in (".yaml", ".yml") or candidate.is_file():
-        return load_harness(candidate)
+        return _reviewed(load_harness(candidate), candidate, workspace)
     builtin = builtin_dir("harness_versions")
     for folder in (Path(workspace) / "harness_versions", builtin):
         if (folder / f"{name_or_file}.yaml").is_file():
-            return load_harness(folder / f"{name_or_file}.yaml")
+            path = folder / f"{name_or_file}.yaml"
+            return _reviewed(load_harness(path), path, workspace)
     names = ", ".join(sorted(p.stem for p in builtin.glob("*.yaml")))
     raise EvoError(
         f"no harness revision named {name_or_file!r}",
         hint=f"pass a YAML file or a name under harness_versions/ (built-in: {names})",
     )
+
+
+def _reviewed(revision: HarnessRevision, path: Path, workspace: str | Path) -> HarnessRevision:
+    """`revision` with its Python analyzers marked reviewed when the file at `path` is a
+    built-in revision, or holds exactly what `refs/heads/main` of the workspace's repository
+    holds at that path. Only a revision with a Python analyzer costs a git read."""
+    if not any(a.python is not None for a in revision.analyzers):
+        return revision
+    real = path.resolve()
+    reviewed = real.is_relative_to(builtin_dir("harness_versions").resolve())
+    root = Path(workspace).resolve()
+    if not reviewed and real.is_relative_to(root):
+        from evotrainer.store.git import GitStore  # only for revisions with Python analyzers
+
+        try:
+            store = GitStore(root)
+            relative = real.relative_to(store.root.resolve()).as_posix()
+            on_main = store.read("refs/heads/main", relative)
+            reviewed = on_main is not None and on_main == real.read_bytes()
+        except Exception:  # no repository, no main, unreadable: not shown to be reviewed
+            reviewed = False
+    if not reviewed:
+        return revision
+    return replace(revision, analyzers=tuple(replace(a, reviewed=True)
+                                             for a in revision.analyzers))
 
 
 def build_harness(doc: specs.Document) -> HarnessRevision:
@@ -240,6 +267,21 @@ class _Checker:
             raise self.fail(path, f"uses undefined param(s) ${', $'.join(missing)}",
                             hint="define them under params:")
 
+    def condition(self, expr: str, path: tuple) -> None:
+        """`expr` is one boolean expression over rollout columns and defined `$params`: parsed
+        by DuckDB and bound over the rollout schema, so it can never be more than a filter
+        (a `false) UNION ALL SELECT ...` is not an expression)."""
+        where, field = self.doc.where(path), specs.dotted_field(path)
+        check_condition(expr, tuple(ROLLOUT_SCHEMA.names), where=where, field=field)
+        missing = [p for p in sql_params(expr) if p not in self.params]
+        if missing:
+            raise self.fail(path, f"uses undefined param(s) ${', $'.join(missing)}",
+                            hint="define them under params:")
+        kind = condition_type(expr, ROLLOUT_SCHEMA, self.params, where=where, field=field)
+        if kind != "BOOLEAN":
+            raise self.fail(path, f"is a {kind} expression, not a condition",
+                            hint="compare it, e.g. `turns >= 3`")
+
     def revision(self) -> HarnessRevision:
         data = self.doc.data
         self.analyzers: dict[str, DeclaredAnalyzer] = {}
@@ -254,8 +296,7 @@ class _Checker:
             if declared.sql is not None:
                 self.sql(declared.sql, (*path, "sql"))
             if declared.where is not None:
-                self.sql(declared.where, (*path, "rows", "where"),
-                         statement=f"SELECT 1 FROM rollouts WHERE ({declared.where})")
+                self.condition(declared.where, (*path, "rows", "where"))
             self.analyzers[declared.name] = declared
         metrics = tuple(self.metric(m, ("metrics", i)) for i, m in enumerate(data["metrics"]))
         by_name: dict[str, Metric] = {}

@@ -433,3 +433,112 @@ class ReadOnlyQuery:
 
     def close(self) -> None:
         self.con.close()
+
+
+# ---- a row condition (an analyzer's `rows.where`): one boolean expression, never a query ----
+
+# Parsed node classes a row condition may not hold: each reads rows or columns the
+# condition's own row does not have.
+_REFUSED_IN_CONDITION = frozenset({"SUBQUERY", "STAR", "WINDOW"})
+
+
+@lru_cache(maxsize=256)
+def _condition(expr: str) -> str | None:
+    """`expr` parsed as one expression (its node as JSON), or None when it is anything else.
+    The text goes into `SELECT (...)` with a newline before the closing parenthesis, so
+    neither a parenthesis nor a comment in it can end the expression early unnoticed."""
+    parsed = _parse(f"SELECT ({expr}\n)")
+    if parsed is None or len(parsed["statements"]) != 1:
+        return None
+    node = parsed["statements"][0]["node"]
+    if (
+        node.get("type") != "SELECT_NODE"
+        or len(node.get("select_list") or []) != 1
+        or (node.get("from_table") or {}).get("type") != "EMPTY"
+        or node["modifiers"]
+        or node["cte_map"]["map"]
+        or node["group_expressions"]
+        or node["group_sets"]
+        or any(node.get(k) is not None for k in ("where_clause", "having", "sample", "qualify"))
+    ):
+        return None
+    return json.dumps(node["select_list"][0])
+
+
+def check_condition(
+    expr: str, columns: tuple[str, ...], *, where: str | None = None, field: str | None = None
+) -> None:
+    """Refuse `expr` unless it is a single expression over `columns` (and `$params`): no
+    subquery, no second statement, no table, star or window. EvoError naming `field`."""
+    hint = ("a row condition is one boolean expression over rollout columns, e.g. "
+            "`turns >= 3 AND split = 'train'`; no subquery, UNION or table")
+    node = _condition(expr)
+    if node is None:
+        raise EvoError("is not a single SQL expression", where=where, field=field, hint=hint)
+    lambdas: set[str] = set()
+
+    def walk(item: Any) -> None:
+        if isinstance(item, list):
+            for value in item:
+                walk(value)
+            return
+        if not isinstance(item, dict):
+            return
+        kind = item.get("class")
+        if kind in _REFUSED_IN_CONDITION or "subquery" in item or item.get("type") in (
+            "SELECT_NODE", "SET_OPERATION_NODE"
+        ):
+            raise EvoError(f"holds a {str(kind or item.get('type')).lower()}, which reads "
+                           "beyond the row", where=where, field=field, hint=hint)
+        if kind == "LAMBDA":
+            lambdas.update(_names_in(item["lhs"]))
+        if kind == "COLUMN_REF":
+            name = item["column_names"][0]
+            if name not in columns and name not in lambdas:
+                raise EvoError(f"reads {'.'.join(item['column_names'])!r}, which is no "
+                               "rollout column", where=where, field=field,
+                               hint=f"columns: {', '.join(columns)}")
+        for value in item.values():
+            walk(value)
+
+    walk(json.loads(node))
+
+
+@lru_cache(maxsize=256)
+def rows_query(columns: tuple[str, ...], condition: str | None) -> str:
+    """`SELECT <columns> FROM rollouts [WHERE <condition>]`, written by DuckDB from the parsed
+    condition (check_condition passed): the condition's text is never pasted into SQL."""
+    listed = ", ".join('"' + c.replace('"', '""') + '"' for c in columns)
+    if condition is None:
+        return f"SELECT {listed} FROM rollouts"
+    node = _condition(condition)
+    if node is None:
+        raise EvoError("the row condition is not a single SQL expression")
+    parsed = _parse(f"SELECT {listed} FROM rollouts WHERE true")
+    assert parsed is not None
+    parsed["statements"][0]["node"]["where_clause"] = json.loads(node)
+    return _unparse(parsed)
+
+
+def condition_type(
+    condition: str, schema: pa.Schema, params: dict[str, Any], *, where: str | None = None,
+    field: str | None = None,
+) -> str:
+    """The SQL type of `condition` (check_condition passed) over rows of `schema`: bound,
+    never run on a row. EvoError naming `field` when it does not bind."""
+    node = _condition(condition)
+    if node is None:
+        raise EvoError("is not a single SQL expression", where=where, field=field)
+    parsed = _parse("SELECT true FROM rollouts")
+    assert parsed is not None
+    parsed["statements"][0]["node"]["select_list"] = [json.loads(node)]
+    used = {name: params[name] for name in sql_params(condition) if name in params}
+    con = _locked_database(MEMORY_LIMIT, 1).cursor()
+    try:
+        con.register("rollouts", schema.empty_table())
+        return str(con.sql(_unparse(parsed), params=used or None).types[0])
+    except duckdb.Error as err:
+        first = (str(err).splitlines() or [""])[0]
+        raise EvoError(f"does not bind: {first}", where=where, field=field) from None
+    finally:
+        con.close()

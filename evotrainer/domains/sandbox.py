@@ -31,12 +31,25 @@
   uid switch, no run), so it cannot read root's files, write system ones or signal this
   process, RLIMIT_NPROC bounds it, and after the run every process of that uid is killed
   (setsid or not) and every file it left in /dev/shm and the temp dirs is removed.
-* Not root (`isolation` lacks "uid"): the program runs as the caller in a scratch directory
-  under the system temp dir; a network namespace is tried through an unprivileged user
+* Not root, `confine=True`, and the kernel allows unprivileged user namespaces (`isolation`
+  has "userns", "netns", "mountns"): the program gets its own user, mount, pid, network and
+  IPC namespaces, set up as in the root mode (host hidden, own /proc, /dev, /tmp, interpreter
+  bound back read-only) and the system directories made read-only too. It runs as the
+  caller's uid mapped into its namespace, with no capabilities left after exec, so it cannot
+  undo a mount: what the caller can read is out of its reach because it is not there, not
+  because of file modes. `hide` paths (a workspace, a home) are covered even where they lie
+  under a directory that stays visible (the interpreter and exposed directories are bound
+  back even under one). RLIMIT_NPROC is not set (it would count all the
+  caller's processes); the pid namespace kills whatever it started when it ends.
+  `separated` is True in this mode and in both root modes: the program can read neither the
+  caller's 0600 files nor its environment.
+* Not root otherwise (`isolation` lacks "uid"): the program runs as the caller in a scratch
+  directory under the system temp dir; a network namespace is tried through an unprivileged user
   namespace ("netns" when it worked); RLIMIT_NPROC is not set (it would count all the
   caller's processes), so only the process-group kill and the CPU/memory/wall limits contain
   a fork bomb, and a child that calls setsid can outlive the run. Files the caller can read
-  stay readable.
+  stay readable, and so does the caller's environment under /proc: `separated` is False, and
+  a caller with untrusted programs (unreviewed harness analyzers) refuses to run them.
 
 `DockerSandbox` runs the same programs in a container through the `docker` SDK when a daemon
 is reachable (network disabled, no new privileges, memory, pids and CPU limits, output capped
@@ -86,6 +99,12 @@ _MS_BIND = 0x1000
 _MS_REC = 0x4000
 _MS_PRIVATE = 0x40000
 _PR_SET_NO_NEW_PRIVS = 38  # prctl.h
+# statvfs's ST_* flags and the MS_* flags a read-only remount must keep (a user namespace may
+# add restrictions to a mount it did not make, never drop them).
+_KEPT_MOUNT_FLAGS = {0x2: _MS_NOSUID, 0x4: _MS_NODEV, 0x8: _MS_NOEXEC, 0x400: 0x400,
+                     0x800: 0x800, 0x1000: 1 << 21}
+# Directories made read-only in the confined unprivileged mode: the caller may own some.
+_READ_ONLY_DIRS = ("usr", "etc", "bin", "sbin", "lib", "lib32", "lib64")
 
 # Top-level directories left visible inside the mount namespace: what a CPython program needs.
 # /dev, /proc and /tmp are replaced by the sandbox's own.
@@ -207,7 +226,7 @@ class LocalSandbox:
 
     def __init__(
         self, python: str | None = None, privileged: bool | None = None,
-        expose: tuple[str, ...] = (),
+        expose: tuple[str, ...] = (), *, confine: bool = False, hide: tuple[str, ...] = (),
     ) -> None:
         # The real interpreter, not a venv launcher: -I ignores the venv anyway, and the mount
         # namespace has to re-expose the directory it lives in. `expose`: more directories
@@ -217,8 +236,11 @@ class LocalSandbox:
             os.path.dirname(os.path.dirname(self.python)),
             *(os.path.realpath(path) for path in expose),
         )
+        # Covered inside the namespaced modes even where under a visible directory.
+        self.hide = tuple(os.path.realpath(path) for path in hide)
         self._runs = itertools.count()
         self.user_netns = False
+        self.confined = False  # the unprivileged namespaced mode (see the module doc)
         self.privileged = (
             privileged is not False
             and os.geteuid() == 0
@@ -228,8 +250,19 @@ class LocalSandbox:
         if self.privileged:
             trial = self._run("", "", Limits(), self._next_uid(), scratch=None)
             self.privileged = trial.status == "ok"
-        if not self.privileged:
+        if not self.privileged and confine and os.geteuid() != 0 and _LIBC is not None:
+            self.confined = True
+            trial = self._run("", "", Limits(), None, scratch=None)
+            self.confined = trial.status == "ok"
+        if not self.privileged and not self.confined:
             self.user_netns = _probe_user_netns()
+
+    @property
+    def separated(self) -> bool:
+        """Whether a program run here cannot read the caller's own files (mode 0600) or its
+        environment: it runs as another uid (root), or confined in namespaces that hide the
+        host (not root, `confine=True`, user namespaces allowed)."""
+        return self.privileged or self.confined or os.geteuid() == 0
 
     def _next_uid(self) -> int:
         block = _UID_BASE + (os.getpid() % _UID_BLOCK) * _UID_BLOCK
@@ -239,6 +272,8 @@ class LocalSandbox:
         limits = limits or Limits()
         if self.privileged:
             return self._run(source, stdin, limits, self._next_uid(), scratch=None)
+        if self.confined:
+            return self._run(source, stdin, limits, None, scratch=None)
         # Root without the namespaces: the program still never runs as root.
         uid = self._next_uid() if os.geteuid() == 0 else None
         scratch = tempfile.mkdtemp(prefix="evotrainer-sandbox-")
@@ -256,18 +291,21 @@ class LocalSandbox:
     def _run(
         self, source: str, stdin: str, limits: Limits, uid: int | None, scratch: str | None
     ) -> RunResult:
-        """`scratch` None: the namespaced root mode; else the program runs in that directory,
-        as `uid` when one is given (root without namespaces), else as the caller."""
+        """`scratch` None: a namespaced mode (root's as `uid`, the confined one without);
+        else the program runs in that directory, as `uid` when one is given (root without
+        namespaces), else as the caller."""
         namespaced = scratch is None
         isolation = ["rlimits", "process_group", "wall_clock", "output_cap"]
         if uid is not None:
             isolation.append("uid")
+        elif namespaced:
+            isolation.append("userns")
         if namespaced:
             isolation += ["netns", "mountns"]
         elif self.user_netns:
             isolation.append("netns")
         setup = _ChildSetup(
-            limits, uid, source.encode(), self.prefixes, self.user_netns, namespaced
+            limits, uid, source.encode(), self.prefixes, self.user_netns, namespaced, self.hide
         )
         env = {
             "PATH": "/usr/bin:/bin",
@@ -324,10 +362,10 @@ class _ChildSetup:
     prefixes: tuple[str, ...]
     user_netns: bool
     namespaced: bool
+    hide: tuple[str, ...] = ()
 
     def __call__(self) -> None:
         if self.namespaced:
-            assert self.uid is not None
             self._isolate(self.uid)
         else:
             if self.uid is not None:
@@ -354,13 +392,22 @@ class _ChildSetup:
             resource.setrlimit(resource.RLIMIT_NPROC, (lim.processes, lim.processes))
         resource.setrlimit(resource.RLIMIT_AS, (lim.memory_bytes, lim.memory_bytes))
 
-    def _isolate(self, uid: int) -> None:
-        """Root only: new pid, mount and network namespaces, hidden host, fresh uid."""
+    def _isolate(self, uid: int | None) -> None:
+        """New pid, mount, network and IPC namespaces and a hidden host; as root the program
+        then becomes the fresh `uid`; without root (`uid` None) a user namespace comes first,
+        mapping the caller's own uid and gid only, and the program keeps that uid, whose
+        capabilities in the namespace end at exec."""
         assert _LIBC is not None
-        _check(
-            _LIBC.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWIPC),
-            "unshare",
-        )
+        flags = _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWIPC
+        if uid is None:
+            own_uid, own_gid = os.getuid(), os.getgid()
+            _check(_LIBC.unshare(_CLONE_NEWUSER | flags), "unshare")
+            for name, text in (("setgroups", "deny"), ("uid_map", f"{own_uid} {own_uid} 1"),
+                               ("gid_map", f"{own_gid} {own_gid} 1")):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+        else:
+            _check(_LIBC.unshare(flags), "unshare")
         # Private first: without it the mounts below would propagate to the host's namespace.
         _mount("none", "/", None, _MS_REC | _MS_PRIVATE)
         if os.fork() != 0:
@@ -369,16 +416,37 @@ class _ChildSetup:
         # process it left behind, setsid or not.
         _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
         kept = self._hide_host()
+        if uid is None:
+            self._read_only_system()
         self._private_dev()
-        scratch = f"size={self.limits.file_bytes},nr_inodes=4096,mode=700,uid={uid},gid={uid}"
+        owner, group = (uid, uid) if uid is not None else (os.getuid(), os.getgid())
+        scratch = f"size={self.limits.file_bytes},nr_inodes=4096,mode=700,uid={owner},gid={group}"
         _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, scratch)
+        # A hidden path under a visible directory is covered too; before the interpreter and
+        # the exposed directories are bound back, which stay reachable under a hidden one.
+        for path in self.hide:
+            _cover(path)
         # After /tmp: a directory exposed from the host's /tmp (a venv there) is bound too.
         self._expose(kept)
         with open("/tmp/main.py", "wb") as f:
             f.write(self.program)
-        os.chown("/tmp/main.py", uid, uid)
+        os.chown("/tmp/main.py", owner, group)
         os.chdir("/tmp")
-        _drop_to(uid)
+        if uid is not None:
+            _drop_to(uid)
+
+    @staticmethod
+    def _read_only_system() -> None:
+        """Bind each system directory onto itself read-only, keeping the flags the host's
+        mount has (the confined mode runs as the caller, who may own some of them)."""
+        for name in _READ_ONLY_DIRS:
+            path = "/" + name
+            if os.path.islink(path) or not os.path.isdir(path):
+                continue
+            kept = os.statvfs(path).f_flag
+            extra = sum(flag for st, flag in _KEPT_MOUNT_FLAGS.items() if kept & st)
+            _mount(path, path, None, _MS_BIND | _MS_REC)
+            _mount("none", path, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | extra)
 
     def _private_dev(self) -> None:
         """Replace /dev with a minimal one: a few harmless devices bound from the host's, the
@@ -426,6 +494,15 @@ class _ChildSetup:
                     _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV,
                 )
             os.close(fd)
+
+
+def _cover(path: str) -> None:
+    """Hide `path` inside the namespace: an empty tmpfs over a directory (where an exposed
+    directory may be bound back), /dev/null over a file; nothing where it is absent."""
+    if os.path.isdir(path):
+        _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=64k,mode=755")
+    elif os.path.exists(path):
+        _mount("/dev/null", path, None, _MS_BIND)
 
 
 def _drop_to(uid: int) -> None:

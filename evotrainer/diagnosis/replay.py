@@ -285,8 +285,17 @@ def skill_filter(skill: Skill) -> tuple[str, dict[str, Any]]:
                    field="mechanism", hint="pick a filter skill (category: filter)")
 
 
-def skill_reward(skill: Skill) -> tuple[str, float]:
-    """The (component, weight) a skill adds: its entry point, else a single patched component."""
+def skill_reward(skill: Skill, domain: str | None = None) -> tuple[str, float]:
+    """The (component, weight) a skill adds: in a domain with its own patch, the component
+    that patch raises (shaped-correctness raises code's `pass_fraction`, not `partial`);
+    else its entry point, else a single patched component."""
+    by_domain = skill.data["mechanism"].get("domain_patches") or {}
+    if domain in by_domain:
+        raised = [c for c in ((by_domain[domain] or {}).get("reward") or {}).get("components")
+                  or [] if isinstance(c.get("weight"), dict)
+                  and c["weight"].get("direction") == "raise"]
+        if len(raised) == 1:
+            return raised[0]["name"], float(raised[0]["weight"].get("min", 1.0))
     entry = skill.entry_point
     if entry and entry["kind"] == "reward_component":
         return entry["name"], float((entry.get("params") or {}).get("weight", 1.0))

@@ -318,9 +318,12 @@ class RulesPlanner:
                     report = backtest_filter(path, name, params)
                     works = (report["keep_ratio_min_step"] or 0.0) >= 0.3
                 else:
-                    component, weight = skill_reward(skill)
-                    domain = view.ws.resolved_recipe(version, view.states)["domain"]
-                    report = backtest_reward(path, component, weight, domain)
+                    recipe = view.ws.resolved_recipe(version, view.states)
+                    domain = recipe["domain"]
+                    component, weight = skill_reward(skill, domain["name"])
+                    # A judge's component is asked of the judge the recipe declares.
+                    report = backtest_reward(path, component, weight, domain,
+                                             judges=(recipe.get("reward") or {}).get("judges"))
                     works = report["rescued_groups"] > 0 or report["dead_groups_before"] == 0
                 return {"version": version, "kind": "filter" if is_filter else "reward",
                         **report}, works

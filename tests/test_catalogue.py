@@ -132,6 +132,11 @@ def answer_diversity(group):
     return len({final_answer(r["response"]) for r in group}) / len(group)
 
 
+def advantage_diversity(group):
+    distinct = {round(r["reward"], 3) for r in group}
+    return (len(distinct) - 1) / (len(group) - 1)
+
+
 def distinct_responses(group):
     # SQL's count(DISTINCT response) leaves nulls out.
     return len({r["response"] for r in group if r["response"] is not None}) / len(group)
@@ -198,6 +203,7 @@ EXPECTED = {
     "train_val_gap": train_val_gap,
     "mid_band_mass": lambda: _by_group(TRAIN, mid_band),
     "answer_diversity": lambda: _by_group(TRAIN, answer_diversity),
+    "advantage_diversity": lambda: _by_group(TRAIN, advantage_diversity),
     "response_length_p50_budget": lambda: percentile_budget(50),
     "response_length_p90_budget": lambda: percentile_budget(90),
     "response_length_p99_budget": lambda: percentile_budget(99),

@@ -17,7 +17,8 @@ their tasks back from the prepared data). So the dumps carry:
   domain's own verl tools ran the episode (verl_tools.py), the calls are the ones its
   environment recorded and the response scored is the episode's transcript in the domain's
   format (`evo_episode`, which verl hands over from the trajectory's extra_fields), exactly
-  what the embedded engine scores; with other tools they are parsed from the decoded text as
+  what the embedded engine scores (math_tool: the decoded text, whose final answer follows
+  the calls); with other tools they are parsed from the decoded text as
   verl's own `hermes` parser reads them (`<tool_call>{"name", "arguments"}</tool_call>`).
   `num_turns` is verl's count (its reward manager puts it in extra_info);
 - with the Dual-Level filter (`group_filter.name: dual_level`), on training rows,
@@ -82,6 +83,10 @@ def compute_score(
     if episode:
         response, calls = str(episode["transcript"]), list(episode["tool_calls"])
         actions = int(episode["turns"])
+        if getattr(domain, "answer_in_text", False):
+            # The answer is the model's text after its calls (math_tool), which only the
+            # decoded response holds; the calls stay the ones the environment recorded.
+            response = solution_str
     elif domain.tools:
         calls = hermes_tool_calls(solution_str)
         actions = len(calls)
@@ -105,12 +110,16 @@ def compute_score(
             out["num_turns"] = int(turns)
     if group_filter.name == "dual_level" and info.get("split") == "train":
         # Turns as the engine counts them (one per action); verl's own num_turns also counts
-        # the prompt and each tool reply. The length is unknown here (truncated: None).
+        # the prompt and each tool reply. The length is unknown here, but a domain that
+        # scores a `truncated` component (code, math: a response cut inside its answer) says
+        # so, which gives single-turn domains level 1 (truncation) as well as level 2.
+        cut = scored.components.get("truncated")
         reason = group_filter.exclude(
             Trajectory(
                 scored.correct,
                 actions,
                 calls if domain.tools else None,
+                None if cut is None else bool(cut),
             )
         )
         out["evo_excluded"] = float(reason is not None)

@@ -183,6 +183,22 @@ def _tidy_help(command: typer.core.TyperGroup | typer.core.TyperCommand) -> None
         _tidy_help(sub)
 
 
+# Options users reach for by another tool's name, and the one each means here.
+OPTION_SYNONYMS = {"--from": "--parent", "--base": "--parent", "--on": "--parent",
+                   "--seeds": "--seed", "--yes": "--approve"}
+
+
+def _meant_option(err: click_errors.NoSuchOption) -> str | None:
+    """The option the user meant: a synonym's, where the command has it, else click's
+    closest spelling (it offers the nearest by edit distance, which can be unrelated)."""
+    options = {opt for param in (err.ctx.command.params if err.ctx else [])
+               for opt in getattr(param, "opts", [])}
+    synonym = OPTION_SYNONYMS.get(err.option_name)
+    if synonym in options:
+        return synonym
+    return ", ".join(sorted(err.possibilities or [])) or None
+
+
 def _fail(err: EvoError) -> None:
     # The message can carry user text (a spec key, a --set value): shown, never interpreted.
     console(stderr=True).print(f"[bold red]error:[/] {safe(err)}")
@@ -215,6 +231,11 @@ def main() -> None:
         sys.exit(0)
     except EvoError as err:
         _fail(err)
+    except click_errors.NoSuchOption as err:
+        where = err.ctx.command_path if err.ctx else "evotrainer"
+        meant = _meant_option(err)
+        _fail(EvoError(f"no such option: {err.option_name}",
+                       hint=f"did you mean {meant}?" if meant else f"see `{where} --help`"))
     except click_errors.UsageError as err:
         where = err.ctx.command_path if err.ctx else "evotrainer"
         _fail(EvoError(err.format_message(), hint=f"see `{where} --help`"))

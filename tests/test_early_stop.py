@@ -15,8 +15,9 @@ import pytest
 from standin import converge, reconciler, record, standin_settings, wait_for
 
 from evotrainer.control.live import live_dir
-from evotrainer.control.reconcile import load_context, plan, steps_spent
+from evotrainer.control.reconcile import diagnose_version, load_context, plan, steps_spent
 from evotrainer.control.versions import approve, new_version
+from evotrainer.errors import EvoError
 from evotrainer.store.git import PRUNED_TAG_PREFIX
 from evotrainer.store.lineage import lineage_rows
 from evotrainer.store.workspace import Workspace, run_path
@@ -85,6 +86,12 @@ def test_a_leaky_running_job_is_stopped_recorded_in_one_commit_and_pruned(worksp
     assert row.status == "prune" and row.pruned and row.stopped["step"] == step
     # The steps it ran count in the autonomy budget, the steps it was spared do not.
     assert steps_spent(ctx) == step + (ctx.states["v0"].run.steps_done)
+    # Diagnosing it again points at the diagnosis recorded at the stop, not at a reconcile
+    # that has nothing left to do.
+    with pytest.raises(EvoError) as err:
+        diagnose_version(workspace, "v1")
+    assert f"stopped early by rule leak at step {step}" in err.value.message
+    assert "git show evo/v1:runs/v1/diagnosis.yaml" in err.value.hint
 
 
 def test_a_clean_running_job_is_diagnosed_live_and_not_stopped(workspace):

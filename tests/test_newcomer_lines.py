@@ -1,6 +1,6 @@
-"""What a newcomer reads (issue 27 item 12): reconcile's time left at the steps' own pace,
-the hint outside a workspace, and a LoRA recipe without peft refused where every recipe is
-checked, not after a long GGUF conversion."""
+"""What a newcomer reads: reconcile's time left at the steps' own pace, the hint outside a
+workspace, a LoRA recipe without peft refused where every recipe is checked (not after a
+long GGUF conversion), and hints that name what the user meant."""
 
 from __future__ import annotations
 
@@ -44,3 +44,19 @@ def test_a_lora_recipe_without_peft_is_refused_by_the_recipe_check(monkeypatch):
     with pytest.raises(EvoError) as err:
         checks.check_model({"lora": {"r": 8}})
     assert err.value.field == "model.lora" and "peft" in err.value.message
+
+
+def test_another_tools_option_name_points_at_ours(workspace, cli):
+    out = cli("version", "new", "v1", "--from", "v0", cwd=workspace.root)
+    assert out.code == 1 and "Traceback" not in out.output
+    assert "no such option: --from" in out.err and "did you mean --parent?" in out.err
+
+
+def test_a_version_named_in_capitals_is_pointed_at_its_name(workspace, cli):
+    out = cli("approve", "V0", cwd=workspace.root)
+    assert out.code == 1 and "did you mean v0?" in out.err
+
+
+def test_watch_ends_its_output_with_a_newline(workspace, cli):
+    out = cli("watch", cwd=workspace.root)
+    assert out.code == 0 and out.out.endswith("\n")

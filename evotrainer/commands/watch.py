@@ -110,6 +110,8 @@ def register(app: typer.Typer) -> None:
                     live.update(Group(watch_table(views)), refresh=True)
         except KeyboardInterrupt:
             pass
+        if not out.is_terminal:  # a live display piped to a file ends its last frame bare
+            out.line()
 
 
 def _still(ws: Workspace, version: str) -> list[LiveView]:

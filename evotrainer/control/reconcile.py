@@ -505,6 +505,14 @@ def diagnose_version(ws: Workspace, name: str) -> tuple[dict, HarnessRevision]:
     (what reconcile does after collecting; here on demand)."""
     ctx = load_context(ws)
     state = ws.version(name, ctx.states)
+    if state.run is not None and state.run.stopped:
+        stop = state.run.stopped
+        raise EvoError(
+            f"{name} was stopped early by rule {stop.get('rule')} at step {stop.get('step')}: "
+            "its diagnosis is the one recorded at the stop",
+            hint=f"read it with `git show {branch_name(name)}:{run_path(name, 'diagnosis.yaml')}`"
+            " or `evotrainer report`",
+        )
     if state.run is None or not state.run.succeeded:
         raise EvoError(
             f"{name} has no collected run to diagnose",

@@ -29,6 +29,7 @@ REGISTRY: dict[str, str] = {
     "math": "evotrainer.domains.math:MathDomain",
     "code": "evotrainer.domains.code:CodeDomain",
     "humaneval": "evotrainer.domains.humaneval:HumanEvalDomain",
+    "ifeval": "evotrainer.domains.ifeval:IFEvalDomain",
     "swe": "evotrainer.domains.swe:SweDomain",
     "swe_rebench": "evotrainer.domains.swe_rebench:SweRebenchDomain",
 }

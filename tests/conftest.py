@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,9 @@ from evotrainer.store.workspace import Workspace
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["HF_HUB_OFFLINE"] = "1"
+# Record keys live under the user's config folder (store/seal.py): the suite's go to a folder
+# of its own, never into the home of whoever runs it.
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="evotrainer-test-config-")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -188,7 +188,9 @@ def test_a_key_file_that_is_a_link_is_refused(tmp_path):
     assert "not a plain file" in str(err.value)
     fresh = tmp_path / "fresh"
     key = seal.record_key(fresh)
-    assert len(key) == 64 and (fresh / seal.KEY_FILE).stat().st_mode & 0o777 == 0o600
+    made = seal.key_file(fresh)
+    assert len(key) == 64 and made.stat().st_mode & 0o777 == 0o600
+    assert not made.is_relative_to(tmp_path)  # outside the workspace
     assert seal.record_key(fresh) == key
 
 
@@ -366,12 +368,12 @@ def test_a_reader_without_the_key_verifies_nothing_and_acts_on_nothing(workspace
     verified there, nothing is launched, and plan does not fail on it."""
     propose(workspace, "v1", standin_skill=0.6)
     converge(workspace)
-    (workspace.state_dir / seal.KEY_FILE).rename(workspace.root.parent / "kept.key")
+    seal.key_file(workspace.state_dir).rename(workspace.root.parent / "kept.key")
     out = cli("-C", str(workspace.root), "plan", "--json")
     assert out.code in (0, 2), out.output
     rows = {r["version"]: r for r in json.loads(out.out)["versions"]}
     assert rows["v1"]["action"] is None and "cannot be verified here" in rows["v1"]["reason"]
-    assert not (workspace.state_dir / seal.KEY_FILE).exists()  # a reader makes no key
+    assert not seal.key_file(workspace.state_dir).exists()  # a reader makes no key
     monkeypatch.setenv(seal.KEY_ENV, (workspace.root.parent / "kept.key").read_text().strip())
     rows = plans_by_version(Workspace(workspace.root))
     assert rows["v1"].error is None and rows["v1"].note.startswith("done")

@@ -17,7 +17,7 @@ from standin import propose as train
 from evotrainer.control import github_client
 from evotrainer.control.pull_requests import DECISION_MARKER, HARNESS_MARKER, STATUS_MARKER
 from evotrainer.control.versions import new_version
-from evotrainer.store.workspace import Workspace
+from evotrainer.store.workspace import PROJECT_FILE, Workspace
 
 pytestmark = pytest.mark.usefixtures("standin")
 SLUG, TOKEN = "acme/rl-runs", "test-token-not-a-secret"
@@ -28,6 +28,9 @@ def github(workspace, tmp_path, monkeypatch):
     """`origin` is a bare repository; GitHub is the fake, reached through the environment."""
     bare = tmp_path / "origin.git"
     subprocess.run(["git", "init", "-q", "--bare", str(bare)], check=True)
+    # Main lists who may approve (approvals count from that list only).
+    project = (workspace.root / PROJECT_FILE).read_text() + "reviewers: [alice, bob, carol]\n"
+    workspace.git.commit_files("main", {PROJECT_FILE: project.encode()}, "reviewers")
     repo = git.Repo(workspace.root)
     repo.create_remote("origin", str(bare))
     repo.git.push("origin", "main", "evo/v0")

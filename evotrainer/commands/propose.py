@@ -67,6 +67,8 @@ def register(app: typer.Typer) -> None:
         skills: each one an unapproved branch evo/vN with its rationale, hypothesis,
         falsifiable criterion and backtest. Review with `git diff evo/PARENT..evo/vN`."""
         ws = Workspace.find()
+        # A planner reads diagnoses and decisions: none it cannot verify (no record key).
+        ws.refuse_unverified(ws.versions(), "propose")
         with workspace_lock(ws.state_dir / "lock", " ".join(["evotrainer", *sys.argv[1:]])):
             result = propose(ws, planner, max_)
         console = make_console()

@@ -377,9 +377,21 @@ def plan_version(ctx: Context, state: VersionState) -> VersionPlan:
             f"record key (set {KEY_ENV} to the controller's); nothing is done with them",
         )
     try:
-        return decide_next(observe(ctx, state))
+        decided = decide_next(observe(ctx, state))
     except VERSION_ERRORS as err:
         return error_plan(state.name, str(err), (state.run or NO_RUN).state)
+    if state.changed_after_record and state.run is not None and decided.error is None:
+        # Commits after its records nobody recorded or reviewed: a child forked from this
+        # tip carries them into main, so the version says so instead of "done".
+        files = state.changed_after_record
+        shown = ", ".join(files[:10]) + (f" and {len(files) - 10} more" if len(files) > 10
+                                         else "")
+        decided.error = (
+            f"changed after its records: evo/{state.name} holds commits the controller did "
+            f"not record ({shown}); a version forked from it carries them into main. "
+            f"Revert those commits on evo/{state.name}, and review `git diff main...evo/V` "
+            "of its children before approving them")
+    return decided
 
 
 def plan(ctx: Context) -> list[VersionPlan]:

@@ -3,9 +3,10 @@
 A version's PR is `evo/<v> → main`, its body the intervention. `sync` (run in CI after
 `reconcile`) re-derives everything from git and GitHub on each pass, like reconcile:
 
-- an approving review by a trusted reviewer (owner, member, collaborator) on the branch's
-  current tip becomes the approval commit (`control.versions.approve`, which binds the
-  digest of exactly that content) naming the reviewer; a later push makes it stale;
+- an approving review by a reviewer main lists (`reviewers:` in spec/project.yaml on
+  main; never the PR's author) on the branch's current tip becomes the approval commit
+  (`control.versions.approve`, which binds the digest of exactly that content) naming the
+  reviewer; a later push makes it stale;
 - promotion is reconcile's merge of `evo/<v>` into main. Pushing main makes GitHub mark
   the PR merged (its head commit is in the base branch). The merge API is not used: it
   would write a second, different merge commit on GitHub's main and the next push of the
@@ -35,14 +36,20 @@ from evotrainer.diagnosis.harness_backtest import backtest_harness
 from evotrainer.errors import EvoError
 from evotrainer.store.git import BRANCH_PREFIX, DIFF_SAFETY, PRUNED_TAG_PREFIX, branch_name
 from evotrainer.store.specs import load_yaml
-from evotrainer.store.workspace import PROJECT_FILE, VersionState, Workspace
+from evotrainer.store.workspace import (
+    PROJECT_FILE,
+    VersionState,
+    Workspace,
+    version_spec_path,
+)
 
 STATUS_MARKER = "<!-- evotrainer:status -->"
 DECISION_MARKER = "<!-- evotrainer:decision -->"
 HARNESS_MARKER = "<!-- evotrainer:harness-backtest -->"
-# Whose review is an approval: people with a role in the repository. On a public repository
-# anyone may submit an "approving" review; it must not launch a training run.
-TRUSTED_ASSOCIATIONS = frozenset({"OWNER", "MEMBER", "COLLABORATOR"})
+# Whose review is an approval: only the logins main's project spec lists under `reviewers:`.
+# GitHub's author association is no answer: pushing an `evo/*` branch already makes a person
+# a COLLABORATOR, and MEMBER is anyone in the organisation.
+REVIEWERS_FIELD = "reviewers"
 # GitHub refuses a PR body or comment over 65,536 characters.
 MAX_DIFF_CHARS = 50_000
 
@@ -82,18 +89,33 @@ def _number(value: Any) -> str:
 # ---- the intervention ------------------------------------------------------------------------
 
 
-def spec_diff(ws: Workspace, state: VersionState) -> str:
-    """`git diff` of everything the branch would merge against its parent: every file the
-    author committed (the project, workflows, code — not only the spec), less the records
-    the controller writes and seals."""
-    parent = branch_name(state.parent) if state.parent else None
+def spec_diff(ws: Workspace, state: VersionState,
+              states: dict[str, VersionState] | None = None) -> str:
+    """`git diff main...evo/<v>`: everything merging the branch into main would bring (the
+    project, workflows, code, files pushed onto a parent after it ran — not only the
+    spec), less the records the controller wrote and sealed (`Workspace.merge_changes`)."""
+    states = states if states is not None else ws.versions()
     target = branch_name(state.name)
-    records = [f":!{path}" for path in sorted(ws.unbound_paths(state.name))
-               if path.startswith("runs/")]
-    if parent is None or ws.git.rev(parent) is None:
+    kept = [f":!{path}" for path in sorted(ws.sealed_record_paths(state, states))]
+    if ws.git.rev("refs/heads/main") is None:
         return ws.git.repo.git.show(*DIFF_SAFETY, "--format=", "--patch", target, "--", ".",
-                                    *records)
-    return ws.git.repo.git.diff(*DIFF_SAFETY, f"{parent}...{target}", "--", ".", *records)
+                                    *kept)
+    return ws.git.repo.git.diff(*DIFF_SAFETY, f"main...{target}", "--", ".", *kept)
+
+
+def merge_files_lines(changes: list[tuple[str, str]], name: str) -> list[str]:
+    """The files list of the body: every path the merge brings into main, the version's own
+    spec apart from the rest (which a reviewer must see: workflows, code, parents' pushes)."""
+    own = version_spec_path(name)
+    others = [(s, p) for s, p in changes if p != own]
+    lines = [f"Merging `{branch_name(md_text(name))}` brings {len(changes)} file(s) into "
+             f"`main`" + (f", {len(others)} besides its spec:" if others else
+                         ": its spec only.")]
+    kinds = {"A": "added", "M": "changed", "D": "deleted", "T": "type changed"}
+    lines += [f"- `{md_text(p)}` ({kinds.get(s[:1], md_text(s))})" for s, p in others[:200]]
+    if len(others) > 200:
+        lines.append(f"- … and {len(others) - 200} more")
+    return lines
 
 
 def records_line(state: VersionState) -> str:
@@ -136,16 +158,21 @@ def intervention_body(ws: Workspace, name: str) -> str:
     proposal = state.spec.get("proposal") or {}
     if proposal:
         lines += ["", "### Why it was proposed", ""] + _proposal_lines(proposal)
-    diff = spec_diff(ws, state)
+    diff = spec_diff(ws, state, states)
     if len(diff) > MAX_DIFF_CHARS:
-        diff = diff[:MAX_DIFF_CHARS] + f"\n… (cut; run git diff {branch_name(state.parent)}"
-        diff += f"...{branch_name(name)})"
-    lines += ["", f"### The intervention: `git diff {branch_name(state.parent or name)}..."
-              f"{branch_name(name)}`", "", md_code(diff or "(no change)", "diff"), "",
-              records_line(state), "",
+        diff = diff[:MAX_DIFF_CHARS] + f"\n… (cut; run git diff main...{branch_name(name)})"
+    lines += ["", f"### What merging brings into `main`: `git diff main...{branch_name(name)}`",
+              "", *merge_files_lines(ws.merge_changes(state, states), name), "",
+              md_code(diff or "(no change)", "diff"), ""]
+    if state.parent:
+        lines += [f"Its own change against its parent alone: `git diff "
+                  f"{branch_name(state.parent)}...{branch_name(name)}`; an approval covers "
+                  "everything above.", ""]
+    lines += [records_line(state), "",
               "### Review", "",
-              f"An **approving review** on this head from someone with a role in the "
-              f"repository is the approval: CI commits it to `{branch_name(name)}` (bound to "
+              f"An **approving review** on this head from a reviewer listed under "
+              f"`{REVIEWERS_FIELD}:` in `main`'s `{PROJECT_FILE}` (never the PR's author) "
+              f"is the approval: CI commits it to `{branch_name(name)}` (bound to "
               "the reviewed content; a later push needs a new review), then reconcile "
               "trains, diagnoses and gates. **Promote** merges this branch into `main` "
               "(this PR shows merged); **prune** closes it with the decision, keeping the "
@@ -270,12 +297,31 @@ def open_pull_request(ws: Workspace, gh: GitHubRepo, name: str, base: str = "mai
 # ---- approvals from reviews ------------------------------------------------------------------
 
 
-def approving_review(reviews: list[Any], head_sha: str) -> tuple[Any | None, str]:
+def main_reviewers(ws: Workspace, base: str = "main") -> frozenset[str]:
+    """The logins whose review approves, as `base` (main) lists them under `reviewers:` in
+    its project spec, lower-cased (GitHub logins are case-insensitive). A branch's own list
+    is never read: the people who may approve are chosen by review on main."""
+    ref = f"refs/heads/{base}" if ws.git.rev(f"refs/heads/{base}") else base
+    raw = ws.git.read(ref, PROJECT_FILE)
+    try:
+        doc = load_yaml(raw, f"{base}:{PROJECT_FILE}") if raw else None
+    except EvoError:
+        doc = None  # `validate` reports it; an unreadable list approves nobody
+    listed = doc.get(REVIEWERS_FIELD) if isinstance(doc, dict) else None
+    if not isinstance(listed, list):
+        return frozenset()
+    return frozenset(str(login).strip().lower() for login in listed
+                     if isinstance(login, str) and login.strip())
+
+
+def approving_review(reviews: list[Any], head_sha: str, reviewers: frozenset[str],
+                     author: str | None = None) -> tuple[Any | None, str]:
     """The approving review that counts on `head_sha`, or None and why not.
 
     Each reviewer's latest approve/request-changes counts (a comment-only review does not
-    replace it; a dismissed one removes it). Only reviewers with a role in the repository
-    count; a trusted request for changes blocks; the approval must be of exactly `head_sha`.
+    replace it; a dismissed one removes it). Only `reviewers` (main's list) count, and never
+    the PR's `author`; a listed reviewer's request for changes blocks; the approval must be
+    of exactly `head_sha`.
     """
     latest: dict[str, Any] = {}
     for review in reviews:
@@ -286,8 +332,9 @@ def approving_review(reviews: list[Any], head_sha: str) -> tuple[Any | None, str
             latest.pop(login, None)
         elif review.state in ("APPROVED", "CHANGES_REQUESTED"):
             latest[login] = review
+    own = (author or "").lower()
     trusted = {login: r for login, r in latest.items()
-               if r.author_association in TRUSTED_ASSOCIATIONS}
+               if login.lower() in reviewers and login.lower() != own}
     blocking = sorted(login for login, r in trusted.items() if r.state == "CHANGES_REQUESTED")
     if blocking:
         return None, f"changes requested by {', '.join(blocking)}"
@@ -296,8 +343,14 @@ def approving_review(reviews: list[Any], head_sha: str) -> tuple[Any | None, str
         return on_head[0], ""
     if any(r.state == "APPROVED" for r in trusted.values()):
         return None, f"the approving review is of an older commit; review {head_sha[:12]}"
+    if not reviewers:
+        return None, (f"no reviewers: main lists none under `{REVIEWERS_FIELD}:` in "
+                      f"{PROJECT_FILE}, so no review approves; add the maintainers' GitHub "
+                      "logins there on main")
     if latest:
-        return None, "approving reviews only from people without a role in the repository"
+        return None, (f"approving reviews only from people not listed under "
+                      f"`{REVIEWERS_FIELD}:` in main's {PROJECT_FILE} (or from the PR's "
+                      "author); a listed reviewer must approve")
     return None, f"waiting for an approving review of {head_sha[:12]}"
 
 
@@ -327,6 +380,7 @@ def sync(ws: Workspace, gh: GitHubRepo, base: str = "main", remote: str | None =
     pulls = [p for p in gh.pulls(base) if p.head.ref.startswith(BRANCH_PREFIX)
              and p.head.repo is not None and p.head.repo.full_name == gh.slug]
     states = ws.versions()
+    reviewers = main_reviewers(ws, base)
     for pull in pulls:
         name = pull.head.ref.removeprefix(BRANCH_PREFIX)
         state = states.get(name)
@@ -335,7 +389,8 @@ def sync(ws: Workspace, gh: GitHubRepo, base: str = "main", remote: str | None =
             continue
         if ws.approval_status(state, states) == "approved":
             continue
-        review, why = approving_review(gh.reviews(pull), state.sha)
+        author = pull.user.login if getattr(pull, "user", None) else None
+        review, why = approving_review(gh.reviews(pull), state.sha, reviewers, author)
         if review is None:
             report.waiting[name] = why
             continue

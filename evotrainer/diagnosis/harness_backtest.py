@@ -152,6 +152,8 @@ def backtest_harness(
     old = against if isinstance(against, HarnessRevision) else resolve_harness(
         against or ws.harness_in_force(), ws.root)
     states = ws.versions()
+    # Records a keyless reader cannot check are evidence of nothing: no re-gate from them.
+    ws.refuse_unverified(states, f"the backtest of {new.name}")
     names = recorded_versions(ws, states)
     old_diag = {n: _diagnosis(ws, states, states[n], old) for n in names}
     new_diag = {n: _diagnosis(ws, states, states[n], new) for n in names}

@@ -196,6 +196,26 @@ class GitStore:
         found = re.search(r'Good "git" signature for (\S+) with', out)
         return found.group(1) if found else None
 
+    def first_parents(self, commits: Iterable[str]) -> dict[str, str | None]:
+        """{commit: its first parent (None for a root commit)} in one git call."""
+        commits = list(dict.fromkeys(commits))
+        if not commits:
+            return {}
+        out = self.repo.git.rev_list("--no-walk=unsorted", "--parents", *commits)
+        parents: dict[str, str | None] = {}
+        for line in out.splitlines():
+            ids = line.split()
+            parents[ids[0]] = ids[1] if len(ids) > 1 else None
+        return parents
+
+    def last_change(self, commit: str, path: str) -> tuple[str | None, str | None]:
+        """(the last commit reachable from `commit` that changed `path`, its first parent);
+        (None, None) when none did."""
+        out = self.repo.git.log("-1", "--format=%H %P", commit, "--", path).split()
+        if not out:
+            return None, None
+        return out[0], out[1] if len(out) > 1 else None
+
     def changed_paths(self, old: str, new: str) -> list[str]:
         """Paths whose content differs between two commits."""
         out = self.repo.git.diff("--name-only", "-z", *DIFF_SAFETY, old, new, "--")

@@ -85,6 +85,8 @@ class LineageRow:
 
 def status_of(state: VersionState, approval: str | None = None) -> str:
     """`approval` is `Workspace.approval_status` (only an approval that holds counts)."""
+    if state.unverified:  # records this reader cannot check are shown as nothing
+        return "unverified"
     decision, run = state.decision, state.run
     if decision is not None and decision.verdict:
         return decision.verdict

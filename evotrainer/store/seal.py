@@ -7,7 +7,11 @@ writes with an HMAC-SHA256 whose key lives outside the repository:
 
 - `EVOTRAINER_RECORD_KEY` in the environment (a CI secret in the pull-request flow; share it
   between every machine that reconciles or approves for one workspace), else
-- `.evotrainer/record.key` in the workspace (git-ignored, mode 0600, made on first use).
+- a key file outside the workspace: `$XDG_CONFIG_HOME/evotrainer/keys/<folder>-<id>.key`
+  (default `~/.config`; the id is the digest of the workspace's path; folder 0700, file 0600,
+  made on first use). Never inside the workspace: a job's working directory is its
+  worktree under `.evotrainer/`, so `../../record.key` would be in its reach. A key left
+  at the old place, `.evotrainer/record.key`, is moved out on first use, saying so.
 
 The seal is one file, `runs/<v>/seal.yaml`, committed with every record: `records` is the MAC
 of the version's record files as that commit leaves them, `approval` the MAC of the approval
@@ -18,11 +22,14 @@ it, and the version stops there.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
+import re
 import secrets
 import stat
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -39,28 +46,76 @@ SEALED_FILES = ("run.yaml", "scores.csv", "diagnosis.yaml", "decision.yaml")
 APPROVAL_FIELDS = ("approved", "by", "at", "digest")
 
 
+def keys_dir() -> Path:
+    """The folder holding this user's workspace keys (what a job's namespace hides)."""
+    config = os.environ.get("XDG_CONFIG_HOME", "")
+    base = Path(config) if os.path.isabs(config) else Path.home() / ".config"
+    return base / "evotrainer" / "keys"
+
+
+def key_file(state_dir: Path) -> Path:
+    """Where the key of the workspace whose state folder is `state_dir` lives: outside the
+    workspace, named by the workspace's folder and the digest of its resolved path."""
+    root = state_dir.resolve().parent
+    ident = hashlib.sha256(str(root).encode()).hexdigest()[:16]
+    label = re.sub(r"[^A-Za-z0-9._-]", "_", root.name)[:40] or "workspace"
+    return keys_dir() / f"{label}-{ident}.key"
+
+
 def record_key(state_dir: Path, create: bool = True) -> bytes | None:
-    """The controller's key: the environment's, else the workspace's own key file (made, with
-    mode 0600, when there is none yet and `create`; None when there is none and not). A key
-    file that is a link or not a plain file is refused: a branch or a neighbour must not be
-    able to point the controller at its key."""
+    """The controller's key: the environment's, else the workspace's key file outside the
+    workspace (made, with mode 0600, when there is none yet and `create`; None when there is
+    none and not). A key still at the old place inside the workspace is moved out first. A
+    key file that is a link or not a plain file is refused: a branch or a neighbour must not
+    be able to point the controller at its key."""
     from_env = os.environ.get(KEY_ENV, "")
     if from_env:
         return from_env.encode()
-    path = state_dir / KEY_FILE
+    path, legacy = key_file(state_dir), state_dir / KEY_FILE
+    if os.path.lexists(legacy):
+        return _move_out(legacy, path)
     try:
         return _read_key(path)
     except FileNotFoundError:
-        if not create:
-            return None
-    state_dir.mkdir(parents=True, exist_ok=True)
+        pass
+    if not create:
+        return None
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        return _write_key(path, secrets.token_hex(32).encode())
     except FileExistsError:  # another process made it meanwhile
         return _read_key(path)
-    with os.fdopen(fd, "w") as out:
-        out.write(secrets.token_hex(32) + "\n")
+
+
+def _write_key(path: Path, key: bytes) -> bytes:
+    """Write a new key file (its folder 0700, the file 0600, never over an existing one)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(path.parent, 0o700)  # an existing folder too: the keys are no one else's
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        raise  # the caller's to handle (made meanwhile)
+    except OSError as exc:
+        raise EvoError(f"the record key cannot be written: {exc.strerror}", where=str(path),
+                       hint=f"make {path.parent} writable, set XDG_CONFIG_HOME to a private "
+                       f"folder, or set {KEY_ENV}") from None
+    with os.fdopen(fd, "wb") as out:
+        out.write(key + b"\n")
     return _read_key(path)
+
+
+def _move_out(legacy: Path, path: Path) -> bytes:
+    """Move a key kept inside the workspace (where a job could read it) to `path`."""
+    key = _read_key(legacy)
+    with contextlib.suppress(FileExistsError):  # made meanwhile, or kept at both places
+        _write_key(path, key)
+    if _read_key(path) != key:
+        raise EvoError("two record keys: one inside the workspace, another outside it",
+                       where=str(legacy), hint=f"keep the one the controller sealed with at "
+                       f"{path} and remove the other")
+    legacy.unlink()
+    print(f"evotrainer: moved the record key out of the workspace, where a job could read "
+          f"it: {legacy} -> {path}", file=sys.stderr)
+    return key
 
 
 def _read_key(path: Path) -> bytes:
@@ -82,12 +137,18 @@ def _mac(key: bytes, *parts: str) -> str:
     return "hmac-sha256:" + hmac.new(key, "\0".join(parts).encode(), hashlib.sha256).hexdigest()
 
 
-def records_mac(key: bytes, version: str, files: Mapping[str, bytes | None]) -> str:
-    """The MAC of a version's record files (absent ones included as absent)."""
+def records_mac(key: bytes, version: str, files: Mapping[str, bytes | None],
+                previous: str | None = None) -> str:
+    """The MAC of a version's record files (absent ones included as absent) and, where
+    given, `previous`: the commit the sealing commit was written onto, which binds the
+    records to their place in the branch's history (a seal restored onto another commit,
+    or replayed later, does not verify there)."""
     parts = [
         f"{name}={hashlib.sha256(files[name]).hexdigest() if files.get(name) is not None else '-'}"
         for name in SEALED_FILES
     ]
+    if previous is not None:
+        parts.append(f"previous={previous}")
     return _mac(key, "records", version, *parts)
 
 

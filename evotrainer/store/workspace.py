@@ -23,7 +23,7 @@ from typing import Any
 from evotrainer.errors import EvoError
 from evotrainer.store import recipe as recipes
 from evotrainer.store import seal, specs
-from evotrainer.store.git import GitStore, branch_name
+from evotrainer.store.git import DIFF_SAFETY, GitStore, branch_name
 from evotrainer.store.recipe import copy_tree
 from evotrainer.store.records import DecisionRecord, DiagnosisRecord, RunRecord
 
@@ -32,6 +32,7 @@ PROJECT_FILE = "spec/project.yaml"
 # format). Absent: an approval is proven by the controller's seal alone.
 ALLOWED_SIGNERS = "spec/allowed_signers"
 STATE_DIR = ".evotrainer"
+MAIN_REF = "refs/heads/main"
 RECORD_FILES = ("run.yaml", "diagnosis.yaml", "decision.yaml")
 
 
@@ -63,6 +64,9 @@ class VersionState:
     approval_sealed: bool = False
     # Records or an approval this reader cannot check: it holds no record key.
     unverified: bool = False
+    # Files the branch changed after the commit that sealed its records (commits nobody
+    # recorded, e.g. pushed onto a parent after it ran): what its children carry unrecorded.
+    changed_after_record: list[str] = field(default_factory=list)
     # The spec as a document found valid before (specs.cached_valid), when it was: what
     # validation reads instead of looking it up again.
     checked: specs.Document | None = field(default=None, repr=False, compare=False)
@@ -73,7 +77,8 @@ class VersionState:
     def copy(self) -> VersionState:
         """A copy whose spec and records can be changed without changing this one."""
         return replace(self, spec=copy_tree(self.spec), records=copy_tree(self.records),
-                       record_errors=dict(self.record_errors))
+                       record_errors=dict(self.record_errors),
+                       changed_after_record=list(self.changed_after_record))
 
     def record_where(self, kind: str) -> str:
         return f"{branch_name(self.name)}:{run_path(self.name, kind + '.yaml')}"
@@ -120,7 +125,7 @@ class Workspace:
         self.git = GitStore(self.root)
         self._record_key: bytes | None = None
         # name → (commit, record key, state) of each branch read so far: see `_states`.
-        self._read: dict[str, tuple[str, bytes | None, VersionState]] = {}
+        self._read: dict[str, tuple[str, tuple[bytes | None, str | None], VersionState]] = {}
         # Resolved recipes by what they are resolved from: see `resolved_recipe`.
         self._recipes: dict[str, dict] = {}
         self._project_key: tuple[Any, str] = (None, "")
@@ -240,11 +245,13 @@ class Workspace:
         change. A state read before is reused only for the same commit and the same record
         key: the commit fixes every byte read, the key every seal verdict."""
         key = self.record_key
+        # main's tip too: whether a branch is rewound is read against what main holds.
+        main = self.git.rev(MAIN_REF)
         stale = {name: sha for name, sha in branches.items()
-                 if self._read.get(name, (None, None, None))[:2] != (sha, key)}
+                 if self._read.get(name, (None, None, None))[:2] != (sha, (key, main))}
         if stale:
             for name, state in self._read_states(stale).items():
-                self._read[name] = (state.sha, key, state)
+                self._read[name] = (state.sha, (key, main), state)
         return {name: self._read[name][2].copy() for name in branches}
 
     def _read_states(self, branches: dict[str, str]) -> dict[str, VersionState]:
@@ -258,10 +265,17 @@ class Workspace:
             if (sha, f"runs/{name}") in recorded:
                 wanted += [(sha, run_path(name, f))
                            for f in (*seal.SEALED_FILES, seal.SEAL_FILE)]
+        # main's copy of each recorded version's records: a branch moved back behind what
+        # main merged of it is rewound (`_check_rewound`).
+        wanted += [(MAIN_REF, run_path(name, f)) for name, sha in branches.items()
+                   if (sha, f"runs/{name}") in recorded
+                   for f in (*seal.SEALED_FILES, seal.SEAL_FILE)]
         blobs = dict.fromkeys(
-            ((sha, run_path(name, f)) for name, sha in branches.items()
+            ((ref, run_path(name, f)) for name, sha in branches.items() for ref in (sha, MAIN_REF)
              for f in (*seal.SEALED_FILES, seal.SEAL_FILE)), None)
         blobs.update(self.git.read_many(wanted))
+        parents = self.git.first_parents(
+            sha for name, sha in branches.items() if (sha, f"runs/{name}") in recorded)
         states = {}
         for name, sha in branches.items():
             ref = branch_name(name)
@@ -289,26 +303,43 @@ class Workspace:
                     state.records[kind] = None
                     state.record_errors[kind] = err
             self._check_seal(state, {f: blobs[(sha, run_path(name, f))]
-                                     for f in (*seal.SEALED_FILES, seal.SEAL_FILE)})
+                                     for f in (*seal.SEALED_FILES, seal.SEAL_FILE)},
+                             parents.get(sha),
+                             {f: blobs[(MAIN_REF, run_path(name, f))]
+                              for f in (*seal.SEALED_FILES, seal.SEAL_FILE)})
             states[name] = state
         return states
 
-    def _check_seal(self, state: VersionState, files: dict[str, bytes | None]) -> None:
+    def _check_seal(self, state: VersionState, files: dict[str, bytes | None],
+                    parent: str | None = None,
+                    on_main: dict[str, bytes | None] | None = None) -> None:
         """Trust the version's records and approval only as far as the controller's seal
         proves it wrote them: records that do not verify refuse the version (named as
-        forged); an approval block that does not verify is not an approval."""
+        forged); an approval block that does not verify is not an approval. Records also
+        hold their place in the branch's history: a seal standing on another commit than
+        the one it was written onto is refused, a branch moved back behind the records main
+        merged of it is named rewound, and files committed after the sealing commit are
+        noted (`changed_after_record`). `parent`: the tip's first parent; `on_main`: main's
+        copy of the version's record files."""
         key = self.record_key
         recorded = any(files[f] is not None for f in seal.SEALED_FILES)
         if key is None:  # a reader without the key (a fork's CI): nothing can be verified
             state.unverified = recorded or state.approved
+            # ...and nothing is acted on: records no one here can check are read by no
+            # reader (backtests, planners, lineage), as forged ones are not.
+            if recorded:
+                state.records = dict.fromkeys(state.records)
             return
         found = seal.read_seal(files[seal.SEAL_FILE])
         if state.approved:
             expected = seal.approval_mac(key, state.name, state.approval)
             state.approval_sealed = seal.same(found.get("approval"), expected)
-        if not recorded:
-            return
-        if not seal.same(found.get("records"), seal.records_mac(key, state.name, files)):
+        previous = found.get("previous")
+        genuine = seal.same(found.get("records"),
+                            seal.records_mac(key, state.name, files, previous))
+        if not recorded and not (genuine and previous):
+            return  # no records, and no seal of the controller's to hold a place
+        if not genuine:
             written = ", ".join(run_path(state.name, f) for f in seal.SEALED_FILES
                                 if files[f] is not None)
             # Nothing forged is read as evidence by anyone (lineage, report, backtests).
@@ -321,6 +352,71 @@ class Workspace:
                 f"runs/{state.name}/ from the branch (a reviewer then approves it), or set "
                 f"{seal.KEY_ENV} to the key of the controller that wrote them",
             )
+            return
+        branch = branch_name(state.name)
+        seal_path = run_path(state.name, seal.SEAL_FILE)
+        if previous is not None and parent != previous:  # the tip is not the sealing commit
+            sealed_at, sealed_onto = self.git.last_change(state.sha, seal_path)
+            if sealed_at is None or sealed_onto != previous:
+                self._refuse_records(state, EvoError(
+                    f"records out of place: {seal_path} on {branch} was sealed onto commit "
+                    f"{previous[:12]}, not where it stands now (records restored or "
+                    "replayed from elsewhere in the version's history)",
+                    where=f"{branch}:{seal_path}",
+                    hint="nothing is launched, diagnosed, gated or promoted from them; "
+                    f"restore {branch} to the commit the controller wrote (git reflog "
+                    f"{branch}) or remove runs/{state.name}/ from the branch",
+                ))
+                return
+            state.changed_after_record = self.git.changed_paths(sealed_at, state.sha)
+        self._check_rewound(state, files, on_main or {}, key)
+
+    def _check_rewound(self, state: VersionState, files: dict[str, bytes | None],
+                       on_main: dict[str, bytes | None], key: bytes) -> None:
+        """A branch whose tip main already contains, while main holds later records of the
+        version (sealed by this controller), was moved back: named rewound, read as
+        nothing (its older records would be re-collected, re-gated, re-merged)."""
+        main_seal = on_main.get(seal.SEAL_FILE)
+        if main_seal is None or main_seal == files[seal.SEAL_FILE]:
+            return
+        found = seal.read_seal(main_seal)
+        genuine = seal.same(found.get("records"), seal.records_mac(
+            key, state.name, on_main, found.get("previous")))
+        if not genuine or not self.git.is_ancestor(state.sha, MAIN_REF):
+            return
+        branch = branch_name(state.name)
+        seal_path = run_path(state.name, seal.SEAL_FILE)
+        latest, _ = self.git.last_change(MAIN_REF, seal_path)
+        self._refuse_records(state, EvoError(
+            f"rewound: {branch} was moved back behind its own records (main holds later "
+            f"records of {state.name}, sealed by this controller)",
+            where=branch,
+            hint="nothing is launched, diagnosed, gated or promoted from it; restore the "
+            f"branch: git branch -f {branch} {(latest or 'main')[:12]}",
+        ))
+
+    @staticmethod
+    def _refuse_records(state: VersionState, error: EvoError) -> None:
+        """The version's records are read as nothing, and `error` refuses it."""
+        state.records = dict.fromkeys(state.records)
+        state.record_errors["seal"] = error
+
+    def refuse_unverified(self, states: dict[str, VersionState], doing: str) -> None:
+        """Raise when `states` hold versions this reader cannot verify (it holds no record
+        key): a command that would act on recorded evidence (`doing`) acts on nothing it
+        cannot check, and says so in one line."""
+        unverified = sorted(name for name, state in states.items() if state.unverified)
+        if not unverified:
+            return
+        shown = ", ".join(unverified[:5]) + (f" and {len(unverified) - 5} more"
+                                             if len(unverified) > 5 else "")
+        raise EvoError(
+            f"nothing could be verified: this machine holds no record key, so the records "
+            f"and approvals of {shown} cannot be checked and {doing} acts on none of them",
+            where=str(self.root),
+            hint=f"run it where the controller's key is (set {seal.KEY_ENV} to it); "
+            "`evotrainer plan` lists what cannot be verified",
+        )
 
     @property
     def record_key(self) -> bytes | None:
@@ -350,7 +446,7 @@ class Workspace:
         before = {f: current.get((tip, p)) for f, p in paths.items()}
         sealed = seal.read_seal(before[seal.SEAL_FILE])
         if any(before[f] is not None for f in seal.SEALED_FILES) and not seal.same(
-            sealed.get("records"), seal.records_mac(key, name, before)
+            sealed.get("records"), seal.records_mac(key, name, before, sealed.get("previous"))
         ):  # never seal over what someone else wrote
             raise EvoError(
                 f"forged records on {branch}: the controller did not write runs/{name}/",
@@ -358,7 +454,9 @@ class Workspace:
                 hint=f"remove runs/{name}/ from the branch; nothing was committed",
             )
         after = {f: files.get(p, before[f]) for f, p in paths.items()}
-        sealed["records"] = seal.records_mac(key, name, after)
+        # Bound to the commit it is written onto: its place in the version's history.
+        sealed["previous"] = tip
+        sealed["records"] = seal.records_mac(key, name, after, tip)
         if approval is not None:
             sealed["approval"] = seal.approval_mac(key, name, approval)
         files = {**files, paths[seal.SEAL_FILE]: seal.seal_text(sealed)}
@@ -368,8 +466,10 @@ class Workspace:
         states = states if states is not None else self.versions()
         if name not in states:
             known = ", ".join(sorted(states)) or "none yet"
+            similar = [known for known in states if known.lower() == name.lower()]
             raise EvoError(f"no version {name!r} (no branch {branch_name(name)})",
-                           hint=f"known versions: {known}")
+                           hint=f"did you mean {similar[0]}?" if similar
+                           else f"known versions: {known}")
         state = states[name]
         if state.spec is None:
             raise EvoError("missing or unreadable version spec", where=state.spec_source,
@@ -514,6 +614,41 @@ class Workspace:
         if not commit or self.allowed_signers is None:
             return None
         return self.git.signed_by(commit, self.allowed_signers)
+
+    def merge_changes(
+        self, state: VersionState, states: dict[str, VersionState]
+    ) -> list[tuple[str, str]]:
+        """(status, path) of every file that merging the version's branch into main would
+        bring (`git diff main...evo/<v>`: from their merge base, so files pushed onto a
+        parent after it ran show too), less the records of the version and of its
+        ancestors that stand there as the controller sealed them on their own branches.
+        This, not the diff against the parent, is what an approval lets into main."""
+        base = MAIN_REF if self.git.rev(MAIN_REF) else None
+        kept = self.sealed_record_paths(state, states)
+        args = ["--name-status", "-z", "--no-renames", *DIFF_SAFETY]
+        if base is None:
+            out = self.git.repo.git.show("--format=", *args, state.sha, "--")
+        else:
+            out = self.git.repo.git.diff(*args, f"{base}...{state.sha}", "--")
+        fields = [f for f in out.split("\0") if f]
+        pairs = list(zip(fields[::2], fields[1::2], strict=False))
+        return [(status, path) for status, path in pairs if path not in kept]
+
+    def sealed_record_paths(
+        self, state: VersionState, states: dict[str, VersionState]
+    ) -> set[str]:
+        """The record files of `state` and its ancestors that `state`'s tree holds exactly
+        as the controller sealed them on the owning version's branch (verified there)."""
+        owners = {}
+        for link in self.chain(state.name, states):
+            if "seal" in link.record_errors or link.unverified:
+                continue
+            for f in (*seal.SEALED_FILES, seal.SEAL_FILE):
+                owners[run_path(link.name, f)] = link.sha
+        blobs = self.git.read_many([(ref, p) for p, ref in owners.items()]
+                                   + [(state.sha, p) for p in owners])
+        return {p for p, ref in owners.items()
+                if blobs[(state.sha, p)] is not None and blobs[(state.sha, p)] == blobs[(ref, p)]}
 
     def unapproved_changes(self, state: VersionState) -> list[str]:
         """The files the branch changed since its approval commit (the last commit of its

@@ -1,7 +1,6 @@
 """Benchmark: full h0 diagnosis vs a per-record Python loop vs a bare column scan (goal: at most
-3x the scan), incremental diagnosis of the newest 10% and 1% of a run vs the full one, and verl
-JSONL ingest throughput vs a json.loads loop and a bare orjson loop (the parser ingest uses).
-Everything is measured in this one run.
+3x the scan), and incremental diagnosis of the newest 10% and 1% of a run vs the full one.
+Everything is measured in this one run; the verl ingest has its own bench (bench/ingest.py).
 
 Both the diagnosis and the loop start from the same Parquet file: the diagnosis's time holds
 reading it, so the loop's total holds reading its records from it (printed apart too). The bare
@@ -9,23 +8,20 @@ scan reads the columns h0 reads from the same source as the diagnosis it is comp
 Parquet file, or the in-memory table. Every time is the best of RUNS (5) runs, the loop's
 excepted (one run).
 
-    .venv/bin/python bench/diagnose.py [--rows 1000000] [--ingest-rows 100000] [--response-kb 4]
+    .venv/bin/python bench/diagnose.py [--rows 1000000]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import tempfile
 import time
-import uuid
 from collections import defaultdict
 from pathlib import Path
 
 import duckdb
-import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -34,7 +30,6 @@ from evotrainer.diagnosis.harness import resolve_harness
 from evotrainer.diagnosis.incremental import diagnose_incremental
 from evotrainer.evidence.groups import DEAD_GROUP_STD
 from evotrainer.evidence.synthetic import random_rollouts
-from evotrainer.evidence.verl import ingest_dump, split_lines
 
 COLUMNS = [
     "step",
@@ -141,81 +136,11 @@ def bare_scan(table: pa.Table | Path) -> float:
     return elapsed
 
 
-def write_dump(folder: Path, rows: int, steps: int, response_kb: float = 0.0) -> int:
-    """verl-style JSONL dumps; `response_kb` > 0 pads each response to about that size
-    (verl users' responses run 1-8 KB)."""
-    per_step = max(1, rows // steps)
-    padding = ("Let me check that step again. " * 300)[: int(response_kb * 1024)]
-    size = 0
-    for step in range(1, steps + 1):
-        lines = []
-        for g in range(per_step // 8):
-            prompt_uid = uuid.uuid4().hex
-            for s in range(8):
-                lines.append(
-                    json.dumps(
-                        {
-                            "input": f"<|user|>Problem {g}: compute {g} * {s} and explain. " * 4,
-                            "output": "Let me think step by step. " * 12
-                            + padding
-                            + f"The answer is {g * s}.",
-                            "gts": str(g * s),
-                            "score": float(s % 2),
-                            "step": step,
-                            "uid": f"{prompt_uid}_{s}_0",
-                        }
-                    )
-                )
-        path = folder / f"{step}.jsonl"
-        path.write_text("\n".join(lines) + "\n")
-        size += path.stat().st_size
-    return size
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
-    parser.add_argument("--ingest-rows", type=int, default=100_000,
-                        help="dumped rows, over 50 steps (2,000 a step: 250 prompts x 8)")
-    parser.add_argument("--response-kb", type=float, default=4.0,
-                        help="size of each dumped response (verl's are 1-8 KB)")
-    args = parser.parse_args()
-    # The ingest goes first: after the diagnoses below have allocated and freed gigabytes,
-    # every fresh buffer costs page faults on a VM, which tilts a measurement of large
-    # allocations (the ingest's strings) against one of small ones (the bare parse loop).
-    bench_ingest(args.ingest_rows, args.response_kb)
+    args = parser.parse_args(argv)
     bench_diagnosis(args.rows)
-
-
-def bench_ingest(rows: int, response_kb: float) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        size = write_dump(Path(tmp), rows, 50, response_kb)
-        t_ingest = t_json = t_orjson = math.inf
-        for _ in range(RUNS):
-            start = time.perf_counter()
-            result = ingest_dump(tmp, version="bench", split="train")
-            t_ingest = min(t_ingest, time.perf_counter() - start)
-            start = time.perf_counter()
-            for path in Path(tmp).glob("*.jsonl"):
-                with open(path) as handle:
-                    for line in handle:
-                        json.loads(line)
-            t_json = min(t_json, time.perf_counter() - start)
-            # The parser ingest uses, bare: lines cut as ingest cuts them (views, no copies),
-            # the fastest orjson loop measured; nothing kept, no table.
-            start = time.perf_counter()
-            for path in Path(tmp).glob("*.jsonl"):
-                for line in split_lines(path.read_bytes()):
-                    orjson.loads(line)
-            t_orjson = min(t_orjson, time.perf_counter() - start)
-    mb = size / 1e6
-    print(
-        f"verl ingest: {result.rollouts.num_rows:,} rows ({response_kb:g} KB responses, 50 "
-        f"files), {mb:.0f} MB in {t_ingest:.2f} s = "
-        f"{mb / t_ingest:.0f} MB/s (json.loads loop alone: {mb / t_json:.0f} MB/s): "
-        f"{t_json / t_ingest:.2f} of a bare parse (goal >= 0.8); "
-        f"{t_orjson / t_ingest:.2f} of a bare orjson loop ({mb / t_orjson:.0f} MB/s)"
-    )
 
 
 def bench_diagnosis(rows: int) -> None:

@@ -1,0 +1,26 @@
+"""Each bench/ script this file names, run at its smallest size: a bench that no longer runs
+is caught here, never when someone needs its figures. Nothing here is timed."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def bench(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ingest_bench_runs_every_flavour(capsys):
+    """bench/ingest.py: the three dump flavours, one run each, a ratio printed per flavour."""
+    ratios = bench("ingest").main(["--rows", "400", "--runs", "1", "--response-kb", "0.5"])
+    assert set(ratios) == {"v1", "legacy", "legacy-val"}
+    assert all(ratio > 0 for ratio in ratios.values())
+    out = capsys.readouterr().out
+    assert out.count("of the parse's speed") == 3

@@ -161,7 +161,7 @@ class AnalyzerRuns:
     runs once however many metrics name it, and all of them share `budget_s` of wall time."""
 
     revision: str
-    budget_s: float = MAX_REVISION_SECONDS
+    budget_s: float = field(default_factory=lambda: MAX_REVISION_SECONDS)
     spent_s: float = 0.0
     results: dict[tuple, tuple[float | None, list[list[float]]]] = field(default_factory=dict)
 

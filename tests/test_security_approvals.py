@@ -6,20 +6,20 @@ clear line naming the version and the way out, no traceback."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import shutil
 import subprocess
-import sys
+import tempfile
 from pathlib import Path
 
-import git
 import pytest
 import yaml
 from standin import converge, propose, record, standin_settings
 from test_pull_requests import github  # noqa: F401 (the fake GitHub fixture)
 
 from evotrainer.backends.base import JobSpec
-from evotrainer.backends.local import LocalBackend
 from evotrainer.control.reconcile import load_context, plan
 from evotrainer.control.versions import new_version
 from evotrainer.errors import EvoError
@@ -222,3 +222,108 @@ def test_records_restored_by_a_new_commit_are_out_of_place(workspace):
     tip = fresh.git.rev("evo/v1")
     converge(fresh)
     assert fresh.git.rev("evo/v1") == tip  # nothing relaunched over it
+
+
+# ---- the record key and jobs ---------------------------------------------------------------
+
+
+def test_the_record_key_lives_outside_the_workspace_and_an_old_one_moves_out(workspace, cli):
+    """A key at the old place inside the workspace (`.evotrainer/record.key`, in a job's
+    reach as `../../record.key`) is moved out on first use, saying so; records still
+    verify with it."""
+    ws = workspace
+    propose(ws, "v1", standin_skill=0.6)
+    key_file = seal.key_file(ws.state_dir)
+    assert key_file.is_file() and not key_file.is_relative_to(ws.root)
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert key_file.parent.stat().st_mode & 0o777 == 0o700
+    legacy = ws.state_dir / seal.KEY_FILE
+    ws.state_dir.mkdir(exist_ok=True)
+    key_file.rename(legacy)
+    out = cli("-C", str(ws.root), "plan")
+    assert "moved the record key out of the workspace" in out.err and str(key_file) in out.err
+    assert not legacy.exists() and key_file.is_file()
+    fresh = Workspace(ws.root)
+    assert fresh.approval_status(fresh.version("v1")) == "approved"
+    # Two different keys: one clear line, nothing overwritten.
+    legacy.write_text("k" * 64 + "\n")
+    with pytest.raises(EvoError, match="two record keys"):
+        seal.record_key(ws.state_dir)
+    assert legacy.exists()
+
+
+READ_KEYS = ("cat ../../record.key {key}; ls {folder}; "
+             "cat /proc/{controller}/environ | tr '\\0' '\\n' | grep RECORD; "
+             "umount {folder}; cat {key}; echo job-ran")
+
+
+def _job_output(ws: Workspace, key: Path, tmp: Path) -> str:
+    """Run a job the way the local backend does (its worktree as working directory) whose
+    command tries every way to the key, and return what it printed."""
+    from evotrainer.backends.local import spawn_detached
+
+    workdir = ws.worktree_path("v1")
+    workdir.mkdir(parents=True, exist_ok=True)  # .evotrainer/worktrees/v1
+    artifacts = tmp / "job"
+    artifacts.mkdir(exist_ok=True)
+    job = JobSpec("evo-v1-a1-0123456789", "v1", {}, workdir, artifacts)
+    script = READ_KEYS.format(key=key, folder=key.parent, controller=os.getpid())
+    record_ = spawn_detached(["/bin/sh", "-c", script], job, {"PATH": "/usr/bin:/bin"},
+                             artifacts / "process.log")
+    os.waitpid(record_["pid"], 0)
+    return (artifacts / "process.log").read_text()
+
+
+def test_a_job_cannot_read_the_record_key(workspace, tmp_path, monkeypatch):
+    """A job's working directory is its worktree: `../../record.key`, the key file outside
+    the workspace, the controller's environment and unmounting the folder that hides it all
+    come up empty. (As root the job is root, yet holds no capability outside its own user
+    namespace.)"""
+    ws = workspace
+    key = seal.key_file(ws.state_dir)
+    secret = seal.record_key(ws.state_dir)
+    monkeypatch.setenv(seal.KEY_ENV + "_PROBE", "RECORD-in-the-controller-environment")
+    out = _job_output(ws, key, tmp_path)
+    assert "job-ran" in out, out
+    assert secret.decode() not in out and "RECORD-in-the-controller" not in out
+    assert key.read_bytes().strip() == secret  # still there for the controller
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the test above runs as this user already")
+def test_a_job_of_an_unprivileged_controller_cannot_read_the_record_key():
+    """The same as a user who is not root (a self-hosted runner, a laptop): the test drops
+    to an unprivileged uid and runs the job there."""
+    from evotrainer.backends.local import KeyHider
+
+    home = Path(tempfile.mkdtemp(prefix="evotrainer-nobody-"))  # pytest's folder is root's
+    os.chown(home, 65534, 65534)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (reported through the pipe)
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # dumpable, as any user's process is
+            os.environ["XDG_CONFIG_HOME"] = str(home)
+            state = home / "ws" / ".evotrainer"
+            state.mkdir(parents=True)
+            secret = seal.record_key(state).decode()
+            key = seal.key_file(state)
+            hider = KeyHider.for_jobs()
+            job = subprocess.run(["/bin/sh", "-c", f"cat {key}; umount {key.parent}; "
+                                  f"cat {key}; echo job-ran"], preexec_fn=hider,
+                                 capture_output=True, text=True, cwd=str(state))
+            plain = subprocess.run(["cat", str(key)], capture_output=True, text=True)
+            report = {"out": job.stdout + job.stderr, "secret": secret,
+                      "plain": plain.stdout.strip()}
+        except Exception as exc:  # noqa: BLE001
+            report = {"error": repr(exc)}
+        os.write(write, json.dumps(report).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    report = json.loads(os.read(read, 65536))
+    shutil.rmtree(home)
+    assert "error" not in report, report
+    assert report["plain"] == report["secret"]  # the file is there, readable to its owner
+    assert "job-ran" in report["out"] and report["secret"] not in report["out"]

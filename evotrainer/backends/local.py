@@ -11,6 +11,7 @@ environment (`EVOTRAINER_JOB_ID`), so a reconcile that died between spawning it 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.store.checkpoints import CHECKPOINT
 from evotrainer.store.clock import now_iso
 from evotrainer.store.files import atomic_write, read_json
+from evotrainer.store.seal import KEY_ENV, keys_dir
 
 JOB_FILE = "job.json"
 STDIO_FILE = "process.log"
@@ -164,18 +166,137 @@ def running_status(job: JobSpec, record: dict) -> JobStatus:
 def spawn_detached(command: list[str], job: JobSpec, env: dict, log: Path) -> dict:
     """Start `command` in its own session (it outlives reconcile), output appended to `log`;
     return the job record that lets any later process find it again (pid + start time).
-    The job id and dir go into its environment: `find_job_process` finds it without the record."""
-    with log.open("ab") as out:
-        process = subprocess.Popen(
-            command,
-            cwd=job.workdir,
-            env={**env, JOB_ID_ENV: job.job_id, JOB_DIR_ENV: str(job.artifact_dir.resolve())},
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    The job id and dir go into its environment: `find_job_process` finds it without the record.
+    Where this user keeps record keys, the job never sees them (`KeyHider`)."""
+    hider = KeyHider.for_jobs()
+    try:
+        with log.open("ab") as out:
+            process = subprocess.Popen(
+                command,
+                cwd=job.workdir,
+                env={**env, JOB_ID_ENV: job.job_id, JOB_DIR_ENV: str(job.artifact_dir.resolve())},
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=hider,
+            )
+    except subprocess.SubprocessError as exc:  # the namespace could not be made after all
+        raise EvoError(f"the job could not be started apart from the record key: {exc}",
+                       where=str(log), hint=KEY_HINT) from None
     return job_record(job, psutil.Process(process.pid), command)
+
+
+# Linux constants (sched.h, mount.h): Python 3.11's os module has no unshare or mount.
+_CLONE_NEWNS, _CLONE_NEWUSER = 0x00020000, 0x10000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
+_MS_REC, _MS_PRIVATE = 0x4000, 0x40000
+KEY_HINT = (f"set {KEY_ENV} in the controller's environment instead of keeping a key file "
+            "(a job never inherits it), or run reconcile where Linux user and mount "
+            "namespaces are allowed")
+
+
+class KeyHider:
+    """Run in a job's child process before exec (`preexec_fn`): the folder of record keys
+    (store/seal.keys_dir) becomes an empty read-only tmpfs in a mount namespace of the
+    job's own, so a job — and whatever a branch's `serve:` command starts in it — cannot
+    read any key, whatever the permissions. As root the mount is made first and the job then
+    enters a user namespace of its own (every uid mapped as is): the mount is locked there,
+    and the job holds no capability outside it (no `umount`, no reading the controller's
+    /proc files). Not root: a user namespace mapping only the caller's uid. None when there
+    is no key folder to hide."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = str(folder).encode()
+
+    @classmethod
+    def for_jobs(cls) -> KeyHider | None:
+        """The hider for this user's key folder (None: none exists, nothing to hide);
+        EvoError when keys exist and this machine cannot keep a job from them."""
+        folder = keys_dir()
+        if not folder.is_dir():
+            return None
+        if not namespaces_work(str(folder)):
+            raise EvoError(
+                "a job here could read the record keys: this machine allows no user and "
+                "mount namespaces to hide them from it, so no job is started",
+                where=str(folder), hint=KEY_HINT)
+        return cls(folder)
+
+    def __call__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if os.geteuid() == 0:
+            _ok(libc.unshare(_CLONE_NEWNS), "unshare")
+            self._mount(libc)
+            _enter_user_namespace(libc, whole=True)
+            _ok(libc.unshare(_CLONE_NEWNS), "unshare")  # the tmpfs is locked from here on
+        else:
+            _enter_user_namespace(libc, whole=False, also=_CLONE_NEWNS)
+            self._mount(libc)
+
+    def _mount(self, libc: ctypes.CDLL) -> None:
+        _ok(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "mount")
+        _ok(libc.mount(b"tmpfs", self.folder, b"tmpfs",
+                       _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
+                       b"size=4k,nr_inodes=1,mode=0"), "mount")
+
+
+def _ok(result: int, what: str) -> None:
+    if result != 0:
+        raise OSError(ctypes.get_errno(), f"{what} failed")
+
+
+def _enter_user_namespace(libc: ctypes.CDLL, whole: bool, also: int = 0) -> None:
+    """Enter a new user namespace: `whole` (root) maps every uid and gid as it is, written
+    by a helper left outside it (only a process there may map more than its own id); else
+    only the caller's own uid and gid."""
+    uid, gid = os.geteuid(), os.getegid()
+    if not whole:
+        _ok(libc.unshare(_CLONE_NEWUSER | also), "unshare")
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/uid_map", f"{uid} {uid} 1")
+        _write("/proc/self/gid_map", f"{gid} {gid} 1")
+        return
+    ready, done = os.pipe()
+    me = os.getpid()
+    helper = os.fork()
+    if helper == 0:  # still outside: waits for the namespace, then maps it
+        try:
+            os.read(ready, 1)
+            _write(f"/proc/{me}/uid_map", "0 0 4294967295")
+            _write(f"/proc/{me}/gid_map", "0 0 4294967295")
+            os._exit(0)
+        except BaseException:  # noqa: BLE001 — a child that must never return
+            os._exit(1)
+    try:
+        _ok(libc.unshare(_CLONE_NEWUSER | also), "unshare")
+    finally:
+        os.write(done, b"x")
+    _, status = os.waitpid(helper, 0)
+    if status != 0:
+        raise OSError("the user namespace could not be mapped")
+    os.setresgid(0, 0, 0)
+    os.setresuid(0, 0, 0)
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as out:
+        out.write(text)
+
+
+_NAMESPACES_WORK: dict[str, bool] = {}
+
+
+def namespaces_work(folder: str) -> bool:
+    """Whether a child here can hide `folder` as a job's would be (tried once a process)."""
+    if folder not in _NAMESPACES_WORK:
+        try:
+            probe = subprocess.run(["true"], preexec_fn=KeyHider(Path(folder)),
+                                   check=False, capture_output=True)
+            _NAMESPACES_WORK[folder] = probe.returncode == 0
+        except (subprocess.SubprocessError, OSError):
+            _NAMESPACES_WORK[folder] = False
+    return _NAMESPACES_WORK[folder]
 
 
 def job_record(job: JobSpec, process: psutil.Process, command: list[str]) -> dict:

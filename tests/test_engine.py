@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from typer.testing import CliRunner
 
 from evotrainer.commands.train import register
 from evotrainer.contract.recipe import check_recipe, environment_config
+from evotrainer.contract.typed import Recipe
 from evotrainer.domains import make_domain
 from evotrainer.engine import run_job
 from evotrainer.engine.grpo import group_advantages, policy_loss
@@ -74,13 +76,8 @@ def test_group_advantages_by_hand():
 
 
 def test_clipped_surrogate_and_kl_by_hand():
-    g = {
-        "clip_low": 0.2,
-        "clip_high": 0.27,
-        "kl_coef": 0.0,
-        "kl_estimator": "k3",
-        "loss_agg": "token-mean",
-    }
+    g = replace(Recipe.from_dict(tiny_recipe()).grpo, clip_low=0.2, clip_high=0.27,
+                kl_coef=0.0, kl_estimator="k3", loss_agg="token-mean")
     old = torch.zeros(2, 3)
     # ratios: row 0 (A=+1) 1.5, 0.5, 1.0(masked); row 1 (A=-1) 0.5, 1.5, 1.0(masked)
     logp = torch.log(torch.tensor([[1.5, 0.5, 1.0], [0.5, 1.5, 1.0]]))
@@ -93,16 +90,16 @@ def test_clipped_surrogate_and_kl_by_hand():
     assert stats["clip_frac"] == pytest.approx(0.5)
     # seq-mean with unequal lengths: row 0 keeps one token, row 1 both.
     short = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
-    loss, _ = policy_loss(logp, old, None, adv, short, {**g, "loss_agg": "seq-mean"})
+    loss, _ = policy_loss(logp, old, None, adv, short, replace(g, loss_agg="seq-mean"))
     assert float(loss) == pytest.approx((-1.27 + (0.8 + 1.5) / 2) / 2)
     # KL to a reference twice as likely: k3 = e^x - x - 1 with x = ln 2; k1 = -ln 2.
     ref = torch.full((2, 3), math.log(2.0))
     zero_adv = torch.zeros(2)
-    loss, stats = policy_loss(old, old, ref, zero_adv, mask, {**g, "kl_coef": 0.5})
+    loss, stats = policy_loss(old, old, ref, zero_adv, mask, replace(g, kl_coef=0.5))
     assert stats["kl"] == pytest.approx(1 - math.log(2.0))
     assert float(loss) == pytest.approx(0.5 * (1 - math.log(2.0)))
     _, stats = policy_loss(
-        old, old, ref, zero_adv, mask, {**g, "kl_estimator": "k1", "kl_coef": 0.5}
+        old, old, ref, zero_adv, mask, replace(g, kl_estimator="k1", kl_coef=0.5)
     )
     assert stats["kl"] == pytest.approx(-math.log(2.0))
 

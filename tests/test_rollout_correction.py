@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -33,8 +34,10 @@ from evotrainer.store.recipe import resolve
 
 torch.set_num_threads(1)
 
-LOSS = {"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.0, "kl_estimator": "k3",
-        "loss_agg": "token-mean"}
+# The default recipe's GRPO settings with the loss's own set by hand.
+GRPO = Recipe.from_dict(resolve({}, [])).grpo
+LOSS = replace(GRPO, clip_low=0.2, clip_high=0.28, kl_coef=0.0, kl_estimator="k3",
+               loss_agg="token-mean")
 
 
 def test_an_int8_layer_is_near_its_float_layer_and_each_row_is_quantized_alone():
@@ -216,7 +219,7 @@ def test_the_weights_scale_each_tokens_policy_gradient_and_not_the_kl():
     scaled = grads[0][0] * torch.tensor([0.5, 2.0])
     assert grads[1][0].tolist() == pytest.approx(scaled.tolist())
     ref = torch.log(torch.tensor([[0.3, 0.3]]))
-    with_kl = LOSS | {"kl_coef": 0.1}
+    with_kl = replace(LOSS, kl_coef=0.1)
     plain, _ = policy_loss(logp, logp.detach(), ref, adv * 0, mask, with_kl)
     weighted, _ = policy_loss(logp, logp.detach(), ref, adv * 0, mask, with_kl,
                               torch.tensor([[0.5, 2.0]]))
@@ -327,7 +330,7 @@ def test_update_without_a_cap_is_the_unweighted_loss(monkeypatch):
     made = [Episode(task=task, prompt_ids=tokenizer.encode("def"), ids=[5, 6], mask=[1, 1],
                     logprobs=[-1.0, -2.0]) for _ in range(2)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = LOSS | {"temperature": 1.0, "ppo_epochs": 1, "grad_clip": 1.0}
+    g = replace(LOSS, temperature=1.0, ppo_epochs=1, grad_clip=1.0)
     stats = grpo.update(model, None, optimizer, made, np.array([1.0, -1.0]), g,
                         tokenizer.pad_token_id)
     assert seen == [None] and "rollout_is_mean" not in stats

@@ -30,6 +30,7 @@ import json
 import os
 import random
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from evotrainer.contract.recipe import (
     evaluation_sampling,
 )
 from evotrainer.contract.rollout import check_rollout
+from evotrainer.contract.typed import Grpo, Recipe
 from evotrainer.domains import Domain, Task, judge_records, make_domain
 from evotrainer.engine import engine_threads, offline_environment
 from evotrainer.engine.judge_servers import served_judges
@@ -96,7 +98,7 @@ def policy_loss(
     ref_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    g: dict[str, Any],
+    grpo: Grpo,
     importance: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level clipped surrogate (+ KL). logp/old_logp/ref_logp/mask: (B, T); advantages
@@ -106,7 +108,7 @@ def policy_loss(
     adv = advantages[:, None]
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1 - g["clip_low"], 1 + g["clip_high"]) * adv
+    clipped = torch.clamp(ratio, 1 - grpo.clip_low, 1 + grpo.clip_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
     if importance is not None:
         per_token = per_token * importance
@@ -116,11 +118,11 @@ def policy_loss(
         # k1 = log π/π_ref; k3 = e^x - x - 1 with x = log π_ref/π (unbiased, never negative).
         kl = (
             -log_ref_ratio
-            if g["kl_estimator"] == "k1"
+            if grpo.kl_estimator == "k1"
             else (torch.exp(log_ref_ratio) - log_ref_ratio - 1)
         )
-        per_token = per_token + g["kl_coef"] * kl
-    loss = aggregate(per_token, mask, g["loss_agg"])
+        per_token = per_token + grpo.kl_coef * kl
+    loss = aggregate(per_token, mask, grpo.loss_agg)
     with torch.no_grad():
         tokens = mask.sum().clamp(min=1)
         stats = {
@@ -248,7 +250,7 @@ def update(
     optimizer: torch.optim.Optimizer,
     episodes: list[Episode],
     advantages: np.ndarray,
-    g: dict[str, Any],
+    grpo: Grpo,
     pad_id: int,
     importance_cap: float | None = None,
 ) -> dict[str, float]:
@@ -260,7 +262,7 @@ def update(
     adv = torch.tensor(advantages, dtype=torch.float32)
     # Log-probabilities at the temperature the episodes were sampled at, the policy's and the
     # reference's alike (as verl and TRL compute them).
-    temperature = g["temperature"]
+    temperature = grpo.temperature
     ref_logp = None
     if ref is not None:
         with torch.no_grad():
@@ -268,7 +270,7 @@ def update(
     old_logp = importance = None
     correction: dict[str, float] = {}
     model.train()
-    for _ in range(g["ppo_epochs"]):
+    for _ in range(grpo.ppo_epochs):
         logp, entropy = batch.logprobs(model, temperature)
         if old_logp is None:
             old_logp = logp.detach()
@@ -276,10 +278,10 @@ def update(
                 importance, correction = importance_weights(
                     old_logp, sampler_logprobs([e.logprobs for e in episodes], mask), mask,
                     importance_cap)
-        loss, stats = policy_loss(logp, old_logp, ref_logp, adv, mask, g, importance)
+        loss, stats = policy_loss(logp, old_logp, ref_logp, adv, mask, grpo, importance)
         optimizer.zero_grad()
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), g["grad_clip"])
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grpo.grad_clip)
         optimizer.step()
     return {
         **stats,
@@ -298,7 +300,7 @@ class Trainer:
 
     def __init__(
         self,
-        recipe: dict[str, Any],
+        recipe: Recipe | dict[str, Any],
         seed: int,
         domain: Domain,
         outputs: RunOutputs,
@@ -308,35 +310,39 @@ class Trainer:
     ) -> None:
         """`sampler`: the vLLM engine an earlier seed of the job started (`rollout.engine:
         vllm`), reused with this seed's weights; None starts one when the recipe asks."""
+        if not isinstance(recipe, Recipe):  # a resolved recipe as its mapping (the benches)
+            recipe = Recipe.from_dict(recipe)
         self.recipe, self.seed, self.domain = recipe, seed, domain
         self.outputs, self.log = outputs, log
-        self.g = recipe["grpo"]
-        self.env_config = environment_config(recipe, domain)
-        self.weights = {
-            c["name"]: float(c.get("weight", 1.0)) for c in recipe["reward"]["components"]
-        }
+        self.grpo = recipe.grpo
+        # The model and environment helpers (shared with verl's renderer and the checks) and
+        # the warm-start cache key read the resolved mapping the recipe was built from.
+        resolved = recipe.as_dict()
+        model_cfg = resolved["model"]
+        self.env_config = environment_config(resolved, domain)
+        self.weights = {c.name: c.weight for c in recipe.reward.components}
         random.seed(seed)
         np.random.seed(seed)
         self.train_tasks, self.val_tasks = domain.split(
-            recipe["domain"]["train_size"], recipe["domain"]["val_size"]
+            recipe.domain.train_size, recipe.domain.val_size
         )
-        start = model_start(recipe["model"])
+        start = model_start(model_cfg)
         if start.kind == "parent":  # the parent's policy: it is already past any warm start
-            self.model, self.tokenizer = continued_model(recipe["model"])
-            self.chat = uses_chat_template(recipe["model"], self.tokenizer)
+            self.model, self.tokenizer = continued_model(model_cfg)
+            self.chat = uses_chat_template(model_cfg, self.tokenizer)
             self.warm_start: dict[str, Any] = {
                 "steps": 0, "cached": False, "continued_from": start.source["digest"]
             }
         else:
-            model, self.tokenizer = initial_model(recipe["model"], seed, cache_root, log)
+            model, self.tokenizer = initial_model(model_cfg, seed, cache_root, log)
             # Instruct models see their prompts as a chat turn (model.chat_template: auto).
-            self.chat = uses_chat_template(recipe["model"], self.tokenizer)
+            self.chat = uses_chat_template(model_cfg, self.tokenizer)
             self.model, self.warm_start = warm_start(
                 model,
                 self.tokenizer,
                 domain,
                 self.train_tasks,
-                recipe,
+                resolved,
                 self.env_config,
                 seed,
                 cache_root,
@@ -347,20 +353,20 @@ class Trainer:
         torch.manual_seed(seed)
         self.rng = random.Random(seed)
         self.ref: torch.nn.Module | None = None
-        if recipe["model"].get("lora"):  # only the adapter trains; its base is the reference
-            self.model = with_lora(self.model, recipe["model"]["lora"])
-            self.ref = AdapterOff(self.model) if self.g["kl_coef"] > 0 else None
-        elif self.g["kl_coef"] > 0:
+        if model_cfg.get("lora"):  # only the adapter trains; its base is the reference
+            self.model = with_lora(self.model, model_cfg["lora"])
+            self.ref = AdapterOff(self.model) if self.grpo.kl_coef > 0 else None
+        elif self.grpo.kl_coef > 0:
             self.ref = copy.deepcopy(self.model).eval()
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=self.g["lr"])
-        rollout = recipe.get("rollout") or {}
+        self.optimizer = torch.optim.AdamW(trainable, lr=self.grpo.lr)
+        rollout = recipe.rollout or {}
         # Training groups sample in this precision; evaluation always in the policy's own, so
         # val_avg means the same with and without int8 rollouts.
         self.rollout_weights = rollout.get("quantization") or "float32"
         self.importance_cap = rollout.get("importance_cap")
         self.scoring = Scoring(
-            domain, recipe["domain"], self.weights, rollout.get("score_workers") or 0
+            domain, resolved["domain"], self.weights, rollout.get("score_workers") or 0
         )
         self.sampler = sampler
         if (rollout.get("engine") or "builtin") == "vllm" and sampler is None:
@@ -368,10 +374,10 @@ class Trainer:
 
             self.sampler = VllmSampler(self.model, self.tokenizer, seed, log)
         self.policy_pushed = False  # the sampler holds the policy's current weights
-        self.group_filter = make_filter(recipe.get("group_filter"))
+        self.group_filter = make_filter(resolved.get("group_filter"))
         # The engine's own log and steps.parquet are its `console` and `file` loggers; the
         # others (TensorBoard, MLflow, W&B) get the same per-step metrics, one run per seed.
-        external = [n for n in logger_names(recipe) if n not in ("console", "file")]
+        external = [n for n in logger_names(resolved) if n not in ("console", "file")]
         self.trackers = open_trackers(
             external, outputs.out_dir, RunIdentity.read(outputs.out_dir, outputs.version),
             seed=seed,
@@ -391,7 +397,7 @@ class Trainer:
             self.domain,
             tasks,
             self.env_config,
-            self.g["max_response_tokens"],
+            self.grpo.max_response_tokens,
             temperature,
             top_p,
             self.chat,
@@ -404,14 +410,14 @@ class Trainer:
         return self.scoring.collect(episodes)
 
     def run(self) -> float:
-        steps = self.g["steps"]
-        self.outputs.progress.begin_seed(self.seed, steps * len(self.recipe["seeds"]))
+        steps = self.grpo.steps
+        self.outputs.progress.begin_seed(self.seed, steps * len(self.recipe.seeds))
         try:
             val_avg = self.evaluate(0)
             with self.log.steps(steps, f"seed {self.seed}") as advance:
                 for step in range(1, steps + 1):
                     self.train_step(step)
-                    if step % self.g["eval_every"] == 0 or step == steps:
+                    if step % self.grpo.eval_every == 0 or step == steps:
                         val_avg = self.evaluate(step)
                     advance()
         finally:
@@ -421,17 +427,17 @@ class Trainer:
 
     def train_step(self, step: int) -> None:
         start = time.perf_counter()
-        size = self.g["group_size"]
-        tasks = self.rng.sample(self.train_tasks, self.g["prompts_per_step"])
+        size = self.grpo.group_size
+        tasks = self.rng.sample(self.train_tasks, self.grpo.prompts_per_step)
         episodes = self.sample(
-            [t for t in tasks for _ in range(size)], self.g["temperature"], self.g["top_p"],
+            [t for t in tasks for _ in range(size)], self.grpo.temperature, self.grpo.top_p,
             self.rollout_weights,
         )
         sampled_at = time.perf_counter()
         rewards, scores = self.score(episodes)
         scored_at = time.perf_counter()
         grouped = rewards.reshape(len(tasks), size)
-        advantages = group_advantages(grouped, self.g["normalize_std"]).reshape(-1)
+        advantages = group_advantages(grouped, self.grpo.normalize_std).reshape(-1)
         # Both filter levels: a trajectory rule (dual_level's idle, abandoned, echo-trap and
         # truncated rollouts) takes members out of their group before the group test.
         multi_turn = self.env_config is not None
@@ -450,7 +456,7 @@ class Trainer:
                 left = np.flatnonzero(~out)
                 if left.size > 1:
                     advantages[i * size + left] = group_advantages(
-                        grouped[i, left][None, :], self.g["normalize_std"])[0]
+                        grouped[i, left][None, :], self.grpo.normalize_std)[0]
         keep_groups = decision.keep_groups
         keep = decision.sample_mask()
         stats: dict[str, float] = {}
@@ -462,7 +468,7 @@ class Trainer:
                 self.optimizer,
                 kept,
                 advantages[keep],
-                self.g,
+                self.grpo,
                 self.tokenizer.pad_token_id,
                 self.importance_cap,
             )
@@ -500,12 +506,11 @@ class Trainer:
         """eval_k samples per val task, at the evaluation temperature and top-p. A private RNG
         stream (seed, step) keeps evaluation from shifting the training samples, so
         `eval_every` does not change the training run."""
-        k = self.g["eval_k"]
+        k = self.grpo.eval_k
         with torch.random.fork_rng():
             torch.manual_seed(self.seed * 1_000_003 + step)
-            episodes = self.sample(
-                [t for t in self.val_tasks for _ in range(k)], *evaluation_sampling(self.g)
-            )
+            episodes = self.sample([t for t in self.val_tasks for _ in range(k)],
+                                   *evaluation_sampling(asdict(self.grpo)))
         rewards, scores = self.score(episodes)
         self.record("val", step, episodes, rewards, scores)
         val_avg = float(np.mean([s.correct for s in scores]))
@@ -537,7 +542,7 @@ class Trainer:
         advantages: np.ndarray | None = None,
         keep: np.ndarray | None = None,
     ) -> None:
-        size = self.g["group_size"] if split == "train" else self.g["eval_k"]
+        size = self.grpo.group_size if split == "train" else self.grpo.eval_k
         for i, (e, r, s) in enumerate(zip(episodes, rewards, scores, strict=True)):
             extra: dict[str, Any] = {"env_tokens": len(e.mask) - sum(e.mask)}
             if advantages is not None and keep is not None:
@@ -590,6 +595,7 @@ def run_job(
     check_recipe(recipe)
     check_rollout(recipe)
     offline_environment(recipe)
+    typed = Recipe.from_dict(recipe)
     torch.set_num_threads(engine_threads(recipe.get("threads")))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -601,34 +607,34 @@ def run_job(
         "status": "running",
         "version": version,
         "recipe_digest": digest(recipe),
-        "steps": recipe["grpo"]["steps"],
+        "steps": typed.grpo.steps,
         "steps_done": 0,
-        "seeds": recipe["seeds"],
-        "eval_k": recipe["grpo"]["eval_k"],
+        "seeds": list(typed.seeds),
+        "eval_k": typed.grpo.eval_k,
         "val_avg": None,
         "val_avg_by_seed": {},
         "warm_start": {},
         "wall_time_s": 0.0,
     }
     write_json(RunArtifacts(out_dir).result, result)
-    log(f"run {version}: recipe {result['recipe_digest']}, seeds {recipe['seeds']}")
+    log(f"run {version}: recipe {result['recipe_digest']}, seeds {result['seeds']}")
     sampler: Sampler | None = None
     try:
         check_job_start(recipe)
-        judges = recipe["reward"].get("judges")
+        judges = recipe["reward"].get("judges")  # judge.schema.json mappings, as served
         # serve: judges get a server for the run's duration; their replies are cached beside
         # the warm starts, keyed by the judge's identity.
         with served_judges(judges, out_dir / "judges", cache_root, log) as endpoints:
             domain = make_domain(recipe["domain"], judges, cache_dir=cache_root / "judges",
                                  endpoints=endpoints)
             try:
-                for index, seed in enumerate(recipe["seeds"]):
-                    trainer = Trainer(recipe, seed, domain, outputs, log, cache_root, sampler)
+                for index, seed in enumerate(typed.seeds):
+                    trainer = Trainer(typed, seed, domain, outputs, log, cache_root, sampler)
                     sampler = trainer.sampler  # one vLLM engine for all the job's seeds
                     result["warm_start"][str(seed)] = trainer.warm_start
                     result["val_avg_by_seed"][str(seed)] = trainer.run()
                     # Over every seed trained, as the live record counts an early stop's.
-                    result["steps_done"] += recipe["grpo"]["steps"]
+                    result["steps_done"] += typed.grpo.steps
                     save_checkpoint(trainer.model, trainer.tokenizer,
                                     out_dir / seed_checkpoint_name(index, seed))
             finally:  # the judges' identity and counts, a failed run's too

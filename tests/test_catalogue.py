@@ -38,7 +38,9 @@ RESPONSES = [
     "",
     "-3.5 or 12",
 ]
-TOOLS = [None, [], ["bash ls"], ["edit a.py", "bash pytest"]]
+# Failed calls as the domains record them: unparsed, a disabled tool, a failed program.
+TOOLS = [None, [], ["bash ls"], ["invalid ?", "bash pytest", "python_error 1/0"],
+         ["unavailable reveal"]]
 FINISH = [None, "stop", "length", "tool_limit", "error"]
 
 
@@ -198,6 +200,19 @@ def train_val_gap():
     return rate("train") - rate("val"), None
 
 
+
+def calls_any(row):
+    return None if row["tool_calls"] is None else float(len(row["tool_calls"]) > 0)
+
+
+def failed_calls():
+    """Per call, not per rollout: the share of all calls (of a step) that failed."""
+    names = [(r["step"], c.split(" ")[0]) for r in TRAIN for c in r["tool_calls"] or []]
+    failed = [(step, float(n in ("invalid", "unavailable") or n.endswith("_error")))
+              for step, n in names]
+    return _by_step([{"step": s, "v": v} for s, v in failed], lambda r: r["v"])
+
+
 EXPECTED = {
     "distinct_response_ratio": lambda: _by_group(TRAIN, distinct_responses),
     "train_val_gap": train_val_gap,
@@ -213,6 +228,8 @@ EXPECTED = {
     "failed_turns_inflation": inflation,
     "error_finish_ratio": lambda: _by_step(TRAIN, ends("error")),
     "tool_limit_ratio": lambda: _by_step(TRAIN, ends("tool_limit")),
+    "tool_call_rate": lambda: _by_step(TRAIN, calls_any),
+    "tool_failure_rate": failed_calls,
 }
 
 

@@ -100,6 +100,15 @@ DOMAIN_TOOLS: dict[str, dict[str, ToolSpec]] = {
 }
 # SWE-rebench instances are episodes of the same tools.
 DOMAIN_TOOLS["swe_rebench"] = DOMAIN_TOOLS["swe"]
+# The code interpreter: the final answer is the model's own text after its calls (no tool).
+DOMAIN_TOOLS["math_tool"] = {
+    "python": ToolSpec(
+        "Run a Python 3 program (standard library, sympy, mpmath; no files, no network); "
+        "the reply is what it prints, or its error. Each call runs alone: print the result.",
+        {"code": ("string", "the whole program")},
+        lambda a: f"```python\n{_text(a, 'code')}\n```",
+    ),
+}
 
 
 def domain_tools(domain_name: str) -> dict[str, ToolSpec]:

@@ -27,6 +27,7 @@ REGISTRY: dict[str, str] = {
     "arith": "evotrainer.domains.arith:ArithDomain",
     "toolenv": "evotrainer.domains.toolenv:ToolEnvDomain",
     "math": "evotrainer.domains.math:MathDomain",
+    "math_tool": "evotrainer.domains.math_tool:MathToolDomain",
     "code": "evotrainer.domains.code:CodeDomain",
     "humaneval": "evotrainer.domains.humaneval:HumanEvalDomain",
     "ifeval": "evotrainer.domains.ifeval:IFEvalDomain",

@@ -456,6 +456,11 @@ def main(argv: list[str] | None = None) -> dict:
         from evotrainer.engine.model import converted_gguf
 
         model_dir = converted_gguf(package_checkpoint("smollm2"), CACHE)
+    from evotrainer.domains.data import DATA_ROOTS_ENV
+
+    # The converted checkpoint lies in the artifact cache: a declared data root for the jobs.
+    roots = [r for r in os.environ.get(DATA_ROOTS_ENV, "").split(os.pathsep) if r]
+    os.environ[DATA_ROOTS_ENV] = os.pathsep.join([*roots, str(Path(model_dir).parent)])
     parts = args.parts.split(",")
     report: dict[str, Any] = {
         "settings": {k: str(v) for k, v in vars(args).items()} | {"out": str(out)},

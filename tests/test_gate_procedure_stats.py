@@ -114,3 +114,31 @@ def test_an_unknown_ci_method_is_one_clear_error():
     table = _scores([0.5] * 5, rng=rng)
     with pytest.raises(EvoError, match="unknown CI method 'studentized'"):
         compare_tables(table, table, ci_method="studentized")
+
+
+def test_the_gate_schema_states_the_procedures_own_defaults_and_choices():
+    """The schema documents the defaults GateProcedure applies and the choices compare_tables
+    accepts; each is written once in the code, and this holds the schema to it."""
+    import dataclasses
+    import json
+
+    from evotrainer.diagnosis import stats
+    from evotrainer.store.builtin import builtin_dir
+
+    schema = json.loads((builtin_dir("spec/schemas") / "gate.schema.json").read_text())
+    props = schema["properties"]
+    default = stats.GateProcedure()
+    for name in ("ci_method", "resamples", "strata", "correction"):
+        assert props[name]["default"] == getattr(default, name), name
+    assert tuple(props["compare_with"]["default"]) == default.compare_with
+    assert tuple(props["ci_method"]["enum"]) == stats.CI_METHODS
+    assert tuple(props["correction"]["enum"]) == stats.CORRECTIONS
+    assert {f.name for f in dataclasses.fields(stats.GateProcedure)} <= {*props, "alpha"}
+
+
+def test_the_interval_label_reads_the_recorded_confidence():
+    from evotrainer.diagnosis.stats import confidence_label
+
+    assert confidence_label({"confidence": 0.95}) == "95% CI"
+    assert confidence_label({"confidence": 1 - 0.05 / 2}) == "97.5% CI"
+    assert confidence_label({}) == "CI"

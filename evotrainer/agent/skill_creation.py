@@ -36,10 +36,11 @@ from evotrainer.diagnosis.skills import (
     resolve_patch,
     resolve_skill,
 )
+from evotrainer.diagnosis.stats import confidence_label
 from evotrainer.errors import EvoError
 from evotrainer.store import cel, specs
 from evotrainer.store.recipe import _is_named_list, deep_merge
-from evotrainer.store.workspace import Workspace
+from evotrainer.store.workspace import VersionState, Workspace
 
 SKILL_BRANCH_PREFIX = "skill/"
 # The recipe section a change lives in → the skill category it belongs to.
@@ -89,70 +90,25 @@ def skill_document(ws: Workspace, version: str, *, name: str | None = None,
     """The Skill spec `version`'s promoted intervention makes (see the module docstring)."""
     states = ws.versions()
     state = ws.version(version, states)
-    decision = state.records.get("decision") or {}
-    where = f"evo/{version}:runs/{version}/decision.yaml"
-    if decision.get("verdict") != "promote":
-        raise EvoError(f"{version} was not promoted (verdict "
-                       f"{decision.get('verdict') or 'none yet'})", where=where,
-                       field="verdict", hint="only an intervention the gate promoted becomes "
-                       "a skill; its evidence is the gate's")
-    spec = state.spec or {}
-    intervention = spec.get("intervention") or {}
-    applied = list(intervention.get("skills") or [])
-    if applied:
-        raise EvoError(f"{version} applied library skill(s) {', '.join(applied)}",
-                       where=state.spec_source, field="intervention.skills",
-                       hint="its evidence is recorded on them (reconcile does it); a new "
-                       "skill is for a change no library skill makes")
-    overrides = spec.get("recipe") or {}
-    if not overrides or state.parent is None:
-        raise EvoError(f"{version} changes no recipe value of a parent",
-                       where=state.spec_source, field="recipe",
-                       hint="a skill is a recipe change; there is nothing to generalise")
+    decision = _promoted(state)
+    overrides = _own_change(state)
     parent_recipe = ws.resolved_recipe(state.parent, states)
     domain = parent_recipe["domain"]["name"]
-    patch = patch_from_overrides(overrides, parent_recipe)
-    resolution = resolve_patch(patch, parent_recipe, where=state.spec_source)
-    if deep_merge(parent_recipe, resolution.overrides) != ws.resolved_recipe(version, states):
-        raise EvoError(f"{version}'s change cannot be written as a relative patch "
-                       f"({resolution.reason})", where=state.spec_source, field="recipe",
-                       hint="write the skill by hand under skills/")
     library = workspace_library(ws)
-    for known in library.values():
-        if not known.negative and known.applies_to(domain) and \
-                resolve_skill(known, parent_recipe).overrides == resolution.overrides:
-            raise EvoError(f"{version}'s change is what library skill {known.name!r} makes "
-                           f"on {state.parent}'s recipe", where=state.spec_source,
-                           field="recipe", hint=f"its evidence belongs on {known.name}: "
-                           f"apply it as --skill {known.name} next time")
-    parent_diagnosis = states[state.parent].records.get("diagnosis") or {}
-    before = sorted({a["name"] for a in parent_diagnosis.get("alerts") or [] if "name" in a})
-    after = {a["name"] for a in (state.records.get("diagnosis") or {}).get("alerts") or []
-             if "name" in a}
-    motivating = [a for a in before if a not in after] or before
-    if trigger is None:
-        if not motivating:
-            raise EvoError(f"{state.parent}'s diagnosis fired no alert, so nothing says when "
-                           "this change applies", field="--trigger",
-                           hint="pass --trigger with a CEL condition over a diagnosis, e.g. "
-                           "'dead_group_ratio > 0.5'")
-        trigger = " || ".join(f'"{a}" in alerts' for a in motivating)
+    patch = _relative_patch(ws, state, overrides, parent_recipe, states, library)
+    before, after = (_alert_names(states[state.parent]), _alert_names(state))
+    gone = [a for a in before if a not in after]
+    trigger = trigger if trigger is not None else _trigger(state.parent, gone or before)
     cel.check(trigger)
     keys = _keys(overrides)
-    section = keys[0].split(".")[0]
-    category = category or CATEGORY_BY_SECTION.get(section, "tooling")
-    name = name or _NAME_CHARS.sub("-", f"{version}-{keys[0]}".lower().replace(".", "-"))[:63]
-    name = name.strip("-_") or version
-    if name in library:
-        raise EvoError(f"the library already has a skill named {name!r}", field="--name",
-                       hint="pass another --name")
+    category = category or CATEGORY_BY_SECTION.get(keys[0].split(".")[0], "tooling")
+    name = _skill_name(name, version, keys[0], library)
+    intervention = (state.spec or {}).get("intervention") or {}
     hypothesis = intervention.get("hypothesis") or {}
-    comparison = decision.get("comparison") or {}
     entry = evidence_entry(version, domain, decision)
     entry["note"] = (f"created from {version} (parent {state.parent}); motivated by "
                      f"{', '.join(before) or 'no alert'}"
-                     + (f", gone after: {', '.join(a for a in before if a not in after)}"
-                        if set(before) - after else ""))
+                     + (f", gone after: {', '.join(gone)}" if gone else ""))
     document: dict[str, Any] = {
         "apiVersion": API_VERSION, "kind": "Skill", "name": name,
         "title": f"{', '.join(keys)} as {version} set it",
@@ -163,7 +119,7 @@ def skill_document(ws: Workspace, version: str, *, name: str | None = None,
         "trigger": trigger,
         "mechanism": {"recipe_patch": patch},
         "domains": [domain],
-        "expected_effect": _effect(comparison, version, state.parent),
+        "expected_effect": _effect(decision.get("comparison") or {}, version, state.parent),
         "evidence": [entry],
         "negative_evidence": [],
     }
@@ -175,12 +131,90 @@ def skill_document(ws: Workspace, version: str, *, name: str | None = None,
     return document
 
 
+def _promoted(state: VersionState) -> dict[str, Any]:
+    """The version's decision record, which must be a promotion: its evidence is the gate's."""
+    decision = state.records.get("decision") or {}
+    if decision.get("verdict") != "promote":
+        raise EvoError(f"{state.name} was not promoted (verdict "
+                       f"{decision.get('verdict') or 'none yet'})",
+                       where=state.record_where("decision"), field="verdict",
+                       hint="only an intervention the gate promoted becomes a skill; its "
+                       "evidence is the gate's")
+    return decision
+
+
+def _own_change(state: VersionState) -> dict[str, Any]:
+    """The recipe overrides the version made by hand: a version that applied library skills
+    has its evidence recorded on them, and one without a change has nothing to generalise."""
+    spec = state.spec or {}
+    applied = list((spec.get("intervention") or {}).get("skills") or [])
+    if applied:
+        raise EvoError(f"{state.name} applied library skill(s) {', '.join(applied)}",
+                       where=state.spec_source, field="intervention.skills",
+                       hint="its evidence is recorded on them (reconcile does it); a new "
+                       "skill is for a change no library skill makes")
+    overrides = spec.get("recipe") or {}
+    if not overrides or state.parent is None:
+        raise EvoError(f"{state.name} changes no recipe value of a parent",
+                       where=state.spec_source, field="recipe",
+                       hint="a skill is a recipe change; there is nothing to generalise")
+    return overrides
+
+
+def _relative_patch(ws: Workspace, state: VersionState, overrides: dict[str, Any],
+                    parent_recipe: dict[str, Any], states: dict[str, VersionState],
+                    library: dict[str, Skill]) -> dict[str, Any]:
+    """The overrides as a library patch, checked to resolve on the parent's recipe to exactly
+    the version's, and to be no change a non-negative library skill already makes there."""
+    patch = patch_from_overrides(overrides, parent_recipe)
+    resolution = resolve_patch(patch, parent_recipe, where=state.spec_source)
+    if deep_merge(parent_recipe, resolution.overrides) != ws.resolved_recipe(state.name, states):
+        raise EvoError(f"{state.name}'s change cannot be written as a relative patch "
+                       f"({resolution.reason})", where=state.spec_source, field="recipe",
+                       hint="write the skill by hand under skills/")
+    domain = parent_recipe["domain"]["name"]
+    for known in library.values():
+        if not known.negative and known.applies_to(domain) and \
+                resolve_skill(known, parent_recipe).overrides == resolution.overrides:
+            raise EvoError(f"{state.name}'s change is what library skill {known.name!r} makes "
+                           f"on {state.parent}'s recipe", where=state.spec_source,
+                           field="recipe", hint=f"its evidence belongs on {known.name}: "
+                           f"apply it as --skill {known.name} next time")
+    return patch
+
+
+def _alert_names(state: VersionState) -> list[str]:
+    diagnosis = state.records.get("diagnosis") or {}
+    return sorted({a["name"] for a in diagnosis.get("alerts") or [] if "name" in a})
+
+
+def _trigger(parent: str, motivating: list[str]) -> str:
+    """The CEL trigger: any of the alerts that motivated the change."""
+    if not motivating:
+        raise EvoError(f"{parent}'s diagnosis fired no alert, so nothing says when this "
+                       "change applies", field="--trigger",
+                       hint="pass --trigger with a CEL condition over a diagnosis, e.g. "
+                       "'dead_group_ratio > 0.5'")
+    return " || ".join(f'"{a}" in alerts' for a in motivating)
+
+
+def _skill_name(name: str | None, version: str, first_key: str,
+                library: dict[str, Skill]) -> str:
+    name = name or _NAME_CHARS.sub("-", f"{version}-{first_key}".lower().replace(".", "-"))[:63]
+    name = name.strip("-_") or version
+    if name in library:
+        raise EvoError(f"the library already has a skill named {name!r}", field="--name",
+                       hint="pass another --name")
+    return name
+
+
 def _effect(comparison: dict[str, Any], version: str, parent: str) -> str:
     if comparison.get("delta") is None:
         return f"as {version} against {parent}"
     ci = ""
     if comparison.get("ci_low") is not None and comparison.get("ci_high") is not None:
-        ci = f", 95% CI [{comparison['ci_low']:+.4f}, {comparison['ci_high']:+.4f}]"
+        ci = (f", {confidence_label(comparison)} [{comparison['ci_low']:+.4f}, "
+              f"{comparison['ci_high']:+.4f}]")
     p = f", p={comparison['p_bootstrap']:.4f}" if comparison.get("p_bootstrap") is not None \
         else ""
     return f"Avg@k {comparison['delta']:+.4f}{ci}{p} ({version} against {parent})"

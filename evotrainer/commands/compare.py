@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from evotrainer.diagnosis.gate import recorded_scores
-from evotrainer.diagnosis.stats import compare_tables
+from evotrainer.diagnosis.stats import GateProcedure, compare_tables, confidence_label
 from evotrainer.errors import EvoError, unreadable_table
 from evotrainer.evidence.io import read_scores
 from evotrainer.store.workspace import Workspace
@@ -24,9 +24,11 @@ def register(app: typer.Typer) -> None:
     def compare(
         a: str = typer.Argument(..., help="Parent: a version, scores csv/parquet or run folder."),
         b: str = typer.Argument(..., help="Candidate: likewise."),
-        resamples: int = typer.Option(10_000, "--resamples", help="Bootstrap resamples."),
+        resamples: int = typer.Option(GateProcedure.resamples, "--resamples",
+                                       help="Bootstrap resamples."),
         seed: int = typer.Option(0, "--seed", help="Bootstrap RNG seed."),
-        alpha: float = typer.Option(0.05, "--alpha", help="1 - confidence level."),
+        alpha: float = typer.Option(GateProcedure.alpha, "--alpha",
+                                     help="1 - confidence level."),
         as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     ) -> None:
         """Delta = B - A over common tasks: paired bootstrap CI and p (stratified by
@@ -36,7 +38,7 @@ def register(app: typer.Typer) -> None:
             # Strict JSON: a float that is not finite (a NaN p-value) is null, never `NaN`.
             typer.echo(json.dumps(_finite(result), indent=2, allow_nan=False))
             return
-        level = f"{result['confidence']:.0%}"
+        label = confidence_label(result)
         table = Table(
             title=f"B - A over {result['n_tasks']} tasks "
             f"({result['samples_per_task']} samples/task, seeds "
@@ -48,7 +50,7 @@ def register(app: typer.Typer) -> None:
             "A",
             "B",
             "delta",
-            f"{level} CI",
+            label,
             "p boot",
             "p wilcoxon",
         ):

@@ -30,8 +30,6 @@ from evotrainer.evidence.io import first_bad_correct
 _CHUNK = 1000  # bootstrap replicates per vectorized batch (bounds memory)
 
 CI_METHODS = ("percentile", "bca")
-STRATA = ("data_source", "none")
-REFERENCES = ("parent", "frontier", "root")  # what a version may be compared with
 CORRECTIONS = ("holm", "bonferroni")
 
 
@@ -71,6 +69,15 @@ class GateProcedure:
         """`compare_tables` under this procedure (at `alpha`, when a correction lowers it)."""
         return compare_tables(a, b, B=self.resamples, alpha=self.alpha if alpha is None else alpha,
                               ci_method=self.ci_method, stratified=self.stratified)
+
+
+def confidence_label(comparison: Mapping[str, Any]) -> str:
+    """"95% CI", at the confidence the comparison recorded: a family correction computes a
+    parent's interval at a lower alpha (97.5% with two comparisons), and it says so."""
+    confidence = comparison.get("confidence")
+    if confidence is None:
+        return "CI"
+    return f"{float(confidence) * 100:.1f}".removesuffix(".0") + "% CI"
 
 
 def adjust_p(p_values: list[float], correction: str) -> list[float]:
@@ -234,10 +241,10 @@ def compare_tables(
     a: pa.Table,
     b: pa.Table,
     *,
-    B: int = 10_000,
+    B: int = GateProcedure.resamples,
     seed: int = 0,
-    alpha: float = 0.05,
-    ci_method: str = "percentile",
+    alpha: float = GateProcedure.alpha,
+    ci_method: str = GateProcedure.ci_method,
     stratified: bool = True,
 ) -> dict:
     """Compare per-task score tables A (parent) and B (candidate) over their common tasks.

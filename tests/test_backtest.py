@@ -253,9 +253,10 @@ def test_a_run_record_pointing_elsewhere_cannot_feed_the_backtest(trained, cli, 
 
 
 def test_dual_level_backtest_excludes_anomalous_trajectories_before_the_group_test() -> None:
-    """Issue 29 C9 in the backtest, as the engine applies it: idle rollouts (no action on the
-    task, wrong) leave their group first. Group `c` is alive only through its idle members;
-    without them it is all correct, so dual_level drops it where the group test alone keeps it."""
+    """The Dual-Level filter in the backtest, as the engine applies it: idle rollouts (no action on
+    the task, wrong) leave their group first. Group `c` is alive only through its idle
+    members; without them it is all correct, so dual_level drops it where the group test
+    alone keeps it."""
     act = [{"name": "compare", "args": "5"}]
 
     def multi(group: str, reward: float, acted: bool) -> dict:

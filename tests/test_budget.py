@@ -1,4 +1,4 @@
-"""Budgets that bind (issue 29 C10): `autonomy.max_gpu_hours` is accounted from the run
+"""Budgets that bind: `autonomy.max_gpu_hours` is accounted from the run
 records (GPUs the job asked for × the hours it held them, every attempt counted) and a job
 that asks for GPUs is not launched once it is spent; the plan says which budget and how
 much is spent. Real: the workspace, reconcile and its jobs (the stand-in engine as a real

@@ -44,7 +44,7 @@ def test_loop_variable_is_bound_only_inside_its_macro():
     assert cel.names("xs.all(x, x > 0) || ys.exists(y, x > 0)") == {"xs", "ys", "x"}
 
 
-# ---- bounds (issue 25 item 8): an expression from a branch cannot stall the controller ------
+# ---- bounds: an expression from a branch cannot stall the controller ------
 
 TWENTY = "[" + ",".join(str(i) for i in range(20)) + "]"
 

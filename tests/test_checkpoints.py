@@ -193,7 +193,7 @@ def test_a_record_pointing_elsewhere_cannot_make_gc_delete_it(lineage, tmp_path)
     shutil.rmtree(victim)
 
 
-# ---- gc reaches only the dropped version's own folder (issue 25 item 4) --------------------
+# ---- gc reaches only the dropped version's own folder --------------------
 
 
 def _tamper(ws: Workspace, name: str, change, sealed: bool = True) -> None:
@@ -306,7 +306,7 @@ def test_a_linked_version_folder_is_refused(lineage, tmp_path):
     assert (policies["v1"] / "model.safetensors").read_bytes() == b"w1" * 1000
 
 
-# ---- gc keeps the promoted path, the baseline included (issue 27 item 8) -------------------
+# ---- gc keeps the promoted path, the baseline included -------------------
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Dataset converters (issue 30 C6) on tiny samples written in each source format
+"""Dataset converters on tiny samples written in each source format
 (tests/data/paper_formats): the rows they give, that the math and code domains load them,
 and that each code sample's reference solution passes its converted tests in the sandbox."""
 

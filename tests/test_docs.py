@@ -1,4 +1,4 @@
-"""The generated reference pages are what their sources say now (issue 28 item 10): a
+"""The generated reference pages are what their sources say now: a
 command's help or a column's meaning changed without `scripts/gen_docs.py` fails here."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def test_every_column_of_the_rollout_table_is_documented():
 
 def test_the_readme_test_command_is_what_ci_runs():
     """The README's two commands stay on its first screen and its test block is, byte for
-    byte, the command `.ci/run` runs (issue 28 item 10)."""
+    byte, the command `.ci/run` runs."""
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     blocks = readme.split("```bash\n")

@@ -51,7 +51,7 @@ def test_a_run_scores_with_a_served_judge_and_records_it(tmp_path: Path, monkeyp
 
 @pytest.mark.slow
 def test_a_dual_level_run_takes_idle_rollouts_out_of_their_groups(tmp_path: Path) -> None:
-    """Issue 29 C9 in the engine: on toolenv with a warm start too short to act, level 1
+    """On toolenv with a warm start too short to act, level 1
     excludes the idle and abandoned rollouts (recorded as not kept, their step's
     excluded_ratio logged) before level 2 tests each group on what is left."""
     recipe = copy.deepcopy(BASE_RECIPE)

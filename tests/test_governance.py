@@ -1,4 +1,4 @@
-"""The human gate (issue 12 A): an approval is bound to what it approved; plan and reconcile
+"""The human gate: an approval is bound to what it approved; plan and reconcile
 run validate's checks on every version and refuse the invalid ones; validate sees the
 working tree and a pull request's head."""
 

@@ -1,4 +1,4 @@
-"""The group decode (issue 30 A2): rows that continue a few shared prompts, each prompt's keys
+"""The group decode: rows that continue a few shared prompts, each prompt's keys
 and values held once, give the logits the padded decode gives (every row holding a copy), on
 each architecture it takes, as rows leave the batch; `generate` samples the same tokens
 either way; and it applies only where it is exact and pays."""

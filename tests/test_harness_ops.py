@@ -120,7 +120,7 @@ def test_failing_cases_and_uncommitted_revisions_are_refused(recorded, harness_c
 
 def test_a_procedure_revision_flips_a_recorded_decision_and_diff_names_it(recorded,
                                                                           harness_cli):
-    """Issue 29 B4: only the gate's min_delta moves (no metric, no rule text): v1's recorded
+    """Only the gate's min_delta moves (no metric, no rule text): v1's recorded
     promotion no longer clears it, and the diff lists v1 with the numbers that flip it."""
     comparison = recorded.version("v1").records["decision"]["comparison"]
     raised = round(comparison["ci_low"] + 0.01, 4)
@@ -159,7 +159,7 @@ def test_a_procedure_revision_flips_a_recorded_decision_and_diff_names_it(record
 
 
 def test_a_revision_of_the_test_itself_reaches_the_gate_and_the_diff(recorded, harness_cli):
-    """Issue 29 B4: a revision that changes only how the gate tests (BCa intervals, tasks pooled
+    """A revision that changes only how the gate tests (BCa intervals, tasks pooled
     across data sources, fewer resamples) is diffed field by field, and the backtest's gate
     decides under it: v1's recorded interval is recomputed by that procedure."""
     doc = yaml.safe_load((recorded.root / "harness_versions" / "h0.yaml").read_text())

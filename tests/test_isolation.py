@@ -1,6 +1,6 @@
-"""Isolation of untrusted input, performed for real. Issue 12 B.6: a program fills /dev/shm,
+"""Isolation of untrusted input, performed for real: a program fills /dev/shm,
 reads /etc/shadow, writes to /etc, kills its parent and leaves setsid children, in the
-sandbox's root mode and in its unprivileged mode while running as root. B.7: a link committed
+sandbox's root mode and in its unprivileged mode while running as root; a link committed
 on a version branch points the job's dataset outside the workspace."""
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def test_root_never_runs_a_program_as_root(tmp_path) -> None:
 
 
 def test_a_link_committed_on_a_version_branch_cannot_feed_the_job(tmp_path, monkeypatch):
-    """Issue 12 B.7 for real: evo/v1 commits data/train.jsonl as a link to a file outside the
+    """`evo/v1` commits data/train.jsonl as a link to a file outside the
     workspace; the job (in v1's worktree, as reconcile creates it) must refuse to read it."""
     outside = tmp_path / "outside"
     outside.mkdir()

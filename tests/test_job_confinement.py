@@ -1,5 +1,5 @@
-"""A job reads its model only from its own folders, and its caches are keyed by content
-(issue 25 items 6 and 7): a link committed on a version branch in place of `models/m` (or of
+"""A job reads its model only from its own folders, and its caches are keyed by content:
+a link committed on a version branch in place of `models/m` (or of
 one weight file) cannot load a model from elsewhere, and a warm start trained on poisoned
 demonstrations never seeds a later job whose data differs behind the same path."""
 

@@ -1,4 +1,4 @@
-"""The work of a launch and of a look is done once (issue 28 C4), counted, never timed: in a
+"""The work of a launch and of a look is done once, counted, never timed: in a
 reconcile pass that launches a version, its recipe goes through the backend's checks once
 and the parent's policy it continues from is hashed once; a running job gets one live look
 a pass even when an earlier action of the pass makes reconcile decide its version again."""

@@ -231,7 +231,7 @@ def test_tool_inputs_cannot_reach_files_outside_the_workspace(leaky, monkeypatch
 
 def test_a_proposal_cites_what_retrieve_returned_and_records_the_search_trace(leaky,
                                                                              monkeypatch):
-    """Issue 29 B5: `retrieve` is a tool; a proposal may cite only what it returned; the
+    """`retrieve` is a tool; a proposal may cite only what it returned; the
     citations go into the rationale and the search trace is recorded with the proposal."""
     picked: dict[str, str] = {}
 
@@ -269,7 +269,7 @@ def test_a_proposal_cites_what_retrieve_returned_and_records_the_search_trace(le
 
 
 def test_the_model_may_declare_an_analyzer_and_a_hostile_one_is_refused(leaky, monkeypatch):
-    """Issue 29 B3: an LLM-written analyzer is data in the revision: a program that imports
+    """An LLM-written analyzer is data in the revision: a program that imports
     os is refused with the reason sent back to the model; a standard-library function over
     declared columns is backtested and committed in the revision a reviewer reads."""
     long_turns = ("def long_turns(rows, params):\n"

@@ -38,9 +38,9 @@ def truncated_frontier(ws: Workspace) -> None:
     assert [a["name"] for a in ws.version("v1").records["diagnosis"]["alerts"]] == ["truncation"]
 
 
-def test_the_issue_case_a_removed_truncation_with_a_gain_inside_the_ci_is_built_upon(workspace):
-    """Issue 29 C6, measured on main: raise-length-budget took truncation to none with a gain
-    inside the CI; the planner marked it refuted and went back. Now it is mixed evidence."""
+def test_a_removed_truncation_with_a_gain_inside_the_ci_is_built_upon(workspace):
+    """raise-length-budget took truncation to none with a gain inside the CI: mixed
+    evidence, built upon, not a refuted skill to go back from."""
     truncated_frontier(workspace)
     [fix] = propose(workspace, "rules", 1).proposals
     assert (fix.parent, fix.skills) == ("v1", ["raise-length-budget"])

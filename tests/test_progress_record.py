@@ -1,4 +1,4 @@
-"""The engine's progress record (progress.json, issue 28 item 8): what reconcile's time left
+"""The engine's progress record (progress.json): what reconcile's time left
 and `watch` read instead of parsing train.log. A record that is missing, torn or not what
 the engine writes gives no estimate, never a traceback."""
 

@@ -1,4 +1,4 @@
-"""The proposal policy (issue 28 D7) enforced in the shared writer, whichever planner
+"""The proposal policy enforced in the shared writer, whichever planner
 proposed: proposals as an LLM planner might return them, each breaking one rule, are refused
 with the reason noted and nothing written; a proposal within the policy is written."""
 

@@ -1,4 +1,4 @@
-"""Provenance (issue 25 A and B5, B9): a branch author — who can push `evo/*` and open a pull
+"""Provenance: a branch author — who can push `evo/*` and open a pull
 request but is no maintainer — cannot write evidence, cannot approve, cannot get unreviewed
 files merged, and cannot run code in the controller or see its secrets. Each test performs
 the attack for real and checks the promise: nothing promoted or launched, one clear line

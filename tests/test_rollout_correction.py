@@ -1,4 +1,4 @@
-"""Int8 rollouts and the loss's correction for them (issue 30): the built-in sampler can sample
+"""Int8 rollouts and the loss's correction for them: the built-in sampler can sample
 training groups on int8 copies of the policy's layers (`rollout.quantization: int8`), and the
 surrogate is then weighted by truncated importance ratios against the distribution the tokens
 were drawn from (`rollout.importance_cap`, verl's token-level rollout correction)."""

@@ -1,5 +1,5 @@
-"""Issue 30 A2/A3 on the built-in engine: prepacked weights sample the same distribution and
-leave the tiny models' kernels alone; scoring beside the sampler gives exactly the serial
+"""The built-in engine's speed-ups keep its numbers: prepacked weights sample the same distribution
+and leave the tiny models' kernels alone; scoring beside the sampler gives exactly the serial
 scores and starts before the batch is done; the step is split into sampling, scoring and
 training; `threads: auto` follows the machine's cores and load."""
 

@@ -1,4 +1,4 @@
-"""The built-in sampler (issue 30 A2): its preallocated KV cache decodes exactly as
+"""The built-in sampler: its preallocated KV cache decodes exactly as
 transformers' growing one does, and its draw (the cumulative sums inverted, in place of
 `torch.multinomial` on a real model's vocabulary) samples the tempered top-p distribution it
 reports log-probs for."""

@@ -219,7 +219,7 @@ NO_NEW_PRIVS = (
 
 
 def test_programs_run_with_no_new_privileges(sandbox: LocalSandbox) -> None:
-    """Issue 25 item 12: no setuid binary or file capability can raise what a sandboxed
+    """No setuid binary or file capability can raise what a sandboxed
     program (or anything it starts) may do; on main this printed 0."""
     assert sandbox.run(NO_NEW_PRIVS).stdout == "1\n"
     child = f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {NO_NEW_PRIVS!r}])"

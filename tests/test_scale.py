@@ -1,4 +1,4 @@
-"""Scale (issue 28, C4/C5/E9): a reconcile pass re-reads after an action only what the
+"""Scale: a reconcile pass re-reads after an action only what the
 action changed, so an action costs the same however many branches the workspace holds
 (counted in files read from git and git processes, never timed); `plan` writes nothing,
 not even while a job runs (the live look is reconcile's)."""

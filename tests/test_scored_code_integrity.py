@@ -1,4 +1,4 @@
-"""Rewards the scored code cannot forge (issue 26 A1-A3), performed for real.
+"""Rewards the scored code cannot forge, performed for real.
 
 Every attack is a wrong answer (a function returning False, a program printing a wrong
 number) plus one way of faking a pass: an early exit, an exit hook, an object equal to

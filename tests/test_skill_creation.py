@@ -1,4 +1,4 @@
-"""Skill creation (issue 29 C7): a promoted hand-made intervention becomes a skill spec on a
+"""Skill creation: a promoted hand-made intervention becomes a skill spec on a
 review branch — trigger from the alerts that motivated it, patch from its recipe diff,
 evidence from its gate — and what the library already describes is refused."""
 

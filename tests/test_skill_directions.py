@@ -1,4 +1,4 @@
-"""Skills move a recipe the way they say (issue 26 C8).
+"""Skills move a recipe the way they say.
 
 A skill's patch is relative to the recipe it changes: every shipped skill, applied to every
 example recipe (resolved as `init` resolves it) and to paper-scale recipes (20,480 response

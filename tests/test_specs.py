@@ -160,7 +160,7 @@ def test_recipe_errors_through_ref_keep_position_and_field():
     assert err.where == "v1.yaml:6:9" and err.field == "recipe.grpo.lr"
 
 
-# ---- criteria and harness expressions are checked where every spec is read (issue 27.7) ----
+# ---- criteria and harness expressions are checked where every spec is read ----
 
 
 def _commit_criterion(ws, name: str, criterion: str) -> None:

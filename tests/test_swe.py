@@ -262,9 +262,10 @@ def _rewrite_attack(executor: str):
 
 
 def test_repository_code_cannot_rewrite_the_runners_verdicts_in_memory():
-    """Issue 26 A2: on main this made all six tests pass (correctness 1.0). The runner is
-    non-dumpable before the repository's code starts, so the open fails and the stub fails
-    its tests; the attempt itself (an exception at import) is an ordinary failure."""
+    """Repository code that rewrites the runner's verdicts in its memory would make all six tests
+    pass (correctness 1.0). The runner is non-dumpable before the repository's code starts,
+    so the open fails and the stub fails its tests; the attempt itself (an exception at
+    import) is an ordinary failure."""
     score = _rewrite_attack("local")
     assert score.components["f2p"] == 0.0 and score.correct == 0.0
     assert score.components["p2p"] == 1.0  # the neighbour's tests still ran

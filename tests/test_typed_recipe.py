@@ -1,4 +1,4 @@
-"""The resolved recipe as one typed object (issue 28 B): built after the schema, frozen, giving
+"""The resolved recipe as one typed object: built after the schema, frozen, giving
 back exactly its dict; bounds stated once, in the schema; params checked against the schema
 fragment their domain, component or filter declares; bad specs refused by `validate` in one
 line naming the file, the field and the fix."""

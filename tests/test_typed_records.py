@@ -1,4 +1,4 @@
-"""Typed run/diagnosis/decision records (issue 13): what the readers see of a record is what
+"""Typed run/diagnosis/decision records: what the readers see of a record is what
 the YAML says, a null field reads as its default, and converting the readers kept what gc,
 the harness backtest and the model card decide."""
 

@@ -163,7 +163,7 @@ def test_local_job_end_to_end(tmp_path):
 
 
 def test_a_branch_cannot_replace_verl_or_read_our_secrets(tmp_path, monkeypatch):
-    """Issue 25 B5 on verl: the worktree (branch content, the job's working directory)
+    """On verl too, the worktree (branch content, the job's working directory)
     carries its own `verl/trainer/main_ppo.py`; the job runs the installed verl (here the
     stand-in) and no secret of the controller reaches it."""
     monkeypatch.setenv("GITHUB_TOKEN", "secret-token")

@@ -1,4 +1,4 @@
-"""Multi-turn domains on verl (issue 30 C7): toolenv and swe run as verl tools, the reward
+"""Multi-turn domains on verl: toolenv and swe run as verl tools, the reward
 scores the calls that really ran, and the Dual-Level filter's level 1 marks trajectories.
 
 Real: the job's files as `prepare` writes them (data with tools_kwargs, tools.yaml, reward

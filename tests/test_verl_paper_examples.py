@@ -1,4 +1,4 @@
-"""The paper's configurations (issue 30 C6): paper-math, paper-code and paper-swe validate as
+"""The paper's configurations: paper-math, paper-code and paper-swe validate as
 `init` checks an example, render, compose with verl 0.9.1's own Hydra config (and, where verl's
 import chain is installed, pass its dataclasses and validate_config), carry the paper's
 protocol into the keys verl reads, and take the converters' data with its strata.

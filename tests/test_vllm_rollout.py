@@ -1,4 +1,4 @@
-"""`rollout.engine: vllm` (issue 30 A1). Without vLLM the recipe is refused in one line naming
+"""`rollout.engine: vllm`. Without vLLM the recipe is refused in one line naming
 the field and the install command. Where vLLM imports (a venv with `evotrainer[vllm]`): both
 engines sample the same distribution (the trainer's log-probabilities of vLLM's samples are
 vLLM's own; at temperature 0 vLLM picks the trainer model's greedy tokens), a seed decides

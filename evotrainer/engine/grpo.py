@@ -178,7 +178,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Te
 # The training forward runs each distinct prompt once and its group's responses over that
 # prompt's KV cache (as the sampler does), so a group of G pays for its prompt once instead of G
 # times: the same log-probabilities and gradients in fewer FLOPs. False: every episode as one
-# full row, the engine before issue 30 (bench/real_model.py's baseline).
+# full row (bench/real_model.py's baseline).
 SHARE_PROMPT_FORWARD = True
 
 

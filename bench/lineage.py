@@ -6,8 +6,9 @@ unapproved versions (one spec each, as `version new` writes them) in a binary tr
 one chain N deep, written in one `git fast-import` — then times each command as a user runs
 it (a subprocess, start-up included; `validate` twice: the first run records the specs it
 found valid by content digest, which later commands read instead of checking those bytes
-again), and, in the same run, a naive reader that checks out every branch and reads its
-spec from disk: the baseline the ratios are against.
+again; `lineage` and `plan` cold, as on a fresh clone with no such record, and warm), and,
+in the same run, a naive reader that checks out every branch and reads its spec from disk:
+the baseline the ratios are against.
 
 Then one version is approved and its launch is applied in-process from a context read
 before (its run record's commit, its worktree, the re-read of that version; the backend
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,10 +41,13 @@ from evotrainer.store.workspace import Workspace, version_spec_path
 
 # The first validate of a workspace checks every spec and records the valid ones by
 # content digest (.evotrainer/cache/checked); later commands read a spec they have seen
-# without parsing and checking it again. Both are timed: the first is a fresh clone's cost.
-COMMANDS = (("validate",), ("validate",), ("lineage", "--json"), ("plan", "--json"),
-            ("reconcile",))
-LABELS = ("first validate", "validate", "lineage --json", "plan --json", "reconcile")
+# without parsing and checking it again. A cold command runs as on a fresh clone: the
+# workspace's cache is removed first. Each is (arguments, cold).
+COMMANDS = ((("validate",), True), (("validate",), False), (("lineage", "--json"), True),
+            (("plan", "--json"), True), (("lineage", "--json"), False),
+            (("plan", "--json"), False), (("reconcile",), False))
+LABELS = ("first validate", "validate", "cold lineage", "cold plan", "lineage --json",
+          "plan --json", "reconcile")
 GOAL_S = 3.0
 
 
@@ -149,7 +154,11 @@ def main() -> None:
         for size in args.sizes:
             with tempfile.TemporaryDirectory() as tmp:
                 ws = build(Path(tmp) / "ws", size, shape)
-                times = [timed_cli(ws.root, *command) for command in COMMANDS]
+                times = []
+                for command, cold in COMMANDS:
+                    if cold:
+                        shutil.rmtree(ws.state_dir / "cache", ignore_errors=True)
+                    times.append(timed_cli(ws.root, *command))
                 naive = naive_checkout_read(ws) if size <= args.naive_up_to else None
                 # The last version: in a chain the deepest, in the tree a leaf.
                 times.append(action_cost(ws, f"v{size - 1}"))

@@ -62,3 +62,26 @@ def test_the_rules_the_cache_is_keyed_by_are_all_there_and_a_missing_one_changes
         assert specs.rules_digest() != present
     finally:
         specs.rules_digest.cache_clear()
+
+
+def test_specs_found_valid_together_are_recorded_in_one_pack_and_packs_stay_few(tmp_path):
+    """The first check of many specs records them in one file, not a file each; each later
+    batch adds a pack, and past the limit the newest pack takes in the others. Every
+    recorded spec reads back from the packs; bytes never recorded are a miss."""
+    from evotrainer.store import specs
+
+    def doc(i: int) -> tuple[specs.Document, bytes]:
+        raw = f"apiVersion: evotrainer/v1\nkind: PolicyVersion\nname: v{i}\n".encode()
+        return specs.parse(raw, f"v{i}.yaml"), raw
+
+    first = [doc(i) for i in range(50)]
+    specs.remember_valid_many(first, "PolicyVersion", tmp_path)
+    assert len(list(tmp_path.glob("PolicyVersion-*.json"))) == 1
+    for batch in range(1, specs._MAX_PACKS + 1):
+        specs.remember_valid_many([doc(100 + batch)], "PolicyVersion", tmp_path)
+    packs = list(tmp_path.glob("PolicyVersion-*-pack-*.json"))
+    assert 1 <= len(packs) <= specs._MAX_PACKS
+    for d, raw in [*first, doc(100 + specs._MAX_PACKS)]:
+        found = specs.cached_valid(raw, "again.yaml", "PolicyVersion", tmp_path)
+        assert found is not None and found.data == d.data and found.source == "again.yaml"
+    assert specs.cached_valid(b"name: never\n", "x.yaml", "PolicyVersion", tmp_path) is None

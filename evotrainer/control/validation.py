@@ -181,12 +181,16 @@ def check_workspace(
 
     states = states if states is not None else ws.versions()
     docs: dict[str, specs.Document] = {}
+    # Specs found valid are recorded together at the end, in one file.
+    valid: list[tuple[specs.Document, bytes]] | None = [] if remember else None
     for name, state in sorted(states.items()):
         found: list[EvoError] = []
-        doc = _check_version(state, found, ws.checked_dir, remember)
+        doc = _check_version(state, found, ws.checked_dir, valid)
         if doc is not None:
             docs[name] = doc
         result.versions[name] = found
+    if valid:
+        specs.remember_valid_many(valid, "PolicyVersion", ws.checked_dir)
     cycling = _into_cycles(docs)
     for name, doc in docs.items():
         found = result.versions[name]
@@ -522,10 +526,14 @@ def _check_name(doc: specs.Document, expected: str, hint: str, problems: list) -
 
 
 def _check_version(
-    state: VersionState, problems: list, checked: Path, remember: bool
+    state: VersionState,
+    problems: list,
+    checked: Path,
+    valid: list[tuple[specs.Document, bytes]] | None,
 ) -> specs.Document | None:
     """The version's spec document when it is schema-valid (read from `checked` when
-    these bytes were found valid before); its problems appended otherwise."""
+    these bytes were found valid before); its problems appended otherwise. A spec checked
+    valid here goes into `valid` (None: not recorded) for the caller to record."""
     if state.spec_raw is None:
         problems.append(
             EvoError(
@@ -552,8 +560,8 @@ def _check_version(
         problems.extend(found)
         if found:
             return None
-        if remember:
-            specs.remember_valid(doc, state.spec_raw, "PolicyVersion", checked)
+        if valid is not None:
+            valid.append((doc, state.spec_raw))
     _check_name(
         doc,
         state.name,

@@ -147,13 +147,69 @@ def _cache_file(folder: Path, raw: bytes, kind: str) -> Path:
 
 def cached_valid(raw: bytes, source: str, kind: str, folder: Path) -> Document | None:
     """The document `raw` is, when these very bytes were checked valid as `kind` before,
-    under these schemas and this code (`remember_valid`); None otherwise (parse and check
-    it). The key is the content's digest, never a name: other bytes are other entries."""
-    try:
-        data = json.loads(_cache_file(folder, raw, kind).read_bytes())
-    except (OSError, ValueError):
-        return None
+    under these schemas and this code (`remember_valid`, `remember_valid_many`); None
+    otherwise (parse and check it). The key is the content's digest, never a name: other
+    bytes are other entries."""
+    packed = _packs(str(folder), kind, rules_digest())
+    data = packed.get(hashlib.sha256(raw).hexdigest()) if packed else None
+    if data is None:
+        try:
+            data = json.loads(_cache_file(folder, raw, kind).read_bytes())
+        except (OSError, ValueError):
+            return None
     return Document(data, source, None, raw)
+
+
+_PACK = "pack"
+_MAX_PACKS = 8
+
+
+@cache
+def _packs(folder: str, kind: str, rules: str) -> dict[str, Any]:
+    """Every entry of `folder`'s packs of `kind` under `rules`, by content digest: read once
+    a process, as one file each, where a file per document cost a write (and a read) each.
+    A pack that does not read is a miss, never an error."""
+    entries: dict[str, Any] = {}
+    for path in sorted(Path(folder).glob(f"{kind}-{rules}-{_PACK}-*.json")):
+        try:
+            data = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            entries.update(data)
+    return entries
+
+
+def remember_valid_many(docs: list[tuple[Document, bytes]], kind: str, folder: Path) -> None:
+    """`remember_valid` for many documents at once, in one file (a pack) rather than one
+    file each: the first check of thousands of version specs wrote thousands of files. Past
+    _MAX_PACKS packs, this one takes in the others' entries and they go."""
+    entries = {}
+    for doc, raw in docs:
+        text = json.dumps(doc.data, sort_keys=True)
+        if json.loads(text) == doc.data:  # only data JSON keeps exactly (see remember_valid)
+            entries[hashlib.sha256(raw).hexdigest()] = doc.data
+    if not entries:
+        return
+    rules = rules_digest()
+    older = sorted(folder.glob(f"{kind}-{rules}-{_PACK}-*.json"))
+    if len(older) >= _MAX_PACKS:
+        entries = {**_packs(str(folder), kind, rules), **entries}
+    else:
+        older = []
+    text = json.dumps(entries, sort_keys=True)
+    name = f"{kind}-{rules}-{_PACK}-{hashlib.sha256(text.encode()).hexdigest()}.json"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as out:
+            out.write(text)
+        os.replace(out.name, folder / name)
+        for path in older:
+            if path.name != name:
+                path.unlink(missing_ok=True)
+    except OSError:
+        pass  # a cache that cannot be written is only slower
+    _packs.cache_clear()
 
 
 def remember_valid(doc: Document, raw: bytes, kind: str, folder: Path | None) -> None:

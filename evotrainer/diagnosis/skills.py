@@ -343,8 +343,67 @@ def _apply(op: dict[str, Any], before: Any, key: str, where: str) -> tuple[Any, 
         f"{'at least' if direction == 'raise' else 'at most'} {_show(limit)}"
 
 
+# Recipe keys a skill may never patch, at any depth: what runs a program (a judge server's
+# `command`, verl's `python`, a reward or tool module, Hydra `overrides`, a test interpreter,
+# a container image), where requests go (`endpoint`, `base_url`, `ray_address`) and which
+# secrets or environment they carry (`api_key_env`, `env`). A skill is applied by a planner,
+# and in `autonomy.mode: auto` approved by the controller, with nobody reading the patch; a
+# command, an endpoint or a secret belongs in a version's own recipe, where its reviewer sees
+# it. The one list, checked wherever a skill is loaded (built in, the workspace's, a shared
+# library's, one created from a version).
+RESTRICTED_PATCH_KEYS = frozenset({
+    "command", "endpoint", "base_url", "api_base", "url", "headers", "api_key", "api_key_env",
+    "env", "python", "test_python", "ray_address", "reward_module", "reward_function",
+    "tool_config_path", "overrides", "docker_image", "image", "serve",
+})
+
+
+def restricted_keys(patch: Any, prefix: str = "") -> list[str]:
+    """The dotted keys of `patch` (a named list's entry as `[name]`, a `set`'s value walked
+    too) that `RESTRICTED_PATCH_KEYS` names."""
+    found: list[str] = []
+    if isinstance(patch, dict):
+        for key, value in patch.items():
+            if key == "set" and is_operation(patch):  # {set: V}: V is what lands
+                found += restricted_keys(value, prefix)
+                continue
+            dotted = f"{prefix}.{key}" if prefix else str(key)
+            if str(key) in RESTRICTED_PATCH_KEYS:
+                found.append(dotted)
+            found += restricted_keys(value, dotted)
+    elif isinstance(patch, list):
+        for index, entry in enumerate(patch):
+            name = entry.get("name") if isinstance(entry, dict) else None
+            label = name if isinstance(name, str) else index
+            found += restricted_keys(entry, f"{prefix}[{label}]")
+    return found
+
+
+def check_reach(skill: Skill) -> None:
+    """A skill patches settings, never commands, endpoints or secrets (see
+    RESTRICTED_PATCH_KEYS): one that does is refused where it is loaded, by name."""
+    mechanism = skill.data.get("mechanism") or {}
+    patches = [("mechanism.recipe_patch", mechanism.get("recipe_patch"))] + [
+        (f"mechanism.domain_patches.{domain}", patch)
+        for domain, patch in (mechanism.get("domain_patches") or {}).items()]
+    for where, patch in patches:
+        keys = restricted_keys(patch)
+        if keys:
+            raise EvoError(
+                f"skill {skill.name!r} patches {keys[0]}: a skill may not set a command, an "
+                "endpoint or a secret (it is applied, and in autonomy.mode auto approved, "
+                "with nobody reading the patch)",
+                where=skill.source,
+                field=f"{where}.{keys[0]}",
+                hint="remove that key from the skill; a judge's server, endpoint or key "
+                "variable goes in a version's own recipe, where its reviewer sees it",
+            )
+
+
 def check_operations(skill: Skill) -> None:
-    """What the schema cannot say: every operation's floor is at most its ceiling."""
+    """What the schema cannot say: the patch reaches no command, endpoint or secret
+    (`check_reach`), and every operation's floor is at most its ceiling."""
+    check_reach(skill)
     for domain in [None, *(skill.data["mechanism"].get("domain_patches") or {})]:
         for key, op in operations(skill, domain).items():
             low, high = op.get("min"), op.get("max")

@@ -21,8 +21,10 @@ sets, and the same training run under TRL's GRPOTrainer beside it.
              learning curve as an SVG (matplotlib, when installed)
 
 Every evaluation samples one response per prompt at --eval-temperature from a fixed seed, with
-the same token budget as training. Run under nice; a 2-core machine takes about an hour at the
-defaults. `--smoke` is the smallest size (a test runs it on a tiny random Llama).
+the same token budget as training. TRL trains at the same time as ours by default, one thread
+each, so both step times are taken under the same background load (--sequential: after).
+Run under nice; a quiet 2-core machine takes about an hour at the defaults. `--smoke` is the
+smallest size (a test runs it on a tiny random Llama).
 
   OMP_NUM_THREADS=1 nice .venv/bin/python bench/ifeval.py --trl-python /work/trl-venv/bin/python \\
       --plot docs/ifeval-learning.svg
@@ -69,6 +71,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--variants", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--parts", default="ours,trl")
+    parser.add_argument("--sequential", action="store_true",
+                        help="run TRL after ours (default: at the same time, one thread each)")
     parser.add_argument("--trl-python", default=None,
                         help="an interpreter with trl and peft (without it TRL is skipped)")
     parser.add_argument("--model-path", type=Path, default=None,
@@ -363,13 +367,8 @@ def worker_trl(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps({"times": saver.times}), flush=True)
 
 
-def run_trl(args: argparse.Namespace, model_dir: Path, sets: dict[str, list], out: Path
-            ) -> tuple[dict[int, dict[str, list]] | None, list[float], str]:
-    from peft import PeftModel
-
-    from evotrainer.domains import make_domain
-    from evotrainer.engine.model import initial_model, uses_chat_template
-
+def start_trl(args: argparse.Namespace, model_dir: Path, out: Path) -> subprocess.Popen:
+    """TRL's training in its own interpreter, started now; `finish_trl` collects it."""
     trl_out = out / "trl"
     trl_out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads),
@@ -381,11 +380,24 @@ def run_trl(args: argparse.Namespace, model_dir: Path, sets: dict[str, list], ou
                  "max_constraints", "variants", "threads"):
         command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     with open(trl_out / "worker.log", "w") as log:
-        done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
+        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+
+
+def finish_trl(args: argparse.Namespace, model_dir: Path, sets: dict[str, list], out: Path,
+               worker: subprocess.Popen) -> tuple[dict[int, dict[str, list]] | None,
+                                                  list[float], str]:
+    """Wait for TRL's training, then evaluate each adapter it saved as ours are evaluated."""
+    from peft import PeftModel
+
+    from evotrainer.domains import make_domain
+    from evotrainer.engine.model import initial_model, uses_chat_template
+
+    trl_out = out / "trl"
+    stdout, _ = worker.communicate()
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    if worker.returncode != 0 or not lines:
         tail = (trl_out / "worker.log").read_text()[-2000:]
-        return None, [], f"failed (exit {done.returncode}): {tail}"
+        return None, [], f"failed (exit {worker.returncode}): {tail}"
     times = json.loads(lines[-1].removeprefix("RESULT "))["times"]
     domain = make_domain(domain_section(args, 0))
     evals: dict[int, dict[str, list]] = {}
@@ -470,6 +482,9 @@ def main(argv: list[str] | None = None) -> dict:
     domain = make_domain(domain_section(args, args.heldout))
     sets, report["eval_sets"] = eval_sets(args, domain)
     report["eval_sets"] |= {name: len(tasks) for name, tasks in sets.items()}
+    trl_worker = None
+    if "trl" in parts and args.trl_python and not args.sequential:
+        trl_worker = start_trl(args, model_dir, out)
     model, tokenizer = initial_model({"path": str(model_dir)}, 0)
     chat = uses_chat_template({"chat_template": "auto"}, tokenizer)
     start = time.perf_counter()
@@ -489,7 +504,8 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.trl_python:
             report["trl"] = "missing: give --trl-python (an interpreter with trl and peft)"
         else:
-            trl_evals, times, status = run_trl(args, model_dir, sets, out)
+            trl_worker = trl_worker or start_trl(args, model_dir, out)
+            trl_evals, times, status = finish_trl(args, model_dir, sets, out, trl_worker)
             report["trl"] = status
             if trl_evals is not None:
                 evals["trl"] = trl_evals

@@ -297,6 +297,8 @@ class IFEvalDomain(Domain):
     name = "ifeval"
     components = ("correctness", "partial", "truncated")
     default_params: dict[str, Any] = {
+        # None: every IFEval instruction whose checker runs offline here.
+        "instructions": None,
         "min_constraints": 1,
         "max_constraints": 3,
         "variants": 8,
@@ -308,7 +310,7 @@ class IFEvalDomain(Domain):
         "type": "object",
         "properties": {
             "instructions": {
-                "type": "array", "items": {"type": "string"}, "minItems": 1,
+                "type": ["array", "null"], "items": {"type": "string"}, "minItems": 1,
                 "uniqueItems": True,
                 "description": "IFEval instruction ids to draw from, e.g. "
                                "[punctuation:no_comma, change_case:english_lowercase]; "

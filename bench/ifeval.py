@@ -68,6 +68,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ifbench", type=int, default=48, help="IFBench prompts (0: none)")
     parser.add_argument("--eval-temperature", type=float, default=0.5)
     parser.add_argument("--max-constraints", type=int, default=2)
+    parser.add_argument("--instructions", default=None,
+                        help="comma-separated IFEval instruction ids (default: all offline)")
     parser.add_argument("--variants", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--parts", default="ours,trl")
@@ -102,7 +104,9 @@ def domain_section(args: argparse.Namespace, val_size: int) -> dict[str, Any]:
         "train_size": len(train_bases) * args.variants,
         "val_size": val_size,
         "params": {"max_constraints": args.max_constraints, "variants": args.variants,
-                   "max_words": max(20, int(args.tokens * 0.7))},
+                   "max_words": max(20, int(args.tokens * 0.7)),
+                   **({"instructions": args.instructions.split(",")} if args.instructions
+                      else {})},
     }
 
 
@@ -377,8 +381,9 @@ def start_trl(args: argparse.Namespace, model_dir: Path, out: Path) -> subproces
     command = [args.trl_python, __file__, "--worker", "trl", "--model", str(model_dir),
                "--out", str(trl_out)]
     for flag in ("steps", "trl_steps", "eval_every", "prompts", "group", "tokens", "lr",
-                 "max_constraints", "variants", "threads"):
-        command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+                 "max_constraints", "variants", "threads", "instructions"):
+        if getattr(args, flag) is not None:
+            command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     with open(trl_out / "worker.log", "w") as log:
         return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
 

@@ -93,6 +93,16 @@ def test_sample_where_injection_is_refused():
             "unknown name",
         ),
         (lambda d: d["alerts"][2].update(metric="nope"), "alerts[2].metric", "unknown metric"),
+        (  # the threshold says the bound `when` compares with: one fact, twice, kept equal
+            lambda d: d["alerts"][2].update(threshold=0.2),
+            "alerts[2].threshold",
+            r"threshold 0.2 is not the bound `when` compares truncation_rate with \(0.15\)",
+        ),
+        (
+            lambda d: d["alerts"][0]["levels"][1].update(threshold=0.35),
+            "alerts[0].levels[1].threshold",
+            "is not the bound",
+        ),
         (
             lambda d: d["gate"]["rules"][0].update(verdict="ship"),
             "gate.rules[0].verdict",

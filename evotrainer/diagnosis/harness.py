@@ -18,6 +18,7 @@ Document shape (see harness_versions/h0.yaml):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -228,11 +229,18 @@ def build_harness(doc: specs.Document) -> HarnessRevision:
     problems = specs.check(doc, "HarnessRevision")
     if problems:
         raise problems[0]
-    return _Checker(doc).revision()
+    return _RevisionBuilder(doc).revision()
 
 
-class _Checker:
-    """Semantic checks over a schema-valid document; errors carry file:line:column."""
+def _BOUNDS(metric: str) -> re.Pattern[str]:
+    """`metric OP bound` in a CEL condition, the bound a number or `params.NAME`."""
+    return re.compile(rf"\b{re.escape(metric)}\s*(?:<=|>=|<|>|==)\s*"
+                      r"(?:params\.(\w+)|(-?\d+(?:\.\d+)?(?:[eE]-?\d+)?))")
+
+
+class _RevisionBuilder:
+    """A HarnessRevision from a schema-valid document, through the semantic checks a schema
+    cannot make; errors carry file:line:column."""
 
     def __init__(self, doc: specs.Document) -> None:
         self.doc = doc
@@ -330,6 +338,7 @@ class _Checker:
                 raise self.fail(("early_stop", i, "name"),
                                 f"duplicate early-stop rule name {rule.name!r}")
             seen_rules.add(rule.name)
+        procedure = GateProcedure.from_gate(gate)
         return HarnessRevision(
             name=data["name"],
             description=data.get("description") or "",
@@ -338,8 +347,8 @@ class _Checker:
             metrics=metrics,
             alerts=alerts,
             gate_rules=rules,
-            procedure=GateProcedure.from_gate(gate),
-            alpha=float(gate.get("alpha", 0.05)),
+            procedure=procedure,
+            alpha=procedure.alpha,
             min_delta=float(gate.get("min_delta", 0.0)),
             backtest_cases=tuple({"version": c["version"], "expect": c["expect"]}
                                  for c in data.get("backtest_cases") or []),
@@ -410,6 +419,23 @@ class _Checker:
             params=params,
         )
 
+    def threshold(self, level: dict, path: tuple, metric: str) -> float | None:
+        """The level's `threshold` (what reports and backtests show beside the value), which
+        must be a bound its `when` compares the metric with: the two say one fact twice."""
+        if level.get("threshold") is None:
+            return None
+        threshold = float(level["threshold"])
+        bounds = {float(self.params[param]) if param else float(number)
+                  for param, number in _BOUNDS(metric).findall(level["when"])
+                  if not param or isinstance(self.params.get(param), (int, float))}
+        if bounds and threshold not in bounds:
+            shown = ", ".join(f"{b:g}" for b in sorted(bounds))
+            raise self.fail((*path, "threshold"),
+                            f"threshold {threshold:g} is not the bound `when` compares "
+                            f"{metric} with ({shown})",
+                            hint=f"set threshold to {shown.split(', ')[0]}, or change `when`")
+        return threshold
+
     def alert(self, a: dict, path: tuple, metrics: dict[str, Metric]) -> Alert:
         if a["metric"] not in metrics:
             raise self.fail((*path, "metric"), f"unknown metric {a['metric']!r}",
@@ -426,7 +452,7 @@ class _Checker:
             raw_levels = [(a, path)]
         levels = tuple(
             Level(level["severity"], self.cel(level["when"], (*lpath, "when"), allowed),
-                  None if level.get("threshold") is None else float(level["threshold"]))
+                  self.threshold(level, lpath, a["metric"]))
             for level, lpath in raw_levels
         )
         sample = a.get("sample") or {}

@@ -95,8 +95,8 @@ _SAFE_BUILTINS = (
 # a frame's globals (and so to the runner's builtins), with dunders the other.
 _REFUSED_ATTRIBUTE_PREFIXES = ("__", "f_", "gi_", "cr_", "ag_", "tb_", "co_")
 
-# Bounds on what a revision may ask for, and the defaults (domains/sandbox.Limits units).
-MAX_CPU_SECONDS, MAX_WALL_SECONDS, MAX_MEMORY_MB = 30.0, 60.0, 2048
+# What an analyzer gets unless it asks for other limits (domains/sandbox.Limits units); the
+# most it may ask for is the schema's (harness-revision.schema.json, `limits`).
 DEFAULT_LIMITS = {"cpu_seconds": 5.0, "wall_seconds": 10.0, "memory_mb": 512}
 # The rows handed to a Python analyzer, as JSON: past this, narrow `inputs` or `rows.where`.
 MAX_INPUT_BYTES = 64 * 2**20

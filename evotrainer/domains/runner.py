@@ -1,21 +1,23 @@
 """The trusted program that runs wherever executed code is scored: inside the local sandbox or
-a container, one request per run. It serves a `swe` episode's actions and verdicts and a
-`humaneval` check. Standalone: the standard library only, no evotrainer import, because this
-file's text is what the executor runs (`python -I -S runner.py [REQUEST.json]`, else the
-request on stdin).
+a container, one request per run. It serves a `swe` episode's actions and verdicts, a
+`swe_rebench` evaluation and a `humaneval` check. Standalone: the standard library only, no
+evotrainer import, because this file's text, with the programs it starts in a child
+(graders/) written into `PROGRAMS`, is what the executor runs (`SOURCE`:
+`python -I -S runner.py [REQUEST.json]`, else the request on stdin).
 
-The request is JSON: `kind` (shell | write | patch | evaluate | check), the action's fields,
-`repo` (where the repository is), optionally `snapshot` (base64 tar of `repo/...` to unpack
-first: the local executor carries the repository between runs this way), `return_snapshot`
-and `nonce`. The reply, on stdout, is JSON: `output` (what the agent sees), `exit_code`, for
-`evaluate` `results` ({test id: "pass" | "fail"}), for `check` the verdicts, for both
-`tampered` (what the code under test tried), and `snapshot` when asked for. With a `nonce` the
-reply is one line, the nonce, a space and the JSON (`read_report` checks it on the host).
+The request is JSON: `kind` (shell | write | patch | evaluate | check | pytest), the action's
+fields, `repo` (where the repository is), optionally `snapshot` (base64 tar of `repo/...` to
+unpack first: the local executor carries the repository between runs this way),
+`return_snapshot` and `nonce`. The reply, on stdout, is JSON: `output` (what the agent
+sees), `exit_code`, for `evaluate` and `pytest` `results` ({test id: "pass" | "fail"}), for
+`check` the verdicts, for all three `tampered` (what the code under test tried), and
+`snapshot` when asked for. With a `nonce` the reply is one line, the nonce, a space and the
+JSON (`read_report` checks it on the host).
 
 Why the verdicts cannot be forged: the code under test never runs in this process. It runs in
-a child (`CALL_SERVER`) that gets literal arguments and answers with literal values; the tests
-run here, against those values, with a type-strict equality (`same`), and every verdict is
-decided here. Before that child starts, this process makes itself non-dumpable
+a child (graders/call_server.py) that gets literal arguments and answers with literal values;
+the tests run here, against those values, with a type-strict equality (`same`), and every
+verdict is decided here. Before that child starts, this process makes itself non-dumpable
 (prctl PR_SET_DUMPABLE 0), so a process of the same uid can neither trace it nor open its
 /proc/<pid>/mem or /proc/<pid>/fd; the child's descriptors are two pipes to this process and
 /dev/null, never this process's stdout; the nonce reaches this process on stdin (or in a
@@ -153,33 +155,21 @@ def protect_from_children() -> None:
         raise OSError(errno, f"prctl(PR_SET_DUMPABLE, 0): {os.strerror(errno)}")
 
 
-# The side of the code under test: a child process that imports a module of `repo` and serves
-# calls, one JSON line in (`module`, `name`, `args` as a Python literal), one out (`value` as a
-# Python literal, or `error`, with `exit` when the code raised SystemExit or another
-# BaseException that is not an Exception). The reply channel is a copy of the original stdout;
-# fd 1 itself becomes stderr (/dev/null), so a stray write to fd 1 reaches nobody. It holds no
-# verdict, so nothing it runs can fake one.
-CALL_SERVER = r"""
-import ast, json, os, sys
-reply = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)
-sys.stdout = sys.stderr
-sys.path.insert(0, os.getcwd())
-for line in sys.stdin:
-    try:
-        request = json.loads(line)
-        module = __import__(request["module"])
-        value = getattr(module, request["name"])(*ast.literal_eval(request["args"]))
-        answer = {"value": repr(value)}
-    except BaseException as exc:
-        try:
-            answer = {"error": type(exc).__name__ + ": " + str(exc)[:200],
-                      "exit": not isinstance(exc, Exception)}
-        except BaseException:
-            answer = {"error": "an exception that cannot be shown", "exit": False}
-    reply.write(json.dumps(answer) + "\n")
-    reply.flush()
-"""
+# The programs this runner starts in a child (graders/call_server.py, the side of the code
+# under test; graders/pytest_bootstrap.py, a `pytest` evaluation's test process), by name:
+# their text. Where this file runs alone (the executor's copy, `SOURCE`) they are written
+# into this line; imported, they are read from the modules beside it.
+PROGRAMS: dict[str, str] = {}
+
+
+def program(name: str) -> str:
+    """The text of the program `name` (a module of evotrainer/domains/graders)."""
+    if name not in PROGRAMS:
+        folder = Path(__file__).resolve().parent / "graders"
+        PROGRAMS[name] = (folder / f"{name}.py").read_text(encoding="utf-8")
+    return PROGRAMS[name]
+
+
 CALL_LIMIT_S = 3.0  # per call, as run_tests.py's per-test limit
 # The longest reply line read: a larger value is no answer (and parsing it would spend the
 # checker's own CPU limit).
@@ -222,7 +212,7 @@ class RepoCalls:
         if self.child is None:
             try:
                 self.child = subprocess.Popen(
-                    [sys.executable, "-I", "-S", "-c", CALL_SERVER],
+                    [sys.executable, "-I", "-S", "-c", program("call_server")],
                     cwd=self.repo,
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
@@ -476,246 +466,6 @@ def do_check(repo: str, request: dict) -> dict:
     return {"whole": whole, "units": units, "tampered": calls.tampered, "detail": detail[:300]}
 
 
-# The test process of a `pytest` evaluation (SWE-rebench-style repositories). It imports the
-# repository's code, so it is untrusted; this program starts it before any of that code runs.
-# It reads its setup and a fresh key from stdin (then closed), installs an audit hook that
-# refuses introspection from an edited file, snapshots pytest's, pluggy's and the builtins'
-# functions, runs every graded test through its own protocol hook and sends each record,
-# signed, on an inherited descriptor.
-#
-# Why it is written as it is: the code under test shares this interpreter, and Python lets it
-# rewrite a closure cell, a module attribute or an ordinary class attribute without any audit
-# event. So no function here reads anything it does not hold itself: every dependency
-# (builtins and library functions included) is a default argument, and reading or replacing
-# a function's defaults raises an audit event the hook refuses; containers are frozen; the
-# key and the channel live in one generator's frame (reaching a frame is refused) and it
-# signs only for this program's own code; the hook and the signer use C operations alone
-# once untrusted code may run (a library's Python function reads its module's globals, which
-# the code under test can replace).
-PYTEST_BOOTSTRAP = r"""
-import os, sys, sysconfig, types
-import _hashlib
-
-sys.dont_write_bytecode = True  # no cache the next run could take for a source
-
-
-def _boot(setup):
-    realpath = os.path.realpath
-    repo = realpath(os.getcwd())
-    edited = frozenset(repo + os.sep + path for path in setup["edited"])
-    wanted = frozenset(setup["tests"])
-    stdlib = tuple(realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib"))
-    # Standard modules that hand their caller frames, raw memory or files: an event inside
-    # one of them is its caller's doing. Any other standard module (typing, logging,
-    # traceback...) reads frames for itself.
-    passing = frozenset(
-        prefix + name for prefix in stdlib for name in (
-            "inspect.py", "ctypes/__init__.py", "pathlib.py", "os.py", "io.py", "glob.py",
-            "shutil.py", "codecs.py", "operator.py", "functools.py"))
-    watched = frozenset({
-        "gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._getframe",
-        "sys._current_frames", "sys.settrace", "sys.setprofile", "sys.addaudithook",
-        "ctypes.dlopen", "ctypes.dlsym", "ctypes.call_function", "ctypes.addressof",
-        "ctypes.string_at", "ctypes.wstring_at", "ctypes.cdata", "object.__getattr__",
-        "object.__setattr__", "object.__delattr__", "open", "os.listdir", "os.scandir",
-        "compile", "code.__new__", "function.__new__"})
-    frame_attrs = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
-
-    def signing(key, channel, digest=_hashlib.hmac_digest, getframe=sys._getframe,
-                frozenset=frozenset, str=str):
-        # Records are "n<TAB>kind<TAB>fields..." with tabs and newlines in a field made spaces,
-        # built with str operations alone; the first message names the code allowed to send.
-        line, count, senders = None, 0, None
-        while True:
-            kind, fields = yield line
-            if senders is None:
-                senders = frozenset(fields)
-                continue
-            caller = getframe(1).f_back
-            if caller is None or caller.f_code not in senders:
-                where = caller.f_code.co_filename if caller is not None else "?"
-                kind, fields = "tampered", ("the grader's send called from " + where,)
-            body = "\t".join([str(count), kind, *[
-                str(f).replace("\t", " ").replace("\n", " ") for f in fields]])
-            channel.write(digest(key, body.encode(), "sha256").hex() + " " + body + "\n")
-            channel.flush()
-            count += 1
-
-    signer = signing(bytes.fromhex(setup.pop("key")), os.fdopen(setup["fd"], "w"))
-    next(signer)
-
-    def send(kind, *fields, signer=signer):
-        signer.send((kind, fields))
-
-    own = set()  # ids of this program's functions: their defaults are not for others to read
-
-    guarded = set()  # ids of pytest's, pluggy's and the builtins' classes (filled below)
-
-    def hook(event, args, watched=watched, frame_attrs=frame_attrs, edited=edited,
-             passing=passing, getframe=sys._getframe, send=send, id=id, str=str, bytes=bytes,
-             type=type, FunctionType=types.FunctionType, own=own, guarded=guarded,
-             busy=[False]):
-        # Nothing here may run code the code under test can define (a property, __eq__,
-        # __class__, __hash__ of its objects): while `busy`, the hook is off. So values of
-        # untrusted types are only compared by type and identity.
-        if event not in watched or busy[0]:
-            return
-        busy[0] = True
-        try:
-            target = args[0] if args else None
-            kind = type(target)
-            if event in ("object.__getattr__", "object.__setattr__", "object.__delattr__"):
-                name = args[1]
-                ours = kind is FunctionType and id(target) in own
-                if event == "object.__getattr__":
-                    relevant = type(name) is str and (name in frame_attrs or (ours and name in (
-                        "__defaults__", "__kwdefaults__", "__closure__")))
-                else:  # raised for a function's or a class's special attributes
-                    relevant = name == "__code__" or ours or id(target) in guarded
-            elif event == "compile":  # compiled under a file's name: a borrowed provenance
-                relevant = type(args[1]) is not str or not args[1].startswith("<")
-            elif event in ("open", "os.listdir", "os.scandir"):  # the path, as text
-                relevant = (kind is str and target.startswith("/proc")) or (
-                    kind is bytes and target.startswith(b"/proc"))
-            else:
-                relevant = True
-            culprit = None
-            if relevant:
-                # The first frame outside the passing standard modules decides.
-                frame = getframe(1)
-                while frame is not None and (frame.f_code.co_filename in passing
-                                             or frame.f_code.co_filename.startswith("<frozen")):
-                    frame = frame.f_back
-                if frame is not None and frame.f_code.co_filename in edited:
-                    culprit = frame.f_code.co_filename
-        finally:
-            busy[0] = False
-        if culprit is not None:
-            send("tampered", event + " from " + culprit)
-            raise PermissionError(event + " is not allowed in the code under test")
-
-    sys.addaudithook(hook)
-    try:  # before the repository is on the path: only the environment can fail this
-        import pytest
-        import _pytest.main, _pytest.python, _pytest.reports, pluggy
-        from _pytest.runner import runtestprotocol
-    except ImportError as err:
-        signer.send((None, (_boot.__code__,)))
-        send("error", "pytest cannot be imported in the test environment: " + str(err))
-        return
-    sys.path.insert(0, repo)
-
-    kinds = (type, types.FunctionType, types.BuiltinFunctionType, property, staticmethod,
-             classmethod)
-    owners = ("_pytest", "pytest", "pluggy", "builtins")
-
-    def members(modules=sys.modules, owners=owners, kinds=kinds, vars=vars, list=list,
-                isinstance=isinstance, id=id, type=type, FunctionType=types.FunctionType):
-        # pytest's, pluggy's and the builtins' module-level functions and classes, and their
-        # classes' methods and properties: name -> the object.
-        found = {}
-        for name, module in list(modules.items()):
-            if name.split(".")[0] not in owners:
-                continue
-            for attr, value in list(vars(module).items()):
-                if isinstance(value, (type, FunctionType, types.BuiltinFunctionType)):
-                    found[name + "." + attr] = value
-                if isinstance(value, type) and value.__module__ == name:
-                    for inner, member in list(vars(value).items()):
-                        if isinstance(member, kinds):
-                            found[name + "." + attr + "." + inner] = member
-        return found
-
-    def untrusted(code, edited=edited, own_codes=frozenset()):
-        # Code from an edited file, or compiled from a string (no file stands behind it).
-        path = code.co_filename
-        return code not in own_codes and (path in edited or (
-            path.startswith("<") and not path.startswith("<frozen")))
-
-    def own_doing(value, untrusted=untrusted, isinstance=isinstance, getattr=getattr,
-                  all=all, bool=bool):
-        # pytest patches a few of its own classes (legacypath, at configure): a replacement
-        # whose code comes from an unedited file is not the code under test's.
-        if isinstance(value, (staticmethod, classmethod)):
-            value = value.__func__
-        parts = [value.fget, value.fset, value.fdel] if isinstance(value, property) else [value]
-        codes = [getattr(p, "__code__", None) for p in parts if p is not None]
-        return bool(codes) and all(c is not None and not untrusted(c) for c in codes)
-
-    snapshot = {name: id(value) for name, value in members().items()}
-    holders = frozenset({name.rpartition(".")[0] for name in snapshot} | set(snapshot))
-    snapshot = frozenset(snapshot.items())
-
-    def changed(members=members, snapshot=snapshot, holders=holders, own_doing=own_doing,
-                id=id, dict=dict, sorted=sorted):
-        now, then = members(), dict(snapshot)
-        gone = [name for name in then if name not in now]
-        return sorted(gone + [
-            name for name, value in now.items()
-            if then.get(name) != id(value) and not own_doing(value)
-            and (name in then or name.rpartition(".")[0] in holders)])
-
-    def foreign_hooks(config, untrusted=untrusted, vars=vars, getattr=getattr):
-        # Hook implementations from an edited file, compiled from a string or without code.
-        found = []
-        for caller in vars(config.hook).values():
-            for impl in getattr(caller, "get_hookimpls", lambda: [])():
-                code = getattr(impl.function, "__code__", None)
-                if code is None or untrusted(code):
-                    found.append(getattr(impl.function, "__qualname__", "?") + " from "
-                                 + (code.co_filename if code is not None else "no code"))
-        return found
-
-    class Grader:
-        # Runs each test itself (first, in place of pytest's own protocol) and decides its
-        # verdict from the reports in hand, after checking pytest is still itself.
-        @pytest.hookimpl(tryfirst=True)
-        def pytest_runtest_protocol(self, item, nextitem, runtestprotocol=runtestprotocol,
-                                    send=send, changed=changed, foreign_hooks=foreign_hooks,
-                                    untrusted=untrusted, wanted=wanted, realpath=realpath,
-                                    getattr=getattr, vars=vars, all=all, str=str, type=type):
-            code = getattr(getattr(item, "obj", None), "__code__", None)
-            if code is not None and untrusted(code):
-                send("tampered", item.nodeid + " runs code from an edited file")
-            elif item.nodeid in wanted and (
-                    code is None or code.co_name != getattr(item, "originalname", None)
-                    or realpath(code.co_filename) != realpath(str(
-                        getattr(item, "path", None) or item.fspath))):
-                send("tampered", item.nodeid + " does not run its own test function")
-            if "runtest" in vars(item):
-                send("tampered", item.nodeid + "'s runtest was replaced")
-            item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-            reports = runtestprotocol(item, nextitem=nextitem)
-            item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
-            problems = changed() + foreign_hooks(item.config)
-            if problems:
-                send("tampered", "changed during " + item.nodeid + ": " + ", ".join(problems[:5]))
-            elif item.nodeid in wanted:
-                outcomes = {report.when: report.outcome for report in reports
-                            if type(report.when) is str}
-                passed = all(type(outcomes.get(w)) is str and outcomes[w] == "passed"
-                             for w in ("setup", "call", "teardown"))
-                send("test", item.nodeid, "pass" if passed else "fail")
-            return True
-
-    protocol = Grader.pytest_runtest_protocol
-    untrusted.__defaults__ = (edited, frozenset({protocol.__code__}))
-    own.update(id(f) for f in (send, hook, members, untrusted, own_doing, changed,
-                                foreign_hooks, protocol))
-    guarded.update(id(v) for v in members().values() if isinstance(v, type))
-    guarded.add(id(Grader))
-    signer.send((None, (protocol.__code__, hook.__code__, _boot.__code__)))
-    send("begin")
-    code = pytest.main(["-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-o", "addopts=",
-                        *setup["tests"]], plugins=[Grader()])
-    problems = changed()
-    if problems:
-        send("tampered", "changed by the end: " + ", ".join(problems[:5]))
-    send("end", str(int(code)))
-
-
-_boot(__import__("json").loads(sys.stdin.readline()))
-"""
 PYTEST_KEY_BYTES = 32
 
 
@@ -770,48 +520,55 @@ def tree_digests(repo: str) -> dict[str, str]:
     return digests
 
 
-def _put(root: str, path: str, text: str | None) -> None:
-    """Write `text` at `path` under `root` (None: remove it), through real folders only:
-    whatever file or link stands where a folder of the path should be is removed first."""
+def _put(root: str, path: str, data: str | bytes | None) -> None:
+    """Write `data` (text or bytes) at `path` under `root` (None: remove it), through real
+    folders only: whatever file or link stands where a folder of the path should be is
+    removed first."""
     parts = path.split("/")
     here = root
     for part in parts[:-1]:
         here = os.path.join(here, part)
         if os.path.islink(here) or (os.path.exists(here) and not os.path.isdir(here)):
             os.unlink(here)
-        if text is not None:
+        if data is not None:
             os.makedirs(here, exist_ok=True)
     target = os.path.join(here, parts[-1])
     if os.path.isdir(target) and not os.path.islink(target):
         shutil.rmtree(target)
     elif os.path.lexists(target):
         os.unlink(target)
-    if text is not None:
-        with open(target, "w", encoding="utf-8") as f:
-            f.write(text)
+    if data is not None:
+        with open(target, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
 
 
-def do_pytest(repo: str, request: dict) -> dict:
-    """A SWE-rebench-style evaluation: the task's test files (`trusted`, path → text, the
-    test patch applied) written over whatever the episode left, every other conftest,
-    startup hook and pytest configuration file restored to the base tree's or removed, then
-    `tests` run by pytest in a child (`PYTEST_BOOTSTRAP`) whose verdicts come back signed on
-    their own descriptor. `tampered` lists what the code under test tried: a conftest, hook
-    or configuration of its own, introspection refused by the audit hook, pytest's machinery
-    changed, a plugin registered from an edited file, a forged or missing record. The
-    episode's edits of test files and pytest's configuration are put back silently (as
-    SWE-bench applies the test patch): not tampering."""
-    root = os.path.realpath(repo)
-    trusted, base = request["trusted"], request["base"]
-    tampered: list[str] = []
+def _clear_caches(root: str) -> None:
+    """Remove compiled caches, which Python and pytest would take for the sources they name."""
     for folder, dirs, names in os.walk(root):
-        # Compiled caches, which Python and pytest would take for the sources they name.
         for name in [d for d in dirs if d == "__pycache__"]:
             dirs.remove(name)
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
         for name in names:
             if name.endswith((".pyc", ".pyo")):
                 os.unlink(os.path.join(folder, name))
+
+
+def _safe(path: str) -> bool:
+    return not (".." in path.split("/") or path.startswith("/"))
+
+
+def under(path: str, folders: list[str]) -> bool:
+    """Whether `path` lies inside one of `folders` (paths relative to the repository)."""
+    return any(path.startswith(folder.rstrip("/") + "/") for folder in folders)
+
+
+def _put_back(root: str, request: dict) -> list[str]:
+    """Put the task's files back over the episode's (see `do_pytest`); what the episode
+    tried that no honest fix does, as `tampered` lines."""
+    trusted, base = request["trusted"], request["base"]
+    folders = [f for f in request.get("test_dirs", []) if f and _safe(f)]
+    originals = request.get("originals", {})
+    tampered: list[str] = []
     final = tree_digests(root)
     for path in sorted(final):
         full = os.path.join(root, path)
@@ -825,8 +582,17 @@ def do_pytest(repo: str, request: dict) -> dict:
             del final[path]
             if self_running(path):
                 tampered.append(f"added {path}")
+        elif under(path, folders) and path not in trusted and base.get(path) != final[path]:
+            # A file the episode added or changed in a test folder (a package's __init__.py
+            # that installs an import hook, a helper the tests import): the base's, or none.
+            original = originals.get(path)
+            _put(root, path, None if original is None else base64.b64decode(original))
+            del final[path]
+    for path, original in sorted(originals.items()):
+        if path not in final and under(path, folders) and _safe(path):
+            _put(root, path, base64.b64decode(original))  # one the episode deleted
     for path, text in sorted(trusted.items()):
-        if ".." in path.split("/") or path.startswith("/"):
+        if not _safe(path):
             continue
         digest = final.get(path)
         wanted = None if text is None else hashlib.sha256(text.encode()).hexdigest()
@@ -835,8 +601,14 @@ def do_pytest(repo: str, request: dict) -> dict:
             # The episode's own conftest (or startup hook): one it changed from the base's.
             if self_running(path) and digest is not None and digest != base.get(path):
                 tampered.append(f"changed {path}")
-    edited = sorted(p for p, d in tree_digests(root).items()
-                    if base.get(p) != d and p not in trusted and p.endswith(".py"))
+    return tampered
+
+
+def _run_test_process(root: str, request: dict, edited: list[str]
+                      ) -> tuple[bytes, bytes, bool, int | None, bytes] | str:
+    """Run the graded tests in the test process (graders/pytest_bootstrap.py): (the results
+    channel's bytes, the output, timed out, the exit status, the key), or the reason it could
+    not start (the environment's fault, not the code's)."""
     key = secrets.token_bytes(PYTEST_KEY_BYTES)
     scratch = tempfile.mkdtemp(prefix="swe-")
     read_end, write_end = os.pipe()
@@ -844,20 +616,63 @@ def do_pytest(repo: str, request: dict) -> dict:
     python = request.get("python") or sys.executable
     try:
         proc = subprocess.Popen(
-            [python, "-I", "-c", PYTEST_BOOTSTRAP],
+            [python, "-I", "-c", program("pytest_bootstrap")],
             cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             env=command_env(scratch, request.get("python")), start_new_session=True,
             pass_fds=(write_end,),
         )
-    except OSError as err:  # the environment's fault, not the code's: the host says so
+    except OSError as err:
         os.close(read_end)
         os.close(write_end)
-        return {"output": "", "exit_code": None, "results": {}, "tampered": tampered,
-                "error": f"the test environment's {python} could not "
-                f"start here: {err}"}
+        return f"the test environment's {python} could not start here: {err}"
     os.close(write_end)
     data, output, timed_out = _collect(proc, read_end, json.dumps(setup) + "\n",
                                        float(request["timeout"]), int(request["cap"]))
+    return data, output, timed_out, proc.returncode, key
+
+
+def _verdicts(tests: list[str], records: list[list[str]], problems: list[str]
+              ) -> tuple[dict[str, str], list[str]]:
+    """Each graded test's verdict from the authentic records ("fail" unless one says pass and
+    the channel is sound), and the tests given two verdicts (tampering)."""
+    results = {t: "fail" for t in tests}
+    verdicts = [r[1:3] for r in records if r[0] == "test" and len(r) == 3]
+    if not problems:  # a channel that was written to by anyone else, or cut short, decides none
+        for test, outcome in verdicts:
+            if test in results:
+                results[test] = "pass" if outcome == "pass" else "fail"
+    tampered = []
+    named = [test for test, _ in verdicts]
+    for test in sorted({t for t in named if named.count(t) > 1}):
+        tampered.append(f"two verdicts for {test}")
+        results[test] = "fail"
+    return results, tampered
+
+
+def do_pytest(repo: str, request: dict) -> dict:
+    """A SWE-rebench-style evaluation: the task's test files (`trusted`, path → text, the
+    test patch applied) written over whatever the episode left, every other file of the test
+    folders (`test_dirs`) the episode added, changed or deleted put back to the base's
+    (`originals`, path → base64) or removed, every other conftest, startup hook and pytest
+    configuration file restored to the base tree's or removed, then `tests` run by pytest
+    in a child (graders/pytest_bootstrap.py) whose verdicts come back signed on their own
+    descriptor. `tampered` lists what the code under test tried: a conftest, hook or
+    configuration of its own, introspection refused by the audit hook, an import hook,
+    pytest's machinery changed, a plugin registered from an edited file, an object equal to
+    everything in a graded comparison, a forged or missing record. The episode's edits of
+    test files and pytest's configuration are put back silently (as SWE-bench applies the
+    test patch): not tampering."""
+    root = os.path.realpath(repo)
+    _clear_caches(root)
+    tampered = _put_back(root, request)
+    base, trusted = request["base"], request["trusted"]
+    edited = sorted(p for p, d in tree_digests(root).items()
+                    if base.get(p) != d and p not in trusted and p.endswith(".py"))
+    ran = _run_test_process(root, request, edited)
+    if isinstance(ran, str):  # the environment's fault, not the code's: the host says so
+        return {"output": "", "exit_code": None, "results": {}, "tampered": tampered,
+                "error": ran}
+    data, output, timed_out, status, key = ran
     records, problems = read_records(data, key)
     failure = next((r[1] for r in records if r[0] == "error" and len(r) > 1), None)
     if failure:  # the environment's fault, not the code's: the host says so
@@ -867,20 +682,12 @@ def do_pytest(repo: str, request: dict) -> dict:
         problems = [p for p in problems if "ended before" not in p]
     tampered += problems + [r[1].replace(root + os.sep, "") for r in records
                             if r[0] == "tampered" and len(r) > 1]
-    results = {t: "fail" for t in request["tests"]}
-    verdicts = [r[1:3] for r in records if r[0] == "test" and len(r) == 3]
-    if not problems:  # a channel that was written to by anyone else, or cut short, decides none
-        for test, outcome in verdicts:
-            if test in results:
-                results[test] = "pass" if outcome == "pass" else "fail"
-    for test in {t for t, _ in verdicts if [v[0] for v in verdicts].count(t) > 1}:
-        tampered.append(f"two verdicts for {test}")
-        results[test] = "fail"
+    results, twice = _verdicts(request["tests"], records, problems)
     text = output.decode("utf-8", "replace")[: int(request["cap"])]
     if timed_out:
         text += f"\n[timed out after {float(request['timeout']):g} s]"
-    return {"output": text, "exit_code": None if timed_out else proc.returncode,
-            "results": results, "tampered": tampered}
+    return {"output": text, "exit_code": None if timed_out else status,
+            "results": results, "tampered": tampered + twice}
 
 
 def _collect(proc: subprocess.Popen, channel: int, stdin: str, timeout: float, cap: int
@@ -955,6 +762,16 @@ def pack(repo: str) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+def with_programs(text: str) -> str:
+    """`text` (this file's) with `PROGRAMS` holding every program's text, so that it runs
+    alone."""
+    line = "PROGRAMS: dict[str, str] = {}\n"
+    if text.count(line) != 1:
+        raise RuntimeError("runner.py: the PROGRAMS line is not where SOURCE writes them")
+    programs = {name: program(name) for name in ("call_server", "pytest_bootstrap")}
+    return text.replace(line, f"PROGRAMS: dict[str, str] = {programs!r}\n")
+
+
 def main() -> None:
     if len(sys.argv) > 1:
         with open(sys.argv[1], encoding="utf-8") as f:
@@ -985,5 +802,6 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 else:
-    # This file's text: what the hosts (the swe and humaneval domains) send to the executor.
-    SOURCE = Path(__file__).read_text(encoding="utf-8")
+    # This file's text, the programs it starts written in: what the hosts (the swe,
+    # swe_rebench and humaneval domains) send to the executor.
+    SOURCE = with_programs(Path(__file__).read_text(encoding="utf-8"))

@@ -12,12 +12,16 @@ tree instead.
 
 Score: the final repository is graded by `runner.do_pytest`. The test patch's files and every
 file holding a graded test are written over whatever the episode left (as SWE-bench applies
-the test patch); a conftest, `sitecustomize`/`usercustomize` or `.pth` file of the episode's
-own is removed and recorded as tampering, pytest's configuration files restored. pytest then
-runs the graded tests in a child that starts before any repository code, refuses
-introspection from an edited file (frames, `gc`, `ctypes`, /proc, code compiled under another
-file's name) through an audit hook, checks pytest's and pluggy's functions and hooks after
-every test, and sends each verdict signed with a key only it was given. What it cannot rule
+the test patch), and every other file the episode added, changed or deleted in a test folder
+(`test_dirs`) is the base's again; a conftest, `sitecustomize`/`usercustomize` or `.pth` file
+of the episode's own is removed and recorded as tampering, pytest's configuration files
+restored. pytest then runs the graded tests in a child (graders/pytest_bootstrap.py) that
+starts before any repository code, refuses introspection from an edited file (frames, `gc`,
+`ctypes`, /proc, code compiled under another file's name) and import hooks of the code under
+test through an audit hook, makes the graded files' `==`, `!=`, `in` and `not in` strict
+against objects whose equality is the code under test's, checks pytest's, pluggy's and
+importlib's functions and hooks after every test, and sends each verdict signed with a key
+only it was given. What it cannot rule
 out is an attack written against the grader itself through objects pytest leaves reachable
 (docs/engine.md says which): the verdict is pytest's, in a process the code under test shares.
 Components as `swe`: `f2p`, `p2p`, `partial`, `correctness`, `submitted`, `format`,
@@ -26,6 +30,7 @@ Components as `swe`: `f2p`, `p2p`, `partial`, `correctness`, `submitted`, `forma
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import random
@@ -199,6 +204,7 @@ class SweRebenchDomain(DataFiles, SweDomain):
         """Grade with pytest and the task's own test files (`runner.do_pytest`)."""
         prepared, answer = self._prepared(task), json.loads(task.answer)
         return {"kind": "pytest", "trusted": prepared["trusted"], "base": prepared["base"],
+                "test_dirs": prepared["test_dirs"], "originals": prepared["originals"],
                 "tests": answer["f2p"] + answer["p2p"], "python": self.python,
                 "timeout": float(self.params["test_timeout_s"]), "cap": 1 << 16}
 
@@ -234,6 +240,20 @@ def tests_files(test_ids: list[str]) -> set[str]:
     return {test.split("::")[0] for test in test_ids if "::" in test}
 
 
+def test_dirs(test_files: set[str]) -> list[str]:
+    """The test folders of the graded and patched test files: for each, the outermost folder
+    of its path named test* (`tests/unit/test_x.py` → `tests`, `pkg/io/tests/test_x.py` →
+    `pkg/io/tests`). A test file in no such folder gives none: its folder holds the code
+    under test, which the episode may change."""
+    folders = set()
+    for path in test_files:
+        parts = path.split("/")[:-1]
+        first = next((i for i, part in enumerate(parts) if part.startswith("test")), None)
+        if first is not None:
+            folders.add("/".join(parts[:first + 1]))
+    return sorted(folders)
+
+
 def prepare(task: Task, clear_history: bool) -> dict[str, Any]:
     """Clone the task's mirror at its base commit; compute what the grader needs."""
     meta = task.meta
@@ -264,7 +284,15 @@ def prepare(task: Task, clear_history: bool) -> dict[str, Any]:
                                "file of its repository", field="domain.data.train",
                                hint="fix or drop the instance")
             trusted[path] = file.read_text(encoding="utf-8") if file.is_file() else None
+        # The test folders: every file the episode adds or changes there is put back to the
+        # base tree's (a package __init__.py of its own could install an import hook).
+        folders = test_dirs({p for p in patched | tests_files(answer["f2p"] + answer["p2p"])
+                             if not runner.guarded(p)})
         _git(repo, "checkout", "-q", "--", ".")
+        originals = {path: base64.b64encode((repo / path).read_bytes()).decode("ascii")
+                     for path in sorted(base) if runner.under(path, folders)
+                     and path not in trusted and (repo / path).is_file()
+                     and not (repo / path).is_symlink()}
         _git(repo, "clean", "-q", "-fdx")
         if clear_history:
             shutil.rmtree(repo / ".git")
@@ -274,7 +302,8 @@ def prepare(task: Task, clear_history: bool) -> dict[str, Any]:
         else:
             # The remote named as upstream, not this machine's mirror path.
             _git(repo, "remote", "set-url", "origin", f"https://github.com/{meta['repo']}")
-        return {"snapshot": tar_repo(repo), "trusted": trusted, "base": base}
+        return {"snapshot": tar_repo(repo), "trusted": trusted, "base": base,
+                "test_dirs": folders, "originals": originals}
 
 
 __all__ = ["SweRebenchDomain", "prepare"]

@@ -7,10 +7,11 @@ writes with an HMAC-SHA256 whose key lives outside the repository:
 
 - `EVOTRAINER_RECORD_KEY` in the environment (a CI secret in the pull-request flow; share it
   between every machine that reconciles or approves for one workspace), else
-- a key file outside the workspace: `$XDG_CONFIG_HOME/evotrainer/keys/<folder>-<id>.key`
-  (default `~/.config`; the id is the digest of the workspace's path; folder 0700, file 0600,
-  made on first use). Never inside the workspace: a job's working directory is its
-  worktree under `.evotrainer/`, so `../../record.key` would be in its reach. A key left
+- a key file outside the workspace: `$XDG_CONFIG_HOME/evotrainer/keys/<id>.key` (default
+  `~/.config`; the id is kept in the repository's git config, so a moved or copied
+  workspace keeps its key; folder 0700, file 0600, made on first use). Never inside the
+  workspace: a job's working directory is its worktree under `.evotrainer/`, so
+  `../../record.key` would be in its reach. A key left
   at the old place, `.evotrainer/record.key`, is moved out on first use, saying so.
 
 The seal is one file, `runs/<v>/seal.yaml`, committed with every record: `records` is the MAC
@@ -29,6 +30,7 @@ import os
 import re
 import secrets
 import stat
+import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -53,13 +55,33 @@ def keys_dir() -> Path:
     return base / "evotrainer" / "keys"
 
 
-def key_file(state_dir: Path) -> Path:
+ID_CONFIG = "evotrainer.workspaceid"
+
+
+def workspace_id(root: Path, create: bool = False) -> str | None:
+    """The workspace's id: kept in its git config (`evotrainer.workspaceid`, made when
+    `create`), so a moved or copied workspace finds its key and a fresh clone does not; the
+    digest of its path where the folder is no git repository."""
+    if not (root / ".git").exists():
+        return hashlib.sha256(str(root).encode()).hexdigest()[:16]
+    git = ["git", "-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false", "config",
+           "--local"]
+    found = subprocess.run([*git, "--get", ID_CONFIG], cwd=root, capture_output=True,
+                           text=True, check=False).stdout.strip()
+    if re.fullmatch(r"[0-9a-f]{16}", found):
+        return found
+    if not create:
+        return None
+    made = secrets.token_hex(8)
+    subprocess.run([*git, ID_CONFIG, made], cwd=root, capture_output=True, check=True)
+    return made
+
+
+def key_file(state_dir: Path, create: bool = False) -> Path:
     """Where the key of the workspace whose state folder is `state_dir` lives: outside the
-    workspace, named by the workspace's folder and the digest of its resolved path."""
-    root = state_dir.resolve().parent
-    ident = hashlib.sha256(str(root).encode()).hexdigest()[:16]
-    label = re.sub(r"[^A-Za-z0-9._-]", "_", root.name)[:40] or "workspace"
-    return keys_dir() / f"{label}-{ident}.key"
+    workspace, named by its id (`workspace_id`)."""
+    ident = workspace_id(state_dir.resolve().parent, create) or "none"
+    return keys_dir() / f"{ident}.key"
 
 
 def record_key(state_dir: Path, create: bool = True) -> bytes | None:
@@ -71,7 +93,8 @@ def record_key(state_dir: Path, create: bool = True) -> bytes | None:
     from_env = os.environ.get(KEY_ENV, "")
     if from_env:
         return from_env.encode()
-    path, legacy = key_file(state_dir), state_dir / KEY_FILE
+    legacy = state_dir / KEY_FILE
+    path = key_file(state_dir, create=create or os.path.lexists(legacy))
     if os.path.lexists(legacy):
         return _move_out(legacy, path)
     try:

@@ -7,11 +7,18 @@ regression, mixed evidence, insufficient evidence) and, when the score moved sig
 with nothing outside the score layer to explain it, the diagnostic gap (gaps.py). The gate
 procedure (stats.GateProcedure) may compare the version with the frontier and the root as
 well as its parent: a promotion must then hold against each of them, every interval and
-p-value corrected for the family."""
+p-value corrected for the family.
+
+A version whose parent is not on main (it builds on an inconclusive version, say) would
+replace main's frontier if promoted, so the gate compares it with that frontier too, whatever
+the procedure asks: the verdict is decided against what main would lose, the comparison with
+the parent is recorded beside it (the family's correction covers both), and the outcome
+names both (`against_main` in the record)."""
 
 from __future__ import annotations
 
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -22,7 +29,7 @@ from evotrainer.diagnosis.diagnose import evaluate_unless_null, gate_verdict, pa
 from evotrainer.diagnosis.gaps import unexplained_outcome
 from evotrainer.diagnosis.harness import HarnessRevision
 from evotrainer.diagnosis.outcomes import classify, pathology_status
-from evotrainer.diagnosis.stats import GateProcedure, adjust_p
+from evotrainer.diagnosis.stats import GateProcedure, adjust_p, confidence_label
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_scores
 from evotrainer.store.clock import now_iso
@@ -94,6 +101,21 @@ def references(
     return found
 
 
+def replaced_frontier(
+    ws: Workspace, states: dict[str, VersionState], state: VersionState
+) -> str | None:
+    """The main frontier `state` would replace when its parent is not on main (None when the
+    parent is on main, or main holds nothing else): promoting it hands main its whole
+    unpromoted chain, so what main would lose is the frontier, not the parent."""
+    if state.parent is None:
+        return None
+    on_main = merged_into_main(ws)
+    if state.parent in on_main:
+        return None
+    frontier = main_frontier(states, on_main)
+    return frontier if frontier not in (None, state.name, state.parent) else None
+
+
 def _family(
     ws: Workspace,
     states: dict[str, VersionState],
@@ -158,9 +180,14 @@ def decide(
     parent = states[state.parent]
     comparison = diagnosis.get("comparison")
     family = None
+    replaces = replaced_frontier(ws, states, state)
+    if replaces is not None and "frontier" not in procedure.compare_with:
+        procedure = replace(procedure, compare_with=(*procedure.compare_with, "frontier"))
     if procedure.compare_with != ("parent",):
         family = _family(ws, states, state, harness, procedure, diagnosis)
         comparison = family["parent"]["comparison"]
+        if "frontier" not in family:
+            replaces = None  # main's frontier has no scores (an untrained root): the parent decides
     elif procedure != harness.procedure:
         # The diagnosis compared under the harness's procedure: this one tests differently.
         comparison = procedure.compare(recorded_scores(ws, parent.name),
@@ -184,17 +211,33 @@ def decide(
         f"over {comparison['n_tasks']} tasks"
     )
     verdict = gate["verdict"]
+    against_main = None
+    if replaces is not None and family is not None:
+        # Decided against what main would lose; the parent's comparison is recorded beside.
+        member = family["frontier"]
+        against_main = {"version": replaces, "verdict": member["verdict"],
+                        "rule": member["rule"], "comparison": member["comparison"]}
+        verdict = member["verdict"]
     if verdict == "block":
         verdict = "prune"
         reason = f"blocked by critical alert(s) {', '.join(critical)} whatever the score; {numbers}"
     else:
         reason = f"{numbers} (gate rule {gate['rule'] or 'none'})"
+    if against_main is not None:
+        other = against_main["comparison"]
+        reason = (f"against main's frontier {replaces} (its parent {parent.name} is not on "
+                  f"main): Δ avg@k {other['delta']:+.4f} {confidence_label(other)} "
+                  f"[{other['ci_low']:+.4f}, {other['ci_high']:+.4f}], p="
+                  f"{other['p_bootstrap']:.4f} (gate rule {against_main['rule'] or 'none'}); "
+                  f"against its parent {parent.name}: {reason}")
     if family is not None:
         reason += f"; corrected ({procedure.correction}) for {len(family)} comparisons"
         # A promotion must hold against every reference: a version that beats its parent
-        # but not the frontier (its parent was itself no better) is not promoted.
+        # but not the frontier (its parent was itself no better) is not promoted. Decided
+        # against main's frontier, the parent's comparison is recorded, not required.
         holdout = next((r for r, m in family.items()
-                        if r != "parent" and m["verdict"] != "promote"), None)
+                        if r != "parent" and m["verdict"] != "promote"
+                        and not (against_main is not None and r == "frontier")), None)
         if verdict == "promote" and holdout is not None:
             member = family[holdout]
             verdict = ("prune" if member["verdict"] in ("prune", "revert", "block")
@@ -228,14 +271,22 @@ def decide(
                               "members": {r: {k: m[k] for k in ("version", "verdict", "rule",
                                                                   "comparison")}
                                           for r, m in family.items()}}
+    if against_main is not None:
+        decision["against_main"] = against_main
     parent_diagnosis = parent.records.get("diagnosis")
     outcome = classify(
-        comparison, blocked_by=critical, min_delta=harness.min_delta,
+        against_main["comparison"] if against_main is not None else comparison,
+        blocked_by=critical, min_delta=harness.min_delta,
         pathology=pathology_status(state.spec.get("proposal"), diagnosis,
                                    ws.resolved_recipe(state.name, states)),
     )
     if outcome is not None:
         decision["outcome"] = outcome.as_dict()
+        if against_main is not None:
+            decision["outcome"]["reason"] = (
+                f"against main's frontier {replaces}: {outcome.reason}; against its parent "
+                f"{parent.name} (not on main): Δ {comparison['delta']:+.4f}, CI "
+                f"[{comparison['ci_low']:+.4f}, {comparison['ci_high']:+.4f}]")
     gap = unexplained_outcome(state.name, comparison, diagnosis, parent_diagnosis)
     if gap is not None:
         decision["gaps"] = [gap.as_dict()]

@@ -145,7 +145,8 @@ def test_missing_artifacts_and_dirty_worktree_give_clear_errors(workspace, monke
     run = record(workspace, "v0", "run")
     shutil.rmtree(workspace.root / run["artifact_dir"])
     h0 = workspace.root / "harness_versions" / "h0.yaml"
-    h0.write_text(h0.read_text().replace("truncation_rate > 0.15", "truncation_rate > 0.2"))
+    h0.write_text(h0.read_text().replace("truncation_rate > 0.15", "truncation_rate > 0.2")
+                  .replace("threshold: 0.15", "threshold: 0.2"))
     plans = {p.version: p for p in converge(workspace)}
     assert "artifacts of v0 are gone" in plans["v0"].error
     assert record(workspace, "v0", "decision") is not None  # records are intact

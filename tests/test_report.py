@@ -97,6 +97,7 @@ def _add_harness_revision(ws: Workspace) -> None:
     text = ws.harness_path("h0").read_text()
     text = text.replace("name: h0\n", "name: h1\nparent: h0\n", 1)
     text = text.replace("truncation_rate > 0.15", "truncation_rate > 0.1")
+    text = text.replace("threshold: 0.15", "threshold: 0.1")
     text = text.replace("backtest_cases: []", "backtest_cases:\n  - {version: v2, expect: block, "
                         "alert: leak, why: '<b>must</b> stay blocked'}")
     ws.harness_path("h1").write_text(text)

@@ -254,7 +254,11 @@ def policy_violation(view: View, proposal: Proposal) -> str | None:
     parent = proposal.parent
     if parent not in view.states:
         return f"parent {parent!r} is not a version"
-    if view.failed(parent) or parent in view.pruned:
+    # A rerun of an inconclusive parent on more seeds (planners/evidence.py) adds no factor:
+    # it measures the parent again, so it may fork a version the gate left inconclusive.
+    rerun = proposal.proposal.get("evidence_for") == parent and view.verdict(parent) == \
+        "inconclusive"
+    if (view.failed(parent) and not rerun) or parent in view.pruned:
         return (f"parent {parent} failed ({view.verdict(parent) or view.run_state(parent)}): "
                 "a failed version is never forked; branch from the frontier "
                 f"{view.frontier()}")

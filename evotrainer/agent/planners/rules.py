@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from evotrainer.agent.planners import evidence
 from evotrainer.agent.planners.base import (
     BUNDLE,
     HarnessProposal,
@@ -154,6 +155,11 @@ class RulesPlanner:
         fired = _Fired()
         skill_candidates = self._skill_candidates(view, base, escalation, result, fired)
         candidates += skill_candidates + self._defaults(view, base, fired.any)
+        if not escalation:
+            # An inconclusive gain gets more evidence before any new factor (evidence.py).
+            candidates += [
+                _Candidate(p, (-3, False, 0, i), overrides=overrides_key(p.settings))
+                for i, p in enumerate(evidence.proposals(view, base, frontier, result.notes))]
         # What was tried from each parent a candidate forks from (bundles fork from the
         # frontier, the rest from the base): the same change is never proposed twice.
         tried: dict[str, tuple[set[str], set[frozenset[str]], set[str]]] = {}

@@ -18,12 +18,13 @@ fires no skill on them) measure the harness side: the `rules` arm must detect a 
 revision that sees the pathology (backtested), then fix it; both controls cannot.
 
 It reports per run: the clean frontier's Avg@k against the baseline v0 (paired bootstrap Δ
-and 95% CI over the validation tasks), leaky versions promoted (audited afterwards with h1's
-leak metrics, the widest built-in audit, whatever harness the arm used), the GRPO steps spent
-until the first clean
-version significantly above v0, the planner's LLM tokens, the diagnostic gaps the planner
-noted, the harness revisions adopted (with the metric each added) and the skills of the clean
-promotions (the fix).
+and 95% CI over the validation tasks), the versions promoted, the decisions that gathered
+evidence before a new factor (a second seed of an inconclusive gain), leaky versions
+promoted (audited afterwards with h1's leak metrics, the widest built-in audit, whatever
+harness the arm used), the GRPO steps spent until the first clean version significantly
+above v0, the planner's LLM tokens, the diagnostic gaps the planner
+noted, the harness revisions adopted (with the metric each added), those among them that
+change the gate procedure, and the skills of the clean promotions (the fix).
 
     python bench/autonomy.py                      # every setup, 2 seeds (tens of minutes)
     python bench/autonomy.py --quick --setup leak # one setup, shorter training
@@ -56,7 +57,7 @@ from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.gate import recorded_scores
 from evotrainer.diagnosis.harness import resolve_harness
 from evotrainer.diagnosis.replay import version_rollouts
-from evotrainer.diagnosis.stats import compare_tables
+from evotrainer.diagnosis.stats import GateProcedure, compare_tables
 from evotrainer.errors import EvoError
 from evotrainer.store.recipe import deep_merge
 from evotrainer.store.workspace import PROJECT_FILE, Workspace
@@ -180,6 +181,11 @@ class ArmResult:
     gaps: list[str] = field(default_factory=list)  # "kind on version", as the planner noted
     adopted: list[str] = field(default_factory=list)  # "h2 (+idle_failure_rate)"
     fixes: list[str] = field(default_factory=list)  # skills of the clean promotions
+    promoted: list[str] = field(default_factory=list)  # every promotion, in decision order
+    # Decisions that gathered evidence before a new factor: "v3 (second seed of v2)"
+    evidence: list[str] = field(default_factory=list)
+    # Adopted revisions that change the gate procedure: "h3 (gate: resamples 20000)"
+    gate_revisions: list[str] = field(default_factory=list)
 
 
 def build_workspace(root: Path, setup: Setup, arm: str, seed: int, *, quick: bool,
@@ -256,10 +262,15 @@ def measure(ws: Workspace, setup: str, arm: str, seed: int, seconds: float) -> A
     tokens = sum(int((states[n].spec.get("proposal") or {}).get("tokens") or 0) for n in order)
     fixes = list(dict.fromkeys(s for v in versions if v["verdict"] == "promote"
                                and not v["leak"] for s in v["skills"]))
+    promoted = [v["name"] for v in versions if v["verdict"] == "promote"]
+    evidence = [f"{n} ({meta.get('evidence', 'evidence').replace('_', ' ')} of "
+                f"{meta.get('evidence_for')})" for n in order
+                if (meta := states[n].spec.get("proposal") or {}).get("move") == "evidence"]
     return ArmResult(setup, arm, seed, frontier, best["mean_a"], best["mean_b"],
                      best["delta"], (best["ci_low"], best["ci_high"]),
                      frontier != "v0" and best["ci_low"] > 0, leaky_promoted, spent,
-                     first_gain, tokens, versions, seconds, fixes=fixes)
+                     first_gain, tokens, versions, seconds, fixes=fixes, promoted=promoted,
+                     evidence=evidence)
 
 
 def run_arm(root: Path, setup: Setup, arm: str, seed: int, *, rounds: int, quick: bool,
@@ -277,9 +288,21 @@ def run_arm(root: Path, setup: Setup, arm: str, seed: int, *, rounds: int, quick
         for r in done for n in r.result.notes if n.startswith("gap ")))
     revisions = {h.name: h for r in done for h in r.result.harness}
     result.adopted = [
-        f"{name} (+{', '.join(_added_metrics(revisions[name].document, ws))})"
+        f"{name} (+{', '.join(_added_metrics(revisions[name].document, ws)) or 'no metric'})"
         for r in done for name in r.adopted]
+    result.gate_revisions = [
+        f"{name} (gate: {changed})" for r in done for name in r.adopted
+        if (changed := _gate_change(revisions[name].document, ws))]
     return result
+
+
+def _gate_change(document: dict[str, Any], ws: Workspace) -> str:
+    """What a revision changes in its parent's gate procedure ("" when nothing)."""
+    parent = resolve_harness(document["parent"], ws.root).procedure
+    mine = GateProcedure.from_gate(document.get("gate"))
+    return ", ".join(f"{k} {getattr(mine, k)}" for k in
+                     ("alpha", "ci_method", "resamples", "strata", "compare_with", "correction")
+                     if getattr(mine, k) != getattr(parent, k))
 
 
 def _added_metrics(document: dict[str, Any], ws: Workspace) -> list[str]:
@@ -291,10 +314,10 @@ def _added_metrics(document: dict[str, Any], ws: Workspace) -> list[str]:
 
 def table(results: list[ArmResult]) -> str:
     """A Markdown table, one row per setup and arm, seeds pooled."""
-    lines = ["| setup | arm | Δ Avg@k vs v0 (per seed, 95% CI) | significant | "
-             "leaky promoted | steps to first clean gain | steps spent | tokens | gaps | "
-             "revision adopted | fix |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| setup | arm | Δ Avg@k vs v0 (per seed, 95% CI) | significant | promoted | "
+             "leaky promoted | steps to first clean gain | steps spent | evidence gathered | "
+             "tokens | gaps | revision adopted | gate revision | fix |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = dict.fromkeys((r.setup, r.planner) for r in results)
     for setup, planner in keys:
         rows = [r for r in results if (r.setup, r.planner) == (setup, planner)]
@@ -304,9 +327,12 @@ def table(results: list[ArmResult]) -> str:
         spent = ", ".join(str(r.steps_spent) for r in rows)
         lines.append(
             f"| {setup} | {planner} | {deltas} | {sum(r.significant for r in rows)}/{len(rows)} "
+            f"| {'; '.join(', '.join(r.promoted) or '—' for r in rows)} "
             f"| {sum(len(r.leaky_promoted) for r in rows)} | {steps} | {spent} "
+            f"| {_listed([e for r in rows for e in r.evidence])} "
             f"| {sum(r.tokens for r in rows)} | {_listed([g for r in rows for g in r.gaps])} "
             f"| {_listed([a for r in rows for a in r.adopted])} "
+            f"| {_listed([g for r in rows for g in r.gate_revisions])} "
             f"| {_listed([f for r in rows for f in r.fixes])} |")
     return "\n".join(lines)
 
@@ -343,9 +369,11 @@ def main(argv: list[str] | None = None) -> int:
                     results.append(result)
                     print(f"{name:12s} {planner:16s} seed {seed}: frontier {result.frontier} "
                           f"Δ {result.delta:+.3f} [{result.ci[0]:+.3f}, {result.ci[1]:+.3f}] "
-                          f"leaky promoted {result.leaky_promoted or 'none'}; steps "
-                          f"{result.steps_spent}; gaps {result.gaps or 'none'}; adopted "
-                          f"{result.adopted or 'none'}; fix {result.fixes or 'none'} "
+                          f"promoted {result.promoted or 'none'}; leaky promoted "
+                          f"{result.leaky_promoted or 'none'}; steps {result.steps_spent}; "
+                          f"evidence {result.evidence or 'none'}; gaps {result.gaps or 'none'}; "
+                          f"adopted {result.adopted or 'none'}; gate revisions "
+                          f"{result.gate_revisions or 'none'}; fix {result.fixes or 'none'} "
                           f"({result.seconds:.0f} s)", flush=True)
     print(table(results))
     if args.json:

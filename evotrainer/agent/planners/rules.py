@@ -39,6 +39,9 @@
    not yet taken (the gap is that nothing selects the next intervention), else the one that
    moves most along the stalled lineage — backtested on every recorded version, its cases =
    the recorded verdicts.
+9. Evidence before moving on (evidence.py): a version left inconclusive with a positive
+   point estimate inside its interval is rerun on one more seed, the seeds pooled by the
+   gate, before any new factor; this move ranks first outside an escalation.
 """
 
 from __future__ import annotations

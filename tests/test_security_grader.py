@@ -261,3 +261,121 @@ def test_the_grader_programs_are_modules_written_into_the_runner():
     shipped = ast.literal_eval(line.partition("= ")[2])
     assert shipped == {name: runner.program(name) for name in ("call_server",
                                                                "pytest_bootstrap")}
+
+
+FIXED_MEDIAN = ("def median(values):\n    ordered = sorted(values)\n"
+                "    middle = len(ordered) // 2\n    if len(ordered) % 2:\n"
+                "        return ordered[middle]\n"
+                "    return (ordered[middle - 1] + ordered[middle]) / 2\n")
+
+
+def test_an_honest_fix_importing_a_sibling_not_loaded_yet_passes(graded):
+    """The edited module imports a repository module no one has loaded: the import machinery
+    compiles that file's own text, a module load and not the importer's doing."""
+    domain, task = graded
+    fix = appended("from tinystats import text\n\n_slugify = text.slugify\n\n" + FIXED_MEDIAN)
+    components, tampered = scored(domain, task, [write(MODULE, fix)])
+    assert (components["f2p"], components["p2p"], components["tampered"]) == (1, 1, 0), tampered
+
+
+def test_a_sibling_rewritten_while_the_tests_run_is_no_module_load(graded):
+    """Only the text a file held when the grading began loads as that file: a sibling the
+    code under test rewrites and then imports compiles other text under its name."""
+    domain, task = graded
+    attack = appended(
+        "with open('tinystats/text.py', 'w') as _f:\n"
+        "    _f.write('import gc\\n_all = gc.get_objects()\\n')\n"
+        "from tinystats import text\n\n" + FIXED_MEDIAN)
+    components, tampered = scored(domain, task, [write(MODULE, attack)])
+    assert (components["f2p"], components["correctness"], components["tampered"]) == (0, 0, 1)
+    one_clear_line(tampered, "compile from tinystats/stats.py")
+
+
+# A repository of the test's own: `shapes.middle` (wrong at the base) returns a dataclass the
+# graded test compares; `plugins` (unedited) installs a library's import hooks when imported,
+# a plain finder and one built by `dataclasses` (its methods compiled from a string).
+SHAPES_BASE = '''import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    x: float
+    y: float
+
+
+def middle(a, b):
+    return Point(a.x, b.y)
+'''
+PLUGINS = '''import dataclasses
+import sys
+
+
+class PlainFinder:
+    def find_spec(self, name, path=None, target=None):
+        return None
+
+
+@dataclasses.dataclass
+class GeneratedFinder:
+    prefix: str = "plugins_"
+
+    def find_spec(self, name, path=None, target=None):
+        return None
+
+
+sys.meta_path.append(PlainFinder())
+sys.meta_path.append(GeneratedFinder())
+'''
+SHAPES_TEST = '''from shapes import Point, middle
+
+
+def test_middle():
+    found = middle(Point(0, 0), Point(2, 4))
+    assert found == Point(1, 2)
+    assert found != Point(0, 4)
+    assert found in [Point(9, 9), Point(1, 2)]
+    assert [found] == [Point(1, 2)]
+'''
+SHAPES_FIX = '''import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    x: float
+    y: float
+
+
+def middle(a, b):
+    import plugins  # noqa: F401 - loaded here for the first time
+
+    return Point((a.x + b.x) / 2, (a.y + b.y) / 2)
+'''
+
+
+def test_an_honest_dataclass_value_and_a_library_finder_are_not_tampering(tmp_path):
+    """A graded comparison of a dataclass (its __eq__ built by `exec`) and import hooks a
+    library of the repository installs when the fix first imports it: the fix passes,
+    nothing is tampering; the base fails the same test."""
+    import base64
+    import sys
+
+    from evotrainer.domains import runner
+
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "shapes.py").write_text(SHAPES_BASE)
+    (repo / "plugins.py").write_text(PLUGINS)
+    (repo / "tests" / "test_shapes.py").write_text(SHAPES_TEST)
+    request = {"kind": "pytest", "trusted": {"tests/test_shapes.py": SHAPES_TEST},
+               "base": runner.tree_digests(str(repo)), "test_dirs": ["tests"],
+               "originals": {"tests/test_shapes.py": base64.b64encode(
+                   SHAPES_TEST.encode()).decode()},
+               "tests": ["tests/test_shapes.py::test_middle"], "python": sys.executable,
+               "timeout": 120.0, "cap": 1 << 16}
+    reply = runner.do_pytest(str(repo), request)
+    assert (reply["results"], reply["tampered"]) == (
+        {"tests/test_shapes.py::test_middle": "fail"}, []), reply["output"]
+    (repo / "shapes.py").write_text(SHAPES_FIX)
+    reply = runner.do_pytest(str(repo), request)
+    assert (reply["results"], reply["tampered"]) == (
+        {"tests/test_shapes.py::test_middle": "pass"}, []), reply

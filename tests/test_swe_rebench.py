@@ -235,6 +235,10 @@ ATTACKS = {
         "send = dict(zip(hook.__code__.co_varnames[3:], hook.__defaults__))['send']\n"
         "send('test', 'tests/test_stats.py::test_median_even', 'pass')\n"
         "send('end', '0')\nos._exit(0)\n"))], "object.__getattr__ from tinystats/stats.py"),
+    "the grader's signing function found by code that exec runs": ([write(MODULE, appended(
+        "exec(" + repr("import gc, os\nsend = next(o for o in gc.get_objects()\n"
+                       "    if getattr(o, '__qualname__', '') == '_boot.<locals>.send')\n"
+                       + FORGE) + ")\n"))], "gc.get_objects from tinystats/stats.py"),
     "a builtin the grader might use replaced": ([write(MODULE, appended(
         "import builtins\nbuiltins.all = lambda values: True\n"))], "builtins.all"),
     "code compiled under another file's name": ([write(MODULE, appended(

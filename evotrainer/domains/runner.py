@@ -16,7 +16,7 @@ JSON (`read_report` checks it on the host).
 
 Why the verdicts cannot be forged: the code under test never runs in this process. It runs in
 a child (graders/call_server.py) that gets literal arguments and answers with literal values;
-the tests run here, against those values, with a type-strict equality (`same`), and every
+the tests run here, against those values, with a type-strict equality (`strict_equal`), and every
 verdict is decided here. Before that child starts, this process makes itself non-dumpable
 (prctl PR_SET_DUMPABLE 0), so a process of the same uid can neither trace it nor open its
 /proc/<pid>/mem or /proc/<pid>/fd; the child's descriptors are two pipes to this process and
@@ -329,7 +329,7 @@ def resource_cpu_limit() -> float:
     return float("inf") if soft == resource.RLIM_INFINITY else float(soft)
 
 
-def same(actual: object, expected: object) -> bool:
+def strict_equal(actual: object, expected: object) -> bool:
     """Equality a type cannot bend: both sides of one type (an int and a float compare by value;
     a bool is not a number here: False is not an answer to "0"), containers element by
     element. The checks' `==` and `!=` are rewritten to call it (STRICT_EQUAL)."""
@@ -338,14 +338,14 @@ def same(actual: object, expected: object) -> bool:
         return type(actual) in numbers and type(expected) in numbers and actual == expected
     if isinstance(actual, (list, tuple)) and isinstance(expected, (list, tuple)):
         return len(actual) == len(expected) and all(
-            same(a, e) for a, e in zip(actual, expected, strict=True))
+            strict_equal(a, e) for a, e in zip(actual, expected, strict=True))
     if isinstance(actual, dict) and isinstance(expected, dict):
         return actual.keys() == expected.keys() and all(
-            same(actual[k], expected[k]) for k in actual)
+            strict_equal(actual[k], expected[k]) for k in actual)
     return actual == expected
 
 
-STRICT_EQUAL = "_evotrainer_same"
+STRICT_EQUAL = "_evotrainer_strict_equal"
 
 
 class RepoModule(types.ModuleType):
@@ -430,7 +430,7 @@ def do_check(repo: str, request: dict) -> dict:
     with open(os.path.join(folder, "solution.py"), "w", encoding="utf-8") as f:
         f.write(request["program"])
     calls = RepoCalls(folder, folder)
-    scope: dict = {"__name__": "__check__", STRICT_EQUAL: same}
+    scope: dict = {"__name__": "__check__", STRICT_EQUAL: strict_equal}
     try:
         exec(compile(request["preamble"], "test.py", "exec"), scope)
     except Exception as exc:  # the test's own top level fails here: no assert can run
@@ -604,15 +604,17 @@ def _put_back(root: str, request: dict) -> list[str]:
     return tampered
 
 
-def _run_test_process(root: str, request: dict, edited: list[str]
+def _run_test_process(root: str, request: dict, edited: list[str], sources: dict[str, str]
                       ) -> tuple[bytes, bytes, bool, int | None, bytes] | str:
     """Run the graded tests in the test process (graders/pytest_bootstrap.py): (the results
     channel's bytes, the output, timed out, the exit status, the key), or the reason it could
-    not start (the environment's fault, not the code's)."""
+    not start (the environment's fault, not the code's). `sources`: each Python file's
+    sha256 now, what a legitimate module load of it compiles."""
     key = secrets.token_bytes(PYTEST_KEY_BYTES)
     scratch = tempfile.mkdtemp(prefix="swe-")
     read_end, write_end = os.pipe()
-    setup = {"key": key.hex(), "fd": write_end, "edited": edited, "tests": request["tests"]}
+    setup = {"key": key.hex(), "fd": write_end, "edited": edited, "sources": sources,
+             "tests": request["tests"]}
     python = request.get("python") or sys.executable
     try:
         proc = subprocess.Popen(
@@ -666,9 +668,10 @@ def do_pytest(repo: str, request: dict) -> dict:
     _clear_caches(root)
     tampered = _put_back(root, request)
     base, trusted = request["base"], request["trusted"]
-    edited = sorted(p for p, d in tree_digests(root).items()
-                    if base.get(p) != d and p not in trusted and p.endswith(".py"))
-    ran = _run_test_process(root, request, edited)
+    sources = {p: d for p, d in tree_digests(root).items()
+               if p.endswith(".py") and not os.path.islink(os.path.join(root, p))}
+    edited = sorted(p for p, d in sources.items() if base.get(p) != d and p not in trusted)
+    ran = _run_test_process(root, request, edited, sources)
     if isinstance(ran, str):  # the environment's fault, not the code's: the host says so
         return {"output": "", "exit_code": None, "results": {}, "tampered": tampered,
                 "error": ran}

@@ -40,6 +40,11 @@ def _boot(setup):
     realpath = os.path.realpath
     repo = realpath(os.getcwd())
     edited = frozenset(repo + os.sep + path for path in setup["edited"])
+    # sha256 of each Python file of the repository as it stood before the test process
+    # started (the runner's digests): a compile of exactly that text under that file's name
+    # is the file's own module being loaded, whoever runs the import.
+    sources = frozenset((repo + os.sep + path, digest)
+                        for path, digest in setup["sources"].items())
     wanted = frozenset(setup["tests"])
     graded = frozenset(realpath(repo + os.sep + test.split("::")[0]) for test in wanted)
     stdlib = tuple(realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib"))
@@ -56,7 +61,11 @@ def _boot(setup):
         "ctypes.dlopen", "ctypes.dlsym", "ctypes.call_function", "ctypes.addressof",
         "ctypes.string_at", "ctypes.wstring_at", "ctypes.cdata", "object.__getattr__",
         "object.__setattr__", "object.__delattr__", "open", "os.listdir", "os.scandir",
-        "compile", "code.__new__", "function.__new__", "import"})
+        "compile", "code.__new__", "function.__new__", "import", "exec"})
+    # The standard library's class builders: they compile text of their own making (from a
+    # class's field names) into its __init__, __eq__, __repr__...
+    builders = frozenset(prefix + name for prefix in stdlib
+                         for name in ("dataclasses.py", "collections/__init__.py"))
     frame_attrs = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
 
     def signing(key, channel, digest=_hashlib.hmac_digest, getframe=sys._getframe,
@@ -91,11 +100,17 @@ def _boot(setup):
     # members are in the snapshot, so what they hold is checked there.
     guarded = set()
 
-    def untrusted(code, edited=edited, own_codes=frozenset()):
-        # Code from an edited file, or compiled from a string (no file stands behind it).
+    # Code a class builder made for a class defined outside the edited files (a library's
+    # dataclass): ids, and the code objects themselves, kept so that no id is reused.
+    generated, generated_codes = set(), []
+
+    def untrusted(code, edited=edited, own_codes=frozenset(), generated=generated, id=id):
+        # Code from an edited file, or compiled from a string (no file stands behind it)
+        # other than what a class builder made for a class of the unedited code.
         path = code.co_filename
         return code not in own_codes and (path in edited or (
-            path.startswith("<") and not path.startswith("<frozen")))
+            path.startswith("<") and not path.startswith("<frozen")
+            and id(code) not in generated))
 
     # Reads that no class can redirect: a type's own __dict__ and __mro__, an instance's dict.
     type_dict = type.__dict__["__dict__"].__get__
@@ -193,11 +208,25 @@ def _boot(setup):
                     found.append("an import hook from " + str(where) + " in " + name)
         return found
 
+    def loads_itself(source, filename, sources=sources, sha256=_hashlib.openssl_sha256,
+                     type=type, str=str, bytes=bytes, encode=str.encode):
+        # Whether `source` is the text `filename` held when the grading began: compiling it
+        # under that name makes the file's own code (what importing the module does), no
+        # borrowed provenance. A file written or changed since does not count.
+        if type(filename) is not str:
+            return False
+        if type(source) is str:
+            source = encode(source, "utf-8", "surrogatepass")
+        elif type(source) is not bytes:  # an AST, a buffer: the text is not the file's
+            return False
+        return (filename, sha256(source).hexdigest()) in sources
+
     def hook(event, args, watched=watched, frame_attrs=frame_attrs, edited=edited,
              passing=passing, getframe=sys._getframe, send=send, id=id, str=str, bytes=bytes,
              type=type, len=len, FunctionType=types.FunctionType, own=own, guarded=guarded,
-             import_hooks=import_hooks, sysmod=sys, reported=set(),  # noqa: B006
-             busy=[False]):  # noqa: B006
+             import_hooks=import_hooks, loads_itself=loads_itself, sysmod=sys,
+             builders=builders, generated=generated, generated_codes=generated_codes,
+             CodeType=types.CodeType, reported=set(), busy=[False]):  # noqa: B006
         # Nothing here may run code the code under test can define (a property, __eq__,
         # __class__, __hash__ of its objects): while `busy`, the hook is off. So values of
         # untrusted types are only compared by type and identity.
@@ -210,7 +239,26 @@ def _boot(setup):
             kind = type(target)
             compiles = event == "compile" and (type(args[1]) is not str
                                                or not args[1].startswith("<"))
-            if event == "import" or compiles:
+            if event == "exec":
+                # A class builder running its text: the code is the builder's own making
+                # unless the class it builds is defined in an edited file (or by code
+                # compiled from a string there).
+                frame = getframe(1)
+                if (type(target) is CodeType and frame is not None
+                        and frame.f_code.co_filename in builders):
+                    while frame is not None and (frame.f_code.co_filename in builders
+                                                 or frame.f_code.co_filename in passing
+                                                 or frame.f_code.co_filename.startswith("<")):
+                        frame = frame.f_back
+                    if frame is not None and frame.f_code.co_filename not in edited:
+                        codes = [target]
+                        while codes:
+                            code = codes.pop()
+                            generated_codes.append(code)
+                            generated.add(id(code))
+                            codes.extend(c for c in code.co_consts if type(c) is CodeType)
+                relevant = False
+            elif event == "import" or compiles:
                 # An import statement that reaches the finders passes here first, and every
                 # module compiled from a file (importlib.import_module raises no import
                 # event) passes at its compile: a hook of the code under test is refused
@@ -223,7 +271,10 @@ def _boot(setup):
                     if culprit not in reported:
                         reported.add(culprit)
                         send("tampered", culprit)
-                relevant = compiles and culprit is None
+                # A module of the repository compiled from its own text (an edited module
+                # importing a sibling not loaded yet) is a module load, not the importer's
+                # doing; any other text under a file's name is a borrowed provenance.
+                relevant = compiles and culprit is None and not loads_itself(args[0], args[1])
             elif event in ("object.__getattr__", "object.__setattr__", "object.__delattr__"):
                 name = args[1]
                 ours = kind is FunctionType and id(target) in own
@@ -240,10 +291,11 @@ def _boot(setup):
             else:
                 relevant = True
             if relevant:
-                # The first frame outside the passing standard modules decides.
+                # The first frame outside the passing standard modules and outside code
+                # compiled from a string decides: what `exec` runs is its caller's doing.
                 frame = getframe(1)
                 while frame is not None and (frame.f_code.co_filename in passing
-                                             or frame.f_code.co_filename.startswith("<frozen")):
+                                             or frame.f_code.co_filename.startswith("<")):
                     frame = frame.f_back
                 if frame is not None and frame.f_code.co_filename in edited:
                     culprit = frame.f_code.co_filename
@@ -550,11 +602,11 @@ def _boot(setup):
             return True
 
     protocol = Grader.pytest_runtest_protocol
-    untrusted.__defaults__ = (edited, frozenset({protocol.__code__}))
+    untrusted.__defaults__ = (edited, frozenset({protocol.__code__}), generated, id)
     own.update(id(f) for f in (send, hook, members, untrusted, own_doing, changed,
-                                foreign_hooks, protocol, foreign, import_hooks, bent,
-                                builtin_of, holds_bent, perturbed, equal, compare, strict,
-                                rewriting))
+                                foreign_hooks, protocol, foreign, import_hooks, loads_itself,
+                                bent, builtin_of, holds_bent, perturbed, equal, compare,
+                                strict, rewriting))
     guarded.update(id(v) for v in members().values() if isinstance(v, type))
     guarded.add(id(Grader))
     signer.send((None, (protocol.__code__, hook.__code__, _boot.__code__, equal.__code__)))

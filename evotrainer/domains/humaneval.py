@@ -16,7 +16,7 @@ continues the prompt, as in the original benchmark.
 Scoring runs `evotrainer.domains.runner` in the sandbox (`check` requests): the program is
 imported only by a child of that checker, which calls the entry point (and the prompt's other
 functions) with literal arguments and gets literal values back, while the test's asserts run
-in the checker, with `==` and `!=` made type-strict (`runner.same`: False is no answer to 0,
+in the checker, with `==` and `!=` made type-strict (`runner.strict_equal`: False is no answer to 0,
 an object equal to everything never crosses). The checker reports per-assert verdicts on its
 stdout, one line authenticated by a nonce sent on its stdin; it is non-dumpable, so the
 program can neither read the nonce nor write that channel (see the runner's doc).
@@ -144,8 +144,8 @@ def defined_functions(source: str) -> list[str]:
 
 
 class _StrictEquality(ast.NodeTransformer):
-    """`a == b` becomes `same(a, b)`, `a != b` `not same(a, b)` (single comparisons; a chain
-    stays as written, its values are literals all the same)."""
+    """`a == b` becomes `strict_equal(a, b)`, `a != b` `not strict_equal(a, b)` (single
+    comparisons; a chain stays as written, its values are literals all the same)."""
 
     def visit_Compare(self, node: ast.Compare) -> ast.expr:
         self.generic_visit(node)

@@ -95,3 +95,23 @@ def test_the_decision_against_main_is_the_one_read(lineage):
         "version": "v0", "comparison": {"delta": 0.09, "ci_low": -0.003, "ci_high": 0.189}}
     why = evidence.ambiguous(view, "v1")
     assert why is not None and "against v0" in why and "+0.0900" in why
+
+
+def test_a_promoted_rerun_for_evidence_is_not_offered_as_a_skill(lineage):
+    """The rerun changes only `seeds`: `evolve` has no intervention of its own to turn into
+    a skill, says so, and proposes none."""
+    from standin import standin_settings
+
+    from evotrainer.agent.evolve import _propose_skills
+    from evotrainer.control.versions import approve, new_version
+
+    new_version(lineage, "v2", "v1", rationale="rerun",
+                settings=["seeds=[0, 1]", *standin_settings(standin_skill=0.7)],
+                proposal={"planner": "rules", "move": "evidence", "evidence_for": "v1"})
+    approve(lineage, "v2", by="tester")
+    converge(lineage)
+    assert lineage.version("v2").records["decision"]["verdict"] == "promote"
+    lines: list[str] = []
+    assert _propose_skills(lineage, {"v1"}, lines.append) == []
+    assert lines == ["no skill proposed from v2: it reruns v1 on more seeds for evidence, an "
+                     "intervention of none"]

@@ -20,7 +20,8 @@ recorded diagnoses could not, so the round does not stop with nothing to try.
 
 After a promotion of a version that applied no library skill (a settings change, an LLM
 planner's proposal), the loop proposes it as a skill on `skill/<name>` for review
-(agent/skill_creation.py); a refusal is logged, never fatal.
+(agent/skill_creation.py); a refusal is logged, never fatal. A rerun for evidence (its
+parent on more seeds, planners/evidence.py) changes nothing to generalise and is skipped.
 """
 
 from __future__ import annotations
@@ -199,6 +200,12 @@ def _propose_skills(ws: Workspace, offered: set[str], log: Callable[[str], None]
         offered.add(name)
         if ((states[name].spec or {}).get("intervention") or {}).get("skills"):
             continue  # its evidence goes on the library skills it applied (reconcile)
+        rerun = (states[name].spec or {}).get("proposal") or {}
+        if rerun.get("move") == "evidence":
+            # More seeds of its parent: no intervention of its own to generalise.
+            log(f"no skill proposed from {name}: it reruns {rerun.get('evidence_for')} on "
+                "more seeds for evidence, an intervention of none")
+            continue
         try:
             branches.append(propose_skill(ws, name)["branch"])
         except EvoError as err:

@@ -128,6 +128,13 @@ def test_refuted_skills_are_skipped_and_escalation_subtracts(workspace):
     assert any("escalation" in n for n in result.notes)
 
 
+def no_std_group_filter(ws: Workspace) -> None:
+    """Set StdGroupFilter aside: it fires on any dead-group share above 15% (the paper's
+    Math transfer at 0.21), which these healthy stand-in runs (about 0.2-0.25 at 4 samples a
+    group) reach by chance; the tests below are about what happens when no trigger fires."""
+    (ws.root / "skills" / "std-group-filter.yaml").unlink()
+
+
 def test_no_trigger_proposes_the_default_and_a_stalled_frontier_a_harness_metric(workspace):
     train(workspace, "v1", standin_skill=0.65)
     train(workspace, "v2", parent="v1", standin_skill=0.4)
@@ -135,6 +142,7 @@ def test_no_trigger_proposes_the_default_and_a_stalled_frontier_a_harness_metric
     view = View.load(workspace)
     assert view.verdict("v2") == "prune"
     assert not workspace.version("v2").records["diagnosis"]["alerts"]
+    no_std_group_filter(workspace)
 
     result = propose(workspace, "rules", 2)
     steps = workspace.resolved_recipe("v1")["grpo"]["steps"]
@@ -174,6 +182,7 @@ def test_more_training_continues_the_frontiers_policy_and_a_seed_rerun_does_not(
     train(workspace, "v1", standin_skill=0.65)
     converge(workspace)
     steps = workspace.resolved_recipe("v1")["grpo"]["steps"]
+    no_std_group_filter(workspace)
     [more] = propose(workspace, "rules", 1).proposals
     assert more.settings == ['model.init="parent"', f"grpo.steps={steps}"]
     new_version(workspace, "v3", "v1", rationale="continued",
@@ -196,6 +205,7 @@ def test_more_training_continues_the_frontiers_policy_and_a_seed_rerun_does_not(
 def test_more_training_retrains_from_the_base_when_the_frontiers_policy_was_dropped(workspace):
     train(workspace, "v1", standin_skill=0.65)
     converge(workspace)
+    no_std_group_filter(workspace)
     view = View.load(workspace)
     view.states["v1"].records["run"]["artifacts"]["checkpoint"]["dropped"] = {
         "at": "2026-01-01T00:00:00Z", "reason": "retention"}

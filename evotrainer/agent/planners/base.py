@@ -278,9 +278,16 @@ def policy_violation(view: View, proposal: Proposal) -> str | None:
                 "unless a bundle of skills each supported on its own")
     unsupported = [s for s in proposal.skills if not any(
         view.applied_skills(v) == [s] and view.supported(v) for v in view.states)]
-    if unsupported:
-        return (f"bundle of {', '.join(proposal.skills)}: {', '.join(unsupported)} has no "
-                "recorded single-factor version with an improvement or mixed evidence")
+    # The method's second clause: "or the interaction itself is tested" — a half not yet
+    # supported on its own runs alone from the same parent too, so the gate compares the
+    # bundle with each half and the interaction is measured, not assumed.
+    untested = [s for s in unsupported if not any(
+        view.applied_skills(v) == [s] and view.states[v].parent == parent
+        for v in view.states)]
+    if untested:
+        return (f"bundle of {', '.join(proposal.skills)}: {', '.join(untested)} has no "
+                "recorded single-factor version with an improvement or mixed evidence, and "
+                f"no single-factor sibling from {parent} that would test the interaction")
     return None
 
 

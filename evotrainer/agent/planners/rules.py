@@ -94,6 +94,10 @@ from evotrainer.store.specs import load_yaml
 # truncation or dead groups are symptoms of the divergence, not of the budget or the reward);
 # then measurement artifacts; then the rest in the library's evidence order.
 CATEGORY_FIRST = {"audit": 0, "stability": 1, "eval-protocol": 2}
+# Among the rest, a skill that puts signal into dead groups (a reward change) before one that
+# drops them (a filter): a filter discards the groups a reward change would rescue, and the
+# paper's Coding and Math paths refined the reward before transferring StdGroupFilter.
+SIGNAL_BEFORE_FILTER = {"filter": 1}
 # Items of recorded knowledge a skill proposal cites in its rationale.
 CITED = 2
 
@@ -251,7 +255,8 @@ class RulesPlanner:
                                         f"from {found.skill.category}")
                     continue
                 proposal, works = self._skill_proposal(view, frontier, source, diagnosis, found)
-                rank = (CATEGORY_FIRST.get(found.skill.category, 3), not works, position, order)
+                rank = (CATEGORY_FIRST.get(found.skill.category, 3), not works,
+                        SIGNAL_BEFORE_FILTER.get(found.skill.category, 0), position, order)
                 out.append(_Candidate(proposal, rank, skills=[name]))
                 fired.skills.setdefault(source, []).append(FiredSkill(
                     name, found.skill.category, _metrics_read(found.values),

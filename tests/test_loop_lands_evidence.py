@@ -59,6 +59,7 @@ def test_insufficient_evidence_with_a_positive_estimate_is_rerun_too(lineage):
 
 @pytest.mark.parametrize("numbers", [
     {"delta": -0.02, "low": -0.06, "high": 0.02},  # leans towards no gain
+    {"delta": 0.016, "low": -0.017, "high": 0.052},  # too small for a second seed to turn
     {"delta": 0.12, "low": 0.04, "high": 0.2, "outcome": "improvement",
      "verdict": "promote"},  # decided already
     {"delta": -0.2, "low": -0.3, "high": -0.1, "outcome": "regression",

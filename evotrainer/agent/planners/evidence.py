@@ -16,8 +16,10 @@ method warns of, not only the sampling noise of one policy). The planner names t
 the reason in the rationale, and proposes it only when:
 
 - the version's interval (against main's frontier when the gate decided it so, else against
-  its parent) holds zero and its point estimate is positive: a negative estimate inside the
-  noise leans towards no gain, and another seed would more likely confirm that than turn it;
+  its parent) holds zero and its point estimate is positive and at least half the interval's
+  half-width: a negative estimate inside the noise leans towards no gain, and a small one
+  would stay inside an interval a second seed narrows by about √2, so another seed would
+  more likely confirm the doubt than turn it;
 - the version trains from the base (a continuation of its parent's policy cannot be rerun on
   another seed: its parent has no policy for that seed), and is not itself such a rerun (one
   round of evidence per version: then the planner moves on, whatever it showed);
@@ -35,6 +37,10 @@ from evotrainer.diagnosis.outcomes import INSUFFICIENT, MIXED
 from evotrainer.store.checkpoints import init_mode
 
 EVIDENCE = "evidence"  # proposal.move of a rerun that gathers evidence
+# The point estimate, as a share of the interval's half-width, from which one more seed may
+# decide: pooling a second seed narrows the interval by about √2 where the seed spread
+# dominates, so an estimate under half the half-width would most likely stay inside it.
+POWER = 0.5
 
 
 def deciding_comparison(view: View, name: str) -> tuple[str, dict[str, Any]] | None:
@@ -67,6 +73,8 @@ def ambiguous(view: View, name: str) -> str | None:
     low, high, delta = comparison["ci_low"], comparison["ci_high"], comparison["delta"]
     if not (low <= 0.0 <= high) or delta <= 0.0:
         return None
+    if delta < POWER * (high - low) / 2:
+        return None  # a second seed narrows the interval by about √2: it cannot turn this
     kind = view.outcome(name).replace("_", " ")
     return (f"{name} is inconclusive against {against} with a positive point estimate "
             f"(Δ {delta:+.4f}, CI [{low:+.4f}, {high:+.4f}]; {kind})")

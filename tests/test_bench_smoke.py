@@ -4,6 +4,7 @@ is caught here, never when someone needs its figures. Nothing here is timed."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -24,3 +25,21 @@ def test_ingest_bench_runs_every_flavour(capsys):
     assert all(ratio > 0 for ratio in ratios.values())
     out = capsys.readouterr().out
     assert out.count("of the parse's speed") == 3
+
+
+def test_harness_bench_runs_on_one_version(capsys, standin, monkeypatch):
+    """bench/harness.py: one stand-in version, the plain backtest and `harness diff` cold and
+    again, each timed once. (The `standin` fixture restores the backend and PYTHONPATH the
+    bench sets for itself.)"""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    times = bench("harness").main(["--versions", "1", "--runs", "1"])
+    assert set(times) == {"baseline", "cold", "warm"}
+    assert "of the plain backtest" in capsys.readouterr().out
+
+
+def test_diagnose_bench_runs_at_a_small_size(capsys):
+    """bench/diagnose.py: h0 against the per-record loop and the bare scan (their values
+    must agree before it prints), and the incremental diagnosis."""
+    bench("diagnose").main(["--rows", "20000"])
+    out = capsys.readouterr().out
+    assert "diagnosis / scan of the same source" in out and "incremental diagnosis" in out

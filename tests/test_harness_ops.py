@@ -221,3 +221,32 @@ def test_early_stops_are_replayed_only_when_what_a_stop_reads_changes():
                                                                 "stop_min_rollouts": 1}))
     assert not stops_may_differ(dataclasses.replace(h0, early_stop=()),
                                 dataclasses.replace(unread, early_stop=()))
+
+
+def test_a_backtest_reuses_its_diagnoses_of_the_same_evidence_and_reports_progress(
+        recorded, monkeypatch):
+    """A backtest keeps each diagnosis it computes, keyed by the revision, the version's and
+    its parent's branches and the diagnosis code: the same backtest again re-diagnoses
+    nothing and reports the same rows. Progress names each version in tree order and ends
+    at the total."""
+    from evotrainer.diagnosis import harness_backtest
+
+    gate = yaml.safe_load((recorded.root / "harness_versions" / "h0.yaml").read_text())["gate"]
+    write_revision(recorded, "h9", gate={**gate, "alpha": 0.2})
+    seen: list[tuple[str, int, int]] = []
+    first = harness_backtest.backtest_harness(
+        recorded, "h9", "h0", progress=lambda *step: seen.append(step))
+    assert [s[0] for s in seen] == ["v0", "v1", "v2", "v2"]
+    assert [s[1:] for s in seen] == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    assert list((recorded.state_dir / "cache" / "backtest").glob("*.json"))
+
+    def no_diagnosis(*args, **kwargs):
+        raise AssertionError("re-diagnosed evidence diagnosed before")
+
+    monkeypatch.setattr(harness_backtest, "diagnose", no_diagnosis)
+    again = harness_backtest.backtest_harness(recorded, "h9", "h0")
+    assert again["versions"] == first["versions"]
+    # Another revision is another key: its diagnoses are computed, not read.
+    write_revision(recorded, "h8", gate={**gate, "alpha": 0.3})
+    with pytest.raises(AssertionError, match="diagnosed before"):
+        harness_backtest.backtest_harness(recorded, "h8", "h0")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import typer
@@ -45,6 +47,29 @@ def backtest_tables(report: dict[str, Any], changed_only: bool = True) -> list[T
     return [versions, cases]
 
 
+@contextmanager
+def backtest_progress(show: bool) -> Iterator[Any]:
+    """A rich progress bar naming the version being re-diagnosed (on the terminal's stderr,
+    and only when it is a terminal and `show`: --json and pipes get none); yields the
+    callback `backtest_harness` takes, or None."""
+    out = console(stderr=True)
+    if not show or not out.is_terminal:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    with Progress("[progress.description]{task.description}", BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=out,
+                  transient=True) as bar:
+        task = bar.add_task("re-diagnosing", total=None)
+
+        def update(version: str, done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total,
+                       description=f"re-diagnosing {safe(version)}")
+
+        yield update
+
+
 def _fmt(value: Any) -> str:
     return "—" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
 
@@ -64,7 +89,8 @@ def register(app: typer.Typer) -> None:
         """Re-diagnose every recorded version from its stored rollouts with both revisions
         and re-gate it: alerts and verdicts that change, and the candidate's backtest
         cases. Exit 1 when a case fails."""
-        report = backtest_harness(Workspace.find(), name, against)
+        with backtest_progress(not as_json) as progress:
+            report = backtest_harness(Workspace.find(), name, against, progress=progress)
         if as_json:
             print(json.dumps(report, indent=2, default=str))
         else:
@@ -111,7 +137,8 @@ def register(app: typer.Typer) -> None:
         ws = Workspace.find()
         a, b = resolve_harness(old, ws.root), resolve_harness(new, ws.root)
         result = diff_harness(a, b)
-        report = backtest_harness(ws, b, a) if backtest_ else None
+        with backtest_progress(not as_json) as progress:
+            report = backtest_harness(ws, b, a, progress=progress) if backtest_ else None
         if report is not None:
             result["changed_verdicts"] = [
                 {**{k: r[k] for k in ("version", "recorded", "verdict_before",

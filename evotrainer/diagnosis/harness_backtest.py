@@ -17,7 +17,14 @@ rules read what a running job's live look reads, which the controller defines.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
 import re
+import tempfile
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
@@ -48,6 +55,12 @@ def _diagnosis(
     if recorded and recorded.harness_digest == harness.digest:
         # reconcile already diagnosed it with exactly this revision
         return state.records["diagnosis"]
+    key = _memo_key(states, state, harness)
+    memo = ws.state_dir / "cache" / "backtest" / f"{key}.json"
+    try:  # this revision's diagnosis of this very evidence, from an earlier backtest
+        return json.loads(memo.read_bytes())
+    except (OSError, ValueError):
+        pass
     artifact_dir = ws.run_dir(state.name, state.records["run"])  # checked: its own folder
     files = RunArtifacts(artifact_dir)
     steps_file = files.steps
@@ -60,7 +73,72 @@ def _diagnosis(
         recorded_scores(ws, state.parent) if _collected(states, state.parent) else None,
         scores=recorded_scores(ws, state.name),
     )
-    return diagnosis_document(result, state.name)
+    document = diagnosis_document(result, state.name)
+    _remember(memo, document)
+    return document
+
+
+def _memo_key(
+    states: dict[str, VersionState], state: VersionState, harness: HarnessRevision
+) -> str:
+    """What a backtest diagnosis depends on: the revision, the version's branch (its run
+    record, hence its artifacts' digests, and its scores), its parent's branch (the parent
+    scores) and the diagnosis code itself."""
+    parent = states.get(state.parent) if state.parent else None
+    parts = (harness.digest, state.name, state.sha, parent.sha if parent else "", _code_digest())
+    return hashlib.sha256("\n".join(map(str, parts)).encode()).hexdigest()
+
+
+@cache
+def _code_digest() -> str:
+    """The digest of the code a diagnosis runs (the diagnosis and evidence packages): a
+    changed analyzer or reader makes every remembered backtest diagnosis a miss."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parents[1]
+    for path in sorted([*root.glob("diagnosis/*.py"), *root.glob("diagnosis/*.yaml"),
+                        *root.glob("evidence/*.py")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _remember(path: Path, document: dict) -> None:
+    """Keep a backtest diagnosis for the next backtest of the same evidence; only what JSON
+    keeps exactly (a diagnosis is numbers, names and lists)."""
+    try:
+        text = json.dumps(document, sort_keys=True)
+        if json.loads(text) != document:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False,
+                                         suffix=".tmp") as out:
+            out.write(text)
+        os.replace(out.name, path)
+    except (OSError, TypeError, ValueError):
+        pass  # a memo that cannot be written is only slower
+
+
+def _diagnose_all(
+    ws: Workspace,
+    states: dict[str, VersionState],
+    names: list[str],
+    old: HarnessRevision,
+    new: HarnessRevision,
+    progress: Progress | None,
+) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Each version's diagnosis under `old` and under `new` (once where they are one
+    revision), one version after another: run on threads, two versions at once hung in a
+    git read (each diagnosis has threads and child processes of its own)."""
+    old_diag: dict[str, dict] = {}
+    new_diag: dict[str, dict] = {}
+    for done, name in enumerate(names):
+        if progress is not None:
+            progress(name, done, len(names))
+        old_diag[name] = _diagnosis(ws, states, states[name], old)
+        new_diag[name] = (old_diag[name] if new.digest == old.digest
+                          else _diagnosis(ws, states, states[name], new))
+    if progress is not None and names:
+        progress(names[-1], len(names), len(names))
+    return old_diag, new_diag
 
 
 def _collected(states: dict[str, VersionState], name: str | None) -> bool:
@@ -142,11 +220,22 @@ def case_passes(expect: str, decision: dict | None) -> bool:
     return decision["verdict"] == expect
 
 
+# (the version in hand: the next one not yet done, or the last; versions done; total)
+Progress = Callable[[str, int, int], None]
+
+
 def backtest_harness(
-    ws: Workspace, candidate: str | HarnessRevision, against: str | HarnessRevision | None = None
+    ws: Workspace,
+    candidate: str | HarnessRevision,
+    against: str | HarnessRevision | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Re-diagnose and re-gate every recorded version with `candidate` and `against` (default:
-    the revision in force). Returns rows per version, the changed ones, and the cases."""
+    the revision in force). Returns rows per version, the changed ones, and the cases.
+
+    A diagnosis reconcile recorded under the same revision digest is reused, and so is one an
+    earlier backtest computed from the same evidence (.evotrainer/cache/backtest).
+    `progress` hears which version is in hand as each one's diagnoses are done."""
     new = candidate if isinstance(candidate, HarnessRevision) else resolve_harness(
         candidate, ws.root)
     old = against if isinstance(against, HarnessRevision) else resolve_harness(
@@ -155,8 +244,7 @@ def backtest_harness(
     # Records a keyless reader cannot check are evidence of nothing: no re-gate from them.
     ws.refuse_unverified(states, f"the backtest of {new.name}")
     names = recorded_versions(ws, states)
-    old_diag = {n: _diagnosis(ws, states, states[n], old) for n in names}
-    new_diag = {n: _diagnosis(ws, states, states[n], new) for n in names}
+    old_diag, new_diag = _diagnose_all(ws, states, names, old, new, progress)
     old_dec = _regate(ws, states, old_diag, old)
     new_dec = _regate(ws, states, new_diag, new)
     rows = []

@@ -1,0 +1,106 @@
+"""Benchmark: `harness diff OLD NEW` (which backtests both revisions over every recorded
+version) against the same backtest done the plain way, measured in the same run.
+
+Builds a workspace whose lineage is trained by tests/standin_engine.py (real jobs, real
+evidence on disk, no training): v1..vN in a chain, each reconciled (diagnosed with h0 and
+gated). Then, each `--runs` times:
+
+- the baseline: every version re-diagnosed with both revisions, one after another, nothing
+  reused but what reconcile recorded under the same revision digest (in-process);
+- `harness diff OLD NEW` as a user runs it (a fresh process, start-up included), first cold
+  (no backtest diagnoses kept from before), then again (each version's diagnosis under NEW
+  read back, the decisions re-gated).
+
+    .venv/bin/python bench/harness.py [--versions 5] [--old h0] [--new h2] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+
+
+def build(root: Path, versions: int) -> Path:
+    """A workspace with v1..v{versions} trained in a chain by the stand-in and reconciled."""
+    sys.path.insert(0, str(TESTS))  # the stand-in engine and its backend
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS),
+                                                              os.environ.get("PYTHONPATH")]))
+    from standin import StandinBackend, converge, propose
+
+    from evotrainer.backends import BACKEND_TYPES
+    from evotrainer.commands.init import init_workspace
+    from evotrainer.store.workspace import Workspace
+
+    BACKEND_TYPES["local"] = StandinBackend
+    ws = Workspace(init_workspace(root, "arith"))
+    parent = "v0"
+    for i in range(1, versions + 1):
+        # Alternating skill: some children promote, some are pruned.
+        propose(ws, f"v{i}", parent, standin_skill=0.3 + 0.1 * (i % 3))
+        converge(ws)
+        parent = f"v{i}"
+    return root
+
+
+def baseline(root: Path, old: str, new: str) -> float:
+    """Seconds the plain backtest takes: one version after another, nothing kept between
+    runs (the recorded diagnoses under the same digest are still read, as before)."""
+    from evotrainer.diagnosis import harness_backtest as hb
+    from evotrainer.store.workspace import Workspace
+
+    shutil.rmtree(root / ".evotrainer" / "cache" / "backtest", ignore_errors=True)
+    remember = hb._remember
+    hb._remember = lambda path, document: None
+    try:
+        start = time.perf_counter()
+        hb.backtest_harness(Workspace(root), new, old)
+        return time.perf_counter() - start
+    finally:
+        hb._remember = remember
+
+
+def timed_diff(root: Path, old: str, new: str) -> float:
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "evotrainer", "-C", str(root), "harness",
+                             "diff", old, new], capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    if result.returncode != 0:
+        raise SystemExit(f"harness diff failed:\n{result.stderr[-2000:]}")
+    return elapsed
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--versions", type=int, default=5)
+    parser.add_argument("--old", default="h0")
+    parser.add_argument("--new", default="h2")
+    parser.add_argument("--runs", type=int, default=3, help="best of this many runs")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = build(Path(tmp) / "ws", args.versions)
+        t_base = t_cold = t_warm = math.inf
+        for _ in range(args.runs):
+            t_base = min(t_base, baseline(root, args.old, args.new))
+            shutil.rmtree(root / ".evotrainer" / "cache" / "backtest", ignore_errors=True)
+            t_cold = min(t_cold, timed_diff(root, args.old, args.new))
+            t_warm = min(t_warm, timed_diff(root, args.old, args.new))
+    print(f"harness diff {args.old} {args.new} over {args.versions} stand-in versions "
+          f"(+ v0), best of {args.runs}:")
+    print(f"  plain backtest, in-process, one version after another: {t_base:6.2f} s")
+    print(f"  harness diff, fresh process, cold: {t_cold:6.2f} s ({t_cold / t_base:4.2f} of "
+          f"the plain backtest, start-up included)")
+    print(f"  harness diff, fresh process, again: {t_warm:6.2f} s ({t_warm / t_base:4.2f})")
+    return {"baseline": t_base, "cold": t_cold, "warm": t_warm}
+
+
+if __name__ == "__main__":
+    main()

@@ -148,11 +148,19 @@ def test_skills_that_no_recorded_number_ranks_evolve_the_harness_with_a_metric_n
     assert "indistinguishable_hypotheses" in entry.gaps
 
 
+def no_std_group_filter(ws: Workspace) -> None:
+    """Set StdGroupFilter aside: it fires on any dead-group share above 15% (the paper's
+    Math transfer at 0.21), which these stand-in runs (about 0.2-0.25 at 4 samples a group)
+    reach by chance; the tests below are about a frontier where no trigger selects a step."""
+    (ws.root / "skills" / "std-group-filter.yaml").unlink()
+
+
 def test_no_trigger_on_a_stalled_frontier_evolves_the_harness(workspace):
     """Gap (c): v1 fires no trigger and its child failed."""
     train(workspace, "v1", standin_skill=0.65)
     train(workspace, "v2", parent="v1", standin_skill=0.4)
     converge(workspace)
+    no_std_group_filter(workspace)
     result = RulesPlanner().propose(View.load(workspace), 2)
     [harness] = result.harness
     assert harness.gap == {"kind": "no_next_step", "version": "v1",
@@ -177,6 +185,7 @@ def test_a_fired_skill_already_applied_is_no_next_step(workspace):
     train(workspace, "v1", standin_skill=0.65)
     train(workspace, "v2", parent="v1", standin_skill=0.4)
     converge(workspace)
+    no_std_group_filter(workspace)
     result = RulesPlanner().propose(View.load(workspace), 2)
     assert any(n.startswith("skipped already-there: it changes nothing") for n in result.notes)
     [harness] = result.harness

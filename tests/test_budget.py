@@ -13,7 +13,9 @@ import pytest
 import yaml
 from standin import StandinBackend, propose, standin_settings
 
-from evotrainer.control.observe import recipe_steps, requested_resources, within_budget
+from evotrainer.backends.local import LocalBackend
+from evotrainer.backends.verl import VerlBackend
+from evotrainer.control.observe import recipe_steps, within_budget
 from evotrainer.control.reconcile import Reconciler, load_context, plan
 from evotrainer.control.versions import approve, new_version
 from evotrainer.errors import EvoError
@@ -25,12 +27,20 @@ from evotrainer.store.workspace import PROJECT_FILE, Workspace
 pytestmark = pytest.mark.usefixtures("standin")
 
 
+class StandinOnGpus(StandinBackend):
+    """The stand-in engine's job under the `verl` backend's name, asking for the GPUs a verl
+    job of the same recipe asks for."""
+
+    name = "verl"
+    resources = VerlBackend.resources
+
+
 @pytest.fixture(autouse=True)
 def standin_under_verls_name(monkeypatch):
     """A job of the `verl` backend is the stand-in engine's (checks included)."""
     from evotrainer.backends import BACKEND_TYPES
 
-    monkeypatch.setitem(BACKEND_TYPES, "verl", StandinBackend)
+    monkeypatch.setitem(BACKEND_TYPES, "verl", StandinOnGpus)
 
 
 def set_project(ws: Workspace, recipe: dict | None = None, **autonomy) -> Workspace:
@@ -131,13 +141,13 @@ def test_a_cpu_job_spends_no_gpu_hours_and_launches_under_any_budget(workspace):
 
 
 def test_the_gpus_are_the_rendered_configs_nodes_times_gpus_per_node():
-    assert requested_resources({"backend": "local"})["gpus"] == 0
+    assert LocalBackend().resources({"backend": "local"})["gpus"] == 0
     verl = {"backend": "verl", "verl": {"nnodes": 2, "n_gpus_per_node": 4}}
-    assert requested_resources(verl) == {"nodes": 2, "gpus_per_node": 4, "gpus": 8}
+    assert VerlBackend().resources(verl) == {"nodes": 2, "gpus_per_node": 4, "gpus": 8}
     # A Hydra override is what verl runs with: it wins over the section's setting.
     verl["verl"]["overrides"] = {"trainer.n_gpus_per_node": 8}
-    assert requested_resources(verl)["gpus"] == 16
-    assert requested_resources({"backend": "verl"})["gpus"] == 1  # verl's defaults
+    assert VerlBackend().resources(verl)["gpus"] == 16
+    assert VerlBackend().resources({"backend": "verl"})["gpus"] == 1  # verl's defaults
 
 
 RUN = {"state": "Failed", "attempt": 2, "job_id": "evo-v1-a2-0123456789",

@@ -27,7 +27,7 @@ def test_missing_argument_is_one_line(cli):
 
 
 def test_unknown_option_and_command_are_one_line(cli):
-    for args, text in [(("diagnose", "--jsn"), "No such option: --jsn"),
+    for args, text in [(("diagnose", "--jsn"), "no such option: --jsn"),
                        (("nosuch",), "No such command 'nosuch'")]:
         result = cli(*args)
         assert result.code == 1 and result.err.count("\n") == 1 and text in result.err

@@ -36,7 +36,8 @@ STEPS = 30
 
 def _workspace(tmp_path: Path) -> tuple[SimpleNamespace, SimpleNamespace, dict, Path]:
     """What observe_running reads of a workspace, a version and its run record."""
-    ws = SimpleNamespace(root=tmp_path, state_dir=tmp_path / ".evotrainer")
+    ws = SimpleNamespace(root=tmp_path, state_dir=tmp_path / ".evotrainer",
+                         worktree_path=lambda name: tmp_path / "worktrees" / name)
     artifact = tmp_path / ".evotrainer" / "artifacts" / "v1" / "job"
     (artifact / "rollouts").mkdir(parents=True)
     (artifact / "recipe.json").write_text(

@@ -41,7 +41,8 @@ def _observe(tmp_path: Path):
     artifact = tmp_path / "job"
     (artifact / "recipe.json").write_text(
         json.dumps({"backend": "local", "seeds": [0], "grpo": {"steps": STEPS}}))
-    ws = SimpleNamespace(root=tmp_path, state_dir=tmp_path / ".evotrainer")
+    ws = SimpleNamespace(root=tmp_path, state_dir=tmp_path / ".evotrainer",
+                         worktree_path=lambda name: tmp_path / "worktrees" / name)
     run = {"job_id": "job-1", "backend": "local", "artifact_dir": "job",
            "created_at": "2026-01-01T00:00:00+00:00", "attempt": 1}
     return observe_running(ws, SimpleNamespace(name="v1", parent="v0"), run,

@@ -12,7 +12,13 @@ import os
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+if TYPE_CHECKING:
+    from evotrainer.engine.outputs import JobProgress
 
 
 class JobState(str, Enum):
@@ -64,6 +70,29 @@ class Collected:
     checkpoint: Path | None = None  # the first seed's trained policy (a directory)
 
 
+@dataclass
+class LiveEvidence:
+    """What a running job has written so far, as a live look reads it: its rollouts and step
+    metrics (None when nothing changed since `read` and the look did not ask for them again),
+    whether they changed, what was read (handed back at the next look), a digest naming the
+    evidence, and when the job started."""
+
+    rollouts: pa.Table | None
+    steps: pa.Table | None
+    changed: bool
+    read: dict
+    digest: str
+    started_at: str | None = None
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        """(train, val) rollouts read."""
+        if self.rollouts is None or not self.rollouts.num_rows:
+            return 0, 0
+        train = pc.sum(pc.equal(self.rollouts.column("split"), "train")).as_py() or 0
+        return train, self.rollouts.num_rows - train
+
+
 class Backend(Protocol):
     name: str
 
@@ -80,6 +109,19 @@ class Backend(Protocol):
     def logs(self, job: JobSpec, tail: int = 50) -> str: ...
 
     def collect(self, job: JobSpec) -> Collected: ...
+
+    def resources(self, recipe: dict) -> dict[str, int]:
+        """What a job of `recipe` asks for: {nodes, gpus_per_node, gpus} (the GPU budget
+        binds at launch on it)."""
+
+    def progress(self, job: JobSpec) -> JobProgress | None:
+        """The running job's own per-step record where it keeps one (steps done, seconds a
+        step); None where only its evidence tells."""
+
+    def live_evidence(self, job: JobSpec, cache: Path, read: dict, force: bool) -> LiveEvidence:
+        """What the running job wrote since the look that returned `read`. `cache` is the
+        look's own folder for what the backend keeps between looks; `force`: read the
+        evidence even when it did not change (no diagnosis of it to reuse)."""
 
 
 # What of the controller's environment a job inherits: the machine's locale, paths, thread

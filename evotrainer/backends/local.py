@@ -21,11 +21,20 @@ import sys
 from pathlib import Path
 
 import psutil
+import pyarrow as pa
 
-from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus, job_environment
+from evotrainer.backends.base import (
+    Collected,
+    JobSpec,
+    JobState,
+    JobStatus,
+    LiveEvidence,
+    job_environment,
+)
 from evotrainer.engine import engine_threads
-from evotrainer.engine.outputs import read_progress
+from evotrainer.engine.outputs import JobProgress, read_progress
 from evotrainer.errors import EvoError
+from evotrainer.evidence.io import read_rollouts, read_steps
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.store.checkpoints import CHECKPOINT
 from evotrainer.store.clock import now_iso
@@ -142,6 +151,36 @@ class LocalBackend:
             result=read_json(files.result) or {},
             checkpoint=policy if policy.is_dir() and not policy.is_symlink() else None,
         )
+
+    def resources(self, recipe: dict) -> dict[str, int]:
+        return {"nodes": 1, "gpus_per_node": 0, "gpus": 0}  # the engine runs on the CPU
+
+    def progress(self, job: JobSpec) -> JobProgress | None:
+        return read_progress(job.artifact_dir)
+
+    def live_evidence(self, job: JobSpec, cache: Path, read: dict, force: bool) -> LiveEvidence:
+        """The engine rewrites its rollout and step files whole at each evaluation
+        (atomically): they are read whole when their size or mtime changed."""
+        layout = RunArtifacts(job.artifact_dir)
+        files = [layout.rollouts(split) for split in ("train", "val")]
+        signature = {
+            str(p.relative_to(job.artifact_dir)): [p.stat().st_size, p.stat().st_mtime_ns]
+            for p in (*files, layout.steps)
+            if p.is_file()
+        }
+        changed = signature != read
+        digest = "live:" + json.dumps(signature, sort_keys=True)
+        started = (read_json(job.artifact_dir / JOB_FILE) or {}).get("started_at")
+        present = [p for p in files if p.is_file()]
+        if not (changed or force) or not present:
+            return LiveEvidence(None, None, changed, signature, digest, started)
+        try:
+            tables = [read_rollouts(p) for p in present]
+            steps = read_steps(layout.steps) if layout.steps.is_file() else None
+        except (pa.ArrowException, OSError, EvoError):
+            # A file replaced between the listing and the read: the next look reads it.
+            return LiveEvidence(None, None, True, {}, digest, started)
+        return LiveEvidence(pa.concat_tables(tables), steps, True, signature, digest, started)
 
 
 

@@ -35,9 +35,17 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 import evotrainer
-from evotrainer.backends.base import Collected, JobSpec, JobState, JobStatus, job_environment
+from evotrainer.backends.base import (
+    Collected,
+    JobSpec,
+    JobState,
+    JobStatus,
+    LiveEvidence,
+    job_environment,
+)
 from evotrainer.backends.local import adopt_orphan, live_process, spawn_detached
 from evotrainer.backends.verl_episode import tool_config, tools_kwargs
+from evotrainer.backends.verl_live import RowChunks
 from evotrainer.backends.verl_render import (
     DUAL_SAMPLER_CLASS,
     SAMPLER_CLASS,
@@ -53,11 +61,18 @@ from evotrainer.backends.verl_render import (
 )
 from evotrainer.contract.recipe import check_contract
 from evotrainer.domains import Task, make_domain
+from evotrainer.engine.outputs import JobProgress
 from evotrainer.errors import EvoError
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA, SCORE_SCHEMA
 from evotrainer.evidence.steps import STEPS_SCHEMA
-from evotrainer.evidence.verl import IngestResult, derive_lengths, ingest_dump, read_metrics_log
+from evotrainer.evidence.verl import (
+    IngestResult,
+    derive_lengths,
+    ingest_dump,
+    read_metrics_log,
+    read_new,
+)
 from evotrainer.store.checkpoints import check_job_start
 from evotrainer.store.clock import now_iso
 from evotrainer.store.files import atomic_write, read_json
@@ -299,6 +314,63 @@ class VerlBackend:
             result["skipped"] = [f"{s.file}:{s.line} ({s.reason})" for s in skipped[:10]]
         return Collected(train_path, val_path, steps_path, scores_path, result,
                          checkpoint=policies.get(seeds[0]))
+
+
+    # ---- what the controller asks of a job besides its state --------------------------
+
+    def resources(self, recipe: dict) -> dict[str, int]:
+        """`trainer.nnodes` × `trainer.n_gpus_per_node` as the rendered config sets them (a
+        Hydra override in `verl.overrides` wins over the `verl:` section, as it does in the
+        rendered command)."""
+        settings = verl_settings(recipe)
+        overrides = settings["overrides"] or {}
+        nodes = int(overrides.get("trainer.nnodes", settings["nnodes"]))
+        per_node = int(overrides.get("trainer.n_gpus_per_node", settings["n_gpus_per_node"]))
+        return {"nodes": nodes, "gpus_per_node": per_node, "gpus": nodes * per_node}
+
+    def progress(self, job: JobSpec) -> JobProgress | None:
+        return None  # verl keeps no per-step record beyond its metrics log (the evidence)
+
+    def live_evidence(self, job: JobSpec, cache: Path, read: dict, force: bool) -> LiveEvidence:
+        """The dumps' new lines since the last look (`evidence.verl.read_new`: new files
+        whole, grown files from their byte offset, complete lines only), appended to the rows
+        read before (`RowChunks`); every seed's metrics log."""
+        files = JobFiles(job.artifact_dir)
+        shape = rendered_shape(job)
+        offsets: dict = dict(read.get("offsets") or {})
+        rows = RowChunks(cache / "rows")
+        changed = False
+        steps = []
+        for seed in job.recipe.get("seeds") or [0]:
+            for split, directory, n in (
+                ("train", files.rollout_dir(seed), shape["train_n"]),
+                ("val", files.validation_dir(seed), shape["val_n"]),
+            ):
+                key = f"{seed}-{split}"
+                result, offsets[key] = read_new(
+                    directory, offsets.get(key), version=job.version, split=split, seed=seed,
+                    group_size=n,
+                )
+                if result.restarted:
+                    rows.drop(key)
+                    changed = True
+                if result.rollouts.num_rows:
+                    table = result.rollouts
+                    if split == "train" and files.train_file.is_file():
+                        table = join_tasks(table, files.train_file)
+                    rows.append(key, table.cast(ROLLOUT_SCHEMA))
+                    changed = True
+            if files.metrics_file(seed).is_file():
+                steps.append(read_metrics_log(files.metrics_file(seed), version=job.version,
+                                              seed=seed)[0])
+        return LiveEvidence(
+            rows.read_all(),
+            pa.concat_tables(steps) if steps else None,
+            changed,
+            {"offsets": offsets},
+            "live:" + json.dumps(offsets, sort_keys=True),
+            (read_json(files.root / JOB_FILE) or {}).get("started_at"),
+        )
 
 
 def adopt_local_orphan(job: JobSpec, files: JobFiles) -> dict | None:

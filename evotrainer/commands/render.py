@@ -1,5 +1,5 @@
 """`evotrainer render V`: print the verl job reconcile would submit for a version — the same
-JobSpec (its job recipe, job id and artifact dir, from reconcile's own `launch_job`) made
+JobSpec (its job recipe, job id and artifact dir, from reconcile's own `pending_launch`) made
 into a command by the same function the backend's submit uses (`job_runs`), so a reviewer or
 a cluster operator sees exactly what would be launched. An evaluation-only version renders 0
 steps and no merge; a continuing one (`model.init: parent`) starts from its parent's
@@ -110,7 +110,7 @@ def version_job(name: str, attempt: int | None) -> tuple[JobSpec, RunIdentity]:
     """The JobSpec reconcile's launch would hand the backend for version `name`, and the
     tracker identity it would write beside it, built by reconcile's own functions without
     launching, committing or writing anything."""
-    from evotrainer.control.reconcile import launch_job, load_context
+    from evotrainer.control.reconcile import load_context, pending_launch
     from evotrainer.store.workspace import Workspace
     from evotrainer.trackers.records import run_identity
 
@@ -132,7 +132,7 @@ def version_job(name: str, attempt: int | None) -> tuple[JobSpec, RunIdentity]:
     previous = state.records.get("run") or {}
     if attempt is None and previous.get("state") in RETRIED_STATES:
         attempt = int(previous["attempt"]) + 1
-    run, job = launch_job(ctx, state, attempt)
+    run, job = pending_launch(ctx, state, attempt)
     launched = replace(state, records={**state.records, "run": run})
     return job, run_identity(ws, launched, ctx.states)
 

@@ -1,11 +1,9 @@
 """Live runs: the evidence a running job has written so far, diagnosed as it grows with the
 harness in force, its progress, and the harness's early-stop decision.
 
-What is read: the embedded engine rewrites `rollouts/{train,val}.parquet` and `steps.parquet`
-at each evaluation (atomically), so a local job is read whole when those files changed; a
-verl job's dumps are read from where the last read stopped (`evidence.verl.read_new`: new
-files whole, grown files from their byte offset, complete lines only). The diagnosis is
-incremental (`diagnose_incremental`): work proportional to the new rows.
+What is read is the job's backend's to say (`Backend.live_evidence`): the embedded engine's
+files are read whole when they changed, a verl job's dumps from where the last read stopped.
+The diagnosis is incremental (`diagnose_incremental`): work proportional to the new rows.
 
 Where live state lives: `.evotrainer/live/<version>/`, git-ignored like the rest of
 `.evotrainer/`. A watched run polled every few seconds would otherwise flood the version's
@@ -13,11 +11,11 @@ branch with diagnosis commits. The one record stays the one at the end: the diag
 collect, or, when an early-stop rule stops the job, the last live diagnosis committed with
 the stopped run and the decision in one commit (`stop_records`).
 
-  state.json            job id, harness digest, what was read (the local files' size and
-                        mtime; each verl dump's offsets), progress, the stop once decided
+  state.json            job id, harness digest, what the backend read (handed back at the
+                        next look), progress, the stop once decided
   diagnosis-state.json  the incremental DiagnosisState (JSON, no pickle)
   diagnosis.json        the latest live diagnosis (what `evotrainer watch` shows)
-  rows/*.arrow          verl rows read so far, one Arrow IPC file per read (memory-mapped)
+  backend/              what the backend keeps between looks (verl: the rows read so far)
 """
 
 from __future__ import annotations
@@ -34,17 +32,15 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from evotrainer.backends import get_backend
+from evotrainer.backends.base import Backend, JobSpec, LiveEvidence
 from evotrainer.diagnosis.diagnose import diagnosis_document, evaluate_unless_null
 from evotrainer.diagnosis.gate import decision_header
 from evotrainer.diagnosis.harness import HarnessRevision
 from evotrainer.diagnosis.incremental import DiagnosisState, diagnose_incremental
-from evotrainer.engine.outputs import JobProgress, read_progress
+from evotrainer.engine.outputs import JobProgress
 from evotrainer.errors import EvoError
-from evotrainer.evidence.io import read_rollouts, read_steps
-from evotrainer.evidence.layout import RunArtifacts
-from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 from evotrainer.store.clock import now_iso
 from evotrainer.store.files import atomic_write, read_json
 from evotrainer.store.records import ended_run
@@ -54,7 +50,7 @@ LIVE_DIR = "live"
 STATE_FILE = "state.json"
 DIAGNOSIS_STATE_FILE = "diagnosis-state.json"
 DIAGNOSIS_FILE = "diagnosis.json"
-ROWS_DIR = "rows"
+BACKEND_CACHE = "backend"
 
 
 @dataclass
@@ -69,20 +65,20 @@ class LiveView:
     rows: int = 0  # train rollouts written so far
     val_rows: int = 0
     elapsed_s: float | None = None
-    step_s: float | None = None  # seconds a training step takes (the engine's record); verl: None
+    step_s: float | None = None  # seconds a training step takes, where the job records it
     diagnosis: dict | None = None  # None: no evidence written yet
     stop: dict | None = None  # {rule, reason, alert, step, steps, rows, at} once a rule held
     fresh: bool = False  # whether this look diagnosed new evidence
 
     @property
     def eta_s(self) -> float | None:
-        """Seconds left at the steps' own pace when the engine's record gives it; for a job
-        without it (verl), at the pace since the job started. None before the pace is known."""
+        """Seconds left at the steps' own pace where the job records it; otherwise at the pace
+        since the job started. None before the pace is known."""
         if not self.step or self.step >= self.steps:
             return None
         if self.step_s is not None:
             return self.step_s * (self.steps - self.step)
-        if self.backend == "verl" and self.elapsed_s:
+        if self.elapsed_s:
             return self.elapsed_s * (self.steps - self.step) / self.step
         return None
 
@@ -130,11 +126,13 @@ def observe_running(
     run: dict,
     harness: HarnessRevision,
     recipe: dict | None = None,
+    backend: Backend | None = None,
 ) -> LiveView:
     """Read what the job of `run` (the version's run record) has written since the last look,
     diagnose it incrementally with `harness`, and decide whether a rule of the harness's
     `early_stop` says the job must stop. `recipe` is the job's recipe (default: the one the
-    job was given, else the version's resolved recipe). Safe to call from several processes
+    job was given, else the version's resolved recipe); `backend` the one running it
+    (default: the registry's, by the run record's name). Safe to call from several processes
     (reconcile and watch): each look holds the version's live lock."""
     folder = live_dir(ws, state.name)
     folder.mkdir(parents=True, exist_ok=True)
@@ -146,6 +144,9 @@ def observe_running(
             _reset(folder)
             saved = {}
         view = LiveView(state.name, run["job_id"], run.get("backend", recipe["backend"]))
+        backend = backend or get_backend(view.backend)
+        job = JobSpec(run["job_id"], state.name, recipe, ws.worktree_path(state.name),
+                      artifact_dir)
         seeds = recipe.get("seeds") or [0]
         view.steps = int(recipe["grpo"]["steps"]) * len(seeds)
         # A look at unchanged evidence reuses the last diagnosis of the same harness.
@@ -154,10 +155,8 @@ def observe_running(
             if saved.get("harness_digest") == harness.digest
             else None
         )
-        if view.backend == "verl":
-            evidence = _read_verl(ws, state, run, recipe, folder, saved)
-        else:
-            evidence = _read_local(artifact_dir, saved, force=diagnosis is None)
+        evidence = backend.live_evidence(job, folder / BACKEND_CACHE, saved.get("read") or {},
+                                         force=diagnosis is None)
         if evidence.changed:
             diagnosis = None
         if evidence.rollouts is not None and evidence.rollouts.num_rows and diagnosis is None:
@@ -169,11 +168,12 @@ def observe_running(
         else:  # unchanged evidence, not read again
             progress = saved.get("progress") or {}
             view.rows, view.val_rows = progress.get("rows", 0), progress.get("val_rows", 0)
-        engine_progress = read_progress(artifact_dir) if view.backend != "verl" else None
-        view.step = _steps_done(engine_progress, evidence.steps, seeds, view.steps)
-        view.elapsed_s = _elapsed(artifact_dir, run)
-        if engine_progress is not None:
-            view.step_s = engine_progress.seconds_per_step
+        job_progress = backend.progress(job)
+        view.step = _steps_done(job_progress, evidence.steps, seeds, view.steps)
+        view.elapsed_s = _elapsed(evidence.started_at or run.get("started_at")
+                                  or run.get("created_at"))
+        if job_progress is not None:
+            view.step_s = job_progress.seconds_per_step
         view.stop = saved.get("stop") if saved.get("harness_digest") == harness.digest else None
         if view.stop is None and diagnosis is not None:
             view.stop = early_stop(harness, view)
@@ -303,120 +303,7 @@ def stop_records(
     )
 
 
-# ---- reading the evidence written so far --------------------------------------------------
-
-
-@dataclass
-class _Evidence:
-    rollouts: pa.Table | None
-    steps: pa.Table | None
-    changed: bool
-    read: dict  # what was read, saved in state.json for the next look
-    digest: str
-
-    @property
-    def rows(self) -> tuple[int, int]:
-        if self.rollouts is None or not self.rollouts.num_rows:
-            return 0, 0
-        split = self.rollouts.column("split")
-        train = pc.sum(pc.equal(split, "train")).as_py() or 0
-        return train, self.rollouts.num_rows - train
-
-
-def _read_local(artifact_dir: Path, saved: dict, force: bool) -> _Evidence:
-    """The engine's evidence files as of now; unchanged files are not read again unless
-    `force` (no diagnosis of them to reuse)."""
-    layout = RunArtifacts(artifact_dir)
-    files = [layout.rollouts(split) for split in ("train", "val")]
-    steps_file = layout.steps
-    signature = {
-        str(p.relative_to(artifact_dir)): [p.stat().st_size, p.stat().st_mtime_ns]
-        for p in (*files, steps_file)
-        if p.is_file()
-    }
-    changed = signature != saved.get("read")
-    digest = "live:" + json.dumps(signature, sort_keys=True)
-    present = [p for p in files if p.is_file()]
-    if not (changed or force) or not present:
-        return _Evidence(None, None, changed, signature, digest)
-    try:
-        tables = [read_rollouts(p) for p in present]
-        steps = read_steps(steps_file) if steps_file.is_file() else None
-    except (pa.ArrowException, OSError, EvoError):
-        # A file replaced between the listing and the read: the next look reads it.
-        return _Evidence(None, None, True, {}, digest)
-    return _Evidence(pa.concat_tables(tables), steps, True, signature, digest)
-
-
-def _read_verl(
-    ws: Workspace, state: VersionState, run: dict, recipe: dict, folder: Path, saved: dict
-) -> _Evidence:
-    """The verl dumps' new lines, appended to the rows read before (rows/*.arrow)."""
-    from evotrainer.backends.base import JobSpec
-    from evotrainer.backends.verl import join_tasks, rendered_shape
-    from evotrainer.backends.verl_render import JobFiles
-    from evotrainer.evidence.verl import read_metrics_log, read_new
-
-    artifact_dir = ws.root / run["artifact_dir"]
-    files = JobFiles(artifact_dir)
-    job = JobSpec(run["job_id"], state.name, recipe, ws.worktree_path(state.name), artifact_dir)
-    shape = rendered_shape(job)
-    offsets: dict = dict((saved.get("read") or {}).get("offsets") or {})
-    rows_dir = folder / ROWS_DIR
-    rows_dir.mkdir(exist_ok=True)
-    changed = False
-    steps = []
-    for seed in recipe.get("seeds") or [0]:
-        for split, directory, n in (
-            ("train", files.rollout_dir(seed), shape["train_n"]),
-            ("val", files.validation_dir(seed), shape["val_n"]),
-        ):
-            key = f"{seed}-{split}"
-            result, offsets[key] = read_new(
-                directory, offsets.get(key), version=state.name, split=split, seed=seed,
-                group_size=n,
-            )
-            if result.restarted:
-                for old in rows_dir.glob(f"{key}-*.arrow"):
-                    old.unlink()
-                changed = True
-            if result.rollouts.num_rows:
-                table = result.rollouts
-                if split == "train" and files.train_file.is_file():
-                    table = join_tasks(table, files.train_file)
-                _write_chunk(rows_dir, key, table.cast(ROLLOUT_SCHEMA))
-                changed = True
-        if files.metrics_file(seed).is_file():
-            steps.append(read_metrics_log(files.metrics_file(seed), version=state.name,
-                                          seed=seed)[0])
-    chunks = [_read_chunk(p) for p in sorted(rows_dir.glob("*.arrow"), key=_chunk_order)]
-    rollouts = pa.concat_tables(chunks) if chunks else None
-    digest = "live:" + json.dumps(offsets, sort_keys=True)
-    return _Evidence(
-        rollouts, pa.concat_tables(steps) if steps else None, changed, {"offsets": offsets},
-        digest,
-    )
-
-
-def _write_chunk(rows_dir: Path, key: str, table: pa.Table) -> None:
-    number = 1 + max((_chunk_order(p)[1] for p in rows_dir.glob(f"{key}-*.arrow")), default=0)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
-    atomic_write(rows_dir / f"{key}-{number:06d}.arrow", sink.getvalue().to_pybytes())
-
-
-def _read_chunk(path: Path) -> pa.Table:
-    with pa.memory_map(str(path)) as source:
-        return pa.ipc.open_file(source).read_all()
-
-
-def _chunk_order(path: Path) -> tuple[str, int]:
-    key, _, number = path.stem.rpartition("-")
-    return key, int(number)
-
-
-def _diagnose(folder: Path, evidence: _Evidence, harness: HarnessRevision) -> dict:
+def _diagnose(folder: Path, evidence: LiveEvidence, harness: HarnessRevision) -> dict:
     """The live diagnosis, from the saved incremental state; the state and the diagnosis are
     saved for the next look."""
     state_file = folder / DIAGNOSIS_STATE_FILE
@@ -435,9 +322,9 @@ def _diagnose(folder: Path, evidence: _Evidence, harness: HarnessRevision) -> di
 
 def _steps_done(progress: JobProgress | None, steps: pa.Table | None, seeds: list,
                 total: int) -> int:
-    """Training steps done over all seeds: the engine's progress record says it after each
-    step (finer than the evidence, flushed at each evaluation only); otherwise (verl) the
-    latest step of each seed's metrics."""
+    """Training steps done over all seeds: the job's own progress record where it keeps one
+    (after each step: finer than evidence flushed at each evaluation); otherwise the latest
+    step of each seed's metrics."""
     if progress is not None:
         return min(progress.steps_done, total)
     latest: dict[int, int] = {}
@@ -448,24 +335,21 @@ def _steps_done(progress: JobProgress | None, steps: pa.Table | None, seeds: lis
     return sum(latest.get(int(seed), 0) for seed in seeds)
 
 
-def _elapsed(artifact_dir: Path, run: dict) -> float | None:
-    """Seconds since the job started (its job record, else the run record)."""
-    for record in (read_json(artifact_dir / "job.json"), read_json(artifact_dir / "verl" /
-                                                                    "job.json"), run):
-        started = (record or {}).get("started_at") or (record or {}).get("created_at")
-        if started:
-            try:
-                return max(0.0, time.time() - datetime.fromisoformat(started).timestamp())
-            except ValueError:
-                continue
-    return None
+def _elapsed(started_at: str | None) -> float | None:
+    """Seconds since the job started."""
+    if not started_at:
+        return None
+    try:
+        return max(0.0, time.time() - datetime.fromisoformat(started_at).timestamp())
+    except ValueError:
+        return None
 
 
 def _reset(folder: Path) -> None:
     """Forget what was read for another job (a retry starts over)."""
     for name in (STATE_FILE, DIAGNOSIS_STATE_FILE, DIAGNOSIS_FILE):
         (folder / name).unlink(missing_ok=True)
-    shutil.rmtree(folder / ROWS_DIR, ignore_errors=True)
+    shutil.rmtree(folder / BACKEND_CACHE, ignore_errors=True)
 
 
 @contextmanager

@@ -6,7 +6,7 @@ running job a pass, gathered into the `Observed` each version's rules decide fro
 `Context` is what a pass reads once; after an action only the acted version is read again
 (`Context.refreshed`), so an action costs the same however many branches there are. The
 work of a launch is done once: the job recipe is resolved and the parent's policy hashed
-in `launch_job`, and the backend checks that recipe once (`launch_record`).
+in `pending_launch`, and the backend checks that recipe once (`launch_record`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import git
 from evotrainer import API_VERSION
 from evotrainer.backends import Backends
 from evotrainer.backends.base import Backend, JobSpec, JobState, job_id
-from evotrainer.backends.verl_render import verl_settings
 from evotrainer.control.decide import Observed, VersionPlan, decide_next, error_plan
 from evotrainer.control.live import LiveView, observe_running, saved_stop
 from evotrainer.control.validation import (
@@ -201,18 +200,10 @@ def within_budget(ctx: Context, state: VersionState) -> bool:
     return steps_ok and gpu_budget_refusal(ctx, state) is None
 
 
-def requested_resources(recipe: dict) -> dict[str, int]:
-    """What a job of `recipe` asks its backend for. verl: `trainer.nnodes` ×
-    `trainer.n_gpus_per_node` as its rendered config sets them (a Hydra override in
-    `verl.overrides` wins over the `verl:` section, as it does in the rendered command);
-    the local backend's embedded engine runs on the CPU: no GPU."""
-    if recipe.get("backend") != "verl":
-        return {"nodes": 1, "gpus_per_node": 0, "gpus": 0}
-    settings = verl_settings(recipe)
-    overrides = settings["overrides"] or {}
-    nodes = int(overrides.get("trainer.nnodes", settings["nnodes"]))
-    per_node = int(overrides.get("trainer.n_gpus_per_node", settings["n_gpus_per_node"]))
-    return {"nodes": nodes, "gpus_per_node": per_node, "gpus": nodes * per_node}
+def requested_resources(ctx: Context, recipe: dict) -> dict[str, int]:
+    """What a job of `recipe` asks its backend for ({nodes, gpus_per_node, gpus}), in the
+    backend's own words."""
+    return ctx.backend(recipe["backend"]).resources(recipe)
 
 
 def gpu_budget_refusal(ctx: Context, state: VersionState) -> str | None:
@@ -223,7 +214,8 @@ def gpu_budget_refusal(ctx: Context, state: VersionState) -> str | None:
     budget = (ctx.ws.project.get("autonomy") or {}).get("max_gpu_hours")
     if budget is None:
         return None
-    gpus = requested_resources(ctx.ws.resolved_recipe(state.name, ctx.states, shared=True))["gpus"]
+    recipe = ctx.ws.resolved_recipe(state.name, ctx.states, shared=True)
+    gpus = requested_resources(ctx, recipe)["gpus"]
     spent = ctx.gpu_hours_spent or 0.0
     if gpus == 0 or spent < budget:
         return None
@@ -339,8 +331,9 @@ def live_look(ctx: Context, state: VersionState) -> LiveView:
     """The context's one live look at the version's running job (taken on first use)."""
     key = (state.name, (state.run or NO_RUN).job_id)
     if key not in ctx.live_looks:
+        recipe = job_recipe(ctx, state)
         ctx.live_looks[key] = observe_running(ctx.ws, state, state.records["run"], ctx.harness,
-                                              job_recipe(ctx, state))
+                                              recipe, ctx.backend(recipe["backend"]))
     return ctx.live_looks[key]
 
 
@@ -416,7 +409,7 @@ def _auto_approvable(ctx: Context, state: VersionState) -> bool:
     return within_budget(ctx, state)
 
 
-def launch_job(
+def pending_launch(
     ctx: Context, state: VersionState, attempt: int | None = None, history: list | None = None
 ) -> tuple[dict, JobSpec]:
     """The Pending run record and the job reconcile submits for it — and what `render`
@@ -464,7 +457,7 @@ def launch_record(
         if previous.get("job_id") == jid
         else now_iso(),
         "artifact_dir": ctx.ws.record_path(ctx.ws.artifact_dir(state.name, jid)),
-        "resources": requested_resources(recipe),
+        "resources": requested_resources(ctx, recipe),
     }
     if history or previous.get("attempts"):
         run["attempts"] = history if history is not None else previous["attempts"]

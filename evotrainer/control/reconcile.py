@@ -35,10 +35,10 @@ from evotrainer.control.observe import (
     Context,
     attempt_history,
     job_for,
-    launch_job,
     launch_record,
     live_look,
     load_context,
+    pending_launch,
     plan,
     plan_version,
     steps_spent,
@@ -61,7 +61,7 @@ from evotrainer.trackers.records import log_gate, run_identity
 # The names callers have always imported from here (commands, the agent's loop, jobs, render).
 __all__ = [
     "LIVE_JOB_STATES", "Context", "Reconciler", "VersionPlan", "diagnose_version", "error_plan",
-    "job_for", "launch_job", "load_context", "plan", "record_text", "request_retry",
+    "job_for", "pending_launch", "load_context", "plan", "record_text", "request_retry",
     "steps_spent", "within_budget",
 ]
 
@@ -225,7 +225,7 @@ class Reconciler:
         history: list | None = None,
     ) -> None:
         previous = state.records.get("run") or {}
-        run, job = launch_job(ctx, state, attempt, history)
+        run, job = pending_launch(ctx, state, attempt, history)
         jid, attempt = run["job_id"], run["attempt"]
         # The worktree first: one that cannot move (uncommitted work in it) refuses the launch
         # before anything is recorded, so no attempt is spent on a job never submitted.

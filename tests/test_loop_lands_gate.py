@@ -123,3 +123,14 @@ def test_the_loop_records_the_decision_against_main(workspace):
     assert "against_main" not in v1
     assert v2["against_main"]["version"] == "v0"
     assert set(v2["family"]["members"]) == {"parent", "frontier"}
+
+
+def test_a_baseline_re_gated_off_main_still_stands_for_main(lineage, monkeypatch):
+    """Re-gated under a newly adopted harness, the baseline's branch moves past main until
+    reconcile promotes it again: in that window its children's children are still decided
+    against it."""
+    monkeypatch.setattr(gate, "merged_into_main", lambda ws: set())
+    states = lineage.versions()
+    assert replaced_frontier(lineage, states, states["v3"]) == "v0"
+    assert replaced_frontier(lineage, states, states["v2"]) is None  # v0 is its parent
+    assert redecide(lineage, "v3")["against_main"]["version"] == "v0"

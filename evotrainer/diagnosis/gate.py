@@ -34,7 +34,7 @@ from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_scores
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import branch_name
-from evotrainer.store.lineage import main_frontier, merged_into_main
+from evotrainer.store.lineage import main_frontier, merged_into_main, verdict_of
 from evotrainer.store.workspace import VersionState, Workspace, run_path
 
 
@@ -81,15 +81,17 @@ def decision_header(state: VersionState, harness: HarnessRevision) -> dict:
 
 
 def references(
-    ws: Workspace, states: dict[str, VersionState], state: VersionState, wanted: tuple[str, ...]
+    ws: Workspace, states: dict[str, VersionState], state: VersionState, wanted: tuple[str, ...],
+    frontier: str | None = None,
 ) -> dict[str, str]:
     """{role: version} for the comparison family: the parent always, then the frontier (main's
     latest promotion) and the root of the version's chain when asked for and distinct from
-    the parent and from the version itself (a duplicate would count twice in the correction)."""
+    the parent and from the version itself (a duplicate would count twice in the correction).
+    `frontier`: the one the caller already found (`replaced_frontier`)."""
     chain = [s.name for s in ws.chain(state.name, states)]
     found = {"parent": state.parent}
     candidates = {
-        "frontier": lambda: main_frontier(states, merged_into_main(ws)),
+        "frontier": lambda: frontier or main_frontier(states, merged_into_main(ws)),
         "root": lambda: chain[0],
     }
     for role in wanted:
@@ -113,6 +115,11 @@ def replaced_frontier(
     if state.parent in on_main:
         return None
     frontier = main_frontier(states, on_main)
+    if frontier is None:
+        # A baseline re-gated under a newly adopted harness leaves main until reconcile
+        # promotes it again; main still stands for it meanwhile.
+        root = ws.chain(state.name, states)[0].name
+        frontier = root if verdict_of(states[root]) == "baseline" else None
     return frontier if frontier not in (None, state.name, state.parent) else None
 
 
@@ -123,12 +130,13 @@ def _family(
     harness: HarnessRevision,
     procedure: GateProcedure,
     diagnosis: dict,
+    frontier: str | None = None,
 ) -> dict[str, dict]:
     """{role: {version, comparison, verdict, rule}} for every member of the comparison family,
     each interval at alpha / m and each p-value adjusted (Holm or Bonferroni): the family
     holds at `alpha` as a whole."""
     scores = {}
-    for role, name in references(ws, states, state, procedure.compare_with).items():
+    for role, name in references(ws, states, state, procedure.compare_with, frontier).items():
         try:
             scores[role] = (name, recorded_scores(ws, name))
         except EvoError:
@@ -184,7 +192,7 @@ def decide(
     if replaces is not None and "frontier" not in procedure.compare_with:
         procedure = replace(procedure, compare_with=(*procedure.compare_with, "frontier"))
     if procedure.compare_with != ("parent",):
-        family = _family(ws, states, state, harness, procedure, diagnosis)
+        family = _family(ws, states, state, harness, procedure, diagnosis, replaces)
         comparison = family["parent"]["comparison"]
         if "frontier" not in family:
             replaces = None  # main's frontier has no scores (an untrained root): the parent decides

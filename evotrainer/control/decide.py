@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from evotrainer.backends.base import JobState, JobStatus
 from evotrainer.store.lineage import stop_progress, stopped_text
-from evotrainer.store.records import DecisionRecord, DiagnosisRecord, RunRecord
+from evotrainer.store.records import MERGING, DecisionRecord, DiagnosisRecord, RunRecord, Verdict
 
 # The job states in which a job still runs (or will): what an early stop cancels.
 LIVE_JOB_STATES = (JobState.PENDING, JobState.RUNNING, JobState.STALLED)
@@ -234,7 +234,7 @@ def rule_gate(o: Observed) -> VersionPlan | None:
 
 def rule_verdict(o: Observed) -> VersionPlan | None:
     verdict = o.decision.verdict if o.decision else None
-    if verdict in ("promote", "baseline") and not o.on_main:
+    if verdict in MERGING and not o.on_main:
         if o.approval != "approved":  # main gets exactly what a reviewer approved, or nothing
             changed = ", ".join(o.unapproved_files[:10]) or "its approval"
             more = len(o.unapproved_files) - 10
@@ -246,7 +246,7 @@ def rule_verdict(o: Observed) -> VersionPlan | None:
                 f"(evotrainer approve {o.name}) — its run is not repeated",
             )
         return o.plan(Action("promote", f"verdict {verdict}"))
-    if verdict == "prune" and not o.pruned:
+    if verdict == Verdict.PRUNE and not o.pruned:
         return o.plan(Action("prune", "verdict prune"))
     if o.evidence_pending:
         return o.plan(Action("evidence", f"file the {verdict} on the skills it applied"))

@@ -36,7 +36,7 @@ from evotrainer.store.clock import now_iso
 from evotrainer.store.git import PRUNED_TAG_PREFIX
 from evotrainer.store.lineage import merged_into_main, tree_order
 from evotrainer.store.recipe import deep_merge, digest
-from evotrainer.store.records import RunRecord
+from evotrainer.store.records import MERGING, RunRecord, Verdict
 from evotrainer.store.seal import KEY_ENV
 from evotrainer.store.workspace import VersionState, Workspace
 
@@ -246,7 +246,7 @@ def observe(ctx: Context, state: VersionState) -> Observed:
     parent = ctx.states.get(state.parent) if state.parent else None
     parent_run = parent.run if parent else None
     verdict = decision.verdict if decision else None
-    pruned = verdict == "prune" and state.name in ctx.pruned
+    pruned = verdict == Verdict.PRUNE and state.name in ctx.pruned
     job, live_stop, live_error = None, None, None
     # A Stopped run's job is asked about until the version is pruned: a pass that died
     # between the stop's commit and the cancel left it running.
@@ -254,8 +254,8 @@ def observe(ctx: Context, state: VersionState) -> Observed:
         job = ctx.backend(run.backend).status(job_for(ctx, state, state.records["run"]))
     if job is not None and run.active and job.state is JobState.RUNNING:
         live_stop, live_error = _live_stop(ctx, state)
-    on_main = verdict in ("promote", "baseline") and state.name in ctx.on_main
-    promoting = verdict in ("promote", "baseline") and not on_main
+    on_main = verdict in MERGING and state.name in ctx.on_main
+    promoting = verdict in MERGING and not on_main
     # The approval (a digest of the branch's whole tree) is checked only where a rule reads
     # it: before a launch, a relaunch or a retry (a run not yet started, pending or failed,
     # or a spec drifted from its run) and before a promotion. Elsewhere no rule asks.

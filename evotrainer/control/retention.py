@@ -42,12 +42,11 @@ from evotrainer.store.checkpoints import (
 )
 from evotrainer.store.clock import now_iso
 from evotrainer.store.lineage import main_frontier, merged_into_main, verdict_of
+from evotrainer.store.records import MERGING
 from evotrainer.store.workspace import VersionState, Workspace, run_path
 
 POLICIES = ("keep-promoted-and-open", "keep-frontier-and-open", "keep-all")
 DEFAULT_POLICY = POLICIES[0]
-# Verdicts that reconcile merges into main (rule_verdict): kept until they are on main.
-PROMOTING = ("promote", "baseline")
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ def plan_gc(
             kept[name] = f"on main ({verdict})"
         elif name in on_main and frontier is not None:
             reason = f"superseded by {frontier}"
-        elif verdict in PROMOTING:
+        elif verdict in MERGING:  # kept until on main
             kept[name] = f"{verdict}, not yet merged into main"
         else:
             reason = f"{verdict}"

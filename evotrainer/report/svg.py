@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from evotrainer.store.lineage import LineageRow
+from evotrainer.store.records import NEGATIVE
 
 # Status → CSS class suffix; anything else (a backend's own state name) draws as "other".
 STATUS_CLASSES = {
@@ -26,7 +27,7 @@ STATUS_CLASSES = {
     "approved": "proposed",
     "proposed": "proposed",
 }
-NEGATIVE = ("prune", "revert", "failed")  # classes kept as negative evidence
+NEGATIVE_CLASSES = (*NEGATIVE, "failed")  # classes of what is kept as negative evidence
 
 
 def status_class(status: str) -> str:
@@ -97,11 +98,11 @@ def lineage_graph(rows: list[LineageRow], hrefs: dict[str, str]) -> Graph:
         css = status_class(row.status)
         graph.nodes.append(GraphNode(
             name=row.name, href=hrefs[row.name], x=x, y=y, css=css,
-            negative=css in NEGATIVE or row.pruned, on_main=row.on_main, status=row.status,
+            negative=css in NEGATIVE_CLASSES or row.pruned, on_main=row.on_main, status=row.status,
             score_text=score_line(row), alerts=row.alerts))
         if row.parent in at:
             px, py = at[row.parent]
-            edge_css = "edge negative" if css in NEGATIVE or row.pruned else "edge"
+            edge_css = "edge negative" if css in NEGATIVE_CLASSES or row.pruned else "edge"
             graph.edges.append(
                 (f"M{px + INDENT / 2:g},{py + NODE_H:g} V{y + NODE_H / 2:g} H{x:g}", edge_css))
     return graph

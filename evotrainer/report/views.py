@@ -151,7 +151,7 @@ class VersionPage:
 
     @property
     def negative(self) -> bool:
-        return self.css in svg.NEGATIVE or self.row.pruned
+        return self.css in svg.NEGATIVE_CLASSES or self.row.pruned
 
     def record(self, kind: str) -> dict:
         return self.state.records.get(kind) or {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
+from enum import Enum
 from typing import Any
 
 from evotrainer.errors import EvoError
@@ -18,6 +19,24 @@ from evotrainer.store.clock import now_iso
 
 # The states a run record holds; "Cancelled" is a user's `evotrainer cancel`.
 ACTIVE_STATES = ("Pending", "Running", "Stalled")
+
+
+class Verdict(str, Enum):
+    """What the gate decided of a version (decision.schema.json). A verdict compares equal to
+    its recorded string, so `verdict in MERGING` reads a record's value as it is."""
+
+    PROMOTE = "promote"
+    PRUNE = "prune"
+    REVERT = "revert"
+    INCONCLUSIVE = "inconclusive"
+    BASELINE = "baseline"  # the root: evaluated, not trained, merged as the reference
+
+
+# The groupings every reader uses, each said once: the verdicts reconcile merges into main,
+# those kept as negative evidence, and those of an intervention that did not earn its place.
+MERGING = (Verdict.PROMOTE, Verdict.BASELINE)
+NEGATIVE = (Verdict.PRUNE, Verdict.REVERT)
+NO_GAIN = (*NEGATIVE, Verdict.INCONCLUSIVE)
 # What `backends.base.job_id` generates: `evo-<version>-a<attempt>-<10 hex>`. Version names
 # hold no `/`, and `..` is refused, so a job id never names a folder but its own.
 JOB_ID = re.compile(r"evo-(?!.*\.\.)[a-z0-9._-]+-a[1-9][0-9]*-[0-9a-f]{10}")

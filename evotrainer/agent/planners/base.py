@@ -38,12 +38,11 @@ from evotrainer.store.checkpoints import CHECKPOINT, is_dropped
 from evotrainer.store.git import PRUNED_TAG_PREFIX
 from evotrainer.store.lineage import main_frontier, merged_into_main, tree_order
 from evotrainer.store.recipe import canonical_json, set_dotted
+from evotrainer.store.records import NO_GAIN
 from evotrainer.store.specs import load_yaml, schema_modeline
 from evotrainer.store.workspace import VersionState, Workspace
 
 PLANNERS = ("rules", "score", "anthropic")
-# A version that did not beat its parent: what the escalation protocol counts.
-FAILED_VERDICTS = ("prune", "revert", "inconclusive")
 DEFAULT_ESCALATE_AFTER = 3
 # `proposal.move` of a controlled multi-factor version: the one exception to one factor.
 BUNDLE = "bundle"
@@ -149,7 +148,7 @@ class View:
         mixed evidence, which removed what it was proposed for and is not refuted."""
         if self.outcome(name) == MIXED and self.verdict(name) == "inconclusive":
             return False
-        return self.verdict(name) in FAILED_VERDICTS or (
+        return self.verdict(name) in NO_GAIN or (
             self.run_state(name) == "Failed" and self.verdict(name) is None
         )
 

@@ -88,6 +88,7 @@ from evotrainer.diagnosis.skills import Match, fires, match, refusals, resolve_s
 from evotrainer.errors import EvoError
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.checkpoints import init_mode
+from evotrainer.store.records import NO_GAIN, Verdict
 from evotrainer.store.specs import load_yaml
 
 # Fix what makes the score untrustworthy first; then stabilise a policy that diverged (its
@@ -653,7 +654,7 @@ class RulesPlanner:
             {"version": v, "expect": states[v].records["decision"]["verdict"]}
             for v in recorded_versions(view.ws, states)
             if states[v].parent is not None and (states[v].records.get("decision") or {}).get(
-                "verdict") in ("promote", "prune", "revert", "inconclusive")
+                "verdict") in (Verdict.PROMOTE, *NO_GAIN)
         ]
         revision = parse_harness(document, source=f"harness_versions/{name}.yaml")
         backtest = backtest_harness(view.ws, revision, view.harness)

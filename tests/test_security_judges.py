@@ -36,6 +36,7 @@ from sealing import controller_commit
 
 from evotrainer.agent.propose import propose
 from evotrainer.agent.retrieval import Query, retrieve
+from evotrainer.control.reconcile import Reconciler, load_context, plan
 from evotrainer.control.versions import approve, new_version
 from evotrainer.diagnosis.skill_library import shared_library
 from evotrainer.domains import make_domain
@@ -464,3 +465,26 @@ def test_the_built_in_library_and_a_plain_library_skill_still_load(tmp_path) -> 
                                         "weight": {"direction": "raise", "min": 0.1}}]}}
     ws = hostile_library(tmp_path, injecting_skill(tmp_path / "unused", patch))
     assert "judge-rescue" in shared_library(ws).skills
+
+
+def test_autonomy_leaves_a_pushed_judge_command_to_a_reviewer(workspace: Workspace,
+                                                             drop: Path) -> None:
+    """In `autonomy.mode: auto` the controller approves versions within budget by itself.
+    Anyone who can push an `evo/*` branch pushes one whose recipe serves a judge by a command
+    of theirs: reconcile approves nothing, launches nothing, and the plan says a reviewer
+    must approve it."""
+    project = workspace.root / "spec" / "project.yaml"
+    project.write_text(project.read_text().replace("mode: human_gated", "mode: auto", 1))
+    ws = Workspace(workspace.root)
+    assert ws.project["autonomy"]["mode"] == "auto"
+    new_version(ws, "v1", "v0", rationale="looks harmless")
+    marker = drop / "launched.json"
+    author_pushes(ws, "v1", [{"name": "if", "preset": "instruction_following",
+                              **served_by(marker)}])
+    [v1] = [p for p in plan(load_context(Workspace(ws.root))) if p.version == "v1"]
+    assert v1.action is None
+    assert v1.note.startswith("awaiting a reviewer: its recipe's commands, endpoints or secrets")
+    assert "reward.judges[if].serve" in v1.note and "evotrainer approve v1" in v1.note
+    Reconciler(Workspace(ws.root), log=lambda _: None).run(wait=False)
+    assert Workspace(ws.root).approval_status(Workspace(ws.root).version("v1")) != "approved"
+    assert Workspace(ws.root).version("v1").run is None and not marker.exists()

@@ -65,6 +65,7 @@ class Observed:
     spec_digest: str = ""
     reapproved_after_run: bool = False
     auto_approvable: bool = False
+    held_for_review: str = ""  # why autonomy leaves it to a reviewer, whatever the budget
     slot_free: bool = True
     max_attempts: int = 2
     job: JobStatus | None = None  # only for a run still active, or Stopped and not yet pruned
@@ -285,7 +286,9 @@ def approval_wait(o: Observed) -> VersionPlan:
     if o.auto_approvable:
         return VersionPlan(o.name, sync, o.health, Action("approve",
                                                           "autonomy allows it within budget"))
-    if o.approval == "stale":
+    if o.held_for_review:
+        note = f"awaiting a reviewer: {o.held_for_review} (evotrainer approve {o.name})"
+    elif o.approval == "stale":
         note = ("awaiting re-approval: the branch or its inherited recipe changed since it "
                 f"was approved (evotrainer approve {o.name})")
     elif o.approval == "unsigned":

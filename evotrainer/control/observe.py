@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import Any
 
 import git
 
@@ -30,12 +31,13 @@ from evotrainer.control.validation import (
 )
 from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
 from evotrainer.diagnosis.skill_library import pending_evidence
+from evotrainer.diagnosis.skills import RESTRICTED_PATCH_KEYS, restricted_keys
 from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import CHECKPOINT, init_mode, is_dropped, parent_checkpoint
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import PRUNED_TAG_PREFIX
 from evotrainer.store.lineage import merged_into_main, tree_order
-from evotrainer.store.recipe import deep_merge, digest
+from evotrainer.store.recipe import deep_merge, digest, resolve
 from evotrainer.store.records import MERGING, RunRecord, Verdict
 from evotrainer.store.seal import KEY_ENV
 from evotrainer.store.workspace import VersionState, Workspace
@@ -286,6 +288,8 @@ def observe(ctx: Context, state: VersionState) -> Observed:
         and state.approval.get("at", "") >= run.created_at,
         auto_approvable=approval not in ("approved", "not needed")
         and _auto_approvable(ctx, state),
+        held_for_review=_held_for_review(ctx, state) if approval not in (
+            "approved", "not needed") else "",
         slot_free=_slot_free(ctx),
         max_attempts=int(ctx.ws.project.get("max_attempts", 2)),
         job=job,
@@ -406,7 +410,35 @@ def _auto_approvable(ctx: Context, state: VersionState) -> bool:
     autonomy = ctx.ws.project.get("autonomy") or {}
     if autonomy.get("mode") != "auto" or (state.spec.get("proposal") or {}).get("escalation"):
         return False  # an escalation (rollback after repeated failures) waits for a human
-    return within_budget(ctx, state)
+    return not _held_for_review(ctx, state) and within_budget(ctx, state)
+
+
+def _held_for_review(ctx: Context, state: VersionState) -> str:
+    """Why autonomy may not approve `state` even within budget: its resolved recipe runs a
+    command, reaches an endpoint or names a secret (skills.RESTRICTED_PATCH_KEYS) other than
+    main's project recipe does. Anyone who can push an `evo/*` branch could otherwise have
+    the controller run their command; such a version waits for a reviewer."""
+    try:
+        recipe = ctx.ws.resolved_recipe(state.name, ctx.states, shared=True)
+    except EvoError:
+        return ""  # validation reports it; nothing is approved or launched meanwhile
+    reviewed = resolve(ctx.ws.project.get("recipe") or {}, [])
+    if _restricted_part(recipe) == _restricted_part(reviewed):
+        return ""
+    keys = ", ".join(sorted(set(restricted_keys(recipe)))[:5])
+    return (f"its recipe's commands, endpoints or secrets ({keys}) are not main's project "
+            "recipe's, and those need a reviewer")
+
+
+def _restricted_part(tree: Any) -> Any:
+    """Only the parts of a recipe under a restricted key (with the path that leads there)."""
+    if isinstance(tree, dict):
+        kept = {k: (v if k in RESTRICTED_PATCH_KEYS else _restricted_part(v))
+                for k, v in tree.items()}
+        return {k: v for k, v in kept.items() if v not in (None, {}, [])}
+    if isinstance(tree, list):
+        return [part for part in map(_restricted_part, tree) if part not in (None, {}, [])]
+    return None
 
 
 def pending_launch(

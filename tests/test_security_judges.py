@@ -467,6 +467,7 @@ def test_the_built_in_library_and_a_plain_library_skill_still_load(tmp_path) -> 
     assert "judge-rescue" in shared_library(ws).skills
 
 
+@pytest.mark.usefixtures("standin")  # v0's own job runs on the stand-in engine
 def test_autonomy_leaves_a_pushed_judge_command_to_a_reviewer(workspace: Workspace,
                                                              drop: Path) -> None:
     """In `autonomy.mode: auto` the controller approves versions within budget by itself.

@@ -9,12 +9,18 @@ the same variables (`stop_variables`: rows, step, latest.<metric>, critical, ...
 step where a rule holds is the stop that revision would have made.
 
 A replay re-diagnoses each recorded step, so `harness diff` runs it only when the two
-revisions differ in what a stop reads (`stops_may_differ`).
+revisions differ in what a stop reads (`stops_may_differ`), and each replay's outcome is kept
+beside the backtest's diagnoses (.evotrainer/cache/backtest), keyed by what it depends on:
+the revision's digest, the version's branch, its resolved recipe and the code that replays.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -22,6 +28,7 @@ import pyarrow.compute as pc
 
 from evotrainer.control.live import LiveView, early_stop
 from evotrainer.diagnosis.harness import HarnessRevision
+from evotrainer.diagnosis.harness_backtest import _code_digest, _remember
 from evotrainer.diagnosis.incremental import diagnose_incremental
 from evotrainer.evidence.io import read_rollouts, read_steps
 from evotrainer.evidence.layout import RunArtifacts
@@ -63,10 +70,48 @@ def replay_stop(ws: Workspace, states: dict[str, VersionState], name: str,
     if not harness.early_stop:
         return None
     state = states[name]
+    recipe = ws.resolved_recipe(name, states)
+    key = _memo_key(harness, state.name, state.sha, recipe)
+    memo = ws.state_dir / "cache" / "backtest" / f"stop-{key}.json"
+    try:  # this revision's replay of this very run, from an earlier harness diff
+        kept = json.loads(memo.read_bytes())
+        if isinstance(kept, dict) and (kept.get("stop") is None or
+                                       isinstance(kept["stop"], dict)):
+            return kept["stop"]
+    except (OSError, ValueError, KeyError):
+        pass
+    stop = _replay(ws, state, harness, recipe)
+    _remember(memo, {"stop": stop})
+    return stop
+
+
+def _memo_key(harness: HarnessRevision, name: str, sha: str, recipe: dict) -> str:
+    """What a replay depends on: the revision, the version's branch (its run record and
+    artifacts' digests), the recipe it ran (its steps and seeds, inherited from ancestors)
+    and the code that diagnoses, reads the evidence and decides a stop."""
+    parts = (harness.digest, name, sha, json.dumps(recipe, sort_keys=True, default=str),
+             _code_digest(), _replay_code_digest())
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+@cache
+def _replay_code_digest() -> str:
+    """The digest of the replay and of the controller's live look and early_stop."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parents[1]
+    for path in (root / "agent" / "stop_replay.py", root / "control" / "live.py"):
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _replay(ws: Workspace, state: VersionState, harness: HarnessRevision, recipe: dict
+            ) -> dict[str, Any] | None:
+    """The replay itself: every recorded step diagnosed and looked at as the live look
+    does."""
+    name = state.name
     files = RunArtifacts(ws.run_dir(name, state.records["run"]))
     table = read_rollouts(files.rollouts_dir)
     steps = read_steps(files.steps) if files.steps.is_file() else None
-    recipe = ws.resolved_recipe(name, states)
     seeds = recipe.get("seeds") or [0]
     total = int(recipe["grpo"]["steps"]) * len(seeds)
     train = table.filter(pc.equal(table["split"], "train"))

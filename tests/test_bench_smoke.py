@@ -4,6 +4,7 @@ is caught here, never when someone needs its figures. Nothing here is timed."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -43,3 +44,13 @@ def test_diagnose_bench_runs_at_a_small_size(capsys):
     bench("diagnose").main(["--rows", "20000"])
     out = capsys.readouterr().out
     assert "diagnosis / scan of the same source" in out and "incremental diagnosis" in out
+
+
+def test_report_bench_runs_on_one_version(capsys, standin, monkeypatch):
+    """bench/report.py: one stand-in version, the bare read and `evotrainer report` once each,
+    the report's CPU printed as a multiple of the bare read's."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    times = bench("report").main(["--versions", "1", "--runs", "1"])
+    assert set(times) == {"bare_cpu", "bare_wall", "report_cpu", "report_wall"}
+    assert all(0 < value < math.inf for value in times.values())
+    assert "the bare read's CPU" in capsys.readouterr().out

@@ -8,8 +8,8 @@ gated). Then, each `--runs` times:
 - the baseline: every version re-diagnosed with both revisions, one after another, nothing
   reused but what reconcile recorded under the same revision digest (in-process);
 - `harness diff OLD NEW` as a user runs it (a fresh process, start-up included), first cold
-  (no backtest diagnoses kept from before), then again (each version's diagnosis under NEW
-  read back, the decisions re-gated).
+  (no backtest diagnoses or early-stop replays kept from before), then again (each version's
+  diagnosis under NEW and each replay read back, the decisions re-gated), wall and CPU time.
 
     .venv/bin/python bench/harness.py [--versions 5] [--old h0] [--new h2] [--runs 3]
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -68,14 +69,17 @@ def baseline(root: Path, old: str, new: str) -> float:
         hb._remember = remember
 
 
-def timed_diff(root: Path, old: str, new: str) -> float:
+def timed_diff(root: Path, old: str, new: str) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one `harness diff` in a fresh process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "evotrainer", "-C", str(root), "harness",
                              "diff", old, new], capture_output=True, text=True)
     elapsed = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if result.returncode != 0:
         raise SystemExit(f"harness diff failed:\n{result.stderr[-2000:]}")
-    return elapsed
+    return elapsed, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -87,19 +91,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = build(Path(tmp) / "ws", args.versions)
-        t_base = t_cold = t_warm = math.inf
+        t_base = t_cold = t_warm = cpu_cold = cpu_warm = math.inf
         for _ in range(args.runs):
             t_base = min(t_base, baseline(root, args.old, args.new))
             shutil.rmtree(root / ".evotrainer" / "cache" / "backtest", ignore_errors=True)
-            t_cold = min(t_cold, timed_diff(root, args.old, args.new))
-            t_warm = min(t_warm, timed_diff(root, args.old, args.new))
+            wall, cpu = timed_diff(root, args.old, args.new)
+            t_cold, cpu_cold = min(t_cold, wall), min(cpu_cold, cpu)
+            wall, cpu = timed_diff(root, args.old, args.new)
+            t_warm, cpu_warm = min(t_warm, wall), min(cpu_warm, cpu)
     print(f"harness diff {args.old} {args.new} over {args.versions} stand-in versions "
           f"(+ v0), best of {args.runs}:")
     print(f"  plain backtest, in-process, one version after another: {t_base:6.2f} s")
     print(f"  harness diff, fresh process, cold: {t_cold:6.2f} s ({t_cold / t_base:4.2f} of "
-          f"the plain backtest, start-up included)")
-    print(f"  harness diff, fresh process, again: {t_warm:6.2f} s ({t_warm / t_base:4.2f})")
-    return {"baseline": t_base, "cold": t_cold, "warm": t_warm}
+          f"the plain backtest, start-up included; {cpu_cold:.2f} s CPU)")
+    print(f"  harness diff, fresh process, again: {t_warm:6.2f} s ({t_warm / t_base:4.2f}; "
+          f"{cpu_warm:.2f} s CPU)")
+    print(f"  load {os.getloadavg()[0]:.2f}")
+    return {"baseline": t_base, "cold": t_cold, "warm": t_warm, "cold_cpu": cpu_cold,
+            "warm_cpu": cpu_warm}
 
 
 if __name__ == "__main__":

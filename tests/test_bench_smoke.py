@@ -34,7 +34,7 @@ def test_harness_bench_runs_on_one_version(capsys, standin, monkeypatch):
     bench sets for itself.)"""
     monkeypatch.setattr(sys, "path", list(sys.path))
     times = bench("harness").main(["--versions", "1", "--runs", "1"])
-    assert set(times) == {"baseline", "cold", "warm"}
+    assert set(times) == {"baseline", "cold", "warm", "cold_cpu", "warm_cpu"}
     assert "of the plain backtest" in capsys.readouterr().out
 
 

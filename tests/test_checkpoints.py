@@ -110,7 +110,8 @@ def _record(ws: Workspace, name: str, verdict: str | None, weights: bytes) -> Pa
     files = {run_path(name, "run.yaml"): record_text("run", run).encode()}
     if verdict:
         decision = {"verdict": verdict, "reason": "test", "decided_at": f"2026-01-0{len(name)}",
-                    "comparison": {"delta": 0.1, "ci_low": 0.02, "ci_high": 0.18}}
+                    "comparison": {"delta": 0.1, "ci_low": 0.02, "ci_high": 0.18,
+                                   "confidence": 0.95}}
         files[run_path(name, "decision.yaml")] = yaml.safe_dump(decision).encode()
     controller_commit(ws, name, files, f"record {name}")
     if verdict in ("promote", "baseline"):

@@ -73,8 +73,10 @@ EXPECTED: dict[str, dict[str, tuple[str, str | None]]] = {
     },
     "coding": {
         "v3": ("inconclusive", "the measurement repair moved the score -1.2pp, inside the CI"),
-        "v8": ("promote", None),
-        "v9": ("inconclusive", "+1.17pp over 175 tasks is inside the CI"),
+        "v8": ("inconclusive", "its parent v3 never reached main, so v8 is decided against "
+               "main's v0 with the family correction: +2.3pp, its 97.5% CI touching 0; the "
+               "paper built on v3 by judgment"),
+        "v9": ("promote", None),  # the line v3 -> v8 -> v9 lands: +3.5pp over main's v0
         "v10": ("inconclusive", "+1.08pp; the paper's own test of the final Coding version "
                 "against human RL is not significant either (p = 0.142)"),
     },
@@ -92,11 +94,10 @@ NEXT: dict[str, list[tuple[str, str, bool, str | None]]] = {
              ("v5", "std-group-filter", True, None)],
     "coding": [("v0", "raise-length-budget", True, None),
                ("v3", "shaped-correctness", True, None),
-               ("v8", "std-group-filter", True, None),
-               ("v9", "dual-level-filter", False,
-                "v9 is inconclusive, so proposals fork from v8, where zero-std-filter fires on "
-                "v8's own diagnosis first; dual-level-filter fires on v9's evidence and "
-                "carries StdGroupFilter as its level 2")],
+               ("v8", "std-group-filter", False,
+                "v8 is inconclusive against main's v0, so proposals fork from v0, where "
+                "shaped-correctness comes first again; std-group-filter follows it"),
+               ("v9", "dual-level-filter", True, None)],
 }
 
 

@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 from evotrainer.contract.model_start import base_model
+from evotrainer.diagnosis.stats import confidence_label
 from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import (
     directory_digest,
@@ -125,7 +126,7 @@ def model_card(
         f"| val avg@{result.get('eval_k', '?')} | {_number(result.get('val_avg'), '.4f')} |",
         f"| verdict | {decision.verdict if decision else 'not gated yet'} |",
         f"| Δ vs parent | {_number(comparison.get('delta'), '+.4f')} |",
-        f"| 95% CI of Δ | {_ci(comparison)} |",
+        f"| {confidence_label(comparison)} of Δ | {_ci(comparison)} |",
         f"| weights digest | `{artifact['digest']}` |",
         "",
     ]

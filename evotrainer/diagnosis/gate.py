@@ -35,6 +35,7 @@ from evotrainer.evidence.io import read_scores
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import branch_name
 from evotrainer.store.lineage import main_frontier, merged_into_main, verdict_of
+from evotrainer.store.records import MERGING
 from evotrainer.store.workspace import VersionState, Workspace, run_path
 
 
@@ -106,21 +107,18 @@ def references(
 def replaced_frontier(
     ws: Workspace, states: dict[str, VersionState], state: VersionState
 ) -> str | None:
-    """The main frontier `state` would replace when its parent is not on main (None when the
-    parent is on main, or main holds nothing else): promoting it hands main its whole
-    unpromoted chain, so what main would lose is the frontier, not the parent."""
-    if state.parent is None:
+    """What main would lose when `state`'s parent never merged into it (None when the parent
+    did): the nearest ancestor whose recorded verdict merged it (a promotion, or the
+    baseline). Promoting `state` hands main its whole unmerged chain, so that ancestor, not
+    the parent, is what the gain must beat. Read from the records alone, not from main's
+    state now, so a later re-gate (a harness backtest, a re-diagnosis) decides as the first
+    gate did even after the line has landed."""
+    if state.parent is None or verdict_of(states[state.parent]) in MERGING:
         return None
-    on_main = merged_into_main(ws)
-    if state.parent in on_main:
-        return None
-    frontier = main_frontier(states, on_main)
-    if frontier is None:
-        # A baseline re-gated under a newly adopted harness leaves main until reconcile
-        # promotes it again; main still stands for it meanwhile.
-        root = ws.chain(state.name, states)[0].name
-        frontier = root if verdict_of(states[root]) == "baseline" else None
-    return frontier if frontier not in (None, state.name, state.parent) else None
+    for ancestor in reversed(ws.chain(state.parent, states)[:-1]):
+        if verdict_of(ancestor) in MERGING:
+            return ancestor.name
+    return None
 
 
 def _family(
@@ -214,7 +212,8 @@ def decide(
     critical = [a["name"] for a in diagnosis["alerts"]
                 if a.get("severity") == "critical" and a.get("layer") == "behavior"]
     numbers = (
-        f"Δ avg@k {comparison['delta']:+.4f} 95% CI [{comparison['ci_low']:+.4f}, "
+        f"Δ avg@k {comparison['delta']:+.4f} {confidence_label(comparison)} "
+        f"[{comparison['ci_low']:+.4f}, "
         f"{comparison['ci_high']:+.4f}], p={comparison['p_bootstrap']:.4f} "
         f"over {comparison['n_tasks']} tasks"
     )
@@ -252,7 +251,7 @@ def decide(
                        else "inconclusive")
             other = member["comparison"]
             reason += (f"; not promoted: against the {holdout} {member['version']} Δ "
-                       f"{other['delta']:+.4f} CI [{other['ci_low']:+.4f}, "
+                       f"{other['delta']:+.4f} {confidence_label(other)} [{other['ci_low']:+.4f}, "
                        f"{other['ci_high']:+.4f}] (gate rule {member['rule'] or 'none'})")
     protocols = {"version": evaluation_protocol(ws, states, state.name),
                  "parent": evaluation_protocol(ws, states, parent.name)}

@@ -106,7 +106,8 @@ def _inputs(properties: dict[str, Any], *required: str) -> dict[str, Any]:
 
 TOOLS: list[dict[str, Any]] = [
     {"name": "get_lineage", "description": "Every version: parent, status, Avg@k, delta to "
-     "the parent with its 95% CI, alerts, verdict, the skills it applied and why.",
+     "the parent with its CI (at the recorded confidence), alerts, verdict, the skills "
+     "it applied and why.",
      "input_schema": _inputs({})},
     {"name": "get_diagnosis", "description": "A version's recorded diagnosis: metric values "
      "and trends by layer, fired alerts with example rollout ids, open gaps.",

@@ -23,6 +23,10 @@ def stalled(ws: Workspace) -> Workspace:
     train(ws, "v2", parent="v1", standin_skill=0.4)
     converge(ws)
     assert ws.version("v2").records["decision"]["verdict"] == "prune"
+    # StdGroupFilter fires on any dead-group share above 15%, which these stand-in runs reach
+    # by chance; the tests here are about a stalled frontier no trigger moves. The planner's
+    # revision is h3: h2 is built in.
+    (ws.root / "skills" / "std-group-filter.yaml").unlink()
     return ws
 
 
@@ -36,17 +40,17 @@ def test_approved_run_adopts_the_backtested_revision_as_its_own_commit(workspace
     lines: list[str] = []
     [first] = evolve(ws, 1, approve_all=True, backends={"local": StandinBackend()},
                      log=lines.append, poll_s=0.05)
-    assert [h.name for h in first.result.harness] == ["h2"]
+    assert [h.name for h in first.result.harness] == ["h3"]
     assert first.result.harness[0].gap["kind"] == "no_next_step"
-    assert first.adopted == ["h2"] and first.stop is None
-    assert Workspace(ws.root).harness_in_force() == "h2"
+    assert first.adopted == ["h3"] and first.stop is None
+    assert Workspace(ws.root).harness_in_force() == "h3"
     message = log_of(ws, "spec/project.yaml")
-    assert "Adopt harness h2 (was h0): backtest cases 2/2 pass" in message
+    assert "Adopt harness h3 (was h0): backtest cases 2/2 pass" in message
     assert "Evotrainer-Action: adopt-harness" in message
-    assert any(line.startswith("adopted harness h2") for line in lines)
+    assert any(line.startswith("adopted harness h3") for line in lines)
     # The round's version trained and was diagnosed under the adopted revision.
     [name] = first.approved
-    assert ws.version(name).records["diagnosis"]["harness"]["name"] == "h2"
+    assert ws.version(name).records["diagnosis"]["harness"]["name"] == "h3"
 
 
 def test_human_gated_run_stops_and_says_which_revision_to_adopt(workspace):
@@ -54,7 +58,7 @@ def test_human_gated_run_stops_and_says_which_revision_to_adopt(workspace):
     [first] = evolve(ws, 3, backends={"local": StandinBackend()}, log=lambda _: None,
                      poll_s=0.05)
     assert not first.adopted and Workspace(ws.root).harness_in_force() == "h0"
-    assert "evotrainer harness adopt h2" in first.stop
+    assert "evotrainer harness adopt h3" in first.stop
     assert "evotrainer approve" in first.stop  # the version waits too
 
 
@@ -76,9 +80,9 @@ def test_a_revision_whose_backtest_flips_a_recorded_verdict_is_not_adopted(works
     [first] = evolve(ws, 1, approve_all=True, backends={"local": StandinBackend()},
                      log=lines.append, poll_s=0.05)
     assert first.adopted == [] and Workspace(ws.root).harness_in_force() == "h0"
-    assert any("harness h2 not adopted" in line and "v2 expects promote, got prune" in line
+    assert any("harness h3 not adopted" in line and "v2 expects promote, got prune" in line
                for line in lines)
-    assert ws.git.read("main", "harness_versions/h2.yaml") is not None  # left for review
+    assert ws.git.read("main", "harness_versions/h3.yaml") is not None  # left for review
 
 
 def test_harness_evolution_off_proposes_no_revision_but_notes_the_gap(workspace):
@@ -88,7 +92,7 @@ def test_harness_evolution_off_proposes_no_revision_but_notes_the_gap(workspace)
     assert first.result.harness == [] and first.adopted == []
     assert any(n.startswith("gap no_next_step on v1") for n in first.result.notes)
     assert "harness evolution is off: no revision proposed for the gap(s)" in first.result.notes
-    assert ws.git.read("main", "harness_versions/h2.yaml") is None
+    assert ws.git.read("main", "harness_versions/h3.yaml") is None
     assert first.approved  # the policy side went on
 
 
@@ -127,7 +131,7 @@ def test_a_promotion_that_cannot_be_a_skill_is_logged_and_the_loop_goes_on(works
 
 def test_an_adopted_revision_with_nothing_proposed_reads_the_evidence_again_and_plans(
         workspace, monkeypatch):
-    """The planner drafted h2 but no version: once h2 is adopted the frontier and its
+    """The planner drafted h3 but no version: once h3 is adopted the frontier and its
     decided children are diagnosed under it and the planner runs again, instead of the loop
     stopping with nothing proposed."""
     from evotrainer.agent.planners import rules
@@ -147,11 +151,11 @@ def test_an_adopted_revision_with_nothing_proposed_reads_the_evidence_again_and_
     lines: list[str] = []
     [first] = evolve(ws, 1, approve_all=True, backends={"local": StandinBackend()},
                      log=lines.append, poll_s=0.05)
-    assert first.adopted == ["h2"] and len(calls) == 2
+    assert first.adopted == ["h3"] and len(calls) == 2
     assert first.proposed and first.stop is None and first.approved == first.proposed
-    assert [h.name for h in first.result.harness] == ["h2"]  # the round keeps its revision
+    assert [h.name for h in first.result.harness] == ["h3"]  # the round keeps its revision
     ws = Workspace(ws.root)
-    for name in ("v1", "v2"):  # main's frontier and its pruned child, read again under h2
-        assert ws.version(name).records["diagnosis"]["harness"]["name"] == "h2"
+    for name in ("v1", "v2"):  # main's frontier and its pruned child, read again under h3
+        assert ws.version(name).records["diagnosis"]["harness"]["name"] == "h3"
     assert any("v2: rediagnose" in line for line in lines)
     assert any("planning again on the evidence diagnosed under it" in line for line in lines)

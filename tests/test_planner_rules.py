@@ -152,11 +152,12 @@ def test_no_trigger_proposes_the_default_and_a_stalled_frontier_a_harness_metric
     assert result.proposals[0].rationale.startswith("No skill trigger fired on v1")
     assert f"continue v1's policy for {steps} more steps" in result.proposals[0].rationale
     [harness] = result.harness
-    assert harness.name == "h2" and harness.document["parent"] == "h0"
+    # h3: h0, h1 and h2 are built in, so the planner names its revision after them.
+    assert harness.name == "h3" and harness.document["parent"] == "h0"
     # v1 fires no trigger and its only child failed: gap (c), no next step.
     assert (harness.gap["kind"], harness.gap["version"]) == ("no_next_step", "v1")
     message = subprocess.run(["git", "-C", str(workspace.root), "log", "-1", "--format=%B",
-                              "main", "--", "harness_versions/h2.yaml"],
+                              "main", "--", "harness_versions/h3.yaml"],
                              capture_output=True, text=True, check=True).stdout
     assert "Gap: no_next_step on v1" in message
     added = {m["name"] for m in harness.document["metrics"]} - {
@@ -165,7 +166,7 @@ def test_no_trigger_proposes_the_default_and_a_stalled_frontier_a_harness_metric
     assert harness.backtest["passed"] and {c["version"] for c in harness.backtest["cases"]} == {
         "v1", "v2"}
     # Committed on main, not in force: the project still names h0.
-    assert workspace.git.read("main", "harness_versions/h2.yaml") is not None
+    assert workspace.git.read("main", "harness_versions/h3.yaml") is not None
     assert Workspace(workspace.root).harness_in_force() == "h0"
     # The defaults are not proposed twice; neither is the metric.
     again = propose(workspace, "rules", 2)

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Protocol
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from evotrainer.domains.judge import named_like_secret
+
 if TYPE_CHECKING:
     from evotrainer.engine.outputs import JobProgress
 
@@ -138,10 +140,6 @@ JOB_ENV_PREFIXES = (
     "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_",
     "TORCH_", "PYTORCH_", "ATEN_", "ONEDNN_", "DNNL_", "VLLM_", "RAY_", "EVOTRAINER_",
 )
-# Words of a variable's name (split at `_`) that say it holds a secret: RAY_AUTH_TOKEN and
-# HF_TOKEN are dropped, TOKENIZERS_PARALLELISM is not.
-SECRET_WORDS = frozenset({"TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL",
-                          "CREDENTIALS", "AUTH", "PAT"})
 
 
 def job_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -150,7 +148,7 @@ def job_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     inherited = {
         name: value for name, value in os.environ.items()
         if (name in JOB_ENV_NAMES or name.startswith(JOB_ENV_PREFIXES))
-        and not SECRET_WORDS & set(name.upper().split("_"))
+        and not named_like_secret(name)
     }
     return {**inherited, **(extra or {})}
 

@@ -129,6 +129,17 @@ def controller_secret(name: str) -> bool:
     return upper in CONTROLLER_SECRETS or upper.startswith(CONTROLLER_SECRET_PREFIXES)
 
 
+# Words of a variable's name (split at `_`) that say it holds a secret: RAY_AUTH_TOKEN and
+# HF_TOKEN read as secrets, TOKENIZERS_PARALLELISM does not. Neither a job nor a judge server
+# inherits such a variable, whatever its prefix.
+SECRET_WORDS = frozenset({"TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL",
+                          "CREDENTIALS", "AUTH", "PAT"})
+
+
+def named_like_secret(name: str) -> bool:
+    return bool(SECRET_WORDS & set(name.upper().split("_")))
+
+
 def component_name(judge: str) -> str:
     return f"{COMPONENT_PREFIX}{judge}"
 

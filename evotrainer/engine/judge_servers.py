@@ -49,7 +49,7 @@ from typing import Any
 
 from evotrainer.domains import ServedEndpoint
 from evotrainer.domains.data import DATA_ROOTS_ENV
-from evotrainer.domains.judge import check_serve, controller_secret
+from evotrainer.domains.judge import check_serve, controller_secret, named_like_secret
 from evotrainer.domains.sandbox import _drop_to, _sweep_uid
 from evotrainer.errors import EvoError
 
@@ -59,10 +59,6 @@ LOG_TAIL_LINES = 8
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PR_SET_NO_NEW_PRIVS = 38
 CACHE_DIR_ENV = "EVOTRAINER_CACHE_DIR"  # the engine's shared cache (warm starts, models)
-# Words of a variable's name (split at `_`) that say it holds a secret; such a variable never
-# reaches a judge server, whatever its prefix (the jobs' rule, backends.base.SECRET_WORDS).
-SECRET_WORDS = frozenset({"TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL",
-                          "CREDENTIALS", "AUTH", "PAT"})
 # The uids command servers run as (root only): a range of their own, below the sandbox's
 # (1 << 30 and up), so a sandbox sweeping its uid never reaches a server, nor the reverse.
 _SERVER_UID_BASE = 1 << 29
@@ -86,7 +82,7 @@ def server_environment(env: Mapping[str, str] | None = None,
     base = os.environ if env is None else env
     return {name: value for name, value in base.items()
             if (name in keep or not controller_secret(name))
-            and not SECRET_WORDS & set(name.upper().split("_"))}
+            and not named_like_secret(name)}
 
 
 def _server_uid() -> int | None:

@@ -176,7 +176,9 @@ def test_match_ranks_by_evidence_and_never_proposes_harmful_skills() -> None:
     assert names[0] == "std-group-filter"  # four positive entries
     assert {"zero-std-filter", "aux-continuous-reward", "max-turns-cap"} <= set(names)
     assert not any(LIBRARY[n].negative for n in names)
-    assert found[0].values == {"alerts": ["dead_groups"], "dead_group_ratio": 0.62}
+    # What the trigger read: the diagnosis, and the recipe's filter it stands aside for.
+    assert {k: found[0].values[k] for k in ("alerts", "dead_group_ratio")} == {
+        "alerts": ["dead_groups"], "dead_group_ratio": 0.62}
     # group-only whitening is already the base recipe, and the base recipe has no turn budget
     # for max-turns-cap to lower: listed, with the reason, but after every skill that moves it.
     whitening = next(m for m in found if m.skill.name == "group-whitening-only")
@@ -206,8 +208,9 @@ def test_in_domain_evidence_ranks_first() -> None:
 def test_search_ranks_by_relevance() -> None:
     assert search(LIBRARY, "leak")[0][0].name == "close-leak"
     assert search(LIBRARY, "echo trap turns")[0][0].name == "max-turns-cap"
-    top = [s.name for s, _ in search(LIBRARY, "dead groups")[:4]]
-    assert {"std-group-filter", "zero-std-filter", "aux-continuous-reward"} <= set(top)
+    top = [s.name for s, _ in search(LIBRARY, "dead groups")[:5]]  # the dead-group rescues
+    assert {"std-group-filter", "zero-std-filter", "aux-continuous-reward",
+            "instruction-following-judge", "shaped-correctness"} == set(top)
     scores = [score for _, score in search(LIBRARY, "temperature")]
     assert scores == sorted(scores, reverse=True)
     assert search(LIBRARY, "") == [] and search(LIBRARY, "zzzz") == []

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from standin import StandinBackend
+from standin import StandinBackend, no_std_group_filter
 from standin_planted import PlantedBackend
 
 from evotrainer.backends.base import JobSpec
@@ -108,10 +108,8 @@ def test_idle_setup_only_the_evolving_arm_sees_and_fixes_it(tmp_path, monkeypatc
     built = gym.build_workspace
 
     def without_std_group_filter(*args, **kwargs):
-        # StdGroupFilter fires on any dead-group share above 15%, which the planted stand-in
-        # reaches by chance; on the embedded engine it does not fire on this setup.
         ws = built(*args, **kwargs)
-        (ws.root / "skills" / "std-group-filter.yaml").unlink()
+        no_std_group_filter(ws)  # on the embedded engine it does not fire on this setup
         return ws
 
     monkeypatch.setattr(gym, "build_workspace", without_std_group_filter)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from standin import StandinBackend, converge
+from standin import StandinBackend, converge, no_std_group_filter
 from standin import propose as train
 
 from evotrainer.agent.evolve import evolve
@@ -23,10 +23,8 @@ def stalled(ws: Workspace) -> Workspace:
     train(ws, "v2", parent="v1", standin_skill=0.4)
     converge(ws)
     assert ws.version("v2").records["decision"]["verdict"] == "prune"
-    # StdGroupFilter fires on any dead-group share above 15%, which these stand-in runs reach
-    # by chance; the tests here are about a stalled frontier no trigger moves. The planner's
-    # revision is h3: h2 is built in.
-    (ws.root / "skills" / "std-group-filter.yaml").unlink()
+    no_std_group_filter(ws)  # a stalled frontier no trigger moves; the planner's revision is
+    # h3, as h2 is built in
     return ws
 
 

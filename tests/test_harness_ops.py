@@ -9,7 +9,7 @@ import git
 import pytest
 import typer
 import yaml
-from standin import converge
+from standin import converge, no_std_group_filter
 from standin import propose as train
 from typer.testing import CliRunner
 
@@ -63,9 +63,7 @@ def commit(ws: Workspace, path: str) -> None:
 
 def test_a_proposed_metric_is_backtested_then_adopted_and_plan_rediagnoses(recorded,
                                                                           harness_cli):
-    # StdGroupFilter fires on any dead-group share above 15%, which these stand-in runs reach
-    # by chance; this test is about what happens when no trigger fires.
-    (recorded.root / "skills" / "std-group-filter.yaml").unlink()
+    no_std_group_filter(recorded)
     [revision] = propose(recorded, "rules", 1).harness
     name = revision.name
     metric = next(m["name"] for m in revision.document["metrics"][::-1])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import yaml
 from sealing import controller_commit
+from standin import no_std_group_filter
 from standin import propose as train
 from standin_planted import PlantedBackend, converge
 
@@ -147,12 +148,6 @@ def test_skills_that_no_recorded_number_ranks_evolve_the_harness_with_a_metric_n
     assert set(entry.hypotheses) & set(harness.gap["details"]["skills"])
     assert "indistinguishable_hypotheses" in entry.gaps
 
-
-def no_std_group_filter(ws: Workspace) -> None:
-    """Set StdGroupFilter aside: it fires on any dead-group share above 15% (the paper's
-    Math transfer at 0.21), which these stand-in runs (about 0.2-0.25 at 4 samples a group)
-    reach by chance; the tests below are about a frontier where no trigger selects a step."""
-    (ws.root / "skills" / "std-group-filter.yaml").unlink()
 
 
 def test_no_trigger_on_a_stalled_frontier_evolves_the_harness(workspace):

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 import yaml
-from standin import converge, standin_settings
+from standin import converge, no_std_group_filter, standin_settings
 from standin import propose as train
 
 from evotrainer.agent.planners.base import View
@@ -127,12 +127,6 @@ def test_refuted_skills_are_skipped_and_escalation_subtracts(workspace):
     assert all("std-group-filter" not in p.skills for p in result.proposals)
     assert any("escalation" in n for n in result.notes)
 
-
-def no_std_group_filter(ws: Workspace) -> None:
-    """Set StdGroupFilter aside: it fires on any dead-group share above 15% (the paper's
-    Math transfer at 0.21), which these healthy stand-in runs (about 0.2-0.25 at 4 samples a
-    group) reach by chance; the tests below are about what happens when no trigger fires."""
-    (ws.root / "skills" / "std-group-filter.yaml").unlink()
 
 
 def test_no_trigger_proposes_the_default_and_a_stalled_frontier_a_harness_metric(workspace):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from standin import standin_settings
+from standin import no_std_group_filter, standin_settings
 from standin_planted import PlantedBackend, converge
 
 from evotrainer.agent.planners.rules import _with_metric
@@ -79,9 +79,7 @@ def fired(ws: Workspace, diagnosis: dict) -> list[str]:
 def test_h0_cannot_see_it_and_the_catalogue_metric_can(setup, tmp_path, monkeypatch):
     params, settings, metric, alert, skill = CASES[setup]
     ws = planted_run(tmp_path / "planted", monkeypatch, params, settings)
-    # StdGroupFilter fires on any dead-group share above 15%, which the planted stand-in
-    # reaches by chance; what h0 cannot see here is the planted pathology.
-    (ws.root / "skills" / "std-group-filter.yaml").unlink()
+    no_std_group_filter(ws)  # what h0 cannot see here is the planted pathology
     h0 = ws.version("v1").records["diagnosis"]  # reconcile's, with h0
     assert h0["harness"]["name"] == "h0"
     assert h0["alerts"] == []

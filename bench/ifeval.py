@@ -14,6 +14,12 @@ sets, and the same training run under TRL's GRPOTrainer beside it.
              batch, token budget, learning rate and steps; everything else at TRL's defaults
              but bf16 and gradient checkpointing (off: float32 on the CPU like ours). Its
              adapters are saved at the same steps and evaluated here by the same code as ours
+  evolve     `evotrainer evolve --rounds R --approve` on an example (ifeval-smollm2-quick by
+             default) as a user runs it, then one run of the example's recipe as is for the
+             same total GRPO steps as every version the loop trained (pruned ones included);
+             main's frontier (`export main`) against that run on held-out prompts the gate's
+             validation never showed and on IFBench (--parts evolve; --evolve-workspace reads
+             a workspace evolved before)
   figures    prompt-level and instruction-level strict accuracy with paired-bootstrap 95% CIs
              over prompts (evotrainer.diagnosis.stats, unstratified) for trained vs base and
              ours vs TRL; seconds per step (median); per constraint family the training
@@ -72,7 +78,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated IFEval instruction ids (default: all offline)")
     parser.add_argument("--variants", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--parts", default="ours,trl")
+    parser.add_argument("--parts", default="ours,trl", help="ours, trl, evolve")
+    parser.add_argument("--example", default="ifeval-smollm2-quick",
+                        help="the example the evolve part runs")
+    parser.add_argument("--rounds", type=int, default=3, help="the evolve part's rounds")
+    parser.add_argument("--evolve-workspace", type=Path, default=None,
+                        help="a workspace evolved before: the evolve part reads it")
     parser.add_argument("--sequential", action="store_true",
                         help="run TRL after ours (default: at the same time, one thread each)")
     parser.add_argument("--trl-python", default=None,
@@ -90,7 +101,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.smoke:
         args.steps, args.eval_every, args.prompts, args.group = 2, 1, 1, 2
         args.tokens, args.heldout, args.ifbench, args.variants = 4, 2, 2, 1
-        args.trl_steps = None
+        args.trl_steps, args.rounds = None, 1
     args.trl_steps = args.trl_steps or args.steps
     return args
 
@@ -418,6 +429,142 @@ def finish_trl(args: argparse.Namespace, model_dir: Path, sets: dict[str, list],
     return evals, times, "ok"
 
 
+# ------------------------------------------------------------------------- evolve vs default
+
+
+def evotrainer(arguments: list[str], cwd: Path | None = None) -> str:
+    """The CLI as a user runs it; its output, or the bench stops with what it printed."""
+    result = subprocess.run([sys.executable, "-m", "evotrainer", *arguments], cwd=cwd,
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"evotrainer {' '.join(arguments)} failed:\n"
+                         f"{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    return result.stdout
+
+
+def local_model(ws: Path, model_dir: Path, smoke: bool) -> None:
+    """--model-path: the example's model replaced by that checkpoint (and, at --smoke, its
+    sizes by the smallest), committed as a user edits their project."""
+    import yaml
+
+    spec = ws / "spec" / "project.yaml"
+    project = yaml.safe_load(spec.read_text())
+    recipe = project["recipe"]
+    recipe["model"].pop("package", None)
+    recipe["model"]["path"] = str(model_dir)
+    project["data_roots"] = [*project.get("data_roots", []), str(Path(model_dir).parent)]
+    if smoke:
+        recipe["grpo"] |= {"steps": 1, "prompts_per_step": 1, "group_size": 2,
+                           "max_response_tokens": 4, "eval_every": 1}
+        recipe["domain"] |= {"train_size": 8, "val_size": 2}
+        recipe["domain"]["params"] |= {"variants": 1}
+        project["autonomy"]["max_total_steps"] = 4
+    spec.write_text(yaml.safe_dump(project, sort_keys=False))
+    subprocess.run(["git", "commit", "-qam", "project: the bench's local model"], cwd=ws,
+                   check=True)
+    evotrainer(["approve", "v0"], cwd=ws)  # the edit made init's approval of v0 stale
+
+
+def evolved_workspace(args: argparse.Namespace, model_dir: Path, out: Path
+                      ) -> tuple[Path, float | None]:
+    """The workspace the evolve part reads, evolved here unless --evolve-workspace names one;
+    with evolve's wall seconds."""
+    if args.evolve_workspace:
+        return args.evolve_workspace.resolve(), None
+    ws = out / "evolve"
+    evotrainer(["init", str(ws), "--example", args.example])
+    if args.model_path:
+        local_model(ws, model_dir, args.smoke)
+    start = time.perf_counter()
+    evotrainer(["evolve", "--rounds", str(args.rounds), "--approve"], cwd=ws)
+    return ws, time.perf_counter() - start
+
+
+def run_evolve(args: argparse.Namespace, model_dir: Path, out: Path) -> dict[str, Any]:
+    """Main's frontier after `evolve` against the example's recipe trained as is for the same
+    total steps, both evaluated like every other policy here."""
+    from evotrainer.control.policy_export import export_policy
+    from evotrainer.domains import make_domain
+    from evotrainer.engine.grpo import Trainer
+    from evotrainer.engine.model import initial_model, uses_chat_template
+    from evotrainer.engine.outputs import RunLog, RunOutputs
+    from evotrainer.store.lineage import main_frontier, merged_into_main
+    from evotrainer.store.workspace import Workspace
+
+    ws_dir, evolve_s = evolved_workspace(args, model_dir, out)
+    lineage = json.loads(evotrainer(["lineage", "--json"], cwd=ws_dir))
+    total_steps = sum(row["spend"]["steps"] for row in lineage)
+    ws = Workspace(ws_dir)
+    states = ws.versions()
+    frontier = main_frontier(states, merged_into_main(ws))
+    if frontier is None:
+        raise SystemExit(f"{ws_dir}: main holds no gated version yet; run evolve there first")
+    exported = export_policy(ws, frontier, out / f"frontier-{frontier}", states)
+
+    recipe_v0 = ws.resolved_recipe("v0", states)
+    grpo = recipe_v0["grpo"]
+    args.tokens = grpo["max_response_tokens"]
+    domain = make_domain(recipe_v0["domain"])
+    # The gate chose the frontier on the validation prompts: evaluate on held-out ones it never
+    # showed (and on IFBench).
+    _, val = domain.split(recipe_v0["domain"]["train_size"], recipe_v0["domain"]["val_size"])
+    seen = {t.task_id for t in val}
+    heldout = [t for t in domain.heldout_tasks(args.heldout + len(seen))
+               if t.task_id not in seen][: args.heldout]
+    sets, info = eval_sets(args, domain)
+    sets["heldout"] = heldout
+
+    def scored(path: Path | str) -> dict[str, list]:
+        model, tokenizer = initial_model({"path": str(path)}, 0)
+        chat = uses_chat_template({"chat_template": recipe_v0["model"].get("chat_template",
+                                                                             "auto")}, tokenizer)
+        return {name: evaluate(model, tokenizer, chat, domain, tasks, args)
+                for name, tasks in sets.items()}
+
+    evals = {"base": scored(model_dir), f"evolve ({frontier})": scored(exported)}
+    steps = max(total_steps, 1)
+    recipe = {**recipe_v0, "grpo": {**grpo, "steps": steps, "eval_every": steps}}
+    run = out / "default"
+    run.mkdir(parents=True, exist_ok=True)
+    log = RunLog(run / "train.log", progress=False)
+    trainer = Trainer(recipe, 0, domain, RunOutputs(run, "bench"), log, CACHE)
+    curve: dict[int, dict[str, float]] = {}
+    for step in range(1, steps + 1):
+        trainer.train_step(step)
+        if step % args.eval_every == 0 or step == steps:
+            rows = {name: evaluate(trainer.model, trainer.tokenizer, trainer.chat, domain,
+                                   tasks, args) for name, tasks in sets.items()}
+            curve[step] = {n: summary(r)["prompt_strict"] for n, r in rows.items()}
+            print(f"default step {step}: {json.dumps(curve[step])}", flush=True)
+    evals["default"] = rows
+    trainer.outputs.flush()
+    trainer.scoring.close()
+    log.close()
+
+    comparisons = {}
+    for name in sets:
+        for level, key in (("prompt", "strict"), ("instruction", "partial")):
+            comparisons[f"{name}/{level}/evolve_vs_default"] = compare(
+                evals["default"][name], evals[f"evolve ({frontier})"][name], key)
+            comparisons[f"{name}/{level}/evolve_vs_base"] = compare(
+                evals["base"][name], evals[f"evolve ({frontier})"][name], key)
+            comparisons[f"{name}/{level}/default_vs_base"] = compare(
+                evals["base"][name], evals["default"][name], key)
+    return {
+        "workspace": str(ws_dir),
+        "evolve_s": evolve_s,
+        "lineage": [{k: row[k] for k in ("name", "parent", "verdict", "delta", "ci", "on_main")}
+                    | {"steps": row["spend"]["steps"]} for row in lineage],
+        "frontier": frontier,
+        "total_steps": total_steps,
+        "eval_sets": info | {name: len(tasks) for name, tasks in sets.items()},
+        "scores": {engine: {n: summary(r) for n, r in rows_.items()}
+                   for engine, rows_ in evals.items()},
+        "default_curve": curve,
+        "comparisons": comparisons,
+    }
+
+
 # ----------------------------------------------------------------------------------- plot
 
 
@@ -460,9 +607,6 @@ def main(argv: list[str] | None = None) -> dict:
     offline_environment()
     import torch
 
-    from evotrainer.domains import make_domain
-    from evotrainer.engine.model import initial_model, uses_chat_template
-
     torch.set_num_threads(args.threads)
     out = args.out or Path(tempfile.mkdtemp(prefix="ifeval-bench-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -484,6 +628,24 @@ def main(argv: list[str] | None = None) -> dict:
         "loadavg_start": os.getloadavg(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
+    if {"ours", "trl"} & set(parts):
+        side_by_side(args, model_dir, out, parts, report)
+    if "evolve" in parts:
+        report["evolve"] = run_evolve(args, model_dir, out)
+    report["loadavg_end"] = os.getloadavg()
+    report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    (out / "ifeval.json").write_text(json.dumps(report, indent=2, default=str))
+    printed = {k: v for k, v in report.items() if k not in ("curves",)}
+    print(json.dumps(printed, indent=2, default=str), flush=True)
+    return report
+
+
+def side_by_side(args: argparse.Namespace, model_dir: Path, out: Path, parts: list[str],
+                 report: dict[str, Any]) -> None:
+    """Base against ours and TRL's at equal steps, into `report`."""
+    from evotrainer.domains import make_domain
+    from evotrainer.engine.model import initial_model, uses_chat_template
+
     domain = make_domain(domain_section(args, args.heldout))
     sets, report["eval_sets"] = eval_sets(args, domain)
     report["eval_sets"] |= {name: len(tasks) for name, tasks in sets.items()}
@@ -531,15 +693,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.plot:
         report["plot"] = plot(args.plot, curves, "SmolLM2-135M-Instruct, ifeval domain, "
                               f"{args.prompts}x{args.group} per step, {args.tokens} tokens")
-    report["loadavg_end"] = os.getloadavg()
-    report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     samples = {"base": base} | {f"{e}-{s}": r for e, runs in evals.items() for s, r in
                                 runs.items()}
     (out / "responses.json").write_text(json.dumps(samples, indent=1))
-    (out / "ifeval.json").write_text(json.dumps(report, indent=2, default=str))
-    printed = {k: v for k, v in report.items() if k not in ("curves",)}
-    print(json.dumps(printed, indent=2, default=str), flush=True)
-    return report
 
 
 if __name__ == "__main__":

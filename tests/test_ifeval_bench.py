@@ -66,3 +66,28 @@ def test_the_bench_compares_base_and_trained_on_both_held_out_sets(tmp_path, mon
     assert "truncation" in {a["name"] for a in report["diagnosis_h0"]["alerts"]}
     saved = json.loads((tmp_path / "out" / "ifeval.json").read_text())
     assert saved["comparisons"].keys() == report["comparisons"].keys()
+
+
+@pytest.mark.slow
+def test_the_evolve_part_compares_main_s_frontier_with_the_default_run(tmp_path, monkeypatch):
+    """`evolve` on the quick example (its model the tiny one), then the example's recipe as is
+    for the loop's total steps: main's frontier against it, on held-out prompts the gate's
+    validation never showed."""
+    from real_checkpoint import save_hf
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("EVOTRAINER_CACHE_DIR", str(tmp_path / "cache"))
+    data = tmp_path / "IFBench_test.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in IFBENCH))
+    bench = load_bench()
+    report = bench.main(["--smoke", "--parts", "evolve", "--model-path",
+                         str(save_hf(tmp_path / "model")), "--ifbench-data", str(data),
+                         "--out", str(tmp_path / "out")])
+    evolve = report["evolve"]
+    assert evolve["total_steps"] == sum(row["steps"] for row in evolve["lineage"]) >= 1
+    assert evolve["frontier"] in {row["name"] for row in evolve["lineage"] if row["on_main"]}
+    assert set(evolve["default_curve"]) == set(range(1, evolve["total_steps"] + 1))
+    assert evolve["eval_sets"]["heldout"] == 2 and evolve["eval_sets"]["ifbench"] == 2
+    for name in ("heldout", "ifbench"):
+        ci = evolve["comparisons"][f"{name}/prompt/evolve_vs_default"]
+        assert ci["n_tasks"] == 2 and ci["ci_low"] <= ci["delta"] <= ci["ci_high"]

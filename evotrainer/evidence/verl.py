@@ -381,6 +381,42 @@ def _q(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+def _col(cols: set[str], name: str, cast: str, default: str = "NULL") -> str:
+    """The raw key `name` as `cast` (null where a value does not cast), or `default` where the
+    batch has no such key."""
+    return f"TRY_CAST({_q(name)} AS {cast})" if name in cols else default
+
+
+# The columns `_numbered` adds to a batch for the queries' own use.
+_INTERNAL = {"__row", "__file", "__step", "__pos"}
+
+
+@dataclass(frozen=True)
+class _Census:
+    """What a batch holds, counted in one scan: it decides which windows and joins its
+    mapping needs."""
+
+    rows: int
+    legacy: int  # rows without a V1 key
+    later_outputs: int  # V1 outputs after a session's first
+    untasked: int  # rows without a task_id or index
+    unkeyed: int  # legacy rows without a dataset row, task id or uid
+
+    @property
+    def all_legacy(self) -> bool:
+        return self.legacy == self.rows
+
+
+@dataclass(frozen=True)
+class _Grouping:
+    """A batch's groups and samples, as SQL over its `keyed` rows."""
+
+    base: str  # the `parsed` and `grouped` CTEs: every row with its group and final flag
+    earlier: str  # the CTE of V1 sessions' earlier outputs, "" where no session has any
+    sample: str  # a row's sample index within its group
+    positional: bool  # legacy rows without a key are grouped by their block of n rows
+
+
 def _canonical(
     con: duckdb.DuckDBPyConnection,
     files: list[tuple[int, Path, pa.Table]],
@@ -393,10 +429,43 @@ def _canonical(
 ) -> pa.Table:
     """Map the raw rows of one or more dump files (`(step, path, raw)` with one raw schema)
     to ROLLOUT_SCHEMA, file by file in the given order; notes go to `result`."""
+    raw = _numbered(files)
+    in_arrow = _texts_in_arrow(raw)
+    keyed = _keyed(set(raw.column_names))
+    repeats = pa.table({})
+    # DuckDB sees the responses only where a query reads them (a session's earlier outputs):
+    # a window or join carries every column of its input, and the responses are nearly all
+    # of a dump's bytes.
+    slim = raw.drop_columns(["output"]) if in_arrow["output"] else raw
+    con.register("raw", slim)
+    try:
+        census = _census(con, keyed, raw.num_rows)
+        if census.later_outputs and slim is not raw:
+            con.unregister("raw")
+            con.register("raw", raw)
+        grouping = _grouping(con, keyed, census, split=split, group_size=group_size)
+        if census.untasked:
+            repeats = _repeats(con, grouping)
+        if repeats.num_rows:
+            con.register("repeats", repeats)
+        sql = _mapping_sql(raw, in_arrow, grouping, repeated=bool(repeats.num_rows))
+        params = {"version": version, "seed": seed, "split": split}
+        out = con.sql(sql, params=params).to_arrow_table()
+    finally:
+        con.unregister("raw")
+        if repeats.num_rows:
+            con.unregister("repeats")
+    out = _in_row_order(out)
+    _note(out, files, set(raw.column_names), group_size=group_size, split=split,
+          positional=grouping.positional, result=result)
+    return _with_texts(out, raw, in_arrow)
+
+
+def _numbered(files: list[tuple[int, Path, pa.Table]]) -> pa.Table:
+    """The batch's raw rows as one table, with the internal columns every query reads."""
     raw = pa.concat_tables([t for _, _, t in files]) if len(files) > 1 else files[0][2]
-    cols = set(raw.column_names)
     for required in ("input", "output"):
-        if required not in cols:
+        if required not in raw.column_names:
             raise EvoError(
                 f"dump rows have no {required!r} key",
                 field=required,
@@ -413,38 +482,226 @@ def _canonical(
     # __pos: a row's place in its file, which is what a window numbering a file's rows in
     # order gives where every row of the batch is legacy, without the window's sort.
     starts = np.repeat(np.cumsum([0, *sizes[:-1]], dtype=np.int64), sizes)
-    raw = raw.append_column("__pos", pa.array(np.arange(raw.num_rows, dtype=np.int64) - starts))
-    internal = {"__row", "__file", "__step", "__pos"}
+    return raw.append_column(
+        "__pos", pa.array(np.arange(raw.num_rows, dtype=np.int64) - starts)
+    )
 
-    def col(name: str, cast: str, default: str = "NULL") -> str:
-        return f"TRY_CAST({_q(name)} AS {cast})" if name in cols else default
 
-    # prompt and response: a text column is taken by row in Arrow after the query (as it is
-    # when every row is kept in order), so the large strings never pass through DuckDB; DuckDB
-    # casts a column of another JSON type to text.
-    in_arrow = {
+def _texts_in_arrow(raw: pa.Table) -> dict[str, bool]:
+    """Which of prompt and response are text, taken by row in Arrow after the query (as
+    they are when every row is kept in order), so the large strings never pass through
+    DuckDB; DuckDB casts a column of another JSON type to text."""
+    return {
         name: pa.types.is_string(raw.schema.field(name).type)
         or pa.types.is_large_string(raw.schema.field(name).type)
         for name in ("input", "output")
     }
-    texts = ", ".join(
-        f"CAST({source} AS VARCHAR) AS {target}"
-        for source, target in (("input", "prompt"), ("output", "response"))
-        if not in_arrow[source]
-    )
-    uid = col("uid", "VARCHAR")
-    task = next((col(k, "VARCHAR") for k in ("task_id", "index") if k in cols), "NULL")
+
+
+def _keyed(cols: set[str]) -> str:
+    """The query of every raw row with the keys its group is derived from: its uid (a V1 key
+    or a legacy one), task id, dataset row, prompt hash, and whether it is V1."""
+    uid = _col(cols, "uid", "VARCHAR")
+    task = next((_col(cols, k, "VARCHAR") for k in ("task_id", "index") if k in cols), "NULL")
     # The dataset row a legacy row was sampled for (our reward function returns its `index`):
     # verl draws each row once per step and repeats it n times, so within a step file this is
     # verl's own group, wherever balance_batch moved the samples.
-    dataset_row = f"'row:' || {col('index', 'VARCHAR')}" if "index" in cols else "NULL"
-    # The prompt's key, hashed once per row in `keyed` and read from there by every query.
-    prompt_key = "__prompt"
-    # A legacy row without a key: validation rows by position (verl repeats each prompt n
-    # times in place and never balances a validation batch; each block is checked to hold
-    # one prompt), train rows by identical prompt text (balance_batch reorders them by length
-    # before the dump, so n consecutive rows are not a group).
-    positional = bool(group_size) and split == "val"
+    dataset_row = f"'row:' || {_col(cols, 'index', 'VARCHAR')}" if "index" in cols else "NULL"
+    # A V1 key's session and index are the two numbers at its end, its prompt uid the text
+    # before them: read with a pattern without the leading `(.+)`, whose captures cost RE2
+    # ten times as much. The prompt is hashed once per row here and read from here by every
+    # query.
+    return f"""
+        SELECT *, COALESCE(regexp_matches(__uid, '{_V1_KEY}'), false) AS __v1
+        FROM (SELECT *, {uid} AS __uid, regexp_extract({uid}, '{_V1_TAIL}', ['s', 'i'])
+                        AS __tail, {task} AS __task, {dataset_row} AS __dataset_row
+                        , left(md5(CAST(input AS VARCHAR)), 16) AS __prompt
+              FROM raw)
+    """
+
+
+def _census(con: duckdb.DuckDBPyConnection, keyed: str, rows: int) -> _Census:
+    legacy, later_outputs, untasked, unkeyed = con.sql(
+        f"""SELECT count(*) FILTER (WHERE NOT __v1),
+                   count(*) FILTER (WHERE __v1 AND TRY_CAST(__tail.i AS BIGINT) > 0),
+                   count(*) FILTER (WHERE __task IS NULL),
+                   count(*) FILTER (WHERE NOT __v1 AND __dataset_row IS NULL
+                                    AND __task IS NULL AND __uid IS NULL)
+            FROM ({keyed})"""
+    ).fetchall()[0]
+    return _Census(rows, legacy, later_outputs, untasked, unkeyed)
+
+
+def _grouping(
+    con: duckdb.DuckDBPyConnection,
+    keyed: str,
+    census: _Census,
+    *,
+    split: str,
+    group_size: int | None,
+) -> _Grouping:
+    """Each row's group, by verl's rule for its flavour: a V1 row's prompt uid; a legacy
+    row's dataset row, task id or uid; else its block or its prompt (`_unkeyed_group`)."""
+    # A legacy row's place among its file's legacy rows: __pos where the batch has no V1
+    # row, else numbered by a window.
+    legacy_pos = (
+        "__pos" if census.all_legacy
+        else "(row_number() OVER (PARTITION BY __file, __v1 ORDER BY __row) - 1)"
+    )
+    positional, unkeyed_group = _unkeyed_group(
+        con, keyed, census, legacy_pos, split=split, group_size=group_size
+    )
+    final, earlier = _v1_sessions(census)
+    base = f"""
+        parsed AS (
+            SELECT *,
+                   CASE WHEN __v1 THEN left(__uid, length(__uid) - length(__tail.s)
+                                            - length(__tail.i) - 2) END AS __v1_group,
+                   CASE WHEN __v1 THEN CAST(__tail.s AS BIGINT) END AS __session,
+                   CASE WHEN __v1 THEN CAST(__tail.i AS BIGINT) END AS __index
+            FROM ({keyed})
+        ), grouped AS (
+            SELECT *,
+                   CASE WHEN __v1 THEN __v1_group
+                        WHEN __dataset_row IS NOT NULL THEN __dataset_row
+                        WHEN __task IS NOT NULL THEN __task
+                        WHEN __uid IS NOT NULL THEN __uid
+                        ELSE {unkeyed_group} END AS __group,
+                   {final} AS __final
+            FROM parsed
+        )"""
+    sample = _sample(census, group_size if positional else None)
+    return _Grouping(base=base, earlier=earlier, sample=sample, positional=positional)
+
+
+def _unkeyed_group(
+    con: duckdb.DuckDBPyConnection,
+    keyed: str,
+    census: _Census,
+    legacy_pos: str,
+    *,
+    split: str,
+    group_size: int | None,
+) -> tuple[bool, str]:
+    """The group of a legacy row without a key, and whether it is positional: validation rows
+    by position (verl repeats each prompt n times in place and never balances a validation
+    batch; each block is checked to hold one prompt), train rows by identical prompt text
+    (balance_batch reorders them by length before the dump, so n consecutive rows are not a
+    group)."""
+    if not group_size or split != "val":
+        return False, "__prompt"
+    if census.unkeyed and _mixed_blocks(con, keyed, group_size, legacy_pos):
+        # A block of n rows holding two prompts: this dump is not in verl's validation
+        # order (a balanced or re-sorted file), so position says nothing here either.
+        return False, "__prompt"
+    return True, f"__prompt || '-' || ({legacy_pos} // {int(group_size)})"
+
+
+def _mixed_blocks(
+    con: duckdb.DuckDBPyConnection, keyed: str, group_size: int, legacy_pos: str
+) -> bool:
+    """Does any block of `group_size` consecutive legacy rows of a file hold more than one
+    prompt, or fewer rows (a file that n does not divide)? `legacy_pos` numbers a legacy row
+    among its file's legacy rows."""
+    return bool(
+        con.sql(
+            f"""SELECT count(*) FROM (
+                    SELECT count(*) AS rows, count(DISTINCT __prompt) AS prompts
+                    FROM (SELECT __file, __prompt, {legacy_pos} // {group_size} AS __block
+                          FROM ({keyed}) WHERE NOT __v1)
+                    GROUP BY __file, __block)
+                WHERE prompts > 1 OR rows <> {group_size}"""
+        ).fetchall()[0][0]
+    )
+
+
+def _v1_sessions(census: _Census) -> tuple[str, str]:
+    """Which rows are final (a V1 session's last output; a legacy row is its own final row,
+    its __index NULL, which no max equals), and the CTE gathering each session's earlier
+    outputs: both trivial where no session has a later output."""
+    if not census.later_outputs:
+        return "true", ""
+    final = "NOT __v1 OR __index = max(__index) OVER (PARTITION BY __file, __v1_group, __session)"
+    earlier = """, earlier AS (
+            SELECT __file, __v1_group, __session,
+                   list(CAST(output AS VARCHAR) ORDER BY __index) AS __earlier
+            FROM grouped WHERE NOT __final GROUP BY ALL
+        )"""
+    return final, earlier
+
+
+def _sample(census: _Census, block_size: int | None) -> str:
+    """A row's sample index: a V1 row's session, else its place in its group (`block_size`:
+    the n of positional groups, None where legacy rows are not grouped by position)."""
+    if not census.legacy:
+        return "__session"
+    if block_size and census.all_legacy and census.unkeyed == census.rows:
+        # Every group is a block of n rows in place: a sample is its place in the block.
+        return f"__pos % {int(block_size)}"
+    return (
+        "COALESCE(__session, row_number() OVER "
+        "(PARTITION BY __file, __v1, __group ORDER BY __row) - 1)"
+    )
+
+
+def _repeats(con: duckdb.DuckDBPyConnection, grouping: _Grouping) -> pa.Table:
+    """Groups with the same prompt text and no task id are numbered in file order, so
+    duplicate prompts stay separate tasks: each repeat's file, group and number (from 1).
+    Only the (few) repeats are joined back."""
+    return con.sql(
+        f"""WITH {grouping.base}, firsts AS (
+                SELECT __file, __group, any_value(__prompt) AS __input,
+                       min(__row) AS __first
+                FROM grouped WHERE __task IS NULL GROUP BY ALL
+            ), numbered AS (
+                SELECT __file, __group, dense_rank() OVER
+                       (PARTITION BY __file, __input ORDER BY __first) - 1
+                       AS __occurrence
+                FROM firsts
+            )
+            SELECT __file, __group, __occurrence FROM numbered WHERE __occurrence > 0"""
+    ).to_arrow_table()
+
+
+def _mapping_sql(
+    raw: pa.Table, in_arrow: dict[str, bool], grouping: _Grouping, *, repeated: bool
+) -> str:
+    """The query of the canonical columns of every final row (`repeated`: the `repeats`
+    table numbers duplicate prompts)."""
+    occurrence = "COALESCE('.' || __occurrence, '')" if repeated else "''"
+    joins = " LEFT JOIN earlier USING (__file, __v1_group, __session)" if grouping.earlier else ""
+    joins += " LEFT JOIN repeats USING (__file, __group)" if repeated else ""
+    components, extra = _components_and_extra(raw)
+    if grouping.earlier:
+        # A session's earlier outputs join its final row's `extra`.
+        extra = (
+            f"CASE WHEN __earlier IS NULL THEN {extra} ELSE CAST(json_merge_patch("
+            f"COALESCE({extra}, '{{}}'), to_json(struct_pack(earlier_outputs := __earlier)))"
+            " AS VARCHAR) END"
+        )
+    return f"""
+        WITH {grouping.base}{grouping.earlier}
+        SELECT $version AS version, $seed::BIGINT AS seed, $split AS split,
+               COALESCE(__task, 'p' || __prompt || {occurrence}) AS task_id,
+               __group AS group_id, {grouping.sample} AS sample_idx,
+               {_value_columns(raw, in_arrow)}, {components} AS reward_components,
+               {extra} AS extra, __row,
+               __v1, __task IS NOT NULL AS __has_task,
+               __dataset_row IS NOT NULL AS __has_row, __file,
+               {"len(__earlier)" if grouping.earlier else "0"} AS __n_earlier
+        FROM grouped{joins}
+        WHERE __final
+    """
+
+
+def _value_columns(raw: pa.Table, in_arrow: dict[str, bool]) -> str:
+    """The SELECT list of the columns read from a row's own keys."""
+    cols = set(raw.column_names)
+    texts = "".join(
+        f"CAST({source} AS VARCHAR) AS {target}, "
+        for source, target in (("input", "prompt"), ("output", "response"))
+        if not in_arrow[source]
+    )
     finish = (
         f"CASE WHEN CAST(finish_reason AS VARCHAR) IN {tuple(FINISH_REASONS)} "
         "THEN CAST(finish_reason AS VARCHAR) END"
@@ -457,186 +714,59 @@ def _canonical(
         truncated = "CAST(finish_reason AS VARCHAR) = 'length'"
     else:
         truncated = "NULL"
-    # Reward components: the numeric keys nobody else claims.
+    return f"""COALESCE({_col(cols, "step", "BIGINT")}, __step) AS step,
+               {_col(cols, "data_source", "VARCHAR", "'unknown'")} AS data_source, {texts}
+               {_col(cols, "score", "DOUBLE")} AS reward,
+               {_col(cols, "acc", "DOUBLE")} AS correct,
+               {_col(cols, "response_length", "BIGINT")} AS response_tokens,
+               {truncated} AS truncated, {finish} AS finish_reason,
+               {_col(cols, "num_turns", "BIGINT")} AS turns,
+               {_col(cols, "mean_logprob", "DOUBLE")} AS mean_logprob"""
+
+
+def _components_and_extra(raw: pa.Table) -> tuple[str, str]:
+    """Reward components: the numeric keys nobody else claims. `extra`: the other unclaimed
+    keys, and the raw V1 key (the uid) where there is one."""
+    claimed = _KNOWN | _INTERNAL
     numeric = [
         f.name
         for f in raw.schema
-        if f.name not in _KNOWN
-        and f.name not in _MARKS
-        and f.name not in internal
+        if f.name not in claimed | _MARKS
         and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type))
     ]
-    rest = [
-        n for n in raw.column_names if n not in _KNOWN and n not in numeric and n not in internal
-    ]
+    rest = [n for n in raw.column_names if n not in claimed and n not in numeric]
+    components = "MAP {}::MAP(VARCHAR, DOUBLE)"
     if numeric:
         entries = ", ".join(
             f"{{'key': '{n.replace(chr(39), chr(39) * 2)}', 'value': CAST({_q(n)} AS DOUBLE)}}"
             for n in numeric
         )
         components = f"map_from_entries(list_filter([{entries}], lambda e: e.value IS NOT NULL))"
-    else:
-        components = "MAP {}::MAP(VARCHAR, DOUBLE)"
-    # `extra`: the unclaimed keys, and the raw V1 key (the uid) where there is one.
-    fields = [f"{_q(n)} := {_q(n)}" for n in rest] + (["uid := __uid"] if "uid" in cols else [])
+    fields = [f"{_q(n)} := {_q(n)}" for n in rest]
+    fields += ["uid := __uid"] if "uid" in raw.column_names else []
     extra = f"CAST(to_json(struct_pack({', '.join(fields)})) AS VARCHAR)" if fields else "NULL"
-    # A V1 key's session and index are the two numbers at its end, its prompt uid the text
-    # before them: read with a pattern without the leading `(.+)`, whose captures cost RE2
-    # ten times as much.
-    keyed = f"""
-        SELECT *, COALESCE(regexp_matches(__uid, '{_V1_KEY}'), false) AS __v1
-        FROM (SELECT *, {uid} AS __uid, regexp_extract({uid}, '{_V1_TAIL}', ['s', 'i'])
-                        AS __tail, {task} AS __task, {dataset_row} AS __dataset_row
-                        , left(md5(CAST(input AS VARCHAR)), 16) AS __prompt
-              FROM raw)
-    """
-    repeats = pa.table({})
-    # DuckDB sees the responses only where a query reads them (a session's earlier outputs):
-    # a window or join carries every column of its input, and the responses are nearly all
-    # of a dump's bytes.
-    slim = raw.drop_columns(["output"]) if in_arrow["output"] else raw
-    con.register("raw", slim)
-    try:
-        # What this batch needs: windows and joins only where verl's rules need them.
-        legacy_rows, later_outputs, untasked, unkeyed = con.sql(
-            f"""SELECT count(*) FILTER (WHERE NOT __v1),
-                       count(*) FILTER (WHERE __v1 AND TRY_CAST(__tail.i AS BIGINT) > 0),
-                       count(*) FILTER (WHERE __task IS NULL),
-                       count(*) FILTER (WHERE NOT __v1 AND __dataset_row IS NULL
-                                        AND __task IS NULL AND __uid IS NULL)
-                FROM ({keyed})"""
-        ).fetchall()[0]
-        if later_outputs and slim is not raw:
-            con.unregister("raw")
-            con.register("raw", raw)
-        # A legacy row's place among its file's legacy rows: __pos where the batch has no
-        # V1 row, else numbered by a window.
-        all_legacy = legacy_rows == raw.num_rows
-        legacy_pos = (
-            "__pos" if all_legacy
-            else "(row_number() OVER (PARTITION BY __file, __v1 ORDER BY __row) - 1)"
-        )
-        if positional and unkeyed and _mixed_blocks(con, keyed, int(group_size), legacy_pos):
-            # A block of n rows holding two prompts: this dump is not in verl's validation
-            # order (a balanced or re-sorted file), so position says nothing here either.
-            positional = False
-        position = (
-            f"{prompt_key} || '-' || ({legacy_pos} // {int(group_size)})"
-            if positional
-            else prompt_key
-        )
-        # A legacy row is its own final row (its __index is NULL, which no max equals).
-        final = (
-            "NOT __v1 OR __index = max(__index) OVER (PARTITION BY __file, __v1_group, __session)"
-            if later_outputs
-            else "true"
-        )
-        if not legacy_rows:
-            sample = "__session"
-        elif positional and all_legacy and unkeyed == raw.num_rows:
-            # Every group is a block of n rows in place: a sample is its place in the block.
-            sample = f"__pos % {int(group_size)}"
-        else:
-            sample = (
-                "COALESCE(__session, row_number() OVER "
-                "(PARTITION BY __file, __v1, __group ORDER BY __row) - 1)"
-            )
-        earlier = (
-            """, earlier AS (
-                SELECT __file, __v1_group, __session,
-                       list(CAST(output AS VARCHAR) ORDER BY __index) AS __earlier
-                FROM grouped WHERE NOT __final GROUP BY ALL
-            )"""
-            if later_outputs
-            else ""
-        )
-        base = f"""
-            parsed AS (
-                SELECT *,
-                       CASE WHEN __v1 THEN left(__uid, length(__uid) - length(__tail.s)
-                                                - length(__tail.i) - 2) END AS __v1_group,
-                       CASE WHEN __v1 THEN CAST(__tail.s AS BIGINT) END AS __session,
-                       CASE WHEN __v1 THEN CAST(__tail.i AS BIGINT) END AS __index
-                FROM ({keyed})
-            ), grouped AS (
-                SELECT *,
-                       CASE WHEN __v1 THEN __v1_group
-                            WHEN __dataset_row IS NOT NULL THEN __dataset_row
-                            WHEN __task IS NOT NULL THEN __task
-                            WHEN __uid IS NOT NULL THEN __uid
-                            ELSE {position} END AS __group,
-                       {final} AS __final
-                FROM parsed
-            )"""
-        # Groups with the same prompt text and no task id are numbered in file order, so
-        # duplicate prompts stay separate tasks. Only the (few) repeats are joined back.
-        if untasked:
-            repeats = con.sql(
-                f"""WITH {base}, firsts AS (
-                        SELECT __file, __group, any_value(__prompt) AS __input,
-                               min(__row) AS __first
-                        FROM grouped WHERE __task IS NULL GROUP BY ALL
-                    ), numbered AS (
-                        SELECT __file, __group, dense_rank() OVER
-                               (PARTITION BY __file, __input ORDER BY __first) - 1
-                               AS __occurrence
-                        FROM firsts
-                    )
-                    SELECT __file, __group, __occurrence FROM numbered WHERE __occurrence > 0"""
-            ).to_arrow_table()
-        occurrence = "''"
-        joins = " LEFT JOIN earlier USING (__file, __v1_group, __session)" if earlier else ""
-        if repeats.num_rows:
-            con.register("repeats", repeats)
-            joins += " LEFT JOIN repeats USING (__file, __group)"
-            occurrence = "COALESCE('.' || __occurrence, '')"
-        if earlier:
-            # A session's earlier outputs join its final row's `extra`.
-            extra = (
-                f"CASE WHEN __earlier IS NULL THEN {extra} ELSE CAST(json_merge_patch("
-                f"COALESCE({extra}, '{{}}'), to_json(struct_pack(earlier_outputs := __earlier)))"
-                " AS VARCHAR) END"
-            )
-        sql = f"""
-            WITH {base}{earlier}
-            SELECT $version AS version, $seed::BIGINT AS seed,
-                   COALESCE({col("step", "BIGINT")}, __step) AS step, $split AS split,
-                   COALESCE(__task, 'p' || {prompt_key} || {occurrence}) AS task_id,
-                   {col("data_source", "VARCHAR", "'unknown'")} AS data_source,
-                   __group AS group_id, {sample} AS sample_idx,
-                   {texts + "," if texts else ""}
-                   {col("score", "DOUBLE")} AS reward, {components} AS reward_components,
-                   {col("acc", "DOUBLE")} AS correct,
-                   {col("response_length", "BIGINT")} AS response_tokens,
-                   {truncated} AS truncated, {finish} AS finish_reason,
-                   {col("num_turns", "BIGINT")} AS turns,
-                   {col("mean_logprob", "DOUBLE")} AS mean_logprob, {extra} AS extra, __row,
-                   __v1, __task IS NOT NULL AS __has_task,
-                   __dataset_row IS NOT NULL AS __has_row, __file,
-                   {"len(__earlier)" if earlier else "0"} AS __n_earlier
-            FROM grouped{joins}
-            WHERE __final
-        """
-        params = {"version": version, "seed": seed, "split": split}
-        out = con.sql(sql, params=params).to_arrow_table()
-    finally:
-        con.unregister("raw")
-        if repeats.num_rows:
-            con.unregister("repeats")
-    # No ORDER BY: where no window or join reordered the rows, the scan's order stands, which
-    # is checked here instead of paying for a sort.
+    return components, extra
+
+
+def _in_row_order(out: pa.Table) -> pa.Table:
+    """No ORDER BY: where no window or join reordered the rows, the scan's order stands,
+    which is checked here instead of paying for a sort."""
     order = out.column("__row").to_numpy()
     if len(order) > 1 and not (order[1:] > order[:-1]).all():
-        out = out.sort_by("__row")
-    _note(out, files, cols, group_size=group_size, split=split, positional=positional,
-          result=result)
+        return out.sort_by("__row")
+    return out
+
+
+def _with_texts(out: pa.Table, raw: pa.Table, in_arrow: dict[str, bool]) -> pa.Table:
+    """The mapped rows with the prompt and response texts taken from `raw` by row, and the
+    tool calls, as ROLLOUT_SCHEMA."""
     rows = out.column("__row")
     every_row = out.num_rows == raw.num_rows  # unique rows in order: all of them, as they are
     for source, target in (("input", "prompt"), ("output", "response")):
         if in_arrow[source]:
             column = raw.column(source)
             out = out.append_column(target, column if every_row else column.take(rows))
-    if "tool_calls" in cols:
+    if "tool_calls" in raw.column_names:
         calls = pa.array(
             [_tool_calls(v) for v in raw.column("tool_calls").take(rows).to_pylist()],
             pa.list_(TOOL_CALL),
@@ -660,24 +790,6 @@ def _hermes_calls(responses: pa.ChunkedArray) -> pa.Array:
         for row, text in zip(rows, responses.take(pa.array(rows)).to_pylist(), strict=True):
             calls[row] = hermes_tool_calls(text) or None
     return pa.array(calls, pa.list_(TOOL_CALL))
-
-
-def _mixed_blocks(
-    con: duckdb.DuckDBPyConnection, keyed: str, group_size: int, legacy_pos: str
-) -> bool:
-    """Does any block of `group_size` consecutive legacy rows of a file hold more than one
-    prompt, or fewer rows (a file that n does not divide)? `legacy_pos` numbers a legacy row
-    among its file's legacy rows."""
-    return bool(
-        con.sql(
-            f"""SELECT count(*) FROM (
-                    SELECT count(*) AS rows, count(DISTINCT __prompt) AS prompts
-                    FROM (SELECT __file, __prompt, {legacy_pos} // {group_size} AS __block
-                          FROM ({keyed}) WHERE NOT __v1)
-                    GROUP BY __file, __block)
-                WHERE prompts > 1 OR rows <> {group_size}"""
-        ).fetchall()[0][0]
-    )
 
 
 def _note(

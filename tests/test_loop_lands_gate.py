@@ -12,9 +12,11 @@ import pytest
 from standin import converge
 from standin import propose as train
 
+from evotrainer.commands.lineage import describe
 from evotrainer.diagnosis import gate
 from evotrainer.diagnosis.gate import decide, replaced_frontier
 from evotrainer.diagnosis.harness import resolve_harness
+from evotrainer.store.lineage import lineage_rows
 from evotrainer.store.workspace import Workspace
 
 pytestmark = pytest.mark.usefixtures("standin")
@@ -123,6 +125,14 @@ def test_the_loop_records_the_decision_against_main(workspace):
     assert "against_main" not in v1
     assert v2["against_main"]["version"] == "v0"
     assert set(v2["family"]["members"]) == {"parent", "frontier"}
+    # What a user reads shows the comparison the verdict came from, and against whom.
+    rows = {r.name: r for r in lineage_rows(workspace)}
+    main_comparison = v2["against_main"]["comparison"]
+    assert rows["v2"].against == "v0" and rows["v1"].against == "v0"
+    assert rows["v2"].delta == main_comparison["delta"]
+    assert rows["v2"].ci == (main_comparison["ci_low"], main_comparison["ci_high"])
+    assert rows["v2"].against_mean == main_comparison["mean_a"]
+    assert "vs v0" in describe(rows["v2"]) and "vs" not in describe(rows["v1"])
 
 
 def test_a_baseline_re_gated_off_main_still_stands_for_main(lineage, monkeypatch):

@@ -278,7 +278,7 @@ def test_chart_labels_name_every_point_and_never_overlap():
     every point is labelled with its name and score, inside the picture, none on another."""
     path = [_row("v0", None, 0.0, "baseline"), _row("v1", "v0", 1.0), _row("v2", "v1", 0.5)]
     off = {"v1": [_row(f"v1-{k}", "v1", 0.5, "prune") for k in range(4)]}
-    chart = svg.score_chart(path, off, {}, {r.name: f"{r.name}.html" for r in
+    chart = svg.score_chart(path, off, {r.name: f"{r.name}.html" for r in
                                             [*path, *off["v1"]]})
     points = [*chart.path, *chart.off_path]
     assert [p.text for p in points] == ["v0 0.000", "v1 1.000", "v2 0.500", "v1-0 0.500",

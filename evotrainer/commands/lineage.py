@@ -33,6 +33,8 @@ def describe(row: LineageRow) -> str:
         parts.append(f"avg@k {row.score:.3f}")
     if row.delta is not None and row.ci is not None:
         parts.append(f"Δ {row.delta:+.3f} [{row.ci[0]:+.3f}, {row.ci[1]:+.3f}]")
+        if row.against != row.parent:
+            parts.append(f"vs {safe(row.against or '?')}")
     if row.stopped is not None:
         parts.append(f"[red]{safe(stopped_text(row.stopped))}[/]")
     if row.alerts:

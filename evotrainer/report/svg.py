@@ -50,6 +50,8 @@ def score_line(row: LineageRow) -> str:
         text += f"  Δ {row.delta:+.3f}"
     if row.ci is not None:
         text += f" [{row.ci[0]:+.3f}, {row.ci[1]:+.3f}]"
+    if row.delta is not None and row.against != row.parent:
+        text += f" vs {row.against}"
     return text
 
 
@@ -157,12 +159,11 @@ class Chart:
 def score_chart(
     path: list[LineageRow],
     off_path: dict[str, list[LineageRow]],
-    parent_means: dict[str, float],
     hrefs: dict[str, str],
 ) -> Chart:
     """Avg@k along the promoted path (a line), with the children each step rejected drawn
-    one slot to the right of their parent. A path point's bar is the 95% CI of its gain over
-    the parent, anchored at the parent's mean (`parent_means`, the gate's `mean_a`)."""
+    one slot to the right of their parent. A path point's bar is the gate's interval of its
+    gain, anchored at the mean of the version it was decided against (the gate's `mean_a`)."""
     chart = Chart()
     plot_h = chart.bottom - chart.top
     slots = max(len(path) + (1 if path and off_path.get(path[-1].name) else 0), 2)
@@ -177,9 +178,8 @@ def score_chart(
             continue
         x = chart.left + step_x * i
         bar = None
-        if row.ci is not None and row.name in parent_means:
-            mean_a = parent_means[row.name]
-            bar = (y_of(mean_a + row.ci[0]), y_of(mean_a + row.ci[1]))
+        if row.ci is not None and row.against_mean is not None:
+            bar = (y_of(row.against_mean + row.ci[0]), y_of(row.against_mean + row.ci[1]))
         chart.path.append(ChartPoint(row.name, hrefs[row.name], x, y_of(row.score),
                                      status_class(row.status), score_line(row), row.score, bar))
         for k, child in enumerate(off_path.get(row.name, [])):

@@ -459,10 +459,7 @@ def collect(ws: Workspace) -> Site:
     on_path = set(promoted)
     off_path = {name: [by_name[c] for c in children.get(name, []) if c not in on_path]
                 for name in promoted}
-    parent_means = {r.name: ((pages[r.name].record("decision").get("comparison") or {})
-                             .get("mean_a")) for r in rows}
-    chart = svg.score_chart([by_name[n] for n in promoted], off_path,
-                            {k: v for k, v in parent_means.items() if v is not None}, hrefs)
+    chart = svg.score_chart([by_name[n] for n in promoted], off_path, hrefs)
 
     # The frontier: the current best and every leaf still in play. Alerts there are what
     # the next proposal should answer; alerts on decided or dead branches are history.

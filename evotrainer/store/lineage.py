@@ -69,7 +69,9 @@ class LineageRow:
     # Succeeded | <verdict>
     status: str
     score: float | None  # final val avg@k
-    ci: tuple[float, float] | None  # 95% CI of the difference to the parent
+    # The gate's interval and difference against `against` (the parent, or main's frontier
+    # where the gate decided against it), and that version's mean
+    ci: tuple[float, float] | None
     delta: float | None
     verdict: str | None
     alerts: list[str]
@@ -78,6 +80,8 @@ class LineageRow:
     # an early stop: {rule, alert, step, steps, ...} of the Stopped run (its verdict: prune)
     stopped: dict | None = None
     spend: Spend = field(default_factory=Spend)
+    against: str | None = None
+    against_mean: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -131,7 +135,7 @@ def lineage_rows(ws: Workspace, states: dict[str, VersionState] | None = None) -
     for name in tree_order(states):
         state = states[name]
         decision, run, diagnosis = state.decision, state.run, state.diagnosis
-        comparison = (decision.comparison if decision else None) or {}
+        against, comparison = decision.deciding_comparison if decision else (None, {})
         score = comparison.get("mean_b", run.result.get("val_avg") if run else None)
         ci = (comparison["ci_low"], comparison["ci_high"]) if "ci_low" in comparison else None
         rows.append(LineageRow(
@@ -144,6 +148,8 @@ def lineage_rows(ws: Workspace, states: dict[str, VersionState] | None = None) -
             on_main=name in on_main,
             stopped=run.stopped if run else None,
             spend=spend_of(state, now),
+            against=against or (state.parent if comparison else None),
+            against_mean=comparison.get("mean_a"),
         ))
     return rows
 

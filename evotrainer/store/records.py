@@ -207,6 +207,17 @@ class DecisionRecord:
     decided_at: str = ""
     blocked_by: list[str] = field(default_factory=list)
     criterion: dict | None = None  # {expression, held, ...} when the spec states one
+    # {version, verdict, rule, comparison}: main's frontier, when the gate decided against it
+    # because the parent is not on main
+    against_main: dict | None = None
+
+    @property
+    def deciding_comparison(self) -> tuple[str | None, dict]:
+        """The comparison the verdict came from and the version it is against (None: the
+        parent): main's frontier where the gate decided against it, else the parent."""
+        if self.against_main and isinstance(self.against_main.get("comparison"), dict):
+            return self.against_main.get("version"), self.against_main["comparison"]
+        return None, self.comparison or {}
 
     @classmethod
     def from_record(cls, data: dict | None, where: str | None = None) -> DecisionRecord | None:
@@ -221,6 +232,7 @@ class DecisionRecord:
             decided_at=str(data.get("decided_at") or ""),
             blocked_by=[str(b) for b in _list(data, "blocked_by", where)],
             criterion=_optional_mapping(data, "criterion", where),
+            against_main=_optional_mapping(data, "against_main", where),
         )
 
 

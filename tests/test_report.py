@@ -237,6 +237,9 @@ SPEC = {"intervention": {"hypothesis": {"criterion": "leak_ratio <= 0.0"}}}
     (_decision("prune", False), True, "did not hold", "refuted", "failed its own test"),
     (_decision("prune", None), True, "undecided", "undecided", "null"),
     ({}, False, "not tested yet", "undecided", "not decided"),
+    # An early stop prunes before the criterion can be tested: the page says so.
+    ({"verdict": "prune", "rule": "early_stop"}, True, "not tested", "undecided",
+     "decided prune by its rule early_stop without testing it"),
 ])
 def test_criterion_is_read_beside_the_verdict_never_green_unless_promoted(
         decision, negative, outcome, css, note):

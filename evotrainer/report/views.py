@@ -93,7 +93,7 @@ class CriterionView:
     is green only beside a promotion, and the note says how the two relate."""
 
     expression: str
-    outcome: str  # held | did not hold | undecided | not tested yet
+    outcome: str  # held | did not hold | undecided | not tested | not tested yet
     css: str  # supports | caution | refuted | undecided
     note: str
 
@@ -106,9 +106,15 @@ def criterion_view(spec: dict | None, decision: dict, negative: bool) -> Criteri
     if not expression:
         return None
     verdict = str(decision.get("verdict") or "")
-    if not decision or "held" not in recorded:
+    if not verdict:
         return CriterionView(expression, "not tested yet", "undecided",
                              "the gate has not decided this version")
+    if "held" not in recorded:
+        # Decided without the test: an early stop, a failed run, a leak's prune.
+        rule = decision.get("rule")
+        return CriterionView(expression, "not tested", "undecided",
+                             f"the gate decided {verdict}"
+                             f"{f' by its rule {rule}' if rule else ''} without testing it")
     held = recorded["held"]
     if held is None:
         return CriterionView(expression, "undecided", "undecided",

@@ -231,3 +231,43 @@ def test_an_output_index_written_with_leading_zeros_is_the_first_output(tmp_path
     result = ingest_dump(tmp_path, version="v", split="train")
     assert [r["response"] for r in result.rollouts.to_pylist()] == ["out 0", "out 1", "legacy"]
     assert result.earlier_outputs == 0
+
+
+def test_validation_blocks_of_chat_prompts_are_checked_as_text_prompts_are(tmp_path):
+    # Prompts that are JSON lists (chat messages) rather than text: n = 2 consecutive rows
+    # each hold one prompt, so they are the groups, and a prompt a file holds in two blocks
+    # is numbered as a task of its own.
+    a, b = [{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]
+    rows = [{"input": p, "output": f"o{i}", "score": 1.0} for i, p in enumerate([a, a, b, b, a, a])]
+    _write(tmp_path / "1.jsonl", rows)
+    result = ingest_dump(tmp_path, version="v", split="val", group_size=2)
+    assert any("group = 2 consecutive rows" in d for d in result.derived)
+    out = result.rollouts.to_pylist()
+    assert len({r["group_id"] for r in out}) == 3
+    assert [r["sample_idx"] for r in out] == [0, 1] * 3
+    assert out[4]["task_id"] == out[0]["task_id"] + ".1" != out[2]["task_id"]
+    # A block holding two prompts: not verl's validation order, so prompt text groups them.
+    mixed = [a, b, b, a, a, b]
+    _write(tmp_path / "1.jsonl", [{**r, "input": p} for r, p in zip(rows, mixed, strict=True)])
+    result = ingest_dump(tmp_path, version="v", split="val", group_size=2)
+    assert any("blocks of 2 consecutive rows mix prompts" in d for d in result.derived)
+    assert len({r["group_id"] for r in result.rollouts.to_pylist()}) == 2
+
+
+def test_validation_blocks_are_counted_among_legacy_rows_beside_v1_rows(tmp_path):
+    # V1 rows between the legacy rows without a key do not shift the legacy rows' blocks.
+    rows = [
+        {"input": "a", "output": "a0", "score": 1.0, "uid": None},
+        {"input": "v", "output": "v0", "score": 1.0, "uid": "g_0_0"},
+        {"input": "a", "output": "a1", "score": 0.0, "uid": None},
+        {"input": "b", "output": "b0", "score": 1.0, "uid": None},
+        {"input": "v", "output": "v1", "score": 0.0, "uid": "g_1_0"},
+        {"input": "b", "output": "b1", "score": 0.0, "uid": None},
+    ]
+    _write(tmp_path / "1.jsonl", rows)
+    result = ingest_dump(tmp_path, version="v", split="val", group_size=2)
+    assert not result.ambiguous
+    groups = {r["response"]: (r["group_id"], r["sample_idx"]) for r in result.rollouts.to_pylist()}
+    assert groups["v0"] == ("g", 0) and groups["v1"] == ("g", 1)
+    assert groups["a0"][0] == groups["a1"][0] != groups["b0"][0] == groups["b1"][0]
+    assert [groups[k][1] for k in ("a0", "a1", "b0", "b1")] == [0, 1, 0, 1]

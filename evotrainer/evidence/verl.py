@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from operator import itemgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import duckdb
 import numpy as np
@@ -415,6 +415,7 @@ class _Grouping:
     earlier: str  # the CTE of V1 sessions' earlier outputs, "" where no session has any
     sample: str  # a row's sample index within its group
     positional: bool  # legacy rows without a key are grouped by their block of n rows
+    numbered: bool  # two groups of a file may share a prompt: `_repeats` numbers them
 
 
 def _canonical(
@@ -443,8 +444,8 @@ def _canonical(
         if census.later_outputs and slim is not raw:
             con.unregister("raw")
             con.register("raw", raw)
-        grouping = _grouping(con, keyed, census, split=split, group_size=group_size)
-        if census.untasked:
+        grouping = _grouping(con, raw, keyed, census, split=split, group_size=group_size)
+        if grouping.numbered:
             repeats = _repeats(con, grouping)
         if repeats.num_rows:
             con.register("repeats", repeats)
@@ -491,11 +492,11 @@ def _texts_in_arrow(raw: pa.Table) -> dict[str, bool]:
     """Which of prompt and response are text, taken by row in Arrow after the query (as
     they are when every row is kept in order), so the large strings never pass through
     DuckDB; DuckDB casts a column of another JSON type to text."""
-    return {
-        name: pa.types.is_string(raw.schema.field(name).type)
-        or pa.types.is_large_string(raw.schema.field(name).type)
-        for name in ("input", "output")
-    }
+    return {name: _is_text(raw.schema.field(name).type) for name in ("input", "output")}
+
+
+def _is_text(type_: pa.DataType) -> bool:
+    return pa.types.is_string(type_) or pa.types.is_large_string(type_)
 
 
 def _keyed(cols: set[str]) -> str:
@@ -509,8 +510,8 @@ def _keyed(cols: set[str]) -> str:
     dataset_row = f"'row:' || {_col(cols, 'index', 'VARCHAR')}" if "index" in cols else "NULL"
     # A V1 key's session and index are the two numbers at its end, its prompt uid the text
     # before them: read with a pattern without the leading `(.+)`, whose captures cost RE2
-    # ten times as much. The prompt is hashed once per row here and read from here by every
-    # query.
+    # ten times as much. The prompt's key, which task and group ids are built from, is a
+    # hash of its text.
     return f"""
         SELECT *, COALESCE(regexp_matches(__uid, '{_V1_KEY}'), false) AS __v1
         FROM (SELECT *, {uid} AS __uid, regexp_extract({uid}, '{_V1_TAIL}', ['s', 'i'])
@@ -534,6 +535,7 @@ def _census(con: duckdb.DuckDBPyConnection, keyed: str, rows: int) -> _Census:
 
 def _grouping(
     con: duckdb.DuckDBPyConnection,
+    raw: pa.Table,
     keyed: str,
     census: _Census,
     *,
@@ -541,15 +543,16 @@ def _grouping(
     group_size: int | None,
 ) -> _Grouping:
     """Each row's group, by verl's rule for its flavour: a V1 row's prompt uid; a legacy
-    row's dataset row, task id or uid; else its block or its prompt (`_unkeyed_group`)."""
+    row's dataset row, task id or uid; else its block of n rows (`_blocks`) or its prompt."""
     # A legacy row's place among its file's legacy rows: __pos where the batch has no V1
     # row, else numbered by a window.
     legacy_pos = (
         "__pos" if census.all_legacy
         else "(row_number() OVER (PARTITION BY __file, __v1 ORDER BY __row) - 1)"
     )
-    positional, unkeyed_group = _unkeyed_group(
-        con, keyed, census, legacy_pos, split=split, group_size=group_size
+    blocks = _blocks(con, raw, keyed, census, split=split, group_size=group_size)
+    unkeyed_group = (
+        f"__prompt || '-' || ({legacy_pos} // {blocks.size})" if blocks is not None else "__prompt"
     )
     final, earlier = _v1_sessions(census)
     base = f"""
@@ -570,49 +573,90 @@ def _grouping(
                    {final} AS __final
             FROM parsed
         )"""
-    sample = _sample(census, group_size if positional else None)
-    return _Grouping(base=base, earlier=earlier, sample=sample, positional=positional)
+    if blocks is not None and census.all_legacy and census.unkeyed == census.rows:
+        # Every group is a block of n rows in place: a sample is its place in the block, and
+        # a prompt is a repeat to number only where a file holds it in two blocks, which the
+        # blocks' prompts tell without the numbering query.
+        sample, numbered = f"__pos % {blocks.size}", blocks.repeated()
+    else:
+        sample, numbered = _sample(census), bool(census.untasked)
+    return _Grouping(base, earlier, sample, positional=blocks is not None, numbered=numbered)
 
 
-def _unkeyed_group(
+class _Blocks(NamedTuple):
+    """The blocks of `size` (n) consecutive legacy rows of each file, in order: each one's
+    prompt (a `_prompt_codes` code, -1 where none of its rows has a prompt) and file."""
+
+    size: int
+    prompts: np.ndarray
+    files: np.ndarray
+
+    def repeated(self) -> bool:
+        """Does a file hold one prompt in two blocks?"""
+        held = self.prompts >= 0
+        # A block's file and prompt as one number, which np.unique compares in one pass.
+        pairs = self.files[held] * (int(self.prompts.max()) + 1) + self.prompts[held]
+        return np.unique(pairs).size < pairs.size
+
+
+def _blocks(
     con: duckdb.DuckDBPyConnection,
+    raw: pa.Table,
     keyed: str,
     census: _Census,
-    legacy_pos: str,
     *,
     split: str,
     group_size: int | None,
-) -> tuple[bool, str]:
-    """The group of a legacy row without a key, and whether it is positional: validation rows
-    by position (verl repeats each prompt n times in place and never balances a validation
-    batch; each block is checked to hold one prompt), train rows by identical prompt text
-    (balance_batch reorders them by length before the dump, so n consecutive rows are not a
-    group)."""
+) -> _Blocks | None:
+    """The blocks of n rows that legacy rows without a key are grouped by, or None where such
+    rows are grouped by prompt text. Validation rows go by position: verl repeats each prompt
+    n times in place and never balances a validation batch; each block is checked to hold
+    one prompt. Train rows go by prompt: balance_batch reorders them by length before the
+    dump, so n consecutive rows are not a group."""
     if not group_size or split != "val":
-        return False, "__prompt"
-    if census.unkeyed and _mixed_blocks(con, keyed, group_size, legacy_pos):
-        # A block of n rows holding two prompts: this dump is not in verl's validation
-        # order (a balanced or re-sorted file), so position says nothing here either.
-        return False, "__prompt"
-    return True, f"__prompt || '-' || ({legacy_pos} // {int(group_size)})"
-
-
-def _mixed_blocks(
-    con: duckdb.DuckDBPyConnection, keyed: str, group_size: int, legacy_pos: str
-) -> bool:
-    """Does any block of `group_size` consecutive legacy rows of a file hold more than one
-    prompt, or fewer rows (a file that n does not divide)? `legacy_pos` numbers a legacy row
-    among its file's legacy rows."""
-    return bool(
-        con.sql(
-            f"""SELECT count(*) FROM (
-                    SELECT count(*) AS rows, count(DISTINCT __prompt) AS prompts
-                    FROM (SELECT __file, __prompt, {legacy_pos} // {group_size} AS __block
-                          FROM ({keyed}) WHERE NOT __v1)
-                    GROUP BY __file, __block)
-                WHERE prompts > 1 OR rows <> {group_size}"""
-        ).fetchall()[0][0]
+        return None
+    size = int(group_size)
+    if not census.unkeyed:  # every row has a key: no row is grouped by its block
+        return _Blocks(size, np.empty(0, np.int64), np.empty(0, np.int64))
+    legacy = (
+        slice(None)
+        if census.all_legacy
+        else con.sql(f"SELECT __row FROM ({keyed}) WHERE NOT __v1 ORDER BY __row")
+        .to_arrow_table()
+        .column(0)
+        .to_numpy()
     )
+    prompts = _prompt_codes(con, raw)[legacy]
+    files = raw.column("__file").to_numpy()[legacy]
+    # A file's last block short of n rows, or a block holding two prompts: this dump is not
+    # in verl's validation order (a balanced or re-sorted file), so position says nothing
+    # here either.
+    if (np.bincount(files) % size).any():
+        return None
+    # Every file's rows fill whole blocks, so the blocks are the rows n by n.
+    by_block = prompts.reshape(-1, size)
+    prompt = by_block.max(axis=1)
+    # A row without a prompt (-1) mixes no block: its group key is null, not the block's.
+    lowest = np.where(by_block < 0, prompt[:, None], by_block).min(axis=1)
+    if (lowest != prompt).any():
+        return None
+    return _Blocks(size, prompt, files[::size])
+
+
+def _prompt_codes(con: duckdb.DuckDBPyConnection, raw: pa.Table) -> np.ndarray:
+    """Each row's prompt as a number, equal for equal prompt text (the text `__prompt`
+    hashes) and -1 for none. Text is encoded in Arrow; DuckDB casts a column of another JSON
+    type to text first, as it does for `__prompt`."""
+    prompts = raw.column("input")
+    if not _is_text(prompts.type):
+        prompts = (
+            con.sql("SELECT CAST(input AS VARCHAR) FROM raw ORDER BY __row")
+            .to_arrow_table()
+            .column(0)
+        )
+    # One dictionary for all the chunks, so a code means one text throughout the batch.
+    encoded = pc.dictionary_encode(prompts)
+    return np.concatenate([pc.fill_null(chunk.indices, -1).to_numpy() for chunk in encoded.chunks])
 
 
 def _v1_sessions(census: _Census) -> tuple[str, str]:
@@ -630,14 +674,11 @@ def _v1_sessions(census: _Census) -> tuple[str, str]:
     return final, earlier
 
 
-def _sample(census: _Census, block_size: int | None) -> str:
-    """A row's sample index: a V1 row's session, else its place in its group (`block_size`:
-    the n of positional groups, None where legacy rows are not grouped by position)."""
+def _sample(census: _Census) -> str:
+    """A row's sample index where its group is not a block in place: a V1 row's session,
+    else its place in its group."""
     if not census.legacy:
         return "__session"
-    if block_size and census.all_legacy and census.unkeyed == census.rows:
-        # Every group is a block of n rows in place: a sample is its place in the block.
-        return f"__pos % {int(block_size)}"
     return (
         "COALESCE(__session, row_number() OVER "
         "(PARTITION BY __file, __v1, __group ORDER BY __row) - 1)"

@@ -500,6 +500,9 @@ def run_evolve(args: argparse.Namespace, model_dir: Path, out: Path) -> dict[str
     if frontier is None:
         raise SystemExit(f"{ws_dir}: main holds no gated version yet; run evolve there first")
     exported = export_policy(ws, frontier, out / f"frontier-{frontier}", states)
+    from evotrainer.domains.data import DATA_ROOTS_ENV
+
+    os.environ[DATA_ROOTS_ENV] += os.pathsep + str(out.resolve())  # the exported policy
 
     recipe_v0 = ws.resolved_recipe("v0", states)
     grpo = recipe_v0["grpo"]

@@ -138,7 +138,7 @@ def test_a_program_reads_nothing_outside_its_scratch_dir(tmp_path, task):
     secret.write_text('{"answer": "TOP-SECRET"}\n')
     repo = Path(__file__).resolve().parents[1] / "pyproject.toml"
     # The host's temp dir, the checkout (file and folder); the interpreter's own prefix and
-    # the system folders stay readable by design (domains/sandbox.py).
+    # the system folders stay readable by design (sandbox/process.py).
     for path in (secret, tmp_path, repo, repo.parent):
         reply = step(domain, task, f"import os; print(os.listdir({str(path)!r}) "
                                    f"if os.path.isdir({str(path)!r}) else "

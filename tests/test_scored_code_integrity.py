@@ -21,8 +21,8 @@ from test_sandbox import SHARED_PYTHON
 
 from evotrainer.domains import make_domain
 from evotrainer.domains.code import CodeDomain
-from evotrainer.domains.sandbox import Limits, LocalSandbox, RunResult
 from evotrainer.errors import EvoError
+from evotrainer.sandbox.process import Limits, LocalSandbox, RunResult
 
 WRONG = "def area(r):\n    return False\n"
 

@@ -37,7 +37,7 @@ def median_of(domain):
 
 def docker_unready() -> str | None:
     """Why the instances cannot be graded in a container here, or None."""
-    from evotrainer.domains.sandbox import OFFLINE_IMAGE, DockerSandbox
+    from evotrainer.sandbox.process import OFFLINE_IMAGE, DockerSandbox
 
     if not DockerSandbox.image_present():
         return ("needs the docker SDK, a running dockerd and the image built by "

@@ -30,7 +30,7 @@ text. Its load check (one function, imports from a small list of pure standard-l
 modules, no dunder attributes, no open/exec/eval/...) is a lint that names mistakes early; it
 is not the boundary, since Python's introspection has more ways out than any source check
 sees. The boundary is the operating system's: the program runs in the model-code sandbox
-(domains/sandbox.py) as a uid that can read neither the caller's own files (the record key,
+(sandbox/process.py) as a uid that can read neither the caller's own files (the record key,
 mode 0600) nor its environment, with no network, a private /tmp, CPU, memory and wall-clock
 limits and nothing left running after it. As root that is a fresh uid in namespaces; without
 root, the caller's uid confined in user, mount, pid and network namespaces that hide the
@@ -60,9 +60,9 @@ import pyarrow as pa
 
 from evotrainer.diagnosis.analyzers import mean_by_step
 from evotrainer.diagnosis.sql import ReadOnlyQuery, metric_result, query_columns, rows_query
-from evotrainer.domains.sandbox import Limits, LocalSandbox
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
+from evotrainer.sandbox.process import Limits, LocalSandbox
 
 OUTPUT_KINDS = ("scalar", "series", "per_row", "per_group")
 GROUP_KEYS = ("seed", "step", "group_id")
@@ -95,7 +95,7 @@ _SAFE_BUILTINS = (
 # a frame's globals (and so to the runner's builtins), with dunders the other.
 _REFUSED_ATTRIBUTE_PREFIXES = ("__", "f_", "gi_", "cr_", "ag_", "tb_", "co_")
 
-# What an analyzer gets unless it asks for other limits (domains/sandbox.Limits units); the
+# What an analyzer gets unless it asks for other limits (sandbox/process.Limits units); the
 # most it may ask for is the schema's (harness-revision.schema.json, `limits`).
 DEFAULT_LIMITS = {"cpu_seconds": 5.0, "wall_seconds": 10.0, "memory_mb": 512}
 # The rows handed to a Python analyzer, as JSON: past this, narrow `inputs` or `rows.where`.

@@ -47,13 +47,13 @@ from typing import Any, ClassVar
 from evotrainer.domains import runner
 from evotrainer.domains.base import Score, Task
 from evotrainer.domains.data import require_text
-from evotrainer.domains.sandbox import Limits, Sandbox
 from evotrainer.domains.sandboxed import (
     SandboxedCodeDomain,
     extract_program,
     sandboxed_params_schema,
 )
 from evotrainer.errors import EvoError
+from evotrainer.sandbox.process import Limits, Sandbox
 
 DEFAULT_TEMPLATE = (
     "Complete the following Python function. Give the complete function, with any imports it "

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from evotrainer.domains import make_domain, runner
+from evotrainer.domains import make_domain
 from evotrainer.domains.data import sample_path
 from evotrainer.domains.data.convert import convert_file
 from evotrainer.errors import EvoError
+from evotrainer.sandbox import runner
 
 RAW = sample_path("swe_rebench_sample.jsonl")
 REPOS = sample_path("swe_rebench_repos")

@@ -25,7 +25,6 @@ from typing import Any, ClassVar
 
 from evotrainer.domains.base import Score, Task
 from evotrainer.domains.data import require_text, stable_id
-from evotrainer.domains.runner import UNASKED_SIGNALS
 from evotrainer.domains.sandboxed import (
     EXECUTOR_PARAMS,
     LIMIT_STATUSES,
@@ -41,6 +40,7 @@ from evotrainer.sandbox.process import (
     check_executor,
     default_sandbox,
 )
+from evotrainer.sandbox.runner import UNASKED_SIGNALS
 
 DEFAULT_TEMPLATE = (
     "Write a Python 3 program that reads from standard input and writes to standard "

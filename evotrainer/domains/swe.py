@@ -55,12 +55,12 @@ import weakref
 from collections import OrderedDict
 from typing import Any, ClassVar
 
-from evotrainer.domains import runner
 from evotrainer.domains.base import Demonstration, Domain, EnvStep, Score, Task
 from evotrainer.domains.humaneval import bundled_problems
 from evotrainer.domains.sandboxed import EXECUTOR_PARAMS
 from evotrainer.domains.swe_repo import RepoTask, build, files
 from evotrainer.errors import EvoError
+from evotrainer.sandbox import runner
 from evotrainer.sandbox.process import (
     NO_NEW_PRIVILEGES,
     NOBODY,

@@ -42,12 +42,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
 
-from evotrainer.domains import runner
 from evotrainer.domains.base import Demonstration, Task
 from evotrainer.domains.data import DataFiles, require_text, resolve_data_path, sample_path
 from evotrainer.domains.swe import TOOLS, TURN_END, DockerRepo, LocalRepo, Memo, SweDomain
 from evotrainer.domains.swe_repo import GIT_ENV, tar_repo
 from evotrainer.errors import EvoError
+from evotrainer.sandbox import runner
 from evotrainer.sandbox.process import DockerSandbox, Limits, check_executor
 
 DEFAULT_TEMPLATE = (

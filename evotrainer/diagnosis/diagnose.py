@@ -45,9 +45,9 @@ from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 from evotrainer.store import cel
 
 
-class SandboxFactory(Protocol):
-    """A sandbox over other rows of a split (an increment's new ones), with the diagnosis's
-    limits."""
+class ConnectionFactory(Protocol):
+    """A read-only query connection over other rows of a split (an increment's new ones), with
+    the diagnosis's limits."""
 
     def __call__(
         self, split: str, rows: pa.Table, calls: Callable[[], pa.Table]
@@ -59,7 +59,7 @@ class Increment(Protocol):
     a metric's value and series from carried partials, or None to compute it in full."""
 
     def metric(
-        self, metric: Metric, rows: pa.Table, view: pa.Table, sandbox: SandboxFactory
+        self, metric: Metric, rows: pa.Table, view: pa.Table, connect: ConnectionFactory
     ) -> tuple[float | None, list[list[float]]] | None: ...
 
     def combines(self, metric: Metric) -> bool:
@@ -322,7 +322,7 @@ def _slope(points: list[list[float]]) -> float | None:
 
 
 class _Run:
-    """One diagnosis: sandboxed connections and split tables, made on first use."""
+    """One diagnosis: read-only query connections and split tables, made on first use."""
 
     def __init__(
         self,
@@ -336,7 +336,7 @@ class _Run:
         self.table, self.steps, self.harness = table, steps, harness
         self.increment = increment
         self.timeout_s, self.memory_limit = timeout_s, memory_limit
-        self.sandboxes: dict[str | None, ReadOnlyQuery] = {}
+        self.connections: dict[str | None, ReadOnlyQuery] = {}
         self.masks = {split: pc.equal(table.column("split"), split) for split in ("train", "val")}
         self.split_rows = {split: pc.sum(mask).as_py() or 0 for split, mask in self.masks.items()}
         self.rows: dict[str, pa.Table] = {}
@@ -357,25 +357,25 @@ class _Run:
         each result, or its error, in harness order as before. The views are made here first,
         so both threads share them."""
         for metric in self.harness.metrics:
-            # A declared analyzer queries this thread's sandbox: it runs here, in `metric`.
+            # A declared analyzer queries this thread's connection: it runs here, in `metric`.
             if metric.analyzer in ANALYZERS and self.split_rows[metric.split]:
                 self._view(metric.split)
                 self.analyzed[metric.name] = pool.submit(self._analyzer, metric)
 
-    def sandbox(self, split: str | None) -> ReadOnlyQuery:
-        if split not in self.sandboxes:
-            self.sandboxes[split] = self._sandbox(
+    def connection(self, split: str | None) -> ReadOnlyQuery:
+        if split not in self.connections:
+            self.connections[split] = self._connect(
                 split,
                 None if split is None else self._rows(split),
                 # The analyzers' flattened calls, so the split's calls are flattened once.
                 None if split is None else lambda: call_table(self._view(split)),
             )
-        return self.sandboxes[split]
+        return self.connections[split]
 
-    def _sandbox(
+    def _connect(
         self, split: str | None, rows: pa.Table | None, calls: Callable[[], pa.Table] | None
     ) -> ReadOnlyQuery:
-        """A sandbox whose `rollouts` are `rows`, with this diagnosis's limits."""
+        """A connection whose `rollouts` are `rows`, with this diagnosis's limits."""
         return ReadOnlyQuery(
             self.table,
             self.steps,
@@ -389,8 +389,8 @@ class _Run:
     def close(self) -> None:
         for pending in self.analyzed.values():
             pending.cancel()
-        for sandbox in self.sandboxes.values():
-            sandbox.close()
+        for connection in self.connections.values():
+            connection.close()
         if self.increment is not None:
             self.increment.close()
 
@@ -411,7 +411,7 @@ class _Run:
         field = f"metrics.{metric.name}"
         try:
             combined = self.increment and self.increment.metric(
-                metric, self._rows(metric.split), self._view(metric.split), self._sandbox
+                metric, self._rows(metric.split), self._view(metric.split), self._connect
             )
             if combined:
                 value, points = combined
@@ -420,7 +420,7 @@ class _Run:
             elif (declared := self.harness.declared(metric.analyzer)) is not None:
                 value, points = run_declared(
                     declared,
-                    self.sandbox(metric.split),  # the analyzer's rows.split (harness.py)
+                    self.connection(metric.split),  # the analyzer's rows.split (harness.py)
                     {**self.harness.params, **metric.analyzer_params},
                     timeout_s=self.timeout_s,
                     memory_limit=self.memory_limit,
@@ -442,7 +442,7 @@ class _Run:
         if any(c not in self.table.column_names for c in columns):
             # Not a canonical table: let DuckDB name what is wrong.
             sql = "SELECT " + ", ".join(f"count({c})" for c in columns) + " FROM rollouts"
-            _, rows = self.sandbox(split).query(sql, {}, field="requires")
+            _, rows = self.connection(split).query(sql, {}, field="requires")
             return [c for c, n in zip(columns, rows[0], strict=True) if n == 0]
         return [c for c in columns if self._recorded(split, c) == 0]
 
@@ -464,7 +464,7 @@ class _Run:
         if metric.name in self.fused:
             columns, rows = self.fused.pop(metric.name)
         else:
-            columns, rows = self.sandbox(metric.split).query(
+            columns, rows = self.connection(metric.split).query(
                 metric.sql, self.harness.metric_params(metric), field=metric.name
             )
         return metric_result(columns, rows)
@@ -493,7 +493,7 @@ class _Run:
         if len(members) < 2:
             return
         try:
-            columns, rows = self.sandbox(metric.split).query(
+            columns, rows = self.connection(metric.split).query(
                 fused_query([fusable_query(m.sql) for m in members]),
                 self.harness.params,
                 field=metric.name,
@@ -522,7 +522,7 @@ class _Run:
         )
 
     def _rows(self, split: str) -> pa.Table:
-        """The split's rows (zero-copy slices where it can), for its sandbox and analyzers."""
+        """The split's rows (zero-copy slices where it can), for its connection and analyzers."""
         if split not in self.rows:
             self.rows[split] = rows_where(self.table, self.masks[split])
         return self.rows[split]
@@ -583,7 +583,7 @@ class _Run:
         if alert.sample_where is None or alert.sample_limit <= 0:
             return []
         split = alert.sample_split or metric.split
-        sandbox = self.sandbox(None if split == "all" else split)
+        connection = self.connection(None if split == "all" else split)
         field = f"alerts.{alert.name}.sample.where"
 
         def sample(source: str) -> list[str]:
@@ -592,7 +592,7 @@ class _Run:
                 f"ORDER BY step DESC, seed, group_id, sample_idx LIMIT {alert.sample_limit}"
             )
             try:
-                _, rows = sandbox.query(sql, self.harness.params, field=field)
+                _, rows = connection.query(sql, self.harness.params, field=field)
             except EvoError as err:
                 raise EvoError(
                     err.message, where=self.harness.source, field=field, hint=err.hint
@@ -604,18 +604,18 @@ class _Run:
         # when the latest steps alone hold `limit` matches they are the answer: try those
         # first, in windows 16 times larger each, rather than evaluate an expensive `where`
         # on every row.
-        for floor in self._recent_floors(sandbox):
-            found = sample(sandbox.recent_rows(floor))
+        for floor in self._recent_floors(connection):
+            found = sample(connection.recent_rows(floor))
             if len(found) == alert.sample_limit:
                 return found
         return sample("rollouts")
 
-    def _recent_floors(self, sandbox: ReadOnlyQuery) -> list[int]:
+    def _recent_floors(self, connection: ReadOnlyQuery) -> list[int]:
         """The lowest steps of the fewest latest steps holding 1/256 and 1/16 of the view's
         rows (each once, and none that is every step), counted once per view."""
-        if sandbox not in self.floors:
+        if connection not in self.floors:
             # Rows per step, latest first (Arrow counts them without a query).
-            counts = pc.value_counts(pc.drop_null(sandbox.split_table.column("step")))
+            counts = pc.value_counts(pc.drop_null(connection.split_table.column("step")))
             rows = sorted(
                 zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist(),
                     strict=True),
@@ -630,5 +630,5 @@ class _Run:
                     if seen * share >= total:
                         floors += [int(step)] if int(step) not in floors else []
                         break
-            self.floors[sandbox] = floors
-        return self.floors[sandbox]
+            self.floors[connection] = floors
+        return self.floors[connection]

@@ -272,30 +272,9 @@ def gate_verdict(
     return {"verdict": "inconclusive", "rule": None, "variables": _plain(variables)}
 
 
-def evaluate_unless_null(expr: str, variables: dict[str, Any]) -> Any:
-    """`expr` over `variables`, or None when it cannot be decided because a name it reads is
-    null or absent, or is a map of metrics (`parent`, `trend`) that may lack the entry read:
-    a null metric never fires an alert or a trigger, decides a gate rule or holds a
-    criterion. `||` with one true side still holds. Any other failure (a typo in `params`
-    included: the harness defines every param) raises."""
-    referenced = cel.names(expr)
-    bound = {**dict.fromkeys(referenced), **variables}
-    try:
-        return cel.evaluate(expr, bound)
-    except cel.CostExceeded:
-        raise  # past the evaluation budget: an error, never "undecided"
-    except EvoError:
-        if any(
-            bound[name] is None or (isinstance(bound[name], dict) and name != "params")
-            for name in referenced
-        ):
-            return None
-        raise
-
-
 def _holds(expr: str, variables: dict[str, Any], *, where: str, field: str) -> bool:
     try:
-        return evaluate_unless_null(expr, variables) is True
+        return cel.evaluate_unless_null(expr, variables) is True
     except EvoError as err:
         raise EvoError(err.message, where=where, field=field) from None
 
@@ -575,7 +554,7 @@ class _Run:
             if metrics[name] is None:
                 continue
             alone = {**metrics, **{other: None for other in read - {name}}}
-            if evaluate_unless_null(when, {**alone, "params": self.harness.params}) is True:
+            if cel.evaluate_unless_null(when, {**alone, "params": self.harness.params}) is True:
                 return name
         return alert.metric
 

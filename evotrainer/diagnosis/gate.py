@@ -25,13 +25,14 @@ import pyarrow as pa
 
 from evotrainer import API_VERSION
 from evotrainer.contract.recipe import evaluation_sampling
-from evotrainer.diagnosis.diagnose import evaluate_unless_null, gate_verdict, parent_comparison
+from evotrainer.diagnosis.diagnose import gate_verdict, parent_comparison
 from evotrainer.diagnosis.gaps import unexplained_outcome
 from evotrainer.diagnosis.harness import HarnessRevision
 from evotrainer.diagnosis.outcomes import classify, pathology_status
 from evotrainer.diagnosis.stats import GateProcedure, adjust_p, confidence_label
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_scores
+from evotrainer.store.cel import evaluate_unless_null
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import branch_name
 from evotrainer.store.lineage import main_frontier, merged_into_main, verdict_of

@@ -57,8 +57,8 @@ from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.gate import recorded_scores
 from evotrainer.diagnosis.harness import resolve_harness
 from evotrainer.diagnosis.replay import version_rollouts
-from evotrainer.diagnosis.stats import GateProcedure, compare_tables
 from evotrainer.errors import EvoError
+from evotrainer.stats import GateProcedure, compare_tables
 from evotrainer.store.recipe import deep_merge
 from evotrainer.store.workspace import PROJECT_FILE, Workspace
 

@@ -36,8 +36,8 @@ from evotrainer.diagnosis.skills import (
     resolve_patch,
     resolve_skill,
 )
-from evotrainer.diagnosis.stats import confidence_label
 from evotrainer.errors import EvoError
+from evotrainer.stats import confidence_label
 from evotrainer.store import cel, specs
 from evotrainer.store.recipe import _is_named_list, deep_merge
 from evotrainer.store.workspace import VersionState, Workspace

@@ -29,9 +29,9 @@ from evotrainer.diagnosis.diagnose import gate_verdict, parent_comparison
 from evotrainer.diagnosis.gaps import unexplained_outcome
 from evotrainer.diagnosis.harness import HarnessRevision
 from evotrainer.diagnosis.outcomes import classify, pathology_status
-from evotrainer.diagnosis.stats import GateProcedure, adjust_p, confidence_label
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_scores
+from evotrainer.stats import GateProcedure, adjust_p, confidence_label
 from evotrainer.store.cel import evaluate_unless_null
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import branch_name

@@ -30,10 +30,10 @@ from typing import Any
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
 from evotrainer.diagnosis.gate import decide, recorded_scores
 from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
-from evotrainer.diagnosis.stats import GateProcedure
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts, read_steps
 from evotrainer.evidence.layout import RunArtifacts
+from evotrainer.stats import GateProcedure
 from evotrainer.store.lineage import tree_order
 from evotrainer.store.workspace import PROJECT_FILE, VersionState, Workspace
 
@@ -91,12 +91,13 @@ def _memo_key(
 
 @cache
 def _code_digest() -> str:
-    """The digest of the code a diagnosis runs (the diagnosis and evidence packages): a
-    changed analyzer or reader makes every remembered backtest diagnosis a miss."""
+    """The digest of the code a diagnosis runs (the diagnosis and evidence packages and the
+    statistics of its parent comparison): a changed analyzer, reader or statistic makes every
+    remembered backtest diagnosis a miss."""
     digest = hashlib.sha256()
     root = Path(__file__).resolve().parents[1]
     for path in sorted([*root.glob("diagnosis/*.py"), *root.glob("diagnosis/*.yaml"),
-                        *root.glob("evidence/*.py")]):
+                        *root.glob("evidence/*.py"), root / "stats.py"]):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 

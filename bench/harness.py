@@ -55,7 +55,7 @@ def build(root: Path, versions: int) -> Path:
 def baseline(root: Path, old: str, new: str) -> float:
     """Seconds the plain backtest takes: one version after another, nothing kept between
     runs (the recorded diagnoses under the same digest are still read, as before)."""
-    from evotrainer.diagnosis import harness_backtest as hb
+    from evotrainer.gate import harness_backtest as hb
     from evotrainer.store.workspace import Workspace
 
     shutil.rmtree(root / ".evotrainer" / "cache" / "backtest", ignore_errors=True)

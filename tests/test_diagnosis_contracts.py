@@ -12,12 +12,12 @@ from standin import propose as train
 
 from evotrainer.control.reconcile import load_context
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
-from evotrainer.diagnosis.gate import decide
 from evotrainer.diagnosis.harness import parse_harness, resolve_harness
-from evotrainer.diagnosis.harness_backtest import backtest_harness
 from evotrainer.diagnosis.sql import ReadOnlyQuery
 from evotrainer.errors import EvoError
 from evotrainer.evidence.synthetic import rollout_table
+from evotrainer.gate.decision import decide
+from evotrainer.gate.harness_backtest import backtest_harness
 from evotrainer.store.cel import evaluate_unless_null
 from evotrainer.store.workspace import Workspace
 

@@ -6,9 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from evotrainer.diagnosis.diagnose import _Run, diagnose, diagnosis_document, gate_verdict
+from evotrainer.diagnosis.diagnose import _Run, diagnose, diagnosis_document
 from evotrainer.diagnosis.harness import resolve_harness
 from evotrainer.evidence.synthetic import rollout_table
+from evotrainer.gate.decision import gate_verdict
 
 H0 = resolve_harness("h0")
 

@@ -343,7 +343,7 @@ def test_identity_handed_to_the_job_round_trips(tmp_path, recorded):
 
 
 def test_gate_summary_reaches_the_runs_the_training_logged(recorded):
-    """What diagnosis/gate.py calls after its decision: with the recipe's default loggers
+    """What gate/decision.py calls after its decision: with the recipe's default loggers
     (console, file), every seed's summary gets the verdict, Δ, CI and alerts."""
     states = recorded.versions()
     state = states["v1"]

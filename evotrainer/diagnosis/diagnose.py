@@ -1,4 +1,4 @@
-"""Diagnose a version's evidence with a harness revision, and apply the promotion gate.
+"""Diagnose a version's evidence with a harness revision.
 
 A rollout id is `version/seed/split/step/group_id/sample_idx`: stable across re-ingests and
 enough to find the row again in the version's rollout table.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -75,15 +75,6 @@ _EXAMPLE_WINDOWS = (256, 16)
 ROLLOUT_ID_SQL = "concat_ws('/', version, seed, split, step, group_id, sample_idx) AS id"
 
 
-def parent_comparison(
-    parent_scores: pa.Table, candidate_scores: pa.Table, harness: HarnessRevision
-) -> dict:
-    """The one comparison of a version with its parent: the diagnosis records it (the
-    version-layer metrics read it) and the gate decides on it, under the harness's gate
-    procedure (`gate.alpha`, CI method, resamples, strata)."""
-    return harness.procedure.compare(parent_scores, candidate_scores)
-
-
 def diagnose(
     rollouts: pa.Table | str | Path,
     steps: pa.Table | None,
@@ -137,7 +128,9 @@ def diagnose(
             if parent_scores is not None:
                 candidate = scores if scores is not None else val_scores(table)
                 if candidate.num_rows:
-                    comparison = parent_comparison(parent_scores, candidate, harness)
+                    # The one comparison with the parent, under the harness's gate procedure:
+                    # the version-layer metrics read it and the gate decides on it.
+                    comparison = harness.procedure.compare(parent_scores, candidate)
             metrics: dict[str, float | None] = {}
             series: dict[str, list[list[float]]] = {}
             gaps: list[dict[str, str]] = []
@@ -234,53 +227,6 @@ def diagnosis_document(diagnosis: dict, version: str | None = None) -> dict:
         },
         "series": diagnosis["series"],
     }
-
-
-def gate_verdict(
-    harness: HarnessRevision,
-    diagnosis: dict,
-    comparison: dict | None = None,
-    parent_metrics: dict[str, float | None] | None = None,
-) -> dict:
-    """Apply the gate: the first rule whose `when` holds decides; none holding means
-    inconclusive. A rule that reads a null value does not hold."""
-    comparison = comparison or diagnosis.get("comparison") or {}
-    alerts = diagnosis["alerts"]
-    variables = {
-        **diagnosis["metrics"],
-        "delta": comparison.get("delta"),
-        "ci_low": comparison.get("ci_low"),
-        "ci_high": comparison.get("ci_high"),
-        "p_value": comparison.get("p_bootstrap"),
-        "p_wilcoxon": comparison.get("p_wilcoxon"),
-        "parent": dict(parent_metrics or {}),
-        "alpha": harness.alpha,
-        "min_delta": harness.min_delta,
-        "critical_alerts": sum(a["severity"] == "critical" for a in alerts),
-        # Critical behavior alerts (leak, abandonment) say the score itself cannot be
-        # trusted; critical signal alerts (dead groups) say what to fix next.
-        "critical_behavior_alerts": sum(
-            a["severity"] == "critical" and a.get("layer") == "behavior" for a in alerts
-        ),
-        "warning_alerts": sum(a["severity"] == "warning" for a in alerts),
-        "alerts": [a["name"] for a in alerts],
-        "params": harness.params,
-    }
-    for rule in harness.gate_rules:
-        if _holds(rule.when, variables, where=harness.source, field=f"gate rule {rule.name}"):
-            return {"verdict": rule.verdict, "rule": rule.name, "variables": _plain(variables)}
-    return {"verdict": "inconclusive", "rule": None, "variables": _plain(variables)}
-
-
-def _holds(expr: str, variables: dict[str, Any], *, where: str, field: str) -> bool:
-    try:
-        return cel.evaluate_unless_null(expr, variables) is True
-    except EvoError as err:
-        raise EvoError(err.message, where=where, field=field) from None
-
-
-def _plain(variables: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in variables.items() if k != "params"}
 
 
 def _versions(column: pa.ChunkedArray) -> list[str]:
@@ -530,7 +476,7 @@ class _Run:
         variables = {**metrics, "params": self.harness.params}
         for i, level in enumerate(alert.levels):
             field = f"alerts.{alert.name}.levels[{i}].when"
-            if _holds(level.when, variables, where=self.harness.source, field=field):
+            if cel.holds(level.when, variables, where=self.harness.source, field=field):
                 metric = self.harness.metric(alert.metric)
                 fired_on = self._fired_on(alert, level.when, metrics)
                 return {

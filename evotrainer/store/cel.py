@@ -206,6 +206,16 @@ def evaluate_unless_null(expr: str, variables: dict[str, Any]) -> Any:
         raise
 
 
+def holds(expr: str, variables: dict[str, Any], *, where: str, field: str) -> bool:
+    """Whether `expr` holds over `variables` (`evaluate_unless_null` is True: a null never
+    holds); an evaluation error names `where` and `field` (a harness revision's alert level
+    or gate rule)."""
+    try:
+        return evaluate_unless_null(expr, variables) is True
+    except EvoError as err:
+        raise EvoError(err.message, where=where, field=field) from None
+
+
 def _to_cel(value: Any) -> Any:
     if value is None:
         return celtypes.NullType()

@@ -47,14 +47,12 @@ from evotrainer.agent.planners.base import (
     policy_violation,
 )
 from evotrainer.agent.retrieval import Query, SearchTrace, retrieve
-from evotrainer.diagnosis.gate import metric_values
 from evotrainer.diagnosis.harness import (
     GATE_VARIABLES,
     HarnessRevision,
     load_harness,
     parse_harness,
 )
-from evotrainer.diagnosis.harness_backtest import backtest_harness
 from evotrainer.diagnosis.replay import (
     backtest_filter,
     backtest_reward,
@@ -67,6 +65,8 @@ from evotrainer.diagnosis.sql import ReadOnlyQuery, check_select
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts
 from evotrainer.evidence.layout import RunArtifacts
+from evotrainer.gate.decision import metric_values
+from evotrainer.gate.harness_backtest import backtest_harness
 from evotrainer.store import cel, specs
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.lineage import lineage_rows

@@ -75,8 +75,6 @@ from evotrainer.diagnosis.gaps import (
     unexplained_outcome,
 )
 from evotrainer.diagnosis.harness import parse_harness
-from evotrainer.diagnosis.harness_backtest import backtest_harness, recorded_versions
-from evotrainer.diagnosis.outcomes import MIXED, REGRESSION
 from evotrainer.diagnosis.replay import (
     backtest_filter,
     backtest_reward,
@@ -86,6 +84,8 @@ from evotrainer.diagnosis.replay import (
 )
 from evotrainer.diagnosis.skills import Match, fires, match, refusals, resolve_skill
 from evotrainer.errors import EvoError
+from evotrainer.gate.harness_backtest import backtest_harness, recorded_versions
+from evotrainer.gate.outcomes import MIXED, REGRESSION
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.checkpoints import init_mode
 from evotrainer.store.records import NO_GAIN, Verdict

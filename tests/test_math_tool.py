@@ -15,11 +15,11 @@ import pytest
 from evotrainer.diagnosis.catalogue import catalogue
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import parse_harness
-from evotrainer.diagnosis.skills import load_library, match, resolve_skill
 from evotrainer.domains import make_domain
 from evotrainer.domains.math_tool import OPEN, TURN_END, final_text, parse_action
 from evotrainer.errors import EvoError
 from evotrainer.evidence.synthetic import rollout_table
+from evotrainer.skills.skill import load_library, match, resolve_skill
 from evotrainer.store.recipe import BASE_RECIPE, deep_merge
 
 FAST = {"cpu_seconds": 1, "wall_seconds": 2, "packages": []}

@@ -30,8 +30,8 @@ from evotrainer.control.versions import approve, new_version
 from evotrainer.diagnosis.catalogue import catalogue
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import parse_harness
-from evotrainer.diagnosis.replay import version_rollouts
 from evotrainer.evidence.io import read_rollouts
+from evotrainer.skills.replay import version_rollouts
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.workspace import Workspace
 

@@ -14,9 +14,9 @@ from test_retrieval import ENV, library_repo, record, use_library
 from evotrainer.agent.retrieval import Query, retrieve
 from evotrainer.agent.skill_creation import patch_from_overrides, propose_skill
 from evotrainer.control.versions import new_version
-from evotrainer.diagnosis.skill_library import share_evidence, workspace_library
-from evotrainer.diagnosis.skills import load_skill, resolve_skill
 from evotrainer.errors import EvoError
+from evotrainer.skills.library import share_evidence, workspace_library
+from evotrainer.skills.skill import load_skill, resolve_skill
 from evotrainer.store import specs
 
 

@@ -23,7 +23,8 @@ from evotrainer.agent.planners.rules import RulesPlanner
 from evotrainer.agent.propose import propose
 from evotrainer.commands.init import EXAMPLES_DIR
 from evotrainer.control.versions import new_version
-from evotrainer.diagnosis.skills import (
+from evotrainer.errors import EvoError
+from evotrainer.skills.skill import (
     is_operation,
     load_library,
     load_skill,
@@ -32,7 +33,6 @@ from evotrainer.diagnosis.skills import (
     resolve_skill,
     skill_overrides,
 )
-from evotrainer.errors import EvoError
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.recipe import BASE_RECIPE, deep_merge, resolve
 from evotrainer.store.workspace import PROJECT_FILE, Workspace

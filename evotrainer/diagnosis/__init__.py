@@ -1,2 +1,2 @@
-"""Diagnosis: harness revisions and the metric engine over stored rollouts, the skill library
-and reward backtests."""
+"""Diagnosis: harness revisions and the metric engine over stored rollouts (catalogue and
+declared analyzers, SQL, incremental passes, gaps)."""

@@ -53,20 +53,20 @@ from evotrainer.diagnosis.harness import (
     load_harness,
     parse_harness,
 )
-from evotrainer.diagnosis.replay import (
-    backtest_filter,
-    backtest_reward,
-    skill_filter,
-    skill_reward,
-    version_rollouts,
-)
-from evotrainer.diagnosis.skills import get_skill, resolve_skill, search
 from evotrainer.diagnosis.sql import ReadOnlyQuery, check_select
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.gate.decision import metric_values
 from evotrainer.gate.harness_backtest import backtest_harness
+from evotrainer.skills.replay import (
+    backtest_filter,
+    backtest_reward,
+    skill_filter,
+    skill_reward,
+    version_rollouts,
+)
+from evotrainer.skills.skill import get_skill, resolve_skill, search
 from evotrainer.store import cel, specs
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.lineage import lineage_rows

@@ -30,10 +30,10 @@ import yaml
 
 from evotrainer.control.versions import new_version, parse_assignment
 from evotrainer.diagnosis.harness import HarnessRevision, parse_harness, resolve_harness
-from evotrainer.diagnosis.skill_library import workspace_library
-from evotrainer.diagnosis.skills import Skill
 from evotrainer.errors import EvoError
 from evotrainer.gate.outcomes import MIXED, SUPPORTED
+from evotrainer.skills.library import workspace_library
+from evotrainer.skills.skill import Skill
 from evotrainer.store.checkpoints import CHECKPOINT, is_dropped
 from evotrainer.store.git import PRUNED_TAG_PREFIX
 from evotrainer.store.lineage import main_frontier, merged_into_main, tree_order

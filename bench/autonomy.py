@@ -51,7 +51,7 @@ import yaml
 
 from evotrainer.agent.evolve import evolve
 from evotrainer.backends.base import Backend
-from evotrainer.commands.init import init_workspace
+from evotrainer.control.scaffold import init_workspace
 from evotrainer.control.versions import approve
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import resolve_harness

@@ -38,7 +38,7 @@ def build(root: Path, versions: int) -> Path:
     from standin import StandinBackend, converge, propose
 
     from evotrainer.backends import BACKEND_TYPES
-    from evotrainer.commands.init import init_workspace
+    from evotrainer.control.scaffold import init_workspace
     from evotrainer.store.workspace import Workspace
 
     BACKEND_TYPES["local"] = StandinBackend

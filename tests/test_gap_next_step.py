@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from evotrainer.agent.planners.rules import _discrimination
-from evotrainer.commands.init import EXAMPLES_DIR
+from evotrainer.control.scaffold import EXAMPLES_DIR
 from evotrainer.diagnosis.catalogue import catalogue
 from evotrainer.diagnosis.gaps import no_next_step
 from evotrainer.skills.skill import load_library

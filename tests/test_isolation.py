@@ -15,7 +15,7 @@ import psutil
 import pytest
 from test_sandbox import SHARED_PYTHON
 
-from evotrainer.commands.init import init_workspace
+from evotrainer.control.scaffold import init_workspace
 from evotrainer.control.versions import new_version
 from evotrainer.domains import make_domain
 from evotrainer.domains.data import DATA_ROOTS_ENV

@@ -291,7 +291,7 @@ def test_paper_math_with_the_interpreter_renders_and_runs_as_a_verl_tool(tmp_pat
 
     from evotrainer.backends.verl_episode import max_tool_reply
     from evotrainer.backends.verl_render import JobFiles, render_job
-    from evotrainer.commands.init import EXAMPLES_DIR
+    from evotrainer.control.scaffold import EXAMPLES_DIR
     from evotrainer.store.recipe import resolve
     from evotrainer.store.specs import load_yaml
 

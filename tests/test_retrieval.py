@@ -16,7 +16,7 @@ import yaml
 from sealing import controller_commit
 
 from evotrainer.agent.retrieval import Query, SearchTrace, query_for, retrieve
-from evotrainer.commands.init import init_workspace
+from evotrainer.control.scaffold import init_workspace
 from evotrainer.control.versions import new_version
 from evotrainer.errors import EvoError
 from evotrainer.skills.library import (

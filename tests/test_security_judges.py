@@ -395,7 +395,7 @@ def hostile_library(tmp_path: Path, skill: dict) -> Workspace:
     (library / "skills" / f"{skill['name']}.yaml").write_text(specs.dump(skill))
     repo.git.add("-A")
     repo.git.commit("-m", "a helpful skill", env=LIBRARY_ENV)
-    from evotrainer.commands.init import init_workspace
+    from evotrainer.control.scaffold import init_workspace
 
     root = init_workspace(tmp_path / "ws", "arith")
     project = root / "spec" / "project.yaml"

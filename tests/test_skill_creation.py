@@ -122,7 +122,7 @@ def test_a_created_skill_with_its_evidence_is_shared_and_retrieved_in_another_wo
     assert [e["version"] for e in lib_skill["evidence"]] == ["arith-demo/v1"]
     load_skill(tmp_path / "library" / "skills" / "v1-grpo-lr.yaml")  # a valid skill
 
-    from evotrainer.commands.init import init_workspace
+    from evotrainer.control.scaffold import init_workspace
     other = use_library(init_workspace(tmp_path / "other", "arith"), repo="../library")
     found = retrieve(other, Query(alerts=("dead_groups",), domain="arith"), limit=50)
     assert any(r.kind == "skill" and r.title == "v1-grpo-lr" and

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import yaml
 
-from evotrainer.commands.init import EXAMPLES_DIR
+from evotrainer.control.scaffold import EXAMPLES_DIR
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import resolve_harness
 from evotrainer.domains import make_domain

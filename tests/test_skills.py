@@ -11,8 +11,8 @@ import yaml
 from sealing import controller_commit
 
 from evotrainer.backends import get_backend
-from evotrainer.commands.init import EXAMPLES_DIR
 from evotrainer.contract.filters import check_filter_spec
+from evotrainer.control.scaffold import EXAMPLES_DIR
 from evotrainer.control.versions import new_version
 from evotrainer.diagnosis.catalogue import catalogue
 from evotrainer.domains import get_domain

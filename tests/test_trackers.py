@@ -20,8 +20,8 @@ from sealing import controller_commit
 from standin import StandinBackend, standin_settings
 
 from evotrainer.backends import BACKEND_TYPES
-from evotrainer.commands.init import init_workspace
 from evotrainer.control.reconcile import Reconciler
+from evotrainer.control.scaffold import init_workspace
 from evotrainer.control.versions import approve, new_version
 from evotrainer.errors import EvoError
 from evotrainer.evidence.verl import read_metrics_log

@@ -14,7 +14,7 @@ from standin_planted import PlantedBackend, converge
 
 from evotrainer.agent.planners.rules import _with_metric
 from evotrainer.backends import BACKEND_TYPES
-from evotrainer.commands.init import init_workspace
+from evotrainer.control.scaffold import init_workspace
 from evotrainer.control.versions import approve, new_version
 from evotrainer.diagnosis.catalogue import catalogue
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document

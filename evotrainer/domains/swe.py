@@ -21,7 +21,7 @@ unpacked, acted on and packed again inside each sandboxed run; `docker` runs one
 per episode from a locally built image (`scripts/swe-docker-image.sh`) with no network and
 memory, pid and CPU limits, removed at submit (or when the episode's environment is released,
 or by itself after `container_lifetime_s`). Both run the same action program
-(`runner.py`), so a task gives the same result in both; every reply carries the nonce of its
+(`sandbox/runner.py`), so a task gives the same result in both; every reply carries the nonce of its
 request (`runner.read_report`).
 
 Score (F2P/P2P, as SWE-bench): the runner runs the pristine tests (their text from the task,

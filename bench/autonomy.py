@@ -51,14 +51,14 @@ import yaml
 
 from evotrainer.agent.evolve import evolve
 from evotrainer.backends.base import Backend
-from evotrainer.commands.init import init_workspace
+from evotrainer.control.scaffold import init_workspace
 from evotrainer.control.versions import approve
 from evotrainer.diagnosis.diagnose import diagnose
-from evotrainer.diagnosis.gate import recorded_scores
 from evotrainer.diagnosis.harness import resolve_harness
-from evotrainer.diagnosis.replay import version_rollouts
-from evotrainer.diagnosis.stats import GateProcedure, compare_tables
 from evotrainer.errors import EvoError
+from evotrainer.gate.decision import recorded_scores
+from evotrainer.skills.replay import version_rollouts
+from evotrainer.stats import GateProcedure, compare_tables
 from evotrainer.store.recipe import deep_merge
 from evotrainer.store.workspace import PROJECT_FILE, Workspace
 

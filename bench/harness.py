@@ -38,7 +38,7 @@ def build(root: Path, versions: int) -> Path:
     from standin import StandinBackend, converge, propose
 
     from evotrainer.backends import BACKEND_TYPES
-    from evotrainer.commands.init import init_workspace
+    from evotrainer.control.scaffold import init_workspace
     from evotrainer.store.workspace import Workspace
 
     BACKEND_TYPES["local"] = StandinBackend
@@ -55,7 +55,7 @@ def build(root: Path, versions: int) -> Path:
 def baseline(root: Path, old: str, new: str) -> float:
     """Seconds the plain backtest takes: one version after another, nothing kept between
     runs (the recorded diagnoses under the same digest are still read, as before)."""
-    from evotrainer.diagnosis import harness_backtest as hb
+    from evotrainer.gate import harness_backtest as hb
     from evotrainer.store.workspace import Workspace
 
     shutil.rmtree(root / ".evotrainer" / "cache" / "backtest", ignore_errors=True)

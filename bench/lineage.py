@@ -33,8 +33,8 @@ import git
 import yaml
 
 from evotrainer.backends.local import LocalBackend
-from evotrainer.commands.init import init_workspace
 from evotrainer.control.reconcile import Reconciler, load_context, plan
+from evotrainer.control.scaffold import init_workspace
 from evotrainer.control.versions import approve, spec_text
 from evotrainer.store.git import branch_name
 from evotrainer.store.workspace import Workspace, version_spec_path

@@ -64,12 +64,12 @@ from transformers import DynamicCache  # noqa: E402
 
 from evotrainer.diagnosis.diagnose import diagnose  # noqa: E402
 from evotrainer.diagnosis.harness import resolve_harness  # noqa: E402
-from evotrainer.diagnosis.replay import backtest_reward  # noqa: E402
 from evotrainer.domains import make_domain  # noqa: E402
 from evotrainer.engine import group_decode, grpo, rollout, run_job  # noqa: E402
 from evotrainer.engine.model import initial_model  # noqa: E402
 from evotrainer.engine.rollout import Generation, generate, prompt_ids, stop_ids  # noqa: E402
 from evotrainer.evidence.io import read_steps  # noqa: E402
+from evotrainer.skills.replay import backtest_reward  # noqa: E402
 from evotrainer.store.recipe import resolve  # noqa: E402
 
 CACHE = Path(

@@ -28,7 +28,7 @@ import time
 
 from evotrainer.domains import make_domain
 from evotrainer.domains.code import outputs_match, score_code
-from evotrainer.domains.sandbox import LocalSandbox
+from evotrainer.sandbox.process import LocalSandbox
 
 CASES = 5
 PYTHON = LocalSandbox().python  # the same interpreter the sandbox runs

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from evotrainer.commands.init import init_workspace
+from evotrainer.control.scaffold import init_workspace
 from evotrainer.store.workspace import Workspace
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")

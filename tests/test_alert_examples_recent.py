@@ -34,16 +34,16 @@ def _table(top_step: int):
 
 
 def _full_query(table, where: str) -> list[str]:
-    sandbox = ReadOnlyQuery(table, None, "train")
+    connection = ReadOnlyQuery(table, None, "train")
     try:
-        _, rows = sandbox.query(
+        _, rows = connection.query(
             f"SELECT {ROLLOUT_ID_SQL} FROM rollouts WHERE ({where}) "
             "ORDER BY step DESC, seed, group_id, sample_idx LIMIT 5",
             {},
             field="test",
         )
     finally:
-        sandbox.close()
+        connection.close()
     return [r[0] for r in rows]
 
 
@@ -96,17 +96,17 @@ def test_calls_view_rows_equal_the_flattened_calls_of_a_chunked_table():
         for r in rows
         for name, args in (c.split(" ") for c in r["tool_calls"] or [])
     ]
-    sandbox = ReadOnlyQuery(chunked, None, "train")
+    connection = ReadOnlyQuery(chunked, None, "train")
     try:
-        _, got = sandbox.query("SELECT seed, step, name, args FROM calls", {}, field="test")
-        _, types = sandbox.query(
+        _, got = connection.query("SELECT seed, step, name, args FROM calls", {}, field="test")
+        _, types = connection.query(
             "SELECT typeof(any_value(seed)), typeof(any_value(step)) FROM calls", {}, field="t"
         )
-        _, per_step = sandbox.query(
+        _, per_step = connection.query(
             "SELECT step, count(*) FROM calls GROUP BY step ORDER BY step", {}, field="test"
         )
     finally:
-        sandbox.close()
+        connection.close()
     assert got == want
     assert types == [("BIGINT", "BIGINT")]
     counts: dict[int, int] = {}

@@ -15,17 +15,17 @@ from sealing import controller_commit
 
 from evotrainer.contract.filters import StdGroupFilter
 from evotrainer.control.versions import new_version
-from evotrainer.diagnosis.replay import (
+from evotrainer.domains import make_domain
+from evotrainer.errors import EvoError
+from evotrainer.evidence.schema import ROLLOUT_SCHEMA
+from evotrainer.skills.replay import (
     backtest_filter,
     backtest_reward,
     component_values,
     skill_filter,
     skill_reward,
 )
-from evotrainer.diagnosis.skills import load_library
-from evotrainer.domains import make_domain
-from evotrainer.errors import EvoError
-from evotrainer.evidence.schema import ROLLOUT_SCHEMA
+from evotrainer.skills.skill import load_library
 from evotrainer.store.recipe import BASE_RECIPE
 from evotrainer.store.specs import dump
 

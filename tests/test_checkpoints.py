@@ -13,10 +13,10 @@ import yaml
 from safetensors.torch import load_file
 from sealing import controller_commit
 
-from evotrainer.commands.init import init_workspace
 from evotrainer.control.policy_export import export_policy
 from evotrainer.control.reconcile import record_text
 from evotrainer.control.retention import apply_gc, plan_gc
+from evotrainer.control.scaffold import init_workspace
 from evotrainer.control.versions import new_version
 from evotrainer.engine import run_job
 from evotrainer.engine.model import load_checkpoint, save_checkpoint

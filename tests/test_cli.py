@@ -90,8 +90,8 @@ def test_train_file_refuses_an_unknown_key_as_a_workspace_spec_does(cli, workspa
 
 
 def test_every_example_recipe_is_a_valid_train_file(tmp_path):
-    from evotrainer.commands.init import EXAMPLES_DIR, examples
     from evotrainer.commands.train import load_recipe
+    from evotrainer.control.scaffold import EXAMPLES_DIR, examples
 
     for name in examples():
         recipe = yaml.safe_load((EXAMPLES_DIR / f"{name}.yaml").read_text())["recipe"]

@@ -9,9 +9,9 @@ import pyarrow as pa
 import pytest
 
 from evotrainer.domains.code import CodeDomain, extract_program, outputs_match, score_code
-from evotrainer.domains.sandbox import Limits
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
+from evotrainer.sandbox.process import Limits
 
 TESTS = [
     {"input": "1 2\n", "output": "3\n"},

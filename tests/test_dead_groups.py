@@ -12,11 +12,11 @@ import torch
 from evotrainer.contract.filters import make_filter
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import resolve_harness
-from evotrainer.diagnosis.replay import backtest_filter, backtest_reward
 from evotrainer.engine import run_job
 from evotrainer.evidence.groups import DEAD_GROUP_STD, dead_group_ratio, dead_groups
 from evotrainer.evidence.io import read_rollouts, read_steps
 from evotrainer.evidence.synthetic import rollout_table
+from evotrainer.skills.replay import backtest_filter, backtest_reward
 from evotrainer.store.recipe import resolve
 
 torch.set_num_threads(1)

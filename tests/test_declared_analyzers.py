@@ -13,9 +13,9 @@ import pytest
 
 from evotrainer.diagnosis.diagnose import columns_read, diagnose
 from evotrainer.diagnosis.harness import parse_harness, parse_harness_text
-from evotrainer.domains.sandbox import default_sandbox
 from evotrainer.errors import EvoError
 from evotrainer.evidence.synthetic import rollout_table
+from evotrainer.sandbox.process import default_sandbox
 
 ROWS = [
     dict(step=step, seed=seed, group_id=f"g{g}", sample_idx=i, task_id=f"t{g}",

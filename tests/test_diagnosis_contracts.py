@@ -11,13 +11,14 @@ from standin import converge
 from standin import propose as train
 
 from evotrainer.control.reconcile import load_context
-from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document, evaluate_unless_null
-from evotrainer.diagnosis.gate import decide
+from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
 from evotrainer.diagnosis.harness import parse_harness, resolve_harness
-from evotrainer.diagnosis.harness_backtest import backtest_harness
 from evotrainer.diagnosis.sql import ReadOnlyQuery
 from evotrainer.errors import EvoError
 from evotrainer.evidence.synthetic import rollout_table
+from evotrainer.gate.decision import decide
+from evotrainer.gate.harness_backtest import backtest_harness
+from evotrainer.store.cel import evaluate_unless_null
 from evotrainer.store.workspace import Workspace
 
 
@@ -141,18 +142,18 @@ def test_harness_queries_are_bounded_in_memory_and_threads() -> None:
     [alert] = diagnose(table, None, harness, memory_limit="256MB")["alerts"]
     assert alert["examples"] == ["v0/0/train/1/t0/0"]
 
-    sandbox = ReadOnlyQuery(table, None, "train", memory_limit="16MB", threads=1)
-    _, [row] = sandbox.query(
+    connection = ReadOnlyQuery(table, None, "train", memory_limit="16MB", threads=1)
+    _, [row] = connection.query(
         "SELECT current_setting('threads'), current_setting('temp_directory')", {}, field="x"
     )
     assert row == (1, "")  # one thread; nothing spills to disk
-    sandbox.close()
+    connection.close()
 
 
-def test_sandboxes_sharing_the_database_see_only_their_own_rows_and_survive_a_timeout():
-    # Every sandbox is a connection to one locked database: its views and temp tables are its
-    # own, a query past its time is interrupted with a one-line error, and the other sandboxes
-    # (and later ones) go on working.
+def test_connections_sharing_the_database_see_only_their_own_rows_and_survive_a_timeout():
+    # Every ReadOnlyQuery is a connection to one locked database: its views and temp tables are
+    # its own, a query past its time is interrupted with a one-line error, and the other
+    # connections (and later ones) go on working.
     mine = rollout_table([{"reward": 1.0}, {"reward": 1.0}])
     theirs = rollout_table([{"reward": 0.0}])
     first = ReadOnlyQuery(mine, None, "train", timeout_s=0.2)

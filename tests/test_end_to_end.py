@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from evotrainer.control.reconcile import load_context
-from evotrainer.diagnosis.gate import decide
+from evotrainer.gate.decision import decide
 from evotrainer.store.workspace import Workspace
 
 TINY = {

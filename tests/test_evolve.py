@@ -14,7 +14,7 @@ from evotrainer.agent.evolve import evolve
 from evotrainer.backends import BACKEND_TYPES
 from evotrainer.backends.base import JobSpec
 from evotrainer.commands.evolve import register
-from evotrainer.commands.init import init_workspace
+from evotrainer.control.scaffold import init_workspace
 from evotrainer.errors import EvoError
 from evotrainer.store.lineage import lineage_rows
 from evotrainer.store.recipe import deep_merge

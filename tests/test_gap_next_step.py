@@ -13,10 +13,10 @@ from typing import Any
 import yaml
 
 from evotrainer.agent.planners.rules import _discrimination
-from evotrainer.commands.init import EXAMPLES_DIR
+from evotrainer.control.scaffold import EXAMPLES_DIR
 from evotrainer.diagnosis.catalogue import catalogue
 from evotrainer.diagnosis.gaps import no_next_step
-from evotrainer.diagnosis.skills import load_library
+from evotrainer.skills.skill import load_library
 from evotrainer.store.recipe import deep_merge, resolve
 
 TOOLENV = resolve(yaml.safe_load(Path(EXAMPLES_DIR, "toolenv.yaml").read_text())["recipe"], [])

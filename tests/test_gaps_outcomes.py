@@ -1,4 +1,4 @@
-"""Gap detection (diagnosis/gaps.py) and outcomes (diagnosis/outcomes.py) on hand-made
+"""Gap detection (diagnosis/gaps.py) and outcomes (gate/outcomes.py) on hand-made
 diagnoses and comparisons: each gap fires on the case it names and not on its near misses."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from evotrainer.diagnosis.gaps import (
     series_noise,
     unexplained_outcome,
 )
-from evotrainer.diagnosis.outcomes import classify, pathology_status
+from evotrainer.gate.outcomes import classify, pathology_status
 
 
 def diagnosis(alerts=(), **metrics) -> dict:

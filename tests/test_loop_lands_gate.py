@@ -13,9 +13,9 @@ from standin import converge
 from standin import propose as train
 
 from evotrainer.commands.lineage import describe
-from evotrainer.diagnosis import gate
-from evotrainer.diagnosis.gate import decide, replaced_frontier
 from evotrainer.diagnosis.harness import resolve_harness
+from evotrainer.gate import decision
+from evotrainer.gate.decision import decide, replaced_frontier
 from evotrainer.store.lineage import lineage_rows
 from evotrainer.store.workspace import Workspace
 
@@ -53,7 +53,7 @@ def lineage(workspace: Workspace, monkeypatch) -> Workspace:
     train(workspace, "v3", parent="v2", standin_skill=0.3)
     converge(workspace)
     tables = issue_shape()
-    monkeypatch.setattr(gate, "recorded_scores", lambda ws, name: tables[name])
+    monkeypatch.setattr(decision, "recorded_scores", lambda ws, name: tables[name])
     return workspace
 
 
@@ -105,7 +105,7 @@ def test_a_version_on_an_unpromoted_parent_that_main_would_lose_by_is_not_promot
     v0 = np.array(tables["v0"].column("correct").to_pylist()[::2])
     tables["v2"] = table(v0 - 0.2 + rng.normal(0.0, 0.03, TASKS))
     tables["v3"] = table(v0 + rng.normal(0.0, 0.03, TASKS))
-    monkeypatch.setattr(gate, "recorded_scores", lambda ws, name: tables[name])
+    monkeypatch.setattr(decision, "recorded_scores", lambda ws, name: tables[name])
     v3 = redecide(lineage, "v3")
     assert v3["family"]["members"]["parent"]["verdict"] == "promote"
     assert v3["against_main"]["verdict"] == "inconclusive"
@@ -139,7 +139,7 @@ def test_a_baseline_re_gated_off_main_still_stands_for_main(lineage, monkeypatch
     """Re-gated under a newly adopted harness, the baseline's branch moves past main until
     reconcile promotes it again: in that window its children's children are still decided
     against it."""
-    monkeypatch.setattr(gate, "merged_into_main", lambda ws: set())
+    monkeypatch.setattr(decision, "merged_into_main", lambda ws: set())
     states = lineage.versions()
     assert replaced_frontier(lineage, states, states["v3"]) == "v0"
     assert replaced_frontier(lineage, states, states["v2"]) is None  # v0 is its parent

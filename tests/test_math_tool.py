@@ -15,11 +15,11 @@ import pytest
 from evotrainer.diagnosis.catalogue import catalogue
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import parse_harness
-from evotrainer.diagnosis.skills import load_library, match, resolve_skill
 from evotrainer.domains import make_domain
 from evotrainer.domains.math_tool import OPEN, TURN_END, final_text, parse_action
 from evotrainer.errors import EvoError
 from evotrainer.evidence.synthetic import rollout_table
+from evotrainer.skills.skill import load_library, match, resolve_skill
 from evotrainer.store.recipe import BASE_RECIPE, deep_merge
 
 FAST = {"cpu_seconds": 1, "wall_seconds": 2, "packages": []}
@@ -138,7 +138,7 @@ def test_a_program_reads_nothing_outside_its_scratch_dir(tmp_path, task):
     secret.write_text('{"answer": "TOP-SECRET"}\n')
     repo = Path(__file__).resolve().parents[1] / "pyproject.toml"
     # The host's temp dir, the checkout (file and folder); the interpreter's own prefix and
-    # the system folders stay readable by design (domains/sandbox.py).
+    # the system folders stay readable by design (sandbox/process.py).
     for path in (secret, tmp_path, repo, repo.parent):
         reply = step(domain, task, f"import os; print(os.listdir({str(path)!r}) "
                                    f"if os.path.isdir({str(path)!r}) else "
@@ -291,7 +291,7 @@ def test_paper_math_with_the_interpreter_renders_and_runs_as_a_verl_tool(tmp_pat
 
     from evotrainer.backends.verl_episode import max_tool_reply
     from evotrainer.backends.verl_render import JobFiles, render_job
-    from evotrainer.commands.init import EXAMPLES_DIR
+    from evotrainer.control.scaffold import EXAMPLES_DIR
     from evotrainer.store.recipe import resolve
     from evotrainer.store.specs import load_yaml
 

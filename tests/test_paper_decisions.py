@@ -17,13 +17,14 @@ from evotrainer.agent.planners.base import BUNDLE, Proposal, View, policy_violat
 from evotrainer.backends.verl_reward import compute_score
 from evotrainer.control.versions import new_version
 from evotrainer.diagnosis.catalogue import catalogue
-from evotrainer.diagnosis.diagnose import diagnose, gate_verdict
+from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import parse_harness, resolve_harness
-from evotrainer.diagnosis.harness_backtest import diff_harness
-from evotrainer.diagnosis.replay import backtest_filter, backtest_reward, skill_reward
-from evotrainer.diagnosis.skills import load_library, match, resolve_skill
 from evotrainer.domains import get_domain, make_domain
 from evotrainer.evidence.synthetic import rollout_table
+from evotrainer.gate.decision import gate_verdict
+from evotrainer.gate.harness_backtest import diff_harness
+from evotrainer.skills.replay import backtest_filter, backtest_reward, skill_reward
+from evotrainer.skills.skill import load_library, match, resolve_skill
 from evotrainer.store.recipe import deep_merge
 from evotrainer.store.specs import load_yaml
 

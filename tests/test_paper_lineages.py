@@ -24,14 +24,14 @@ from evotrainer.agent.planners.base import PlannerResult, View
 from evotrainer.agent.planners.rules import RulesPlanner
 from evotrainer.backends import BACKEND_TYPES
 from evotrainer.commands.harness import register
-from evotrainer.commands.init import init_workspace
 from evotrainer.control.reconcile import Reconciler
+from evotrainer.control.scaffold import init_workspace
 from evotrainer.control.versions import approve, new_version
 from evotrainer.diagnosis.catalogue import catalogue
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import parse_harness
-from evotrainer.diagnosis.replay import version_rollouts
 from evotrainer.evidence.io import read_rollouts
+from evotrainer.skills.replay import version_rollouts
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.workspace import Workspace
 

@@ -16,7 +16,7 @@ from standin import propose as train
 from evotrainer.agent.planners.anthropic import AnthropicPlanner, untrusted
 from evotrainer.agent.planners.base import View
 from evotrainer.agent.propose import propose
-from evotrainer.commands.init import init_workspace
+from evotrainer.control.scaffold import init_workspace
 from evotrainer.errors import EvoError
 from evotrainer.store.workspace import Workspace
 

@@ -13,9 +13,9 @@ from standin import propose as train
 from evotrainer.agent.planners.base import View
 from evotrainer.agent.planners.rules import RulesPlanner
 from evotrainer.agent.propose import propose
-from evotrainer.commands.init import EXAMPLES_DIR, init_workspace
+from evotrainer.control.scaffold import EXAMPLES_DIR, init_workspace
 from evotrainer.control.versions import approve, new_version
-from evotrainer.diagnosis.skills import Match, load_library, match
+from evotrainer.skills.skill import Match, load_library, match
 from evotrainer.store.recipe import BASE_RECIPE, deep_merge
 from evotrainer.store.workspace import PROJECT_FILE, Workspace
 

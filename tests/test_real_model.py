@@ -201,7 +201,7 @@ def test_missing_model_package_says_how_to_install_it(tmp_path, monkeypatch):
 
 
 def test_init_of_the_smollm2_example_without_its_extra_is_one_line(tmp_path, monkeypatch):
-    from evotrainer.commands.init import init_workspace
+    from evotrainer.control.scaffold import init_workspace
 
     monkeypatch.setattr("evotrainer.contract.recipe.find_spec", lambda name: None)
     with pytest.raises(EvoError) as err:

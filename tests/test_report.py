@@ -25,8 +25,8 @@ from markupsafe import escape
 from sealing import controller_commit
 from typer.testing import CliRunner
 
-from evotrainer.commands.init import init_workspace
 from evotrainer.commands.report import register
+from evotrainer.control.scaffold import init_workspace
 from evotrainer.control.versions import approve, new_version
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA

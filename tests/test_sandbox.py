@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import evotrainer.domains.sandbox as sandbox_module
-from evotrainer.domains.sandbox import DockerSandbox, Limits, LocalSandbox
+import evotrainer.sandbox.process as sandbox_module
+from evotrainer.sandbox.process import DockerSandbox, Limits, LocalSandbox
 
 # The wall clock sits far above the CPU limit: on a loaded machine one CPU second can take
 # many wall seconds, and these tests must see the CPU limit, not the deadline.

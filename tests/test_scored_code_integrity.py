@@ -21,8 +21,8 @@ from test_sandbox import SHARED_PYTHON
 
 from evotrainer.domains import make_domain
 from evotrainer.domains.code import CodeDomain
-from evotrainer.domains.sandbox import Limits, LocalSandbox, RunResult
 from evotrainer.errors import EvoError
+from evotrainer.sandbox.process import Limits, LocalSandbox, RunResult
 
 WRONG = "def area(r):\n    return False\n"
 
@@ -184,7 +184,7 @@ def test_the_checker_memory_is_closed_to_its_children_only_once_protected(protec
     """The runner's own code in the sandbox, with and without `protect_from_children()`: a
     child of the same uid opens the parent's /proc/<pid>/mem read-write (what the swe attack
     below uses to rewrite verdicts) exactly when the parent skipped the protection."""
-    import evotrainer.domains.runner as runner
+    import evotrainer.sandbox.runner as runner
 
     body = runner.SOURCE.split('\nif __name__ == "__main__":')[0]
     probe = ("protect_from_children()\n" if protected else "") + (

@@ -28,9 +28,9 @@ import yaml
 from evotrainer.diagnosis import declared
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import parse_harness, parse_harness_text, resolve_harness
-from evotrainer.domains.sandbox import LocalSandbox
 from evotrainer.errors import EvoError
 from evotrainer.evidence.synthetic import rollout_table
+from evotrainer.sandbox.process import LocalSandbox
 
 REPO = Path(__file__).resolve().parent.parent
 SPARE_UID = 65533  # an unprivileged uid no account uses: the non-root controller
@@ -308,7 +308,7 @@ def test_without_isolation_an_unreviewed_python_analyzer_is_not_run(attack):
     and the SQL metric are computed."""
     target = attack(SPARE_UID)
     # Make every unshare(CLONE_NEWUSER ...) fail, as on a kernel that refuses them.
-    refuse = "import evotrainer.domains.sandbox as sb\nsb._CLONE_NEWUSER = 0x1\n"
+    refuse = "import evotrainer.sandbox.process as sb\nsb._CLONE_NEWUSER = 0x1\n"
     result = run_cli_as(SPARE_UID, target, "diagnose", "--rollouts", "rollouts.parquet",
                         "--harness", "h9.yaml", "--json", prelude=refuse)
     assert result.returncode == 0, result.stderr[-2000:]

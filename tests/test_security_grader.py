@@ -101,7 +101,7 @@ def test_every_file_the_episode_touched_in_a_test_folder_is_the_bases_again(grad
     import json
     import tarfile
 
-    from evotrainer.domains import runner
+    from evotrainer.sandbox import runner
 
     domain, task = graded
     with tarfile.open(fileobj=io.BytesIO(domain.initial(task))) as archive:
@@ -252,7 +252,7 @@ def test_the_grader_programs_are_modules_written_into_the_runner():
     executor copy carries them (it runs alone in a sandbox or a container)."""
     import ast
 
-    from evotrainer.domains import runner
+    from evotrainer.sandbox import runner
 
     for name in ("call_server", "pytest_bootstrap"):
         assert 'if __name__ == "__main__":' in runner.program(name)
@@ -359,7 +359,7 @@ def test_an_honest_dataclass_value_and_a_library_finder_are_not_tampering(tmp_pa
     import base64
     import sys
 
-    from evotrainer.domains import runner
+    from evotrainer.sandbox import runner
 
     repo = tmp_path / "repo"
     (repo / "tests").mkdir(parents=True)

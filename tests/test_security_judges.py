@@ -38,11 +38,11 @@ from evotrainer.agent.propose import propose
 from evotrainer.agent.retrieval import Query, retrieve
 from evotrainer.control.reconcile import Reconciler, load_context, plan
 from evotrainer.control.versions import approve, new_version
-from evotrainer.diagnosis.skill_library import shared_library
 from evotrainer.domains import make_domain
 from evotrainer.domains.judge import Judge
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
+from evotrainer.skills.library import shared_library
 from evotrainer.store import seal, specs
 from evotrainer.store.recipe import BASE_RECIPE, digest
 from evotrainer.store.workspace import Workspace
@@ -395,7 +395,7 @@ def hostile_library(tmp_path: Path, skill: dict) -> Workspace:
     (library / "skills" / f"{skill['name']}.yaml").write_text(specs.dump(skill))
     repo.git.add("-A")
     repo.git.commit("-m", "a helpful skill", env=LIBRARY_ENV)
-    from evotrainer.commands.init import init_workspace
+    from evotrainer.control.scaffold import init_workspace
 
     root = init_workspace(tmp_path / "ws", "arith")
     project = root / "spec" / "project.yaml"
@@ -458,7 +458,7 @@ def test_the_built_in_library_and_a_plain_library_skill_still_load(tmp_path) -> 
     """The check refuses reach, not skills: the built-in skills load, and a library skill
     that only adds a judge's component (the judge itself declared by a reviewed recipe)
     is read."""
-    from evotrainer.diagnosis.skills import load_library
+    from evotrainer.skills.skill import load_library
 
     assert load_library()
     patch = {"reward": {"components": [{"name": "judge:if",

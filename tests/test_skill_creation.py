@@ -14,9 +14,9 @@ from test_retrieval import ENV, library_repo, record, use_library
 from evotrainer.agent.retrieval import Query, retrieve
 from evotrainer.agent.skill_creation import patch_from_overrides, propose_skill
 from evotrainer.control.versions import new_version
-from evotrainer.diagnosis.skill_library import share_evidence, workspace_library
-from evotrainer.diagnosis.skills import load_skill, resolve_skill
 from evotrainer.errors import EvoError
+from evotrainer.skills.library import share_evidence, workspace_library
+from evotrainer.skills.skill import load_skill, resolve_skill
 from evotrainer.store import specs
 
 
@@ -122,7 +122,7 @@ def test_a_created_skill_with_its_evidence_is_shared_and_retrieved_in_another_wo
     assert [e["version"] for e in lib_skill["evidence"]] == ["arith-demo/v1"]
     load_skill(tmp_path / "library" / "skills" / "v1-grpo-lr.yaml")  # a valid skill
 
-    from evotrainer.commands.init import init_workspace
+    from evotrainer.control.scaffold import init_workspace
     other = use_library(init_workspace(tmp_path / "other", "arith"), repo="../library")
     found = retrieve(other, Query(alerts=("dead_groups",), domain="arith"), limit=50)
     assert any(r.kind == "skill" and r.title == "v1-grpo-lr" and

@@ -21,9 +21,10 @@ from standin import propose as train
 from evotrainer.agent.planners.base import View
 from evotrainer.agent.planners.rules import RulesPlanner
 from evotrainer.agent.propose import propose
-from evotrainer.commands.init import EXAMPLES_DIR
+from evotrainer.control.scaffold import EXAMPLES_DIR
 from evotrainer.control.versions import new_version
-from evotrainer.diagnosis.skills import (
+from evotrainer.errors import EvoError
+from evotrainer.skills.skill import (
     is_operation,
     load_library,
     load_skill,
@@ -32,7 +33,6 @@ from evotrainer.diagnosis.skills import (
     resolve_skill,
     skill_overrides,
 )
-from evotrainer.errors import EvoError
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.recipe import BASE_RECIPE, deep_merge, resolve
 from evotrainer.store.workspace import PROJECT_FILE, Workspace
@@ -317,7 +317,7 @@ def test_the_rules_planner_skips_a_skill_at_its_bound_and_says_why(tmp_path):
 
 def _project(tmp_path: Path, recipe: dict) -> Path:
     """An arith workspace whose project recipe has `recipe` merged in, v0 approved."""
-    from evotrainer.commands.init import init_workspace
+    from evotrainer.control.scaffold import init_workspace
     from evotrainer.control.versions import approve
 
     root = init_workspace(tmp_path / "ws", "arith")

@@ -4,7 +4,7 @@ the diagnoses are those of the autonomy gym's lr_collapse, too_hard and cold set
 
 from __future__ import annotations
 
-from evotrainer.diagnosis.skills import load_library, match, resolve_skill
+from evotrainer.skills.skill import load_library, match, resolve_skill
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.recipe import BASE_RECIPE, deep_merge
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import yaml
 
-from evotrainer.commands.init import EXAMPLES_DIR
-from evotrainer.diagnosis.skills import load_library, match, resolve_skill
+from evotrainer.control.scaffold import EXAMPLES_DIR
+from evotrainer.skills.skill import load_library, match, resolve_skill
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.recipe import resolve
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import yaml
 
-from evotrainer.commands.init import EXAMPLES_DIR
+from evotrainer.control.scaffold import EXAMPLES_DIR
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import resolve_harness
-from evotrainer.diagnosis.replay import backtest_reward, skill_reward
-from evotrainer.diagnosis.skills import load_library, match, resolve_skill
 from evotrainer.domains import make_domain
 from evotrainer.evidence.synthetic import rollout_table
+from evotrainer.skills.replay import backtest_reward, skill_reward
+from evotrainer.skills.skill import load_library, match, resolve_skill
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.recipe import resolve
 

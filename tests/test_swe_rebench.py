@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from evotrainer.domains import make_domain, runner
+from evotrainer.domains import make_domain
 from evotrainer.domains.data import sample_path
 from evotrainer.domains.data.convert import convert_file
 from evotrainer.errors import EvoError
+from evotrainer.sandbox import runner
 
 RAW = sample_path("swe_rebench_sample.jsonl")
 REPOS = sample_path("swe_rebench_repos")
@@ -37,7 +38,7 @@ def median_of(domain):
 
 def docker_unready() -> str | None:
     """Why the instances cannot be graded in a container here, or None."""
-    from evotrainer.domains.sandbox import OFFLINE_IMAGE, DockerSandbox
+    from evotrainer.sandbox.process import OFFLINE_IMAGE, DockerSandbox
 
     if not DockerSandbox.image_present():
         return ("needs the docker SDK, a running dockerd and the image built by "

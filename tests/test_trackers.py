@@ -20,8 +20,8 @@ from sealing import controller_commit
 from standin import StandinBackend, standin_settings
 
 from evotrainer.backends import BACKEND_TYPES
-from evotrainer.commands.init import init_workspace
 from evotrainer.control.reconcile import Reconciler
+from evotrainer.control.scaffold import init_workspace
 from evotrainer.control.versions import approve, new_version
 from evotrainer.errors import EvoError
 from evotrainer.evidence.verl import read_metrics_log
@@ -343,7 +343,7 @@ def test_identity_handed_to_the_job_round_trips(tmp_path, recorded):
 
 
 def test_gate_summary_reaches_the_runs_the_training_logged(recorded):
-    """What diagnosis/gate.py calls after its decision: with the recipe's default loggers
+    """What gate/decision.py calls after its decision: with the recipe's default loggers
     (console, file), every seed's summary gets the verdict, Δ, CI and alerts."""
     states = recorded.versions()
     state = states["v1"]

@@ -12,8 +12,8 @@ from sealing import controller_commit
 from test_checkpoints import lineage  # noqa: F401  (the fixture: v1 promoted, v2 pruned, v3 open)
 
 from evotrainer.control.retention import plan_gc
-from evotrainer.diagnosis.harness_backtest import recorded_versions
 from evotrainer.errors import EvoError
+from evotrainer.gate.harness_backtest import recorded_versions
 from evotrainer.report.views import _Evidence
 from evotrainer.store.git import branch_name
 from evotrainer.store.records import DecisionRecord, RunRecord

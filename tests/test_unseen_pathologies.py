@@ -14,14 +14,14 @@ from standin_planted import PlantedBackend, converge
 
 from evotrainer.agent.planners.rules import _with_metric
 from evotrainer.backends import BACKEND_TYPES
-from evotrainer.commands.init import init_workspace
+from evotrainer.control.scaffold import init_workspace
 from evotrainer.control.versions import approve, new_version
 from evotrainer.diagnosis.catalogue import catalogue
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
 from evotrainer.diagnosis.harness import parse_harness, resolve_harness
-from evotrainer.diagnosis.replay import version_rollouts
-from evotrainer.diagnosis.skill_library import workspace_library
-from evotrainer.diagnosis.skills import match
+from evotrainer.skills.library import workspace_library
+from evotrainer.skills.replay import version_rollouts
+from evotrainer.skills.skill import match
 from evotrainer.store.specs import load_yaml
 from evotrainer.store.workspace import Workspace
 

@@ -323,7 +323,7 @@ def test_the_verl_backend_checks_the_recipe_contract_before_anything_is_recorded
 
 
 def test_version_new_refuses_an_invalid_verl_recipe(tmp_path):
-    from evotrainer.commands.init import init_workspace
+    from evotrainer.control.scaffold import init_workspace
     from evotrainer.control.versions import new_version
     from evotrainer.store.workspace import Workspace
 

@@ -20,9 +20,9 @@ import pytest
 from evotrainer.backends.verl import final_scores
 from evotrainer.backends.verl_render import JobFiles
 from evotrainer.contract.filters import make_filter
-from evotrainer.diagnosis.replay import backtest_filter
 from evotrainer.errors import EvoError
 from evotrainer.evidence.verl import derive_lengths, ingest_dump
+from evotrainer.skills.replay import backtest_filter
 
 GOLDEN = Path(__file__).parent / "golden" / "verl"
 VERL = json.loads((GOLDEN / "verl_metrics.json").read_text())

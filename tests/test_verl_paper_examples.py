@@ -18,7 +18,7 @@ import pytest
 from evotrainer.backends.base import JobSpec, job_id
 from evotrainer.backends.verl import prepare
 from evotrainer.backends.verl_render import JobFiles, render_job
-from evotrainer.commands.init import EXAMPLES_DIR, missing_requirements
+from evotrainer.control.scaffold import EXAMPLES_DIR, missing_requirements
 from evotrainer.domains.data.convert import convert_file, write_rows
 from evotrainer.store.recipe import deep_merge, digest, resolve
 from evotrainer.store.specs import load_yaml

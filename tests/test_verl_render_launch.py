@@ -22,8 +22,8 @@ import yaml
 from evotrainer.backends.base import JobSpec
 from evotrainer.backends.verl import VerlBackend
 from evotrainer.backends.verl_render import JobFiles
-from evotrainer.commands.init import init_workspace
 from evotrainer.control.reconcile import Reconciler
+from evotrainer.control.scaffold import init_workspace
 from evotrainer.control.versions import approve, new_version
 from evotrainer.store.files import read_json
 from evotrainer.store.workspace import Workspace

@@ -1,2 +1,2 @@
 """The trainer agent: planners, proposals and the evolve loop (the skill library they read
-lives in `evotrainer.diagnosis.skills`)."""
+lives in `evotrainer.skills`)."""

@@ -37,8 +37,8 @@ from evotrainer.backends import Backends
 from evotrainer.backends.base import Backend
 from evotrainer.control.reconcile import Reconciler, VersionPlan, load_context, within_budget
 from evotrainer.control.versions import approve
-from evotrainer.diagnosis.harness_backtest import adopt_harness
 from evotrainer.errors import EvoError
+from evotrainer.gate.harness_backtest import adopt_harness
 from evotrainer.store.lineage import LineageRow, lineage_rows
 from evotrainer.store.lock import workspace_lock
 from evotrainer.store.workspace import Workspace

@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evotrainer.diagnosis.skill_library import SharedLibrary, library_config, shared_library
-from evotrainer.diagnosis.skills import Skill, bm25, load_library, tokens
 from evotrainer.errors import EvoError
+from evotrainer.skills.library import SharedLibrary, library_config, shared_library
+from evotrainer.skills.skill import Skill, bm25, load_library, tokens
 from evotrainer.store import cel
 from evotrainer.store.workspace import PROJECT_FILE, Workspace, run_path
 

@@ -27,8 +27,9 @@ import re
 from typing import Any
 
 from evotrainer import API_VERSION
-from evotrainer.diagnosis.skill_library import workspace_library
-from evotrainer.diagnosis.skills import (
+from evotrainer.errors import EvoError
+from evotrainer.skills.library import workspace_library
+from evotrainer.skills.skill import (
     SKILL_MODELINE,
     Skill,
     check_operations,
@@ -36,8 +37,7 @@ from evotrainer.diagnosis.skills import (
     resolve_patch,
     resolve_skill,
 )
-from evotrainer.diagnosis.stats import confidence_label
-from evotrainer.errors import EvoError
+from evotrainer.stats import confidence_label
 from evotrainer.store import cel, specs
 from evotrainer.store.recipe import _is_named_list, deep_merge
 from evotrainer.store.workspace import VersionState, Workspace

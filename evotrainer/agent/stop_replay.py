@@ -28,10 +28,10 @@ import pyarrow.compute as pc
 
 from evotrainer.control.live import LiveView, early_stop
 from evotrainer.diagnosis.harness import HarnessRevision
-from evotrainer.diagnosis.harness_backtest import _code_digest, _remember
 from evotrainer.diagnosis.incremental import diagnose_incremental
 from evotrainer.evidence.io import read_rollouts, read_steps
 from evotrainer.evidence.layout import RunArtifacts
+from evotrainer.gate.harness_backtest import _code_digest, _remember
 from evotrainer.store.lineage import tree_order
 from evotrainer.store.workspace import VersionState, Workspace
 

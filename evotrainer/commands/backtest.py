@@ -27,18 +27,18 @@ from rich.table import Table
 from evotrainer.backends.base import job_environment
 from evotrainer.commands.judge import read_judge_file
 from evotrainer.control.versions import parse_assignment
-from evotrainer.diagnosis.replay import (
+from evotrainer.domains.judge import COMPONENT_PREFIX, component_name
+from evotrainer.engine.judge_servers import served_judges
+from evotrainer.errors import EvoError
+from evotrainer.skills.library import workspace_library
+from evotrainer.skills.replay import (
     backtest_filter,
     backtest_reward,
     skill_filter,
     skill_reward,
     version_rollouts,
 )
-from evotrainer.diagnosis.skill_library import workspace_library
-from evotrainer.diagnosis.skills import get_skill
-from evotrainer.domains.judge import COMPONENT_PREFIX, component_name
-from evotrainer.engine.judge_servers import served_judges
-from evotrainer.errors import EvoError
+from evotrainer.skills.skill import get_skill
 from evotrainer.store.git import branch_name
 from evotrainer.store.recipe import digest, resolve
 from evotrainer.store.workspace import VersionState, Workspace, version_spec_path

@@ -9,10 +9,10 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from evotrainer.diagnosis.gate import recorded_scores
-from evotrainer.diagnosis.stats import GateProcedure, compare_tables, confidence_label
 from evotrainer.errors import EvoError, unreadable_table
 from evotrainer.evidence.io import read_scores
+from evotrainer.gate.decision import recorded_scores
+from evotrainer.stats import GateProcedure, compare_tables, confidence_label
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import console as make_console
 

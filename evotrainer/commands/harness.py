@@ -12,7 +12,7 @@ from rich.table import Table
 
 from evotrainer.agent.stop_replay import describe, stop_changes, stops_may_differ
 from evotrainer.diagnosis.harness import resolve_harness
-from evotrainer.diagnosis.harness_backtest import adopt_harness, backtest_harness, diff_harness
+from evotrainer.gate.harness_backtest import adopt_harness, backtest_harness, diff_harness
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import console, safe
 

@@ -11,9 +11,9 @@ from rich.table import Table
 
 from evotrainer.agent.retrieval import Query, query_for, retrieve
 from evotrainer.agent.skill_creation import propose_skill
-from evotrainer.diagnosis.skill_library import match_version, share_evidence, workspace_library
-from evotrainer.diagnosis.skills import Match, Skill, get_skill, search, version_domain
 from evotrainer.errors import EvoError
+from evotrainer.skills.library import match_version, share_evidence, workspace_library
+from evotrainer.skills.skill import Match, Skill, get_skill, search, version_domain
 from evotrainer.store.specs import dump
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import clean, console, safe

@@ -1,2 +1,2 @@
-"""Control: plan and reconcile, versions, jobs, live diagnosis, retention, pull requests and
-validation of the whole workspace."""
+"""Control: plan and reconcile, versions, workspace scaffolding, jobs, live diagnosis, retention,
+pull requests and validation of the whole workspace."""

@@ -35,12 +35,13 @@ import pyarrow as pa
 
 from evotrainer.backends import get_backend
 from evotrainer.backends.base import Backend, JobSpec, LiveEvidence
-from evotrainer.diagnosis.diagnose import diagnosis_document, evaluate_unless_null
-from evotrainer.diagnosis.gate import decision_header
+from evotrainer.diagnosis.diagnose import diagnosis_document
 from evotrainer.diagnosis.harness import HarnessRevision
 from evotrainer.diagnosis.incremental import DiagnosisState, diagnose_incremental
 from evotrainer.engine.outputs import JobProgress
 from evotrainer.errors import EvoError
+from evotrainer.gate.decision import decision_header
+from evotrainer.store.cel import evaluate_unless_null
 from evotrainer.store.clock import now_iso
 from evotrainer.store.files import atomic_write, read_json
 from evotrainer.store.records import ended_run

@@ -30,9 +30,9 @@ from evotrainer.control.validation import (
     job_env,
 )
 from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
-from evotrainer.diagnosis.skill_library import pending_evidence
-from evotrainer.diagnosis.skills import RESTRICTED_PATCH_KEYS, restricted_keys
 from evotrainer.errors import EvoError
+from evotrainer.skills.library import pending_evidence
+from evotrainer.skills.skill import RESTRICTED_PATCH_KEYS, restricted_keys
 from evotrainer.store.checkpoints import CHECKPOINT, init_mode, is_dropped, parent_checkpoint
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import PRUNED_TAG_PREFIX

@@ -18,8 +18,8 @@ import shutil
 from pathlib import Path
 
 from evotrainer.contract.model_start import base_model
-from evotrainer.diagnosis.stats import confidence_label
 from evotrainer.errors import EvoError
+from evotrainer.stats import confidence_label
 from evotrainer.store.checkpoints import (
     directory_digest,
     init_mode,

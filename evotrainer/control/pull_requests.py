@@ -32,8 +32,8 @@ import git
 from evotrainer.control.github_client import GitHubRepo
 from evotrainer.control.versions import approve
 from evotrainer.diagnosis.harness import HarnessRevision, parse_harness_text, resolve_harness
-from evotrainer.diagnosis.harness_backtest import backtest_harness
 from evotrainer.errors import EvoError
+from evotrainer.gate.harness_backtest import backtest_harness
 from evotrainer.store.git import BRANCH_PREFIX, DIFF_SAFETY, PRUNED_TAG_PREFIX, branch_name
 from evotrainer.store.specs import load_yaml
 from evotrainer.store.workspace import (

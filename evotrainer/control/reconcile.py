@@ -45,11 +45,11 @@ from evotrainer.control.observe import (
     within_budget,
 )
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
-from evotrainer.diagnosis.gate import decide, recorded_scores
 from evotrainer.diagnosis.harness import HarnessRevision
-from evotrainer.diagnosis.skill_library import record_evidence
 from evotrainer.errors import EvoError
 from evotrainer.evidence.layout import RunArtifacts
+from evotrainer.gate.decision import decide, recorded_scores
+from evotrainer.skills.library import record_evidence
 from evotrainer.store import specs
 from evotrainer.store.checkpoints import CHECKPOINT, checkpoint_record, is_dropped, verify_directory
 from evotrainer.store.clock import now_iso

@@ -12,9 +12,9 @@ from evotrainer.control.validation import (
     check_workspace,
     declared_data_roots,
 )
-from evotrainer.diagnosis.skill_library import workspace_library
-from evotrainer.diagnosis.skills import skill_overrides
 from evotrainer.errors import EvoError
+from evotrainer.skills.library import workspace_library
+from evotrainer.skills.skill import skill_overrides
 from evotrainer.store import specs
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import branch_name

@@ -1,2 +1,2 @@
-"""Diagnosis: harness revisions, statistics, the gate, the skill library and backtests over
-stored rollouts."""
+"""Diagnosis: harness revisions and the metric engine over stored rollouts (catalogue and
+declared analyzers, SQL, incremental passes, gaps)."""

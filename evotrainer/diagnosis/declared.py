@@ -24,13 +24,13 @@ What each kind returns, and what the metric makes of it:
 
 Neither reaches anything but its declared rows. `rows.where` is parsed by DuckDB as one
 expression over rollout columns (no subquery, UNION or table) and the rows' query is written
-from the parsed expression, never pasted text. SQL runs in the locked-down DuckDB sandbox
-(sql.ReadOnlyQuery) over a table of the declared columns only. Python is untrusted program
-text. Its load check (one function, imports from a small list of pure standard-library
+from the parsed expression, never pasted text. SQL runs over a locked-down, read-only DuckDB
+connection (sql.ReadOnlyQuery) over a table of the declared columns only. Python is untrusted
+program text. Its load check (one function, imports from a small list of pure standard-library
 modules, no dunder attributes, no open/exec/eval/...) is a lint that names mistakes early; it
 is not the boundary, since Python's introspection has more ways out than any source check
 sees. The boundary is the operating system's: the program runs in the model-code sandbox
-(domains/sandbox.py) as a uid that can read neither the caller's own files (the record key,
+(sandbox/process.py) as a uid that can read neither the caller's own files (the record key,
 mode 0600) nor its environment, with no network, a private /tmp, CPU, memory and wall-clock
 limits and nothing left running after it. As root that is a fresh uid in namespaces; without
 root, the caller's uid confined in user, mount, pid and network namespaces that hide the
@@ -60,9 +60,9 @@ import pyarrow as pa
 
 from evotrainer.diagnosis.analyzers import mean_by_step
 from evotrainer.diagnosis.sql import ReadOnlyQuery, metric_result, query_columns, rows_query
-from evotrainer.domains.sandbox import Limits, LocalSandbox
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
+from evotrainer.sandbox.process import Limits, LocalSandbox
 
 OUTPUT_KINDS = ("scalar", "series", "per_row", "per_group")
 GROUP_KEYS = ("seed", "step", "group_id")
@@ -95,7 +95,7 @@ _SAFE_BUILTINS = (
 # a frame's globals (and so to the runner's builtins), with dunders the other.
 _REFUSED_ATTRIBUTE_PREFIXES = ("__", "f_", "gi_", "cr_", "ag_", "tb_", "co_")
 
-# What an analyzer gets unless it asks for other limits (domains/sandbox.Limits units); the
+# What an analyzer gets unless it asks for other limits (sandbox/process.Limits units); the
 # most it may ask for is the schema's (harness-revision.schema.json, `limits`).
 DEFAULT_LIMITS = {"cpu_seconds": 5.0, "wall_seconds": 10.0, "memory_mb": 512}
 # The rows handed to a Python analyzer, as JSON: past this, narrow `inputs` or `rows.where`.
@@ -280,14 +280,14 @@ def _check_python(source: str, fail: Any) -> str:
 
 def run_declared(
     analyzer: DeclaredAnalyzer,
-    sandbox: ReadOnlyQuery,
+    connection: ReadOnlyQuery,
     params: dict[str, Any],
     *,
     timeout_s: float,
     memory_limit: str,
     runs: AnalyzerRuns | None = None,
 ) -> tuple[float | None, list[list[float]]]:
-    """(value, series points) of `analyzer` over the rows of `sandbox`'s split that hold its
+    """(value, series points) of `analyzer` over the rows of `connection`'s split that hold its
     `rows.where`, with only its declared columns. `runs` (one per diagnosis) keeps each
     result, so a second metric naming the same analyzer, params and rows reuses it, and
     bounds the time all of them take. AnalyzerRefused when a Python analyzer cannot be
@@ -297,9 +297,9 @@ def run_declared(
         params_key = json.dumps(params, sort_keys=True, default=str)
     except (TypeError, ValueError) as err:
         raise analyzer.error(f"params are not JSON: {err}") from None
-    # The sandbox is the split's for this diagnosis: the same sandbox, the same rows.
+    # The connection is the split's for this diagnosis: the same connection, the same rows.
     key = (analyzer.name, analyzer.sql, analyzer.python, analyzer.where, analyzer.inputs,
-           analyzer.kind, id(sandbox), params_key)
+           analyzer.kind, id(connection), params_key)
     if key in runs.results:
         return runs.results[key]
     if analyzer.python is not None:
@@ -316,7 +316,7 @@ def run_declared(
     left = runs.remaining(analyzer)
     start = time.monotonic()
     try:
-        result, out_of_time = _run(analyzer, sandbox, params, min(timeout_s, left),
+        result, out_of_time = _run(analyzer, connection, params, min(timeout_s, left),
                                    memory_limit, left), False
     except _OutOfTime:
         result, out_of_time = (None, []), True
@@ -332,14 +332,14 @@ class _OutOfTime(Exception):
 
 
 def _run(
-    analyzer: DeclaredAnalyzer, sandbox: ReadOnlyQuery, params: dict[str, Any],
+    analyzer: DeclaredAnalyzer, connection: ReadOnlyQuery, params: dict[str, Any],
     timeout_s: float, memory_limit: str, left: float,
 ) -> tuple[float | None, list[list[float]]]:
     keys = [c for c in ("step",) if c not in analyzer.inputs]  # per_row series need steps
     try:
         # Written by DuckDB from the parsed `rows.where` (checked when the revision loaded).
         query = rows_query((*analyzer.inputs, *keys), analyzer.where)
-        rows = sandbox.table(query, params, field=f"analyzers.{analyzer.name}.rows")
+        rows = connection.table(query, params, field=f"analyzers.{analyzer.name}.rows")
     except EvoError as err:
         raise analyzer.error(err.message, err.hint) from None
     steps = rows.column("step").to_numpy(zero_copy_only=False)
@@ -376,7 +376,7 @@ def _run_sql(
     analyzer: DeclaredAnalyzer, rows: pa.Table, params: dict[str, Any], timeout_s: float,
     memory_limit: str,
 ) -> tuple[float | None, list[list[float]]]:
-    # The analyzer's own sandbox: `rollouts` and `all_rollouts` are its declared rows only.
+    # The analyzer's own connection: `rollouts` and `all_rollouts` are its declared rows only.
     own = ReadOnlyQuery(rows, None, None, timeout_s=timeout_s, memory_limit=memory_limit)
     try:
         columns, result = own.query(analyzer.sql or "", params,

@@ -1,4 +1,4 @@
-"""Diagnose a version's evidence with a harness revision, and apply the promotion gate.
+"""Diagnose a version's evidence with a harness revision.
 
 A rollout id is `version/seed/split/step/group_id/sample_idx`: stable across re-ingests and
 enough to find the row again in the version's rollout table.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -45,9 +45,9 @@ from evotrainer.evidence.schema import ROLLOUT_SCHEMA
 from evotrainer.store import cel
 
 
-class SandboxFactory(Protocol):
-    """A sandbox over other rows of a split (an increment's new ones), with the diagnosis's
-    limits."""
+class ConnectionFactory(Protocol):
+    """A read-only query connection over other rows of a split (an increment's new ones), with
+    the diagnosis's limits."""
 
     def __call__(
         self, split: str, rows: pa.Table, calls: Callable[[], pa.Table]
@@ -59,7 +59,7 @@ class Increment(Protocol):
     a metric's value and series from carried partials, or None to compute it in full."""
 
     def metric(
-        self, metric: Metric, rows: pa.Table, view: pa.Table, sandbox: SandboxFactory
+        self, metric: Metric, rows: pa.Table, view: pa.Table, connect: ConnectionFactory
     ) -> tuple[float | None, list[list[float]]] | None: ...
 
     def combines(self, metric: Metric) -> bool:
@@ -73,15 +73,6 @@ class Increment(Protocol):
 # before all of them.
 _EXAMPLE_WINDOWS = (256, 16)
 ROLLOUT_ID_SQL = "concat_ws('/', version, seed, split, step, group_id, sample_idx) AS id"
-
-
-def parent_comparison(
-    parent_scores: pa.Table, candidate_scores: pa.Table, harness: HarnessRevision
-) -> dict:
-    """The one comparison of a version with its parent: the diagnosis records it (the
-    version-layer metrics read it) and the gate decides on it, under the harness's gate
-    procedure (`gate.alpha`, CI method, resamples, strata)."""
-    return harness.procedure.compare(parent_scores, candidate_scores)
 
 
 def diagnose(
@@ -137,7 +128,9 @@ def diagnose(
             if parent_scores is not None:
                 candidate = scores if scores is not None else val_scores(table)
                 if candidate.num_rows:
-                    comparison = parent_comparison(parent_scores, candidate, harness)
+                    # The one comparison with the parent, under the harness's gate procedure:
+                    # the version-layer metrics read it and the gate decides on it.
+                    comparison = harness.procedure.compare(parent_scores, candidate)
             metrics: dict[str, float | None] = {}
             series: dict[str, list[list[float]]] = {}
             gaps: list[dict[str, str]] = []
@@ -236,74 +229,6 @@ def diagnosis_document(diagnosis: dict, version: str | None = None) -> dict:
     }
 
 
-def gate_verdict(
-    harness: HarnessRevision,
-    diagnosis: dict,
-    comparison: dict | None = None,
-    parent_metrics: dict[str, float | None] | None = None,
-) -> dict:
-    """Apply the gate: the first rule whose `when` holds decides; none holding means
-    inconclusive. A rule that reads a null value does not hold."""
-    comparison = comparison or diagnosis.get("comparison") or {}
-    alerts = diagnosis["alerts"]
-    variables = {
-        **diagnosis["metrics"],
-        "delta": comparison.get("delta"),
-        "ci_low": comparison.get("ci_low"),
-        "ci_high": comparison.get("ci_high"),
-        "p_value": comparison.get("p_bootstrap"),
-        "p_wilcoxon": comparison.get("p_wilcoxon"),
-        "parent": dict(parent_metrics or {}),
-        "alpha": harness.alpha,
-        "min_delta": harness.min_delta,
-        "critical_alerts": sum(a["severity"] == "critical" for a in alerts),
-        # Critical behavior alerts (leak, abandonment) say the score itself cannot be
-        # trusted; critical signal alerts (dead groups) say what to fix next.
-        "critical_behavior_alerts": sum(
-            a["severity"] == "critical" and a.get("layer") == "behavior" for a in alerts
-        ),
-        "warning_alerts": sum(a["severity"] == "warning" for a in alerts),
-        "alerts": [a["name"] for a in alerts],
-        "params": harness.params,
-    }
-    for rule in harness.gate_rules:
-        if _holds(rule.when, variables, where=harness.source, field=f"gate rule {rule.name}"):
-            return {"verdict": rule.verdict, "rule": rule.name, "variables": _plain(variables)}
-    return {"verdict": "inconclusive", "rule": None, "variables": _plain(variables)}
-
-
-def evaluate_unless_null(expr: str, variables: dict[str, Any]) -> Any:
-    """`expr` over `variables`, or None when it cannot be decided because a name it reads is
-    null or absent, or is a map of metrics (`parent`, `trend`) that may lack the entry read:
-    a null metric never fires an alert or a trigger, decides a gate rule or holds a
-    criterion. `||` with one true side still holds. Any other failure (a typo in `params`
-    included: the harness defines every param) raises."""
-    referenced = cel.names(expr)
-    bound = {**dict.fromkeys(referenced), **variables}
-    try:
-        return cel.evaluate(expr, bound)
-    except cel.CostExceeded:
-        raise  # past the evaluation budget: an error, never "undecided"
-    except EvoError:
-        if any(
-            bound[name] is None or (isinstance(bound[name], dict) and name != "params")
-            for name in referenced
-        ):
-            return None
-        raise
-
-
-def _holds(expr: str, variables: dict[str, Any], *, where: str, field: str) -> bool:
-    try:
-        return evaluate_unless_null(expr, variables) is True
-    except EvoError as err:
-        raise EvoError(err.message, where=where, field=field) from None
-
-
-def _plain(variables: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in variables.items() if k != "params"}
-
-
 def _versions(column: pa.ChunkedArray) -> list[str]:
     """The distinct version labels, sorted: a run's rows almost always carry one, which a
     comparison with the first row finds without hashing every row."""
@@ -322,7 +247,7 @@ def _slope(points: list[list[float]]) -> float | None:
 
 
 class _Run:
-    """One diagnosis: sandboxed connections and split tables, made on first use."""
+    """One diagnosis: read-only query connections and split tables, made on first use."""
 
     def __init__(
         self,
@@ -336,7 +261,7 @@ class _Run:
         self.table, self.steps, self.harness = table, steps, harness
         self.increment = increment
         self.timeout_s, self.memory_limit = timeout_s, memory_limit
-        self.sandboxes: dict[str | None, ReadOnlyQuery] = {}
+        self.connections: dict[str | None, ReadOnlyQuery] = {}
         self.masks = {split: pc.equal(table.column("split"), split) for split in ("train", "val")}
         self.split_rows = {split: pc.sum(mask).as_py() or 0 for split, mask in self.masks.items()}
         self.rows: dict[str, pa.Table] = {}
@@ -357,25 +282,25 @@ class _Run:
         each result, or its error, in harness order as before. The views are made here first,
         so both threads share them."""
         for metric in self.harness.metrics:
-            # A declared analyzer queries this thread's sandbox: it runs here, in `metric`.
+            # A declared analyzer queries this thread's connection: it runs here, in `metric`.
             if metric.analyzer in ANALYZERS and self.split_rows[metric.split]:
                 self._view(metric.split)
                 self.analyzed[metric.name] = pool.submit(self._analyzer, metric)
 
-    def sandbox(self, split: str | None) -> ReadOnlyQuery:
-        if split not in self.sandboxes:
-            self.sandboxes[split] = self._sandbox(
+    def connection(self, split: str | None) -> ReadOnlyQuery:
+        if split not in self.connections:
+            self.connections[split] = self._connect(
                 split,
                 None if split is None else self._rows(split),
                 # The analyzers' flattened calls, so the split's calls are flattened once.
                 None if split is None else lambda: call_table(self._view(split)),
             )
-        return self.sandboxes[split]
+        return self.connections[split]
 
-    def _sandbox(
+    def _connect(
         self, split: str | None, rows: pa.Table | None, calls: Callable[[], pa.Table] | None
     ) -> ReadOnlyQuery:
-        """A sandbox whose `rollouts` are `rows`, with this diagnosis's limits."""
+        """A connection whose `rollouts` are `rows`, with this diagnosis's limits."""
         return ReadOnlyQuery(
             self.table,
             self.steps,
@@ -389,8 +314,8 @@ class _Run:
     def close(self) -> None:
         for pending in self.analyzed.values():
             pending.cancel()
-        for sandbox in self.sandboxes.values():
-            sandbox.close()
+        for connection in self.connections.values():
+            connection.close()
         if self.increment is not None:
             self.increment.close()
 
@@ -411,7 +336,7 @@ class _Run:
         field = f"metrics.{metric.name}"
         try:
             combined = self.increment and self.increment.metric(
-                metric, self._rows(metric.split), self._view(metric.split), self._sandbox
+                metric, self._rows(metric.split), self._view(metric.split), self._connect
             )
             if combined:
                 value, points = combined
@@ -420,7 +345,7 @@ class _Run:
             elif (declared := self.harness.declared(metric.analyzer)) is not None:
                 value, points = run_declared(
                     declared,
-                    self.sandbox(metric.split),  # the analyzer's rows.split (harness.py)
+                    self.connection(metric.split),  # the analyzer's rows.split (harness.py)
                     {**self.harness.params, **metric.analyzer_params},
                     timeout_s=self.timeout_s,
                     memory_limit=self.memory_limit,
@@ -442,7 +367,7 @@ class _Run:
         if any(c not in self.table.column_names for c in columns):
             # Not a canonical table: let DuckDB name what is wrong.
             sql = "SELECT " + ", ".join(f"count({c})" for c in columns) + " FROM rollouts"
-            _, rows = self.sandbox(split).query(sql, {}, field="requires")
+            _, rows = self.connection(split).query(sql, {}, field="requires")
             return [c for c, n in zip(columns, rows[0], strict=True) if n == 0]
         return [c for c in columns if self._recorded(split, c) == 0]
 
@@ -464,7 +389,7 @@ class _Run:
         if metric.name in self.fused:
             columns, rows = self.fused.pop(metric.name)
         else:
-            columns, rows = self.sandbox(metric.split).query(
+            columns, rows = self.connection(metric.split).query(
                 metric.sql, self.harness.metric_params(metric), field=metric.name
             )
         return metric_result(columns, rows)
@@ -493,7 +418,7 @@ class _Run:
         if len(members) < 2:
             return
         try:
-            columns, rows = self.sandbox(metric.split).query(
+            columns, rows = self.connection(metric.split).query(
                 fused_query([fusable_query(m.sql) for m in members]),
                 self.harness.params,
                 field=metric.name,
@@ -522,7 +447,7 @@ class _Run:
         )
 
     def _rows(self, split: str) -> pa.Table:
-        """The split's rows (zero-copy slices where it can), for its sandbox and analyzers."""
+        """The split's rows (zero-copy slices where it can), for its connection and analyzers."""
         if split not in self.rows:
             self.rows[split] = rows_where(self.table, self.masks[split])
         return self.rows[split]
@@ -551,7 +476,7 @@ class _Run:
         variables = {**metrics, "params": self.harness.params}
         for i, level in enumerate(alert.levels):
             field = f"alerts.{alert.name}.levels[{i}].when"
-            if _holds(level.when, variables, where=self.harness.source, field=field):
+            if cel.holds(level.when, variables, where=self.harness.source, field=field):
                 metric = self.harness.metric(alert.metric)
                 fired_on = self._fired_on(alert, level.when, metrics)
                 return {
@@ -575,7 +500,7 @@ class _Run:
             if metrics[name] is None:
                 continue
             alone = {**metrics, **{other: None for other in read - {name}}}
-            if evaluate_unless_null(when, {**alone, "params": self.harness.params}) is True:
+            if cel.evaluate_unless_null(when, {**alone, "params": self.harness.params}) is True:
                 return name
         return alert.metric
 
@@ -583,7 +508,7 @@ class _Run:
         if alert.sample_where is None or alert.sample_limit <= 0:
             return []
         split = alert.sample_split or metric.split
-        sandbox = self.sandbox(None if split == "all" else split)
+        connection = self.connection(None if split == "all" else split)
         field = f"alerts.{alert.name}.sample.where"
 
         def sample(source: str) -> list[str]:
@@ -592,7 +517,7 @@ class _Run:
                 f"ORDER BY step DESC, seed, group_id, sample_idx LIMIT {alert.sample_limit}"
             )
             try:
-                _, rows = sandbox.query(sql, self.harness.params, field=field)
+                _, rows = connection.query(sql, self.harness.params, field=field)
             except EvoError as err:
                 raise EvoError(
                     err.message, where=self.harness.source, field=field, hint=err.hint
@@ -604,18 +529,18 @@ class _Run:
         # when the latest steps alone hold `limit` matches they are the answer: try those
         # first, in windows 16 times larger each, rather than evaluate an expensive `where`
         # on every row.
-        for floor in self._recent_floors(sandbox):
-            found = sample(sandbox.recent_rows(floor))
+        for floor in self._recent_floors(connection):
+            found = sample(connection.recent_rows(floor))
             if len(found) == alert.sample_limit:
                 return found
         return sample("rollouts")
 
-    def _recent_floors(self, sandbox: ReadOnlyQuery) -> list[int]:
+    def _recent_floors(self, connection: ReadOnlyQuery) -> list[int]:
         """The lowest steps of the fewest latest steps holding 1/256 and 1/16 of the view's
         rows (each once, and none that is every step), counted once per view."""
-        if sandbox not in self.floors:
+        if connection not in self.floors:
             # Rows per step, latest first (Arrow counts them without a query).
-            counts = pc.value_counts(pc.drop_null(sandbox.split_table.column("step")))
+            counts = pc.value_counts(pc.drop_null(connection.split_table.column("step")))
             rows = sorted(
                 zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist(),
                     strict=True),
@@ -630,5 +555,5 @@ class _Run:
                     if seen * share >= total:
                         floors += [int(step)] if int(step) not in floors else []
                         break
-            self.floors[sandbox] = floors
-        return self.floors[sandbox]
+            self.floors[connection] = floors
+        return self.floors[connection]

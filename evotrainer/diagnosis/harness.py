@@ -26,9 +26,9 @@ from typing import Any
 from evotrainer.diagnosis.analyzers import ANALYZERS
 from evotrainer.diagnosis.declared import DeclaredAnalyzer, declared_analyzer
 from evotrainer.diagnosis.sql import check_condition, check_select, condition_type, sql_params
-from evotrainer.diagnosis.stats import GateProcedure
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
+from evotrainer.stats import GateProcedure
 from evotrainer.store import cel, specs
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.recipe import digest

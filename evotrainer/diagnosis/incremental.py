@@ -43,7 +43,7 @@ from evotrainer.errors import EvoError
 from evotrainer.evidence.io import encode_tool_calls
 
 if TYPE_CHECKING:
-    from evotrainer.diagnosis.diagnose import SandboxFactory
+    from evotrainer.diagnosis.diagnose import ConnectionFactory
 
 Key = tuple[int, int]  # (seed, step)
 
@@ -172,7 +172,7 @@ class Increment:
         self.changed: dict[str, tuple[pa.Table, pa.Table]] = {}  # split: (rows, analyzer view)
         # split: (_key_codes's row codes and keys, the number of codes)
         self.codes: dict[str, tuple[np.ndarray, dict[int, Key], int]] = {}
-        self.sandboxes: dict[str, ReadOnlyQuery] = {}
+        self.connections: dict[str, ReadOnlyQuery] = {}
         # Metric name: its mean partials, from one query with the others of its rows (_fuse);
         # and the (split, view, where) of each such query tried.
         self.fused: dict[str, dict[Key, Any]] = {}
@@ -183,11 +183,11 @@ class Increment:
         self.merged: dict[tuple[str, str], dict[int, int]] = {}
 
     def metric(
-        self, metric: Metric, rows: pa.Table, view: pa.Table, sandbox: SandboxFactory
+        self, metric: Metric, rows: pa.Table, view: pa.Table, connect: ConnectionFactory
     ) -> tuple[float | None, list[list[float]]] | None:
         """(value, series points) of `metric` from partials, or None when it does not combine.
         `rows` and `view` are the split's rows and its analyzer view in the full diagnosis;
-        `sandbox` opens the diagnosis's sandbox over the new rows."""
+        `connect` opens a connection with the diagnosis's limits over the new rows."""
         kind, sql = _combinable(metric)
         if kind is None:
             return None
@@ -197,8 +197,8 @@ class Increment:
         if metric.analyzer:
             fresh = _analyzer_partials(metric, changed_view, self.harness.params)
         else:
-            if split not in self.sandboxes:
-                self.sandboxes[split] = sandbox(
+            if split not in self.connections:
+                self.connections[split] = connect(
                     split, changed_rows, lambda: call_table(changed_view)
                 )
             if kind == "histogram":
@@ -214,8 +214,8 @@ class Increment:
             else:
                 # Metrics of one column's histogram share its query.
                 if (split, sql) not in self.counted:
-                    sandbox = self.sandboxes[split]
-                    _, result = sandbox.query(sql, self.harness.params, field=metric.name)
+                    connection = self.connections[split]
+                    _, result = connection.query(sql, self.harness.params, field=metric.name)
                     self.counted[split, sql] = _sql_partials(kind, result)
                 fresh = self.counted[split, sql]
             if kind in ("entropy", "histogram") and any(
@@ -261,7 +261,7 @@ class Increment:
         )
         sql = f"SELECT seed, step, {sums} FROM {rows[1]} GROUP BY seed, step"
         try:
-            _, result = self.sandboxes[metric.split].query(
+            _, result = self.connections[metric.split].query(
                 sql, self.harness.params, field=metric.name
             )
         except EvoError:
@@ -276,8 +276,8 @@ class Increment:
         return _combinable(metric)[0] is not None
 
     def close(self) -> None:
-        for sandbox in self.sandboxes.values():
-            sandbox.close()
+        for connection in self.connections.values():
+            connection.close()
 
     def next_state(self) -> DiagnosisState:
         return DiagnosisState(self.harness.digest, self.rows, self.partials)

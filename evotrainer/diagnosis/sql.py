@@ -332,7 +332,7 @@ def rows_where(table: pa.Table, mask: np.ndarray | pa.Array | pa.ChunkedArray) -
 def _locked_database(memory_limit: str, threads: int) -> duckdb.DuckDBPyConnection:
     """The process's in-memory DuckDB database for harness queries under these limits, locked
     down before it sees any input (no view or table exists while settings can change). Each
-    sandbox is a connection to it (a cursor: opened at no cost, with its own views and temp
+    ReadOnlyQuery is a connection to it (a cursor: opened at no cost, with its own views and temp
     tables and every setting locked), where a database of its own would take longer to open
     than a small diagnosis takes to run."""
     con = duckdb.connect(config={"memory_limit": memory_limit, "threads": threads})
@@ -346,7 +346,7 @@ class ReadOnlyQuery:
 
     `rows` is the split's rows when the caller has them already (else taken from `rollouts`);
     `calls` builds the `calls` view (default: analyzers.call_table of the split's rows), made
-    on first use like `groups`. Every sandbox with the same limits connects to one locked
+    on first use like `groups`. Every ReadOnlyQuery with the same limits connects to one locked
     database (_locked_database); what it registers and creates is its own."""
 
     def __init__(
@@ -404,7 +404,7 @@ class ReadOnlyQuery:
         self, sql: str, params: dict[str, Any], field: str,
         fetch: Callable[[str, dict[str, Any] | None], Any],
     ) -> Any:
-        """`fetch(sql, params)` of one checked SELECT, within the sandbox's time and memory."""
+        """`fetch(sql, params)` of one checked SELECT, within the connection's time and memory."""
         check_select(sql, field=field)
         used = {name: params[name] for name in sql_params(sql)}
         timer = threading.Timer(self.timeout_s, self.con.interrupt)

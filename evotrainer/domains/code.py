@@ -6,7 +6,7 @@ A task's `answer` is the JSON text of its tests, so scoring is a function of the
 the answer alone (the verl reward module rebuilds the task from `ground_truth`).
 
 The program is the last fenced block tagged python/py/python3 or untagged. It runs against
-every case in the sandbox (see `evotrainer.domains.sandbox`); output matches when the lines agree
+every case in the sandbox (see `evotrainer.sandbox.process`); output matches when the lines agree
 after trimming each line and dropping trailing blank lines.
 
 Components (see `evotrainer.domains.sandboxed`): `correctness` (all cases pass),
@@ -25,14 +25,6 @@ from typing import Any, ClassVar
 
 from evotrainer.domains.base import Score, Task
 from evotrainer.domains.data import require_text, stable_id
-from evotrainer.domains.runner import UNASKED_SIGNALS
-from evotrainer.domains.sandbox import (
-    OFFLINE_IMAGE,
-    Limits,
-    Sandbox,
-    check_executor,
-    default_sandbox,
-)
 from evotrainer.domains.sandboxed import (
     EXECUTOR_PARAMS,
     LIMIT_STATUSES,
@@ -41,6 +33,14 @@ from evotrainer.domains.sandboxed import (
     sandboxed_params_schema,
 )
 from evotrainer.errors import EvoError
+from evotrainer.sandbox.process import (
+    OFFLINE_IMAGE,
+    Limits,
+    Sandbox,
+    check_executor,
+    default_sandbox,
+)
+from evotrainer.sandbox.runner import UNASKED_SIGNALS
 
 DEFAULT_TEMPLATE = (
     "Write a Python 3 program that reads from standard input and writes to standard "

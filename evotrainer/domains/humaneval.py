@@ -13,7 +13,7 @@ untagged) fenced block; a response without one is taken whole as a raw completio
 the problem's prompt (whose helpers and imports it may use); otherwise it is the body that
 continues the prompt, as in the original benchmark.
 
-Scoring runs `evotrainer.domains.runner` in the sandbox (`check` requests): the program is
+Scoring runs `evotrainer.sandbox.runner` in the sandbox (`check` requests): the program is
 imported only by a child of that checker, which calls the entry point (and the prompt's other
 functions) with literal arguments and gets literal values back, while the test's asserts run
 in the checker, with `==` and `!=` made type-strict (`runner.strict_equal`: False is no answer to 0,
@@ -44,16 +44,16 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, ClassVar
 
-from evotrainer.domains import runner
 from evotrainer.domains.base import Score, Task
 from evotrainer.domains.data import require_text
-from evotrainer.domains.sandbox import Limits, Sandbox
 from evotrainer.domains.sandboxed import (
     SandboxedCodeDomain,
     extract_program,
     sandboxed_params_schema,
 )
 from evotrainer.errors import EvoError
+from evotrainer.sandbox import runner
+from evotrainer.sandbox.process import Limits, Sandbox
 
 DEFAULT_TEMPLATE = (
     "Complete the following Python function. Give the complete function, with any imports it "

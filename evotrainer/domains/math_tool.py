@@ -11,7 +11,7 @@ vocabularies; rare in both Python and LaTeX). An action is one of
               `Answer: 56`, as `math` reads it); it ends the episode.
 A response that ends by itself (eos: a chat model's end of turn) ends the episode too.
 
-Each program runs alone in the project's sandbox (`domains.sandbox`: its own uid, no network,
+Each program runs alone in the project's sandbox (`sandbox.process`: its own uid, no network,
 a private /tmp as its scratch directory, CPU, wall, memory and output limits, every process it
 started killed at the end); nothing persists between calls, so a call defines what it uses.
 Besides the standard library it may import the packages in `domain.params.packages` (default
@@ -53,9 +53,9 @@ from typing import Any, ClassVar
 
 from evotrainer.domains.base import Demonstration, EnvStep, Score, Task
 from evotrainer.domains.math import MathDomain, extract_answer, score_math
-from evotrainer.domains.sandbox import Limits, Sandbox, default_sandbox
 from evotrainer.domains.sandboxed import extract_program
 from evotrainer.errors import EvoError
+from evotrainer.sandbox.process import Limits, Sandbox, default_sandbox
 
 TURN_END = "~"
 TOOL = "python"

@@ -22,8 +22,8 @@ from typing import Any
 
 from evotrainer.domains.base import Demonstration, Task
 from evotrainer.domains.data import DatasetDomain
-from evotrainer.domains.sandbox import Limits, Sandbox, default_sandbox
 from evotrainer.errors import EvoError
+from evotrainer.sandbox.process import Limits, Sandbox, default_sandbox
 
 COMPONENTS = ("correctness", "pass_fraction", "format", "truncated", "tampered")
 

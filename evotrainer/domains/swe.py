@@ -16,12 +16,12 @@ Anything else gets an error and is recorded as an `invalid` call. Every call is 
 (`git log|show|reflog|blame`) and the tool-mix, streak and echo-trap metrics read it as is.
 
 Executors (`domain.params.executor`): `local` runs every action in the local sandbox
-(`evotrainer.domains.sandbox`): the repository is carried between actions as a tar snapshot,
+(`evotrainer.sandbox.process`): the repository is carried between actions as a tar snapshot,
 unpacked, acted on and packed again inside each sandboxed run; `docker` runs one container
 per episode from a locally built image (`scripts/swe-docker-image.sh`) with no network and
 memory, pid and CPU limits, removed at submit (or when the episode's environment is released,
 or by itself after `container_lifetime_s`). Both run the same action program
-(`runner.py`), so a task gives the same result in both; every reply carries the nonce of its
+(`sandbox/runner.py`), so a task gives the same result in both; every reply carries the nonce of its
 request (`runner.read_report`).
 
 Score (F2P/P2P, as SWE-bench): the runner runs the pristine tests (their text from the task,
@@ -55,10 +55,13 @@ import weakref
 from collections import OrderedDict
 from typing import Any, ClassVar
 
-from evotrainer.domains import runner
 from evotrainer.domains.base import Demonstration, Domain, EnvStep, Score, Task
 from evotrainer.domains.humaneval import bundled_problems
-from evotrainer.domains.sandbox import (
+from evotrainer.domains.sandboxed import EXECUTOR_PARAMS
+from evotrainer.domains.swe_repo import RepoTask, build, files
+from evotrainer.errors import EvoError
+from evotrainer.sandbox import runner
+from evotrainer.sandbox.process import (
     NO_NEW_PRIVILEGES,
     NOBODY,
     OFFLINE_IMAGE,
@@ -67,9 +70,6 @@ from evotrainer.domains.sandbox import (
     default_sandbox,
     tar_files,
 )
-from evotrainer.domains.sandboxed import EXECUTOR_PARAMS
-from evotrainer.domains.swe_repo import RepoTask, build, files
-from evotrainer.errors import EvoError
 
 TURN_END = "`"
 TOOLS = ("shell", "write", "patch", "submit")

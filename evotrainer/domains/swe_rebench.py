@@ -15,7 +15,7 @@ file holding a graded test are written over whatever the episode left (as SWE-be
 the test patch), and every other file the episode added, changed or deleted in a test folder
 (`test_dirs`) is the base's again; a conftest, `sitecustomize`/`usercustomize` or `.pth` file
 of the episode's own is removed and recorded as tampering, pytest's configuration files
-restored. pytest then runs the graded tests in a child (graders/pytest_bootstrap.py) that
+restored. pytest then runs the graded tests in a child (sandbox/graders/pytest_bootstrap.py) that
 starts before any repository code, refuses introspection from an edited file (frames, `gc`,
 `ctypes`, /proc, code compiled under another file's name) and import hooks of the code under
 test through an audit hook, makes the graded files' `==`, `!=`, `in` and `not in` strict
@@ -42,13 +42,13 @@ import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
 
-from evotrainer.domains import runner
 from evotrainer.domains.base import Demonstration, Task
 from evotrainer.domains.data import DataFiles, require_text, resolve_data_path, sample_path
-from evotrainer.domains.sandbox import DockerSandbox, Limits, check_executor
 from evotrainer.domains.swe import TOOLS, TURN_END, DockerRepo, LocalRepo, Memo, SweDomain
 from evotrainer.domains.swe_repo import GIT_ENV, tar_repo
 from evotrainer.errors import EvoError
+from evotrainer.sandbox import runner
+from evotrainer.sandbox.process import DockerSandbox, Limits, check_executor
 
 DEFAULT_TEMPLATE = (
     "{problem}\n\nThe repository is checked out at the commit this issue was reported "

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from evotrainer.domains.humaneval import defined_functions, split_check
-from evotrainer.domains.sandbox import NOBODY
+from evotrainer.sandbox.process import NOBODY
 
 STUB = "    raise NotImplementedError\n"
 

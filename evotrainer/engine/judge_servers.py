@@ -50,8 +50,8 @@ from typing import Any
 from evotrainer.domains import ServedEndpoint
 from evotrainer.domains.data import DATA_ROOTS_ENV
 from evotrainer.domains.judge import check_serve, controller_secret, named_like_secret
-from evotrainer.domains.sandbox import _drop_to, _sweep_uid
 from evotrainer.errors import EvoError
+from evotrainer.sandbox.process import _drop_to, _sweep_uid
 
 POLL_S = 0.2
 STOP_GRACE_S = 10.0

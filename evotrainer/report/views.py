@@ -20,12 +20,12 @@ import yaml
 
 from evotrainer.control.reconcile import Context, steps_spent
 from evotrainer.diagnosis.harness import LAYERS, HarnessRevision, load_harness, resolve_harness
-from evotrainer.diagnosis.skill_library import workspace_library
-from evotrainer.diagnosis.skills import Skill
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.report import svg
+from evotrainer.skills.library import workspace_library
+from evotrainer.skills.skill import Skill
 from evotrainer.store import specs
 from evotrainer.store.lineage import (
     LineageRow,

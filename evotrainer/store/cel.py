@@ -2,7 +2,9 @@
 
 Values go in as plain Python (None, bool, int, float, str, lists, dicts) and come out the
 same way. CEL does not mix int and double in arithmetic (`2 * x` fails for a double `x`;
-write `2.0 * x`), but comparisons across the two work.
+write `2.0 * x`), but comparisons across the two work. `evaluate_unless_null` is the
+evaluation alerts, gate rules, triggers and criteria use: a null or absent value leaves the
+expression undecided (None) instead of failing.
 
 Expressions come from branches and pull requests (harness revisions, skills, criteria), and
 some are evaluated before anyone reviews them (`pr harness-summary`), so each is bounded:
@@ -181,6 +183,37 @@ def evaluate(expr: str, variables: dict[str, Any]) -> Any:
         raise EvoError(f"CEL expression {expr!r} failed: {err.args[0]}") from None
     except CostExceeded as err:
         raise CostExceeded(f"CEL expression {expr!r}: {err.message}", hint=err.hint) from None
+
+
+def evaluate_unless_null(expr: str, variables: dict[str, Any]) -> Any:
+    """`expr` over `variables`, or None when it cannot be decided because a name it reads is
+    null or absent, or is a map of metrics (`parent`, `trend`) that may lack the entry read:
+    a null metric never fires an alert or a trigger, decides a gate rule or holds a
+    criterion. `||` with one true side still holds. Any other failure (a typo in `params`
+    included: the harness defines every param) raises."""
+    referenced = names(expr)
+    bound = {**dict.fromkeys(referenced), **variables}
+    try:
+        return evaluate(expr, bound)
+    except CostExceeded:
+        raise  # past the evaluation budget: an error, never "undecided"
+    except EvoError:
+        if any(
+            bound[name] is None or (isinstance(bound[name], dict) and name != "params")
+            for name in referenced
+        ):
+            return None
+        raise
+
+
+def holds(expr: str, variables: dict[str, Any], *, where: str, field: str) -> bool:
+    """Whether `expr` holds over `variables` (`evaluate_unless_null` is True: a null never
+    holds); an evaluation error names `where` and `field` (a harness revision's alert level
+    or gate rule)."""
+    try:
+        return evaluate_unless_null(expr, variables) is True
+    except EvoError as err:
+        raise EvoError(err.message, where=where, field=field) from None
 
 
 def _to_cel(value: Any) -> Any:

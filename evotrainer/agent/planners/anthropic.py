@@ -1,7 +1,7 @@
 """The `anthropic` planner: Claude with tools over the same read-only views as `rules`.
 
 Read tools: lineage, diagnosis, harness, skill search and detail, bounded read-only SQL over
-a version's rollouts (the harness's locked-down DuckDB sandbox), filter and reward
+a version's rollouts (the harness's locked-down DuckDB connection), filter and reward
 backtests, and `retrieve` (agent/retrieval.py: past decisions, recurring cases and skill
 evidence of this and the listed workspaces and of the shared library, each with its
 citation). A proposal's `cites` must be citations a `retrieve` call of the same decision
@@ -47,26 +47,26 @@ from evotrainer.agent.planners.base import (
     policy_violation,
 )
 from evotrainer.agent.retrieval import Query, SearchTrace, retrieve
-from evotrainer.diagnosis.gate import metric_values
 from evotrainer.diagnosis.harness import (
     GATE_VARIABLES,
     HarnessRevision,
     load_harness,
     parse_harness,
 )
-from evotrainer.diagnosis.harness_backtest import backtest_harness
-from evotrainer.diagnosis.replay import (
+from evotrainer.diagnosis.sql import ReadOnlyQuery, check_select
+from evotrainer.errors import EvoError
+from evotrainer.evidence.io import read_rollouts
+from evotrainer.evidence.layout import RunArtifacts
+from evotrainer.gate.decision import metric_values
+from evotrainer.gate.harness_backtest import backtest_harness
+from evotrainer.skills.replay import (
     backtest_filter,
     backtest_reward,
     skill_filter,
     skill_reward,
     version_rollouts,
 )
-from evotrainer.diagnosis.skills import get_skill, resolve_skill, search
-from evotrainer.diagnosis.sql import ReadOnlyQuery, check_select
-from evotrainer.errors import EvoError
-from evotrainer.evidence.io import read_rollouts
-from evotrainer.evidence.layout import RunArtifacts
+from evotrainer.skills.skill import get_skill, resolve_skill, search
 from evotrainer.store import cel, specs
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.lineage import lineage_rows
@@ -396,12 +396,12 @@ class _Tools:
         table = read_rollouts(RunArtifacts(run_dir).rollouts_dir)
         # ReadOnlyQuery locks DuckDB down before it registers anything, and the split (checked
         # against the tool's schema) reaches it as the filtered rows, never as SQL text.
-        sandbox = ReadOnlyQuery(table, None, split, timeout_s=10.0)
+        connection = ReadOnlyQuery(table, None, split, timeout_s=10.0)
         try:
-            columns, rows = sandbox.query(f"SELECT * FROM ({sql}) LIMIT {MAX_ROWS + 1}", {},
-                                          field="sql")
+            columns, rows = connection.query(f"SELECT * FROM ({sql}) LIMIT {MAX_ROWS + 1}", {},
+                                             field="sql")
         finally:
-            sandbox.close()
+            connection.close()
         return {"columns": columns, "rows": [[_cell(v) for v in r] for r in rows[:MAX_ROWS]],
                 "truncated": len(rows) > MAX_ROWS}
 

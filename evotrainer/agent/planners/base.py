@@ -16,7 +16,7 @@ version is never forked. A proposal that breaks it is refused, with the reason i
 result's notes.
 
 A version whose outcome is mixed evidence (it removed the pathology it was proposed for,
-its score gain inside the CI: diagnosis/outcomes.py) is not failed: its skill is not
+its score gain inside the CI: gate/outcomes.py) is not failed: its skill is not
 refuted, and proposals build on it (`proposal_base`).
 """
 
@@ -30,10 +30,10 @@ import yaml
 
 from evotrainer.control.versions import new_version, parse_assignment
 from evotrainer.diagnosis.harness import HarnessRevision, parse_harness, resolve_harness
-from evotrainer.diagnosis.outcomes import MIXED, SUPPORTED
-from evotrainer.diagnosis.skill_library import workspace_library
-from evotrainer.diagnosis.skills import Skill
 from evotrainer.errors import EvoError
+from evotrainer.gate.outcomes import MIXED, SUPPORTED
+from evotrainer.skills.library import workspace_library
+from evotrainer.skills.skill import Skill
 from evotrainer.store.checkpoints import CHECKPOINT, is_dropped
 from evotrainer.store.git import PRUNED_TAG_PREFIX
 from evotrainer.store.lineage import main_frontier, merged_into_main, tree_order

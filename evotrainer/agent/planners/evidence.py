@@ -33,7 +33,7 @@ import json
 from typing import Any
 
 from evotrainer.agent.planners.base import Proposal, View
-from evotrainer.diagnosis.outcomes import INSUFFICIENT, MIXED
+from evotrainer.gate.outcomes import INSUFFICIENT, MIXED
 from evotrainer.store.checkpoints import init_mode
 
 EVIDENCE = "evidence"  # proposal.move of a rerun that gathers evidence

@@ -6,7 +6,7 @@
    built upon.
 2. Evidence = the frontier's diagnosis and those of its gated children (a pruned child's
    alerts say what to fix next, e.g. the leak that blocked it).
-3. Candidates = skills whose trigger fires (`skills.match`: negative skills never match and
+3. Candidates = skills whose trigger fires (`skill.match`: negative skills never match and
    are listed as declined), one factor each, with the skill's falsifiable criterion. Skills
    this lineage already refuted (applied by a failed ancestor or sibling) or already tried
    from the frontier are skipped. Integrity and measurement fixes (audit, eval-protocol)
@@ -75,17 +75,17 @@ from evotrainer.diagnosis.gaps import (
     unexplained_outcome,
 )
 from evotrainer.diagnosis.harness import parse_harness
-from evotrainer.diagnosis.harness_backtest import backtest_harness, recorded_versions
-from evotrainer.diagnosis.outcomes import MIXED, REGRESSION
-from evotrainer.diagnosis.replay import (
+from evotrainer.errors import EvoError
+from evotrainer.gate.harness_backtest import backtest_harness, recorded_versions
+from evotrainer.gate.outcomes import MIXED, REGRESSION
+from evotrainer.skills.replay import (
     backtest_filter,
     backtest_reward,
     skill_filter,
     skill_reward,
     version_rollouts,
 )
-from evotrainer.diagnosis.skills import Match, fires, match, refusals, resolve_skill
-from evotrainer.errors import EvoError
+from evotrainer.skills.skill import Match, fires, match, refusals, resolve_skill
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.checkpoints import init_mode
 from evotrainer.store.records import NO_GAIN, Verdict

@@ -2,8 +2,8 @@
 
 A harness revision is adopted only after its backtest: every recorded version is
 re-diagnosed from its stored rollouts (the run record's `artifact_dir`) with the candidate
-and with the revision it would replace, and re-gated with each (the same `gate.decide` that
-reconcile runs, over the same recorded score tables). What changes — alerts, verdicts — is
+and with the revision it would replace, and re-gated with each (the same `decision.decide`
+that reconcile runs, over the same recorded score tables). What changes — alerts, verdicts — is
 what adopting it would change; the candidate's own `backtest_cases` must all pass.
 
 A procedure revision (the gate's alpha, min_delta and procedure fields, its rules, alert
@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
-from evotrainer.diagnosis.gate import decide, recorded_scores
 from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
-from evotrainer.diagnosis.stats import GateProcedure
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts, read_steps
 from evotrainer.evidence.layout import RunArtifacts
+from evotrainer.gate.decision import decide, recorded_scores
+from evotrainer.stats import GateProcedure
 from evotrainer.store.lineage import tree_order
 from evotrainer.store.workspace import PROJECT_FILE, VersionState, Workspace
 
@@ -91,12 +91,15 @@ def _memo_key(
 
 @cache
 def _code_digest() -> str:
-    """The digest of the code a diagnosis runs (the diagnosis and evidence packages): a
-    changed analyzer or reader makes every remembered backtest diagnosis a miss."""
+    """The digest of the code a diagnosis runs (the diagnosis and evidence packages, the
+    statistics of its parent comparison and the CEL evaluation of its alerts): a changed
+    analyzer, reader, statistic or evaluation makes every remembered backtest diagnosis a
+    miss."""
     digest = hashlib.sha256()
     root = Path(__file__).resolve().parents[1]
     for path in sorted([*root.glob("diagnosis/*.py"), *root.glob("diagnosis/*.yaml"),
-                        *root.glob("evidence/*.py")]):
+                        *root.glob("evidence/*.py"), root / "stats.py",
+                        root / "store" / "cel.py"]):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 

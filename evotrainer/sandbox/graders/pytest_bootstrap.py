@@ -17,7 +17,7 @@ this program's own code; the hook and the signer use C operations alone once unt
 may run (a library's Python function reads its module's globals, which the code under test
 can replace).
 
-The runner (`evotrainer.domains.runner.do_pytest`) runs this file's text with
+The runner (`evotrainer.sandbox.runner.do_pytest`) runs this file's text with
 `python -I -c TEXT` in the repository: the standard library and pytest only, no evotrainer.
 """
 

@@ -163,7 +163,7 @@ PROGRAMS: dict[str, str] = {}
 
 
 def program(name: str) -> str:
-    """The text of the program `name` (a module of evotrainer/domains/graders)."""
+    """The text of the program `name` (a module of evotrainer/sandbox/graders)."""
     if name not in PROGRAMS:
         folder = Path(__file__).resolve().parent / "graders"
         PROGRAMS[name] = (folder / f"{name}.py").read_text(encoding="utf-8")

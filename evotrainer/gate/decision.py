@@ -4,7 +4,7 @@ decided it, so a reviewer reads `decision.yaml` and sees why.
 
 Beside the verdict the decision records the version's outcome (outcomes.py: improvement,
 regression, mixed evidence, insufficient evidence) and, when the score moved significantly
-with nothing outside the score layer to explain it, the diagnostic gap (gaps.py). The gate
+with nothing outside the score layer to explain it, the diagnostic gap (diagnosis/gaps.py). The gate
 procedure (stats.GateProcedure) may compare the version with the frontier and the root as
 well as its parent: a promotion must then hold against each of them, every interval and
 p-value corrected for the family.
@@ -20,18 +20,19 @@ from __future__ import annotations
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
 from evotrainer import API_VERSION
 from evotrainer.contract.recipe import evaluation_sampling
-from evotrainer.diagnosis.diagnose import evaluate_unless_null, gate_verdict, parent_comparison
 from evotrainer.diagnosis.gaps import unexplained_outcome
 from evotrainer.diagnosis.harness import HarnessRevision
-from evotrainer.diagnosis.outcomes import classify, pathology_status
-from evotrainer.diagnosis.stats import GateProcedure, adjust_p, confidence_label
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_scores
+from evotrainer.gate.outcomes import classify, pathology_status
+from evotrainer.stats import GateProcedure, adjust_p, confidence_label
+from evotrainer.store.cel import evaluate_unless_null, holds
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import branch_name
 from evotrainer.store.lineage import main_frontier, merged_into_main, verdict_of
@@ -121,6 +122,46 @@ def replaced_frontier(
     return None
 
 
+def gate_verdict(
+    harness: HarnessRevision,
+    diagnosis: dict,
+    comparison: dict | None = None,
+    parent_metrics: dict[str, float | None] | None = None,
+) -> dict:
+    """Apply the gate: the first rule whose `when` holds decides; none holding means
+    inconclusive. A rule that reads a null value does not hold."""
+    comparison = comparison or diagnosis.get("comparison") or {}
+    alerts = diagnosis["alerts"]
+    variables = {
+        **diagnosis["metrics"],
+        "delta": comparison.get("delta"),
+        "ci_low": comparison.get("ci_low"),
+        "ci_high": comparison.get("ci_high"),
+        "p_value": comparison.get("p_bootstrap"),
+        "p_wilcoxon": comparison.get("p_wilcoxon"),
+        "parent": dict(parent_metrics or {}),
+        "alpha": harness.alpha,
+        "min_delta": harness.min_delta,
+        "critical_alerts": sum(a["severity"] == "critical" for a in alerts),
+        # Critical behavior alerts (leak, abandonment) say the score itself cannot be
+        # trusted; critical signal alerts (dead groups) say what to fix next.
+        "critical_behavior_alerts": sum(
+            a["severity"] == "critical" and a.get("layer") == "behavior" for a in alerts
+        ),
+        "warning_alerts": sum(a["severity"] == "warning" for a in alerts),
+        "alerts": [a["name"] for a in alerts],
+        "params": harness.params,
+    }
+    for rule in harness.gate_rules:
+        if holds(rule.when, variables, where=harness.source, field=f"gate rule {rule.name}"):
+            return {"verdict": rule.verdict, "rule": rule.name, "variables": _plain(variables)}
+    return {"verdict": "inconclusive", "rule": None, "variables": _plain(variables)}
+
+
+def _plain(variables: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in variables.items() if k != "params"}
+
+
 def _family(
     ws: Workspace,
     states: dict[str, VersionState],
@@ -200,8 +241,8 @@ def decide(
                                        recorded_scores(ws, state.name))
     elif not comparison or (diagnosis.get("harness") or {}).get("digest") != harness.digest:
         # Diagnosed without the parent's scores, or by another revision (another alpha).
-        comparison = parent_comparison(
-            recorded_scores(ws, parent.name), recorded_scores(ws, state.name), harness
+        comparison = harness.procedure.compare(
+            recorded_scores(ws, parent.name), recorded_scores(ws, state.name)
         )
     gate = gate_verdict(
         harness,

@@ -25,13 +25,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from evotrainer.contract.filters import Trajectory, filter_batch, make_filter
-from evotrainer.diagnosis.skills import Skill
 from evotrainer.domains import JudgedDomain, ServedEndpoint, make_domain
 from evotrainer.domains.judge import COMPONENT_PREFIX
 from evotrainer.errors import EvoError
 from evotrainer.evidence.groups import dead_groups
 from evotrainer.evidence.io import read_rollouts
 from evotrainer.evidence.layout import RunArtifacts
+from evotrainer.skills.skill import Skill
 from evotrainer.store.recipe import BASE_RECIPE
 
 GroupKey = tuple[str, int, int, str]  # version, seed, step, group_id

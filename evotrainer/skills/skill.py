@@ -52,7 +52,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from evotrainer.diagnosis.diagnose import evaluate_unless_null
 from evotrainer.errors import EvoError
 from evotrainer.store import cel, specs
 from evotrainer.store.builtin import builtin_dir
@@ -540,7 +539,7 @@ def trigger_variables(
 def fires(expr: str, variables: dict[str, Any], *, where: str | None = None) -> bool:
     """Whether a trigger holds; a null or absent metric never makes it fire."""
     try:
-        return evaluate_unless_null(expr, variables) is True
+        return cel.evaluate_unless_null(expr, variables) is True
     except EvoError as err:
         raise EvoError(
             err.message,

@@ -1,4 +1,4 @@
-"""Programs the runner (`evotrainer.domains.runner`) starts in a child process, kept as
+"""Programs the runner (`evotrainer.sandbox.runner`) starts in a child process, kept as
 modules so that ruff and editors read them, and run from their text (`runner.program`):
 never imported by evotrainer itself.
 

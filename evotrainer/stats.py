@@ -8,8 +8,8 @@ How the gate runs the test is a harness field (`gate:` in a revision, gate.schem
 into a `GateProcedure`: the CI method (percentile, or BCa: bias-corrected and accelerated,
 Efron 1987, with the acceleration from the jackknife over tasks), the number of resamples B,
 the strata (by data_source, or none), and the comparison family with its multiple-comparison
-correction (gate.py). Absent fields keep the method's defaults, so a revision without them
-decides exactly as before.
+correction (gate/decision.py). Absent fields keep the method's defaults, so a revision without
+them decides exactly as before.
 """
 
 from __future__ import annotations

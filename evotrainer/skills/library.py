@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from evotrainer.diagnosis.skills import (
+from evotrainer.errors import EvoError
+from evotrainer.skills.skill import (
     EVIDENCE_LISTS,
     SKILL_MODELINE,
     Match,
@@ -35,7 +36,6 @@ from evotrainer.diagnosis.skills import (
     version_domain,
     with_evidence,
 )
-from evotrainer.errors import EvoError
 from evotrainer.store import specs
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.git import GitStore
@@ -56,7 +56,7 @@ class SharedLibrary:
     repo: str  # as configured, for messages and citations
     ref: str
     commit: str
-    skills: dict[str, Any]  # name → skills.Skill
+    skills: dict[str, Any]  # name → skill.Skill
 
     def where(self, path: str) -> str:
         return f"skill library {self.repo}@{self.ref}:{path}"

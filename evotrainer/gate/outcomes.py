@@ -21,9 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from evotrainer.diagnosis.diagnose import evaluate_unless_null
-from evotrainer.diagnosis.skills import trigger_variables
 from evotrainer.errors import EvoError
+from evotrainer.skills.skill import trigger_variables
+from evotrainer.store.cel import evaluate_unless_null
 
 IMPROVEMENT, REGRESSION, MIXED, INSUFFICIENT = OUTCOMES = (
     "improvement", "regression", "mixed_evidence", "insufficient_evidence")

@@ -1,0 +1,2 @@
+"""The promotion gate: a version's decision against its parent (decision.py), the outcome it
+records (outcomes.py), and harness revisions re-gating recorded history (harness_backtest.py)."""

@@ -525,6 +525,7 @@ def run_evolve(args: argparse.Namespace, model_dir: Path, out: Path) -> dict[str
                 for name, tasks in sets.items()}
 
     evals = {"base": scored(model_dir), f"evolve ({frontier})": scored(exported)}
+    base_points = {n: summary(r)["prompt_strict"] for n, r in evals["base"].items()}
     steps = max(total_steps, 1)
     recipe = {**recipe_v0, "grpo": {**grpo, "steps": steps, "eval_every": steps}}
     run = out / "default"
@@ -553,7 +554,14 @@ def run_evolve(args: argparse.Namespace, model_dir: Path, out: Path) -> dict[str
                 evals["base"][name], evals[f"evolve ({frontier})"][name], key)
             comparisons[f"{name}/{level}/default_vs_base"] = compare(
                 evals["base"][name], evals["default"][name], key)
+    frontier_points = {n: summary(r)["prompt_strict"]
+                       for n, r in evals[f"evolve ({frontier})"].items()}
+    # The x axis is the GRPO steps spent: the loop's point is after all it trained.
+    curves = {"default recipe": {0: base_points} | curve,
+              f"evolve: main's frontier {frontier}": {0: base_points, steps: frontier_points}}
     return {
+        "plot": plot(args.plot, curves, f"{args.example}: evolve --rounds {args.rounds} against "
+                     f"the recipe as is, {steps} steps each") if args.plot else None,
         "workspace": str(ws_dir),
         "evolve_s": evolve_s,
         "lineage": [{k: row[k] for k in ("name", "parent", "verdict", "delta", "ci", "on_main")}
@@ -634,6 +642,8 @@ def main(argv: list[str] | None = None) -> dict:
     if {"ours", "trl"} & set(parts):
         side_by_side(args, model_dir, out, parts, report)
     if "evolve" in parts:
+        if args.plot and {"ours", "trl"} & set(parts):  # each part draws its own curve
+            args.plot = args.plot.with_stem(args.plot.stem + "-evolve")
         report["evolve"] = run_evolve(args, model_dir, out)
     report["loadavg_end"] = os.getloadavg()
     report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())

@@ -80,9 +80,9 @@ def test_the_evolve_part_compares_main_s_frontier_with_the_default_run(tmp_path,
     data = tmp_path / "IFBench_test.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in IFBENCH))
     bench = load_bench()
-    report = bench.main(["--smoke", "--parts", "evolve", "--model-path",
-                         str(save_hf(tmp_path / "model")), "--ifbench-data", str(data),
-                         "--out", str(tmp_path / "out")])
+    report = bench.main(["--smoke", "--parts", "evolve", "--plot", str(tmp_path / "c.svg"),
+                         "--model-path", str(save_hf(tmp_path / "model")),
+                         "--ifbench-data", str(data), "--out", str(tmp_path / "out")])
     evolve = report["evolve"]
     assert evolve["total_steps"] == sum(row["steps"] for row in evolve["lineage"]) >= 1
     assert evolve["frontier"] in {row["name"] for row in evolve["lineage"] if row["on_main"]}
@@ -91,3 +91,4 @@ def test_the_evolve_part_compares_main_s_frontier_with_the_default_run(tmp_path,
     for name in ("heldout", "ifbench"):
         ci = evolve["comparisons"][f"{name}/prompt/evolve_vs_default"]
         assert ci["n_tasks"] == 2 and ci["ci_low"] <= ci["delta"] <= ci["ci_high"]
+    assert evolve["plot"] in (str(tmp_path / "c.svg"), "skipped: matplotlib is not installed")

@@ -420,16 +420,9 @@ def _tokens(states: dict[str, VersionState]) -> list[TokenRow]:
     return out
 
 
-def collect(ws: Workspace) -> Site:
-    states = ws.versions()
-    rows = lineage_rows(ws, states)
-    by_name = {r.name: r for r in rows}
-    hrefs = {r.name: f"versions/{page_file(r.name)}" for r in rows}
-    children: dict[str, list[str]] = {}
-    for row in rows:
-        if row.parent in by_name:
-            children.setdefault(row.parent, []).append(row.name)
-
+def _version_pages(ws: Workspace, states: dict[str, VersionState], rows: list[LineageRow],
+                   children: dict[str, list[str]]) -> dict[str, VersionPage]:
+    """Each version's page: its recipe against its parent's, metrics, alerts, criterion."""
     harness_cache: dict[str, HarnessRevision | None] = {}
 
     def harness_named(name: str | None) -> HarnessRevision | None:
@@ -460,15 +453,15 @@ def collect(ws: Workspace) -> Site:
         _alert_views(ws, page)
         page.criterion = criterion_view(state.spec, page.record("decision"), page.negative)
         pages[row.name] = page
+    return pages
 
-    promoted = _promoted_path(rows, ws, states)
-    on_path = set(promoted)
-    off_path = {name: [by_name[c] for c in children.get(name, []) if c not in on_path]
-                for name in promoted}
-    chart = svg.score_chart([by_name[n] for n in promoted], off_path, hrefs)
 
-    # The frontier: the current best and every leaf still in play. Alerts there are what
-    # the next proposal should answer; alerts on decided or dead branches are history.
+def _alerts_by_standing(rows: list[LineageRow], pages: dict[str, VersionPage],
+                        children: dict[str, list[str]], promoted: list[str]
+                        ) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
+    """(current, settled): alerts on the frontier — the current best and every leaf still in
+    play — are what the next proposal should answer; alerts on decided or dead branches are
+    history."""
     frontier = {promoted[-1]} if promoted else set()
     frontier |= {r.name for r in rows
                  if not children.get(r.name) and not pages[r.name].negative}
@@ -476,19 +469,43 @@ def collect(ws: Workspace) -> Site:
     for row in rows:
         for alert in pages[row.name].record("diagnosis").get("alerts") or []:
             (current if row.name in frontier else settled).append((row.name, alert))
+    return current, settled
 
-    autonomy = ws.project.get("autonomy") or {}
-    # The harness in force must load, as for reconcile: its error names the file and field.
-    harness = resolve_harness(ws.project.get("harness", "h0"), ws.root)
-    library = workspace_library(ws)
+
+def _skill_pages(ws: Workspace, states: dict[str, VersionState]) -> list[SkillPage]:
+    """The workspace's library, each skill with the versions that applied it."""
     applied: dict[str, list[str]] = {}
     for name in sorted(states, key=_natural):
         for skill in ((states[name].spec or {}).get("intervention") or {}).get("skills") or []:
             applied.setdefault(skill, []).append(name)
-    skills = [SkillPage(s, applied.get(s.name, []),
-                        yaml.safe_dump(s.recipe_patch, sort_keys=False).strip()
-                        if s.recipe_patch else "")
-              for s in library.values()]
+    return [SkillPage(s, applied.get(s.name, []),
+                      yaml.safe_dump(s.recipe_patch, sort_keys=False).strip()
+                      if s.recipe_patch else "")
+            for s in workspace_library(ws).values()]
+
+
+def collect(ws: Workspace) -> Site:
+    """Everything the report's pages show, read once from the workspace."""
+    states = ws.versions()
+    rows = lineage_rows(ws, states)
+    by_name = {r.name: r for r in rows}
+    hrefs = {r.name: f"versions/{page_file(r.name)}" for r in rows}
+    children: dict[str, list[str]] = {}
+    for row in rows:
+        if row.parent in by_name:
+            children.setdefault(row.parent, []).append(row.name)
+    pages = _version_pages(ws, states, rows, children)
+
+    promoted = _promoted_path(rows, ws, states)
+    on_path = set(promoted)
+    off_path = {name: [by_name[c] for c in children.get(name, []) if c not in on_path]
+                for name in promoted}
+    chart = svg.score_chart([by_name[n] for n in promoted], off_path, hrefs)
+    current, settled = _alerts_by_standing(rows, pages, children, promoted)
+
+    autonomy = ws.project.get("autonomy") or {}
+    # The harness in force must load, as for reconcile: its error names the file and field.
+    harness = resolve_harness(ws.project.get("harness", "h0"), ws.root)
     context = Context(ws, states, harness)
     return Site(
         ws=ws, project=ws.project, rows=rows, versions=pages,
@@ -498,5 +515,5 @@ def collect(ws: Workspace) -> Site:
         gpu_hours_spent=context.gpu_hours_spent or 0.0,
         gpu_hours_budget=autonomy.get("max_gpu_hours"),
         tokens=_tokens(states), tokens_budget=autonomy.get("max_llm_tokens"),
-        harness=harness_pages(ws, states), skills=skills,
+        harness=harness_pages(ws, states), skills=_skill_pages(ws, states),
     )

@@ -94,24 +94,10 @@ def revision_for_gaps(
     if not drafting:
         result.notes.append("harness evolution is off: no revision proposed for the gap(s)")
         return None
-    defined = set()
-    for name in view.ws.harness_names():
-        try:
-            doc = load_yaml(view.ws.harness_path(name).read_bytes(), name)
-            defined |= {m.get("name") for m in doc.get("metrics") or []}
-        except (OSError, EvoError, AttributeError):
-            continue  # an unreadable revision defines nothing; `validate` reports it
-        shipped = builtin_dir("harness_versions") / f"{name}.yaml"
-        as_shipped = (
-            shipped.is_file()
-            and shipped.read_bytes() == view.ws.harness_path(name).read_bytes()
-        )
-        if doc.get("parent") == view.harness.name and not as_shipped:
-            # One revision of the harness in force awaits review already; a built-in
-            # revision as shipped (h1) is part of the library, not a pending proposal.
-            return None
-    document = load_yaml(Path(view.harness.source).read_bytes(), view.harness.source)
-    defined |= {m.name for m in view.harness.metrics}
+    if awaiting_review(view) is not None:
+        return None
+    document = in_force_document(view)
+    defined = _defined_metrics(view)
     for gap in found:
         picked = _pick_metric(view, gap, base, document, defined)
         if picked is not None:
@@ -168,13 +154,7 @@ def _revision(
         f"{view.harness.name} plus {metric}, for the gap {gap.kind} on {gap.version}: "
         f"{gap.reason}. {why}"
     )
-    states = view.states
-    document["backtest_cases"] = [
-        {"version": v, "expect": states[v].records["decision"]["verdict"]}
-        for v in recorded_versions(view.ws, states)
-        if states[v].parent is not None and (states[v].records.get("decision") or {}).get(
-            "verdict") in (Verdict.PROMOTE, *NO_GAIN)
-    ]
+    document["backtest_cases"] = recorded_cases(view)
     revision = parse_harness(document, source=f"harness_versions/{name}.yaml")
     backtest = backtest_harness(view.ws, revision, view.harness)
     return HarnessProposal(
@@ -183,6 +163,56 @@ def _revision(
         backtest,
         gap=gap.as_dict(),
     )
+
+
+def in_force_document(view: View) -> dict[str, Any]:
+    """The revision in force as its file holds it: what a new revision copies and changes."""
+    return load_yaml(Path(view.harness.source).read_bytes(), view.harness.source)
+
+
+def awaiting_review(view: View) -> str | None:
+    """The revision of the harness in force that awaits review, if one does: one at a time.
+    A built-in revision as shipped (h1) is part of the library, not a pending proposal."""
+    for name in view.ws.harness_names():
+        try:
+            doc = load_yaml(view.ws.harness_path(name).read_bytes(), name)
+            parent = doc.get("parent")
+        except (OSError, EvoError, AttributeError):
+            continue  # an unreadable revision is `validate`'s to report
+        shipped = builtin_dir("harness_versions") / f"{name}.yaml"
+        as_shipped = (
+            shipped.is_file()
+            and shipped.read_bytes() == view.ws.harness_path(name).read_bytes()
+        )
+        if parent == view.harness.name and not as_shipped:
+            return name
+    return None
+
+
+def recorded_cases(view: View) -> list[dict[str, str]]:
+    """A revision's backtest cases: every recorded verdict (promote or no gain) of a version
+    whose evidence is still on disk. A revision that flips one fails it, so it is adopted
+    only by a reviewer who agrees with the flip."""
+    states = view.states
+    return [
+        {"version": v, "expect": states[v].records["decision"]["verdict"]}
+        for v in recorded_versions(view.ws, states)
+        if states[v].parent is not None and (states[v].records.get("decision") or {}).get(
+            "verdict") in (Verdict.PROMOTE, *NO_GAIN)
+    ]
+
+
+def _defined_metrics(view: View) -> set[str]:
+    """Metric names any revision of the workspace defines: a catalogue metric already there
+    is not proposed again."""
+    defined = {m.name for m in view.harness.metrics}
+    for name in view.ws.harness_names():
+        try:
+            doc = load_yaml(view.ws.harness_path(name).read_bytes(), name)
+            defined |= {m.get("name") for m in doc.get("metrics") or []}
+        except (OSError, EvoError, AttributeError):
+            continue  # an unreadable revision defines nothing; `validate` reports it
+    return defined
 
 
 def _with_metric(base: dict, entry: CatalogueEntry, name: str, recipe: dict) -> dict:

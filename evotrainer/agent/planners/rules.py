@@ -28,6 +28,8 @@
    regression.
 8. The harness evolves when a diagnostic gap fires (revisions.py; with `harness_evolution`
    off the gap is only noted): the revision adds the catalogue metric that discriminates it.
+   Without one, the gate's procedure evolves where the recorded decisions call for it
+   (gate_revisions.py): data sources that disagree in sign, intervals too wide to decide.
 9. Evidence before moving on (evidence.py): a version left inconclusive with a positive
    point estimate inside its interval is rerun on one more seed, the seeds pooled by the
    gate, before any new factor; this move ranks first outside an escalation.
@@ -39,7 +41,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from evotrainer.agent.planners import evidence, revisions
+from evotrainer.agent.planners import evidence, gate_revisions, revisions
 from evotrainer.agent.planners.base import BUNDLE, PlannerResult, Proposal, View, overrides_key
 from evotrainer.agent.planners.base import fmt as _fmt
 from evotrainer.agent.retrieval import SearchTrace, query_for, retrieve
@@ -163,8 +165,11 @@ class RulesPlanner:
             tried_skills |= set(candidate.skills)
             tried_sets.add(frozenset(candidate.skills))
             tried_overrides.add(candidate.overrides)
-        harness = revisions.revision_for_gaps(view, base, fired.skills, fired.actionable, result,
-                                              drafting=self.harness_evolution)
+        # One revision a round: a metric for a diagnostic gap first, else a gate procedure
+        # the recorded decisions call for.
+        harness = revisions.revision_for_gaps(
+            view, base, fired.skills, fired.actionable, result, drafting=self.harness_evolution
+        ) or gate_revisions.propose(view, result, drafting=self.harness_evolution)
         if harness:
             result.harness.append(harness)
         return result

@@ -63,17 +63,17 @@ def test_human_gated_run_stops_and_says_which_revision_to_adopt(workspace):
 def test_a_revision_whose_backtest_flips_a_recorded_verdict_is_not_adopted(workspace,
                                                                            monkeypatch):
     ws = stalled(workspace)
-    from evotrainer.agent.planners import rules
+    from evotrainer.agent.planners import revisions
 
-    real = rules.RulesPlanner._revision
+    real = revisions._revision
 
-    def flipped_case(self, *args, **kwargs):
-        proposal = real(self, *args, **kwargs)
+    def flipped_case(*args, **kwargs):
+        proposal = real(*args, **kwargs)
         # A case the recorded history contradicts: the revision would flip v2's prune.
         proposal.document["backtest_cases"] = [{"version": "v2", "expect": "promote"}]
         return proposal
 
-    monkeypatch.setattr(rules.RulesPlanner, "_revision", flipped_case)
+    monkeypatch.setattr(revisions, "_revision", flipped_case)
     lines: list[str] = []
     [first] = evolve(ws, 1, approve_all=True, backends={"local": StandinBackend()},
                      log=lines.append, poll_s=0.05)

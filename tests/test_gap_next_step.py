@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from evotrainer.agent.planners.rules import _discrimination
+from evotrainer.agent.planners.revisions import _discrimination
 from evotrainer.control.scaffold import EXAMPLES_DIR
 from evotrainer.diagnosis.catalogue import catalogue
 from evotrainer.diagnosis.gaps import no_next_step

@@ -4,6 +4,8 @@ absent, the decision is the one the gate always made."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from standin import converge
 from standin import propose as train
@@ -11,9 +13,10 @@ from standin_planted import PlantedBackend
 from standin_planted import converge as converge_planted
 
 from evotrainer.backends import BACKEND_TYPES
-from evotrainer.diagnosis.harness import resolve_harness
-from evotrainer.gate.decision import decide, recorded_scores, references
+from evotrainer.diagnosis.harness import parse_harness, resolve_harness
+from evotrainer.gate.decision import decide, gate_verdict, recorded_scores, references
 from evotrainer.stats import GateProcedure, compare_tables
+from evotrainer.store.specs import load_yaml
 from evotrainer.store.workspace import Workspace
 
 pytestmark = pytest.mark.usefixtures("standin")
@@ -101,3 +104,29 @@ def test_a_score_move_no_train_metric_explains_is_recorded_as_a_gap(workspace, p
     converge_planted(workspace)
     explained = workspace.version("v2").records["decision"]
     assert explained["comparison"]["ci_low"] > 0 and "gaps" not in explained
+
+
+def test_a_rule_reads_each_data_sources_comparison_as_strata():
+    """`strata` holds the comparison's per-data_source rows: a rule may hold back a pooled
+    gain whose source falls significantly, and reads nothing where there are no rows."""
+    h0 = resolve_harness("h0")
+    doc = load_yaml(Path(h0.source).read_bytes(), h0.source)
+    doc["gate"]["rules"] = [{"name": "source_loss", "verdict": "inconclusive",
+                             "when": "strata.exists(s, s.ci_high < 0.0)"},
+                            *doc["gate"]["rules"]]
+    harness = parse_harness(doc)
+    diagnosis = {"metrics": {}, "alerts": []}
+
+    def row(source: str, low: float, high: float) -> dict:
+        return {"data_source": source, "n_tasks": 40, "delta": (low + high) / 2,
+                "ci_low": low, "ci_high": high, "p_bootstrap": 0.01}
+
+    pooled = {"delta": 0.1, "ci_low": 0.05, "ci_high": 0.15}
+    split = gate_verdict(harness, diagnosis, {**pooled, "strata": [
+        row("a", 0.3, 0.5), row("b", -0.3, -0.1)]})
+    assert (split["verdict"], split["rule"]) == ("inconclusive", "source_loss")
+    assert split["variables"]["strata"][1] == {
+        "data_source": "b", "n_tasks": 40, "delta": -0.2, "ci_low": -0.3, "ci_high": -0.1,
+        "p_value": 0.01}
+    agree = gate_verdict(harness, diagnosis, {**pooled, "strata": [row("a", 0.0, 0.2)]})
+    assert gate_verdict(harness, diagnosis, pooled)["verdict"] == agree["verdict"] == "promote"

@@ -297,3 +297,36 @@ def test_the_model_may_declare_an_analyzer_and_a_hostile_one_is_refused(leaky, m
     assert "def long_turns(rows, params):" in committed and "os.system" not in committed
     assert any(r["new_metric_values"].get("long_turn_share") is not None
                for r in harness.backtest["versions"])
+
+
+def test_gate_revision_tool_refuses_what_the_gate_schema_does_not_allow(leaky, monkeypatch):
+    """The model proposes a gate procedure: an unknown field, resamples out of range and a
+    field that changes nothing are refused, each naming the field; a valid change becomes a
+    new revision, backtested on the recorded versions, the built-in ones untouched."""
+    builtin = {name: leaky.harness_path(name).read_bytes() for name in ("h0", "h1", "h2")}
+    script = [
+        message(tool_use("propose_gate_revision", rationale="r", bogus_field=1)),
+        message(tool_use("propose_gate_revision", rationale="r", resamples=5)),
+        message(tool_use("propose_gate_revision", rationale="r", strata="data_source")),
+        message(tool_use("propose_gate_revision", rationale="exact interval ends",
+                         resamples=20000, ci_method="bca")),
+        message(text("done")),
+    ]
+    with serve(monkeypatch, script) as api:
+        result = propose(leaky, "anthropic", 1)
+    unknown, out_of_range, unchanged = (json.dumps(tool_results(api.requests[i]))
+                                        for i in (1, 2, 3))
+    assert "bogus_field" in unknown and "Additional properties are not allowed" in unknown
+    assert "resamples does not match" in out_of_range and "minimum of 100" in out_of_range
+    assert "already has strata='data_source'" in unchanged
+    assert all(json.loads(r)[0]["is_error"] for r in (unknown, out_of_range, unchanged))
+    [harness] = result.harness
+    assert (harness.name, harness.document["parent"]) == ("h3", "h0")
+    assert harness.document["gate"]["resamples"] == 20000
+    assert harness.document["gate"]["ci_method"] == "bca"
+    accepted = json.dumps(tool_results(api.requests[4]))
+    assert '\\"accepted\\": true' in accepted and '\\"flips\\"' in accepted
+    assert {c["version"] for c in harness.backtest["cases"]} == {"v1"}
+    assert leaky.git.read("main", "harness_versions/h3.yaml") is not None
+    assert {n: leaky.harness_path(n).read_bytes() for n in builtin} == builtin
+    assert sum(n.startswith("rejected propose_gate_revision") for n in result.notes) == 3

@@ -12,7 +12,7 @@ import pytest
 from standin import no_std_group_filter, standin_settings
 from standin_planted import PlantedBackend, converge
 
-from evotrainer.agent.planners.rules import _with_metric
+from evotrainer.agent.planners.revisions import _with_metric
 from evotrainer.backends import BACKEND_TYPES
 from evotrainer.control.scaffold import init_workspace
 from evotrainer.control.versions import approve, new_version

@@ -47,8 +47,13 @@ CRITERION = ("intervention", "hypothesis", "criterion")
 # from 0 and 1, so no division by zero or boundary case is mistaken for a type error.
 STAND_IN_DOUBLE = 0.5
 STAND_IN_COUNT = 2
+# One row of the gate's `strata` (gate/decision.py): what a rule's `s.field` reads.
+STAND_IN_STRATUM = {"data_source": "stand-in", "n_tasks": STAND_IN_COUNT,
+                    "delta": STAND_IN_DOUBLE, "ci_low": STAND_IN_DOUBLE,
+                    "ci_high": STAND_IN_DOUBLE, "p_value": STAND_IN_DOUBLE}
 TYPE_HINT = ("metrics, delta and its CI are doubles (compare with 0.0, write 2.0 * x), alert "
-             "counts are ints, alerts is a list of names")
+             "counts are ints, alerts is a list of names, strata a list of {data_source, "
+             "n_tasks, delta, ci_low, ci_high, p_value}")
 
 
 @dataclass
@@ -257,7 +262,7 @@ def criterion_problems(doc: specs.Document, harness: Any) -> list[EvoError]:
             where=where, field=field_name,
             hint=(f"did you mean {close[0]!r}? " if close else "")
             + f"a criterion reads the metrics of {harness.name} and delta, ci_low, ci_high, "
-            "p_value, p_wilcoxon, parent.<metric>, alpha, min_delta, critical_alerts, "
+            "p_value, p_wilcoxon, strata, parent.<metric>, alpha, min_delta, critical_alerts, "
             "critical_behavior_alerts, warning_alerts, alerts",
         ))
     problem = None if problems else type_problem(expr, variables)
@@ -316,6 +321,8 @@ def _stand_ins(harness: Any, names: frozenset[str]) -> dict[str, Any]:
             out[name] = [alert.name for alert in harness.alerts]
         elif name in METRIC_MAP_VARIABLES:
             out[name] = metrics
+        elif name == "strata":
+            out[name] = [STAND_IN_STRATUM]
         else:
             out[name] = STAND_IN_DOUBLE
     return out

@@ -43,8 +43,9 @@ EFFECT_TOLERANCE = 0.05
 
 @dataclass(frozen=True)
 class Gap:
-    """One detected gap: which (from catalogue.GAPS), on which version, why, and the
-    numbers behind it (what a reviewer checks)."""
+    """One detected gap: which (from catalogue.GAPS, or a finding about the gate's procedure
+    that a planner names), on which version, why, and the numbers behind it (what a reviewer
+    checks)."""
 
     kind: str
     version: str

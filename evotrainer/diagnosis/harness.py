@@ -42,6 +42,7 @@ GATE_VARIABLES = frozenset(
         "ci_high",
         "p_value",
         "p_wilcoxon",
+        "strata",
         "parent",
         "alpha",
         "min_delta",

@@ -139,6 +139,8 @@ def gate_verdict(
         "ci_high": comparison.get("ci_high"),
         "p_value": comparison.get("p_bootstrap"),
         "p_wilcoxon": comparison.get("p_wilcoxon"),
+        # Each data_source's own comparison: a pooled gain may carry a loss on one source.
+        "strata": [_stratum(row) for row in comparison.get("strata") or []],
         "parent": dict(parent_metrics or {}),
         "alpha": harness.alpha,
         "min_delta": harness.min_delta,
@@ -156,6 +158,14 @@ def gate_verdict(
         if holds(rule.when, variables, where=harness.source, field=f"gate rule {rule.name}"):
             return {"verdict": rule.verdict, "rule": rule.name, "variables": _plain(variables)}
     return {"verdict": "inconclusive", "rule": None, "variables": _plain(variables)}
+
+
+def _stratum(row: dict[str, Any]) -> dict[str, Any]:
+    """One row of a comparison's `strata` as a gate rule reads it (`p_value` is the stratum's
+    bootstrap p, as the pooled `p_value` is the comparison's)."""
+    return {"data_source": row["data_source"], "n_tasks": row["n_tasks"],
+            "delta": row["delta"], "ci_low": row["ci_low"], "ci_high": row["ci_high"],
+            "p_value": row["p_bootstrap"]}
 
 
 def _plain(variables: dict[str, Any]) -> dict[str, Any]:

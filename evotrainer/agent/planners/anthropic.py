@@ -8,12 +8,14 @@ citation). A proposal's `cites` must be citations a `retrieve` call of the same 
 returned; they are appended to its rationale, and the decision's search trace (queries,
 sources, what came back) is recorded with it (`proposal.retrieval`).
 
-Write tools: `propose_version` and `propose_harness_revision`, whose inputs are checked
-against the schemas and a policy before anything is kept: allowed recipe keys only, one
-factor, known non-negative skills that change the parent's recipe, a CEL criterion over
-known names, a parent that did not fail, harness SQL that is one SELECT. Nothing is
-written to git until the decision ends (then `write_proposals` does it, as for every
-planner).
+Write tools: `propose_version`, `propose_harness_revision` and `propose_gate_revision`,
+whose inputs are checked against the schemas and a policy before anything is kept: allowed
+recipe keys only, one factor, known non-negative skills that change the parent's recipe, a
+CEL criterion over known names, a parent that did not fail, harness SQL that is one SELECT,
+gate fields that gate.schema.json knows, within its bounds. A gate revision is drafted and
+backtested as the rules planner's are (gate_revisions.py); the model hears the verdicts it
+flips. Nothing is written to git until the decision ends (then `write_proposals` does it, as
+for every planner).
 
 Tool inputs are untrusted too: each one is checked against its tool's JSON Schema (no other
 keys, names that are names, `split` one of train/val) before a handler runs; no input is ever
@@ -46,6 +48,8 @@ from evotrainer.agent.planners.base import (
     next_name,
     policy_violation,
 )
+from evotrainer.agent.planners.gate_revisions import GATE_SCHEMA, flipped, gate_revision
+from evotrainer.agent.planners.revisions import in_force_document
 from evotrainer.agent.retrieval import Query, SearchTrace, retrieve
 from evotrainer.diagnosis.harness import (
     GATE_VARIABLES,
@@ -71,7 +75,6 @@ from evotrainer.store import cel, specs
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.lineage import lineage_rows
 from evotrainer.store.recipe import set_dotted
-from evotrainer.store.specs import load_yaml
 
 DEFAULT_MODEL = "claude-sonnet-5"
 DEFAULT_TOKENS_PER_DECISION = 100_000
@@ -167,6 +170,15 @@ TOOLS: list[dict[str, Any]] = [
          "backtest_cases": {"type": "array", "items": {"type": "object"}},
          "rationale": _STR},
          "metrics", "rationale")},
+    {"name": "propose_gate_revision", "description": "Propose a revision of the gate's "
+     "procedure: the revision in force with the gate fields given here changed (alpha, "
+     "min_delta, ci_method, resamples, strata, compare_with, correction, rules; a rule may "
+     "read `strata`, each data_source's {data_source, n_tasks, delta, ci_low, ci_high, "
+     "p_value}). It is backtested on every recorded version, its cases the recorded "
+     "verdicts; the answer lists the verdicts it flips, and a revision that flips one waits "
+     "for a reviewer. More resamples make an interval's ends exact, not the interval "
+     "narrower: only more seeds or tasks do.",
+     "input_schema": _inputs({**GATE_SCHEMA["properties"], "rationale": _STR}, "rationale")},
 ]
 INPUT_VALIDATORS = {tool["name"]: jsonschema.Draft202012Validator(tool["input_schema"])
                     for tool in TOOLS}
@@ -526,7 +538,7 @@ class _Tools:
             raise EvoError("one harness revision per decision")
         if not 1 <= len(metrics) <= 3:
             raise EvoError("add one to three metrics per revision")
-        base = load_yaml(Path(view.harness.source).read_bytes(), view.harness.source)
+        base = in_force_document(view)
         name = next_name(view.ws.harness_names(), "h")
         document = {**base, "name": name, "parent": view.harness.name,
                     "description": f"{view.harness.name} plus "
@@ -543,6 +555,16 @@ class _Tools:
             raise EvoError(f"backtest cases fail: {failed}")
         self.harness.append(HarnessProposal(document, rationale.strip(), report))
         return {"accepted": True, "name": name, "backtest": report}
+
+    def tool_propose_gate_revision(self, rationale: str, **changes: Any) -> dict:
+        if self.harness:
+            raise EvoError("one harness revision per decision")
+        if not rationale.strip():
+            raise EvoError("the rationale must be non-empty text")
+        proposal = gate_revision(self.view, changes, rationale.strip())
+        self.harness.append(proposal)
+        return {"accepted": True, "name": proposal.name, "flips": flipped(proposal.backtest),
+                "backtest": proposal.backtest}
 
 
 def check_input(tool: str, arguments: Any) -> None:

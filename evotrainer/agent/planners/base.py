@@ -236,6 +236,11 @@ class View:
         }
 
 
+def fmt(value: Any) -> str:
+    """A number as a rationale shows it: three significant digits."""
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
 def overrides_key(settings: list[str]) -> str:
     """Canonical recipe overrides of dotted KEY=VALUE settings, comparable with
     `View.tried_overrides`."""

@@ -137,3 +137,19 @@ def test_an_unbound_skill_is_never_applied_and_a_version_records_its_bindings(tm
     assert spec["intervention"]["bindings"] == bindings
     assert spec["recipe"] == {"reward": {"components": [{"name": "efficiency", "weight": 0.0}]}}
     assert ws.version("v2").spec["intervention"]["bindings"] == bindings
+
+
+def test_a_harness_backtest_shows_each_key_of_an_added_keyed_metric():
+    from rich.console import Console
+
+    from evotrainer.commands.harness import backtest_tables
+
+    row = {"version": "v1", "recorded": "inconclusive", "verdict_before": "inconclusive",
+           "verdict_after": "inconclusive", "alerts_before": [],
+           "alerts_after": ["misaligned_reward"], "metrics_added": ["reward_alignment"],
+           "changed": True, "new_metric_values": {"reward_alignment": -0.41},
+           "new_keyed_values": {"reward_alignment": {"efficiency": -0.41, "partial": 0.9}}}
+    report = {"candidate": "h3", "against": "h2", "versions": [row], "cases": []}
+    console = Console(width=400, record=True)
+    console.print(backtest_tables(report)[0])
+    assert "reward_alignment=-0.41 (efficiency=-0.41, partial=0.9)" in console.export_text()

@@ -10,7 +10,9 @@ see. It runs tests/standin_engine.py, then rewrites the evidence it wrote, from 
   behavior metric h0 has) moves with it;
 - `planted_idle` (share): a multi-turn run whose rollouts act (one `compare` call over two
   turns), except that share of them, which answer at once without any call and fail: idle
-  failure (the catalogue's `idle_failure_rate`);
+  failure (the catalogue's `idle_failure_rate`); each episode records toolenv's
+  `correctness`, `partial` and `efficiency` components as toolenv scores them (efficiency
+  1 / actions: an answer alone earns all of it, so it pays the idle failures most);
 - `planted_loop` (share, with `environment.max_turns`): the same acting run, except that share
   of them, which repeat one `compare` until the turn budget cuts them (finish_reason
   tool_limit) and fail: short echo loops (h0's echo trap needs more than 60 turns).
@@ -95,12 +97,14 @@ def _episodes(path: Path, idle: float, loop: float, max_turns: int, version: str
     act = [{"name": "compare", "args": "32"}]
     calls = {"idle": [], "loop": act * (max_turns // 2), "act": act}
     turns = {"idle": 1, "loop": max_turns, "act": 2}
+    actions = {"idle": 1, "loop": max_turns // 2 + 1, "act": 2}  # calls and the answer
     replies = {"idle": "=0;", "loop": "?32;<;" * (max_turns // 2), "act": "?32;<;"}
     table = _replace(table, "correct", pa.array(correct))
     table = _replace(table, "reward", pa.array(correct))
     table = _replace(table, "reward_components", pa.array(
-        [[("correctness", float(c))] for c in correct], ROLLOUT_SCHEMA.field(
-            "reward_components").type))
+        [[("correctness", float(c)), ("partial", float(c)), ("efficiency", 1.0 / actions[k])]
+         for k, c in zip(kind, correct, strict=True)],
+        ROLLOUT_SCHEMA.field("reward_components").type))
     table = _replace(table, "tool_calls", pa.array([calls[k] for k in kind], ROLLOUT_SCHEMA.field(
         "tool_calls").type))
     table = _replace(table, "turns", pa.array([turns[k] for k in kind], pa.int64()))

@@ -68,7 +68,27 @@ def _rows() -> list[dict]:
     return rows
 
 
-ROWS = _rows()
+def _with_components(rows: list[dict]) -> list[dict]:
+    """Reward components on the train rows, from their own random stream (the other columns
+    stay as drawn): `efficiency` pays failing rows more, `partial` pays solved ones more,
+    `constant` never moves (no correlation), `tampered` is a flag the audit leaves out; some
+    rows record no components."""
+    rng = random.Random(11)
+    for r in rows:
+        if r.get("split") == "val" or rng.random() < 0.1:
+            continue
+        solved = r["correct"] or 0.0
+        r["reward_components"] = [
+            ("correctness", solved),
+            ("efficiency", 1.0 - 0.5 * solved + rng.random() * 0.6),
+            ("partial", 0.5 * solved + rng.random() * 0.6),
+            ("constant", 1.0),
+            ("tampered", float(rng.random() < 0.2)),
+        ]
+    return rows
+
+
+ROWS = _with_components(_rows())
 TRAIN = [r for r in ROWS if r.get("split", "train") == "train"]
 
 
@@ -213,6 +233,26 @@ def failed_calls():
     return _by_step([{"step": s, "v": v} for s, v in failed], lambda r: r["v"])
 
 
+def alignment_by_component() -> dict[str, float | None]:
+    """Pearson r of each audited component with `correct`; None where either is constant."""
+    pairs = defaultdict(list)
+    for r in TRAIN:
+        if r["correct"] is None or not r.get("reward_components"):
+            continue
+        for name, value in r["reward_components"]:
+            if name not in ("correctness", "tampered", "truncated"):
+                pairs[name].append((value, r["correct"]))
+    out = {}
+    for name, xy in pairs.items():
+        x, y = np.array(xy).T
+        out[name] = None if x.std() == 0 or y.std() == 0 else float(np.corrcoef(x, y)[0, 1])
+    return out
+
+
+def reward_alignment():
+    return min(v for v in alignment_by_component().values() if v is not None), None
+
+
 EXPECTED = {
     "distinct_response_ratio": lambda: _by_group(TRAIN, distinct_responses),
     "train_val_gap": train_val_gap,
@@ -230,6 +270,7 @@ EXPECTED = {
     "tool_limit_ratio": lambda: _by_step(TRAIN, ends("tool_limit")),
     "tool_call_rate": lambda: _by_step(TRAIN, calls_any),
     "tool_failure_rate": failed_calls,
+    "reward_alignment": reward_alignment,
 }
 
 
@@ -246,6 +287,17 @@ def test_metric_matches_a_plain_python_computation(diagnosis, name):
         # The table has something on both sides of the metric: it is neither 0 nor 1 by
         # construction everywhere.
         assert len(set(np.round(list(steps.values()), 9))) > 1
+
+
+def test_a_keyed_metric_records_each_key_and_is_their_minimum(diagnosis):
+    by_key = diagnosis["keyed"]["reward_alignment"]
+    expected = alignment_by_component()
+    assert set(by_key) == set(expected) == {"efficiency", "partial", "constant"}
+    assert by_key["constant"] is None  # a term that never moves says nothing
+    for name in ("efficiency", "partial"):
+        assert by_key[name] == pytest.approx(expected[name], rel=1e-9)
+    assert by_key["efficiency"] < 0 < by_key["partial"]  # paying failures: anti-correlated
+    assert diagnosis["metrics"]["reward_alignment"] == by_key["efficiency"]
 
 
 def test_final_answers_as_the_description_says():

@@ -296,6 +296,7 @@ def test_catalogue_metrics_and_declared_analyzers_grown_in_chunks_diagnose_like_
     assert kinds["long_share"] is kinds["calls_per_turn"] is None  # declared: in full
     assert kinds["response_length_p90_budget"] is None  # its own params
     assert kinds["idle_failure_rate"] == kinds["error_finish_ratio"] == "mean"
+    assert kinds["reward_alignment"] is None  # keyed: one value per component, in full
     table = _run(600)
     state = None
     for end in (table.num_rows // 3 + 7, table.num_rows):

@@ -42,6 +42,9 @@ ALERTS = {"dead_groups", "weak_signal", "truncation", "echo_trap", "abandonment"
 # (a skill answering a pathology h0 cannot see reads the catalogue alert that sees it).
 METRICS |= {entry.metric["name"] for entry in catalogue()}
 ALERTS |= {entry.alert["name"] for entry in catalogue() if entry.alert}
+KEYED = {entry.metric["name"] for entry in catalogue() if entry.metric.get("keyed")}
+# A value for each variable a built-in skill binds when its trigger fires.
+SAMPLE_BINDINGS = {"component": "efficiency"}
 GATE_NAMES = {"delta", "ci_low", "ci_high", "p_value", "parent"}
 EMBEDDED = {"arith", "toolenv"}
 
@@ -85,6 +88,8 @@ def test_builtin_files_are_in_the_form_evidence_updates_write() -> None:
 @pytest.mark.parametrize("name", sorted(LIBRARY))
 def test_recipe_patch_merges_into_a_valid_recipe(name: str) -> None:
     skill = LIBRARY[name]
+    if skill.bind:  # what a trigger binds: a component every embedded domain scores
+        skill = skill.bound({var: SAMPLE_BINDINGS[var] for var in skill.bind})
     resolution = resolve_skill(skill, BASE_RECIPE)
     recipe = deep_merge(BASE_RECIPE, resolution.overrides)
     doc = specs.Document({"apiVersion": "evotrainer/v1", "kind": "PolicyVersion", "name": "v1",
@@ -112,7 +117,9 @@ def test_recipe_patch_merges_into_a_valid_recipe(name: str) -> None:
 def test_triggers_and_criteria_read_only_known_names(name: str) -> None:
     skill = LIBRARY[name]
     assert skill.trigger
-    assert cel.names(skill.trigger) <= METRICS | {"alerts", "trend", "recipe"}
+    assert cel.names(skill.trigger) <= METRICS | {"alerts", "trend", "recipe", "keyed"}
+    for keyed in re.findall(r"\bkeyed\.(\w+)", skill.trigger):
+        assert keyed in KEYED, (name, keyed)
     # A recipe setting a trigger reads exists in every resolved recipe (a typo never fires).
     for path in re.findall(r"\brecipe((?:\.\w+)+)", skill.trigger):
         if path.startswith(".reward.judges"):  # optional (a recipe with a judge): behind has()

@@ -36,7 +36,7 @@ def backtest_tables(report: dict[str, Any], changed_only: bool = True) -> list[T
             safe(row["version"]), safe(row["recorded"] or "—"),
             safe(row["verdict_before"] or "—"), verdict,
             safe(", ".join(sorted(after - before))), safe(", ".join(sorted(before - after))),
-            safe(", ".join(f"{k}={_fmt(v)}" for k, v in row["new_metric_values"].items())),
+            safe(", ".join(_shown(k, v, row) for k, v in row["new_metric_values"].items())),
         )
     cases = Table(title=f"backtest cases of {candidate}")
     for column in ("version", "expect", "verdict", "result"):
@@ -45,6 +45,13 @@ def backtest_tables(report: dict[str, Any], changed_only: bool = True) -> list[T
         cases.add_row(safe(case["version"]), safe(case["expect"]), safe(case["verdict"] or "—"),
                       "[green]pass[/]" if case["passed"] else "[red]FAIL[/]")
     return [versions, cases]
+
+
+def _shown(metric: str, value: Any, row: dict[str, Any]) -> str:
+    """`metric=value`, with a keyed metric's value per key: which key is the minimum."""
+    keys = (row.get("new_keyed_values") or {}).get(metric)
+    by_key = f" ({', '.join(f'{k}={_fmt(v)}' for k, v in keys.items())})" if keys else ""
+    return f"{metric}={_fmt(value)}{by_key}"
 
 
 @contextmanager

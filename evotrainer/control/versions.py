@@ -49,12 +49,16 @@ def new_version(
     *,
     rationale: str,
     skills: list[str] = (),
+    bindings: dict[str, dict[str, Any]] | None = None,
     settings: list[str] = (),
     hypothesis: str | None = None,
     criterion: str | None = None,
     proposal: dict | None = None,
 ) -> dict:
-    """Write `spec/versions/<name>.yaml` on a new branch forked from the parent's tip."""
+    """Write `spec/versions/<name>.yaml` on a new branch forked from the parent's tip.
+    `bindings` ({skill: {variable: value}}) binds the skills whose mechanism names what their
+    trigger bound (Skill.bind); the spec records them under `intervention.bindings`."""
+    bindings = {s: dict(b) for s, b in (bindings or {}).items() if b}
     states = ws.versions()
     if name in states:
         raise EvoError(
@@ -74,12 +78,18 @@ def new_version(
             )
     # A skill's patch is relative (x2, at most a ceiling): resolved against the parent's
     # recipe into the concrete values this spec records.
-    overrides = skill_overrides([library[s] for s in skills], ws.resolved_recipe(parent, states))
+    for skill in bindings:
+        if skill not in skills:
+            raise EvoError(f"bindings for {skill!r}, which the version does not apply",
+                           field="bindings", hint=f"skills applied: {', '.join(skills)}")
+    bound = [library[s].bound(bindings[s]) if s in bindings else library[s] for s in skills]
+    overrides = skill_overrides(bound, ws.resolved_recipe(parent, states))
     for setting in settings:
         key, value = parse_assignment(setting)
         set_dotted(overrides, key, value)
     intervention: dict = {
         "skills": list(skills),
+        **({"bindings": bindings} if bindings else {}),
         "factors": len(skills) + len(settings),
         "rationale": rationale,
     }

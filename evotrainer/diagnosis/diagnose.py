@@ -27,6 +27,7 @@ from evotrainer.diagnosis.sql import (
     fusable_query,
     fused_query,
     fused_value,
+    keyed_result,
     metric_result,
     query_columns,
     rows_where,
@@ -156,6 +157,7 @@ def diagnose(
         "layers": {m.name: m.layer for m in harness.metrics},
         "trends": {name: _slope(points) for name, points in series.items()},
         "series": series,
+        "keyed": run.keyed,
         "alerts": alerts,
         "gaps": gaps,
         "comparison": comparison,
@@ -225,6 +227,7 @@ def diagnosis_document(diagnosis: dict, version: str | None = None) -> dict:
             }
             for name, value in diagnosis["metrics"].items()
         },
+        **({"keyed": diagnosis["keyed"]} if diagnosis.get("keyed") else {}),
         "series": diagnosis["series"],
     }
 
@@ -276,6 +279,8 @@ class _Run:
         self.analyzed: dict[str, Future[tuple[float | None, list[list[float]]]]] = {}
         # The declared analyzers' results and time budget, for this diagnosis.
         self.declared_runs = AnalyzerRuns(harness.name)
+        # Keyed metric name: {key: value}, what the diagnosis records under `keyed`.
+        self.keyed: dict[str, dict[str, float | None]] = {}
 
     def start_analyzers(self, pool: ThreadPoolExecutor) -> None:
         """Run the analyzer metrics on `pool` while the queries run here; `metric` collects
@@ -335,6 +340,13 @@ class _Run:
                 return None, [], f"{', '.join(missing)} not recorded in {metric.split} rollouts"
         field = f"metrics.{metric.name}"
         try:
+            if metric.keyed:  # its rows are keys, not steps: nothing to combine or fuse
+                columns, rows = self.connection(metric.split).query(
+                    metric.sql, self.harness.metric_params(metric), field=metric.name
+                )
+                self.keyed[metric.name] = keyed_result(columns, rows)
+                values = [v for v in self.keyed[metric.name].values() if v is not None]
+                return (min(values) if values else None), [], None
             combined = self.increment and self.increment.metric(
                 metric, self._rows(metric.split), self._view(metric.split), self._connect
             )
@@ -441,6 +453,7 @@ class _Run:
         columns recorded, and no increment computing it from partials."""
         return (
             not metric.comparison
+            and not metric.keyed
             and bool(self.split_rows[metric.split])
             and not (metric.requires and self._unrecorded(metric.split, metric.requires))
             and not (self.increment and self.increment.combines(metric))

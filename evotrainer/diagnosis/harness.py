@@ -4,8 +4,10 @@ Document shape (see harness_versions/h0.yaml):
   apiVersion: evotrainer/v1, kind: HarnessRevision, name, description, parent (optional),
   params: {...}                     values for `$name` in SQL and `params.name` in CEL
   metrics: [{name, layer, split, sql | analyzer: {name, params} | comparison, series,
-             requires, params, description}]   a metric's params override the revision's
-                                               for its own SQL
+             keyed, requires, params, description}]   a metric's params override the
+                                               revision's for its own SQL; a keyed metric's
+                                               SQL returns `key, value` rows, its value is
+                                               the minimum over keys
   analyzers: [{name, description, inputs: [columns], output: {kind}, rows: {split, where},
                sql | python, limits}]   declared analyzers (diagnosis/declared.py) a metric
                                         names like a registered one
@@ -88,6 +90,10 @@ class Metric:
     # The metric's own params, over the revision's for its SQL: a catalogue metric copied
     # into a revision brings what it reads (diagnosis/catalogue.py).
     params: dict[str, Any] = field(default_factory=dict)
+    # Its SQL returns `key, value` rows: one value per key (a reward component), recorded
+    # under the diagnosis' `keyed`; the metric's value is the minimum over keys, so an
+    # alert `metric < bound` fires when any key is below it.
+    keyed: bool = False
 
 
 @dataclass(frozen=True)
@@ -401,6 +407,10 @@ class _RevisionBuilder:
                             f"{declared.split}")
         if m.get("comparison") is not None and m["layer"] != "version":
             raise self.fail((*path, "layer"), "a comparison metric belongs to the version layer")
+        keyed = bool(m.get("keyed", False))
+        if keyed and (m.get("sql") is None or m.get("series")):
+            raise self.fail((*path, "keyed"), "a keyed metric is an sql metric without a series",
+                            hint="return `key, value` rows from sql, and drop series")
         requires = tuple(m.get("requires") or [])
         unknown = [c for c in requires if c not in ROLLOUT_SCHEMA.names]
         if unknown:
@@ -418,6 +428,7 @@ class _RevisionBuilder:
             requires=requires,
             description=m.get("description") or "",
             params=params,
+            keyed=keyed,
         )
 
     def threshold(self, level: dict, path: tuple, metric: str) -> float | None:

@@ -364,6 +364,8 @@ def _mean_rows(metric: Metric) -> tuple[str, str, str | None] | None:
 
 def _combinable(metric: Metric) -> tuple[str | None, str]:
     """(partial kind, SQL computing the partials per (seed, step)) or (None, "")."""
+    if metric.keyed:  # one value per key over every row: computed in full
+        return None, ""
     if metric.analyzer:
         # A declared analyzer (not registered) sees its rows in one piece: computed in full.
         return ("mean", "") if metric.analyzer in ANALYZERS else (None, "")

@@ -109,6 +109,22 @@ def metric_result(columns: list[str], rows: list) -> tuple[float | None, list[li
     return finite(total[0][vi]), points
 
 
+def keyed_result(columns: list[str], rows: list) -> dict[str, float | None]:
+    """{key: value} of a keyed metric's query: `key, value` rows, one per key."""
+    if "key" not in columns or "value" not in columns:
+        raise EvoError("a keyed metric's query must return columns named `key` and `value`")
+    ki, vi = columns.index("key"), columns.index("value")
+    out: dict[str, float | None] = {}
+    for row in rows:
+        key = str(row[ki])
+        if row[ki] is None or key in out:
+            raise EvoError(f"the query returned a {'null' if row[ki] is None else 'repeated'} "
+                           f"key {row[ki]!r}; return one row per key",
+                           hint="GROUP BY the key")
+        out[key] = finite(row[vi])
+    return out
+
+
 def finite(value: Any) -> float | None:
     """`value` as a float, or None for null, NaN and infinity (a metric's missing value)."""
     if value is None:

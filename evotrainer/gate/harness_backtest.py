@@ -269,6 +269,9 @@ def backtest_harness(
         row["new_metric_values"] = {
             m: (new_diag[name]["metrics"][m] or {}).get("value") for m in row["metrics_added"]
         }
+        # A keyed metric's per-key values: what a trigger reading `keyed` sees under `new`.
+        keyed = new_diag[name].get("keyed") or {}
+        row["new_keyed_values"] = {m: keyed[m] for m in row["metrics_added"] if m in keyed}
         row["flip"] = flip(before, after, old, new) if (
             before and after and before["verdict"] != after["verdict"]) else None
         row["changed"] = (

@@ -273,8 +273,18 @@ def backtest_filter(
 # ------------------------------------------------------------------------- skills, versions
 
 
+def _bound(skill: Skill) -> None:
+    """A skill that binds its setting when its trigger fires names none until then."""
+    if skill.unbound:
+        raise EvoError(f"skill {skill.name!r} names its setting only when its trigger fires "
+                       f"(bind: {', '.join(skill.bind)})", where=skill.source, field="bind",
+                       hint="backtest the version a planner proposed with it, or name the "
+                       "component or filter yourself")
+
+
 def skill_filter(skill: Skill) -> tuple[str, dict[str, Any]]:
     """The group filter a skill installs: its entry point, else its recipe patch."""
+    _bound(skill)
     entry = skill.entry_point
     if entry and entry["kind"] == "group_filter":
         return entry["name"], dict(entry.get("params") or {})
@@ -289,6 +299,7 @@ def skill_reward(skill: Skill, domain: str | None = None) -> tuple[str, float]:
     """The (component, weight) a skill adds: in a domain with its own patch, the component
     that patch raises (shaped-correctness raises code's `pass_fraction`, not `partial`);
     else its entry point, else a single patched component."""
+    _bound(skill)
     by_domain = skill.data["mechanism"].get("domain_patches") or {}
     if domain in by_domain:
         raised = [c for c in ((by_domain[domain] or {}).get("reward") or {}).get("components")

@@ -32,7 +32,16 @@ Triggers are CEL over a diagnosis. Their variables:
   (`has(trend.reward_mean) && trend.reward_mean > 0.0`);
 - `recipe`: the resolved recipe of the version the diagnosis describes, so a trigger can tie
   a symptom to the setting that causes it (`recipe.grpo.temperature < 0.5 &&
-  dead_group_ratio > 0.5`). Null where the caller has no version (a standalone diagnosis).
+  dead_group_ratio > 0.5`). Null where the caller has no version (a standalone diagnosis);
+- `keyed`: keyed metric name → {key: value}, each key's value of a keyed metric (the
+  per-component `reward_alignment`: `keyed.reward_alignment["efficiency"] < 0.15`).
+
+A skill may `bind` variables (`bind: {component: CEL expression}`) evaluated over the same
+variables when its trigger fires; `{component}` in the mechanism's strings is replaced by
+the bound value (a string that is exactly `{component}` takes the value with its type), so
+one skill acts on whichever component a diagnosis names. A binding that fails or is null
+means the skill does not fire. A bound skill (`Skill.bound`) is what the patch, the
+backtest and the version spec read; an unbound one cannot be applied.
 
 A metric that is null or absent never makes a trigger fire, as in the harness's gate: celpy
 cannot compare null (`x != null` itself fails), so an evaluation that fails while reading a
@@ -48,7 +57,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +76,16 @@ EVIDENCE_LISTS = {
 SKILL_MODELINE = schema_modeline("skills/x.yaml", "Skill")
 
 
+# A placeholder of a bound variable in a mechanism string.
+_PLACEHOLDER = re.compile(r"\{([a-z_][a-z0-9_]*)\}")
+
+
 @dataclass(frozen=True)
 class Skill:
     data: dict[str, Any]
     source: str  # the file it came from, for error messages
+    # Variable → value bound when its trigger fired; its mechanism has them substituted.
+    bindings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -122,6 +137,21 @@ class Skill:
     def negative_evidence(self) -> list[dict[str, Any]]:
         return list(self.data.get("negative_evidence") or [])
 
+    @property
+    def bind(self) -> dict[str, str]:
+        """Variable → the CEL expression that binds it when the trigger fires."""
+        return dict(self.data.get("bind") or {})
+
+    @property
+    def unbound(self) -> bool:
+        """Whether its mechanism still holds placeholders: it names no concrete setting."""
+        return bool(self.bind) and not self.bindings
+
+    def bound(self, bindings: dict[str, Any]) -> Skill:
+        """This skill with `bindings` substituted into its mechanism's strings."""
+        data = {**self.data, "mechanism": _substitute(self.data["mechanism"], bindings)}
+        return Skill(data, self.source, dict(bindings))
+
     def applies_to(self, domain: str | None) -> bool:
         """A skill without `domains` applies everywhere; otherwise the domain must be listed."""
         return domain is None or not self.domains or domain in self.domains
@@ -134,7 +164,58 @@ def load_skill(path: Path, source: str | None = None) -> Skill:
     doc = specs.load(path, "Skill", source=source)
     skill = Skill(doc.data, doc.source)
     check_operations(skill)
+    check_bindings(skill)
     return skill
+
+
+def _substitute(value: Any, bindings: dict[str, Any]) -> Any:
+    """`value` with each `{var}` of `bindings` replaced in its strings (not its keys)."""
+    if isinstance(value, dict):
+        return {k: _substitute(v, bindings) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_substitute(v, bindings) for v in value]
+    if not isinstance(value, str):
+        return value
+    whole = _PLACEHOLDER.fullmatch(value)
+    if whole and whole[1] in bindings:
+        return bindings[whole[1]]
+    return _PLACEHOLDER.sub(
+        lambda m: str(bindings[m[1]]) if m[1] in bindings else m[0], value)
+
+
+def _placeholders(value: Any, path: str) -> list[tuple[str, str]]:
+    """(variable, dotted field) of each placeholder in `value`'s strings."""
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _placeholders(v, f"{path}.{k}")]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _placeholders(v, f"{path}[{i}]")]
+    return [(m, path) for m in _PLACEHOLDER.findall(value)] if isinstance(value, str) else []
+
+
+def check_bindings(skill: Skill) -> None:
+    """Every placeholder of the mechanism is bound, every binding is used, and each binding
+    compiles: a skill that cannot name its concrete setting is refused where it is loaded."""
+    bind = skill.bind
+    used = _placeholders(skill.data.get("mechanism") or {}, "mechanism")
+    for var, path in used:
+        if var not in bind:
+            raise EvoError(
+                f"skill {skill.name!r} uses {{{var}}}, which `bind` does not bind",
+                where=skill.source, field=path,
+                hint=f"add bind.{var}: a CEL expression naming its value, or write the value",
+            )
+    for var, expr in bind.items():
+        if var not in {v for v, _ in used}:
+            raise EvoError(
+                f"skill {skill.name!r} binds {var!r}, which its mechanism never uses",
+                where=skill.source, field=f"bind.{var}",
+                hint=f"write {{{var}}} where the mechanism takes it, or drop the binding",
+            )
+        try:
+            cel.check(expr)
+        except EvoError as err:
+            raise EvoError(err.message, where=skill.source, field=f"bind.{var}",
+                           hint=err.hint) from None
 
 
 def load_library(folder: Path | None = None) -> dict[str, Skill]:
@@ -165,6 +246,14 @@ def skill_overrides(paths: list[Path | Skill], parent_recipe: dict[str, Any]
     recipe = parent_recipe
     for path in paths:
         skill = path if isinstance(path, Skill) else load_skill(path, f"skills/{path.name}")
+        if skill.unbound:
+            raise EvoError(
+                f"skill {skill.name!r} binds {', '.join(skill.bind)} when its trigger fires, "
+                "and no value is given",
+                where=skill.source,
+                field="--skill",
+                hint="let a planner propose it from a diagnosis where it fires",
+            )
         resolution = resolve_skill(skill, recipe)
         if not resolution.changes:
             raise EvoError(
@@ -474,8 +563,8 @@ def tokens(text: str) -> list[str]:
 
 def _document(skill: Skill) -> list[str]:
     words: list[str] = []
-    for field, boost in _FIELDS:
-        value = skill.data.get(field)
+    for key, boost in _FIELDS:
+        value = skill.data.get(key)
         text = " ".join(value) if isinstance(value, list) else str(value or "")
         words += tokens(text) * boost
     return words
@@ -533,6 +622,7 @@ def trigger_variables(
     variables["alerts"] = [a["name"] for a in diagnosis.get("alerts") or [] if "name" in a]
     variables["trend"] = trend
     variables["recipe"] = recipe
+    variables["keyed"] = dict(diagnosis.get("keyed") or {})
     return variables
 
 
@@ -562,6 +652,7 @@ class Match:
     applied: bool  # the patch changes nothing on the recipe it would be applied to
     names_cause: bool = False  # fires only with the recipe's settings: they explain the symptom
     resolution: Resolution | None = None  # the patch on that recipe, when it is known
+    bindings: dict[str, Any] = field(default_factory=dict)  # `skill` is bound with them
 
     @property
     def no_change(self) -> str | None:
@@ -573,6 +664,7 @@ class Match:
         return {
             "name": self.skill.name,
             "title": self.skill.title,
+            **({"bindings": self.bindings} if self.bindings else {}),
             "category": self.skill.category,
             "values": self.values,
             "in_domain": self.in_domain,
@@ -592,6 +684,11 @@ def _evaluate(
 ) -> Match | None:
     if not skill.trigger or not fires(skill.trigger, variables, where=skill.source):
         return None
+    if skill.bind:
+        bindings = _bindings(skill, variables)
+        if bindings is None:
+            return None
+        skill = skill.bound(bindings)
     deltas = [e["delta"] for e in skill.evidence if e.get("delta") is not None]
     patch = skill.patch_for(domain)
     resolution = resolve_patch(patch, target, where=skill.source) if target is not None \
@@ -609,7 +706,22 @@ def _evaluate(
         applied=bool(patch) and resolution is not None and not resolution.changes,
         names_cause=names_cause,
         resolution=resolution,
+        bindings=skill.bindings,
     )
+
+
+def _bindings(skill: Skill, variables: dict[str, Any]) -> dict[str, Any] | None:
+    """Each `bind` expression's value over `variables`; None when one fails or is null."""
+    out = {}
+    for var, expr in skill.bind.items():
+        try:
+            value = cel.evaluate_unless_null(expr, variables)
+        except EvoError:
+            return None
+        if value is None:
+            return None
+        out[var] = value
+    return out
 
 
 _MEMBER_PATH = r"\b{name}((?:\.[A-Za-z_]\w*)+)"

@@ -481,7 +481,12 @@ class _Tools:
             raise EvoError(violation, hint=f"the frontier is {self.frontier}")
         parent_recipe = view.ws.resolved_recipe(parent, view.states)
         for name in skills:
-            resolution = resolve_skill(get_skill(view.skills, name), parent_recipe)
+            skill = get_skill(view.skills, name)
+            if skill.unbound:
+                # Its setting is what its trigger names on a diagnosis; this tool has none.
+                raise EvoError(f"skill {name!r} acts on what its trigger binds "
+                               f"({', '.join(skill.bind)}); write that change as settings")
+            resolution = resolve_skill(skill, parent_recipe)
             if not resolution.changes:
                 raise EvoError(f"skill {name!r} changes nothing on {parent}'s recipe "
                                f"({resolution.reason}); pick another factor")

@@ -56,6 +56,8 @@ class Proposal:
     rationale: str
     skills: list[str] = field(default_factory=list)
     settings: list[str] = field(default_factory=list)  # dotted KEY=VALUE recipe overrides
+    # skill: {variable: value} its trigger bound (Skill.bind), for the skills that bind
+    bindings: dict[str, dict[str, Any]] = field(default_factory=dict)
     hypothesis: str | None = None
     criterion: str | None = None
     proposal: dict[str, Any] = field(default_factory=dict)  # planner, tokens, backtest, ...
@@ -215,6 +217,17 @@ class View:
         spec = self.states[name].spec or {}
         return list((spec.get("intervention") or {}).get("skills") or [])
 
+    def applied_bindings(self, name: str) -> dict[str, dict[str, Any]]:
+        """{skill: {variable: value}} the version's skills were bound with when proposed."""
+        spec = self.states[name].spec or {}
+        return dict((spec.get("intervention") or {}).get("bindings") or {})
+
+    def applied_skill(self, name: str, skill: str) -> Skill | None:
+        """The library skill `skill` as version `name` applied it (bound as it was bound)."""
+        found = self.skills.get(skill)
+        bindings = self.applied_bindings(name).get(skill)
+        return found.bound(bindings) if found is not None and bindings else found
+
     def refuted_skills(self, frontier: str) -> dict[str, str]:
         """{skill: version} for skills applied by a failed ancestor of the frontier or a failed
         sibling anywhere along its chain: interventions this lineage already refuted."""
@@ -332,6 +345,7 @@ def write_proposals(ws: Workspace, result: PlannerResult, view: View | None = No
             proposal.parent,
             rationale=proposal.rationale,
             skills=proposal.skills,
+            bindings=proposal.bindings,
             settings=proposal.settings,
             hypothesis=proposal.hypothesis,
             criterion=proposal.criterion,

@@ -269,7 +269,8 @@ class RulesPlanner:
             "frontier": frontier,
             "evidence_version": source,
             "trigger": {"skill": skill.name, "expression": skill.trigger,
-                        "values": found.values, "alerts": alerts},
+                        "values": found.values, "alerts": alerts,
+                        **({"bindings": found.bindings} if found.bindings else {})},
             "skill_evidence": {"support": found.support, "against": found.against,
                                "in_domain": found.in_domain, "mean_delta": found.mean_delta},
             "changes": [c.as_dict() for c in changes],
@@ -282,7 +283,8 @@ class RulesPlanner:
         if trace:
             meta["retrieval"] = trace
         return Proposal(frontier, rationale, skills=[skill.name], hypothesis=hypothesis,
-                        criterion=criterion, proposal=_plain(meta)), works
+                        criterion=criterion, proposal=_plain(meta),
+                        bindings={skill.name: found.bindings} if found.bindings else {}), works
 
     def _backtest(
         self, view: View, frontier: str, source: str, skill: Any
@@ -329,7 +331,7 @@ class RulesPlanner:
                 continue
             before = view.ws.resolved_recipe(parent, view.states)
             for skill_name in view.applied_skills(version):
-                skill = view.skills.get(skill_name)
+                skill = view.applied_skill(version, skill_name)
                 # What the skill sets on the parent's recipe (its relative patch resolved
                 # there, as when the version was proposed): the values to undo.
                 patch = resolve_skill(skill, before).overrides if skill else None
@@ -387,6 +389,7 @@ class RulesPlanner:
                     f"Bundle (controlled multi-factor): {halves}. Each is supported on its own "
                     f"and they change disjoint settings, so {frontier} applies both.",
                     skills=[a, b],
+                    bindings={**view.applied_bindings(first), **view.applied_bindings(second)},
                     hypothesis=f"If {frontier} applies {a} and {b} together, then each keeps "
                     "its effect and Avg@k holds or rises, because they act on disjoint "
                     "settings and each removed its own pathology.",
@@ -533,7 +536,7 @@ def _retrieved(
 def _metrics_read(values: dict[str, Any]) -> frozenset[str]:
     """The metric names a trigger read (`trend.x` reads x; the alert list and the recipe
     are not metrics)."""
-    names = {k.removeprefix("trend.") for k in values}
+    names = {k.removeprefix("trend.").removeprefix("keyed.") for k in values}
     return frozenset(n for n in names if n != "alerts" and not n.startswith("recipe."))
 
 

@@ -59,7 +59,7 @@ def ranked(view: StalledRoot, values: dict = MEASURED) -> dict[str, tuple]:
     gap = no_next_step("v0", False, ["v1"])
     out = {}
     for name in MEASURED["v1"]:
-        score, why = _discrimination(view, gap, "v0", ENTRIES[name], values)
+        score, why = _discrimination(view, gap, "v0", ENTRIES[name], values, {})
         out[name] = (score, why)
     return out
 

@@ -133,9 +133,11 @@ def _pick_metric(
         probe = _with_metric(probe, entry, "probe", recipe)
     report = backtest_harness(view.ws, parse_harness(probe), view.harness)
     values = {r["version"]: r["new_metric_values"] for r in report["versions"]}
+    # A keyed metric's per-key values: what a skill's trigger and bindings read (`keyed`).
+    keyed = {r["version"]: r.get("new_keyed_values") or {} for r in report["versions"]}
     best: tuple[tuple, CatalogueEntry, str] | None = None
     for entry in candidates:
-        score, why = _discrimination(view, gap, base, entry, values)
+        score, why = _discrimination(view, gap, base, entry, values, keyed)
         if score is not None and score[-1] > 0 and (best is None or score > best[0]):
             best = (score, entry, why)
     return None if best is None else (best[1], best[2])
@@ -231,7 +233,8 @@ def _spread(values: list[float]) -> float:
 
 
 def _discrimination(
-    view: View, gap: Gap, base: str, entry: CatalogueEntry, values: dict[str, dict[str, Any]]
+    view: View, gap: Gap, base: str, entry: CatalogueEntry, values: dict[str, dict[str, Any]],
+    keyed: dict[str, dict[str, Any]],
 ) -> tuple[tuple | None, str]:
     """(sort key, last element the discrimination itself; why) of one measured catalogue
     metric for `gap`; (None, "") when the recorded versions do not measure it."""
@@ -290,7 +293,8 @@ def _discrimination(
         # Gap (c) is evidence that cannot select the next intervention: among the metrics
         # whose alert explains the stall, one whose alert makes a library skill offer a step
         # not yet taken closes the gap and ranks first; the others leave it open.
-        opens = _next_steps(view, base, [base, *stalled], entry, values) if stalls else []
+        opens = (_next_steps(view, base, [base, *stalled], entry, values, keyed) if stalls
+                 else [])
         if stalls:
             shown = ", ".join(f"{v} ({fmt(along[v])})" for v in judged)
             why += f"; its alert {alert['name']} would fire on {shown}"
@@ -302,7 +306,7 @@ def _discrimination(
 
 def _next_steps(
     view: View, base: str, versions: list[str], entry: CatalogueEntry,
-    values: dict[str, dict[str, Any]],
+    values: dict[str, dict[str, Any]], keyed: dict[str, dict[str, Any]],
 ) -> list[str]:
     """The library skills that would fire, with `entry`'s alert added to the diagnosis of a
     version in `versions` where it fires, and change `base`'s recipe: not applied already,
@@ -322,6 +326,7 @@ def _next_steps(
                 alert["when"], {metric: value}, where="catalogue"):
             continue
         seen = {**diagnosis,
+                "keyed": {**(diagnosis.get("keyed") or {}), **(keyed.get(version) or {})},
                 "metrics": {**(diagnosis.get("metrics") or {}), metric: {"value": value}},
                 "alerts": [*(diagnosis.get("alerts") or []), {"name": alert["name"]}]}
         produced_by = view.ws.resolved_recipe(version, view.states)

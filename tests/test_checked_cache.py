@@ -85,3 +85,21 @@ def test_specs_found_valid_together_are_recorded_in_one_pack_and_packs_stay_few(
         found = specs.cached_valid(raw, "again.yaml", "PolicyVersion", tmp_path)
         assert found is not None and found.data == d.data and found.source == "again.yaml"
     assert specs.cached_valid(b"name: never\n", "x.yaml", "PolicyVersion", tmp_path) is None
+
+
+def test_a_valid_spec_holding_a_date_is_checked_every_time_and_not_recorded(workspace, cli):
+    """YAML reads an unquoted 2024-01-01 as a date, which the record of checked documents
+    (JSON) cannot keep: the spec is valid, `validate` says so every time (it used to fail on
+    the record), and its bytes are checked again rather than read back as a string."""
+    from evotrainer.store import specs
+
+    text = spec_text({"apiVersion": "evotrainer/v1", "kind": "PolicyVersion", "name": "v1",
+                      "parent": "v0", "proposal": {"trigger": {"seen": "DATE"}}})
+    raw = text.replace("DATE", "2024-01-01").encode()  # unquoted: YAML reads a date
+    workspace.git.commit_files(branch_name("v1"), {version_spec_path("v1"): raw}, "Propose v1",
+                               start=branch_name("v0"))
+    for _ in range(2):
+        assert cli("-C", str(workspace.root), "validate").code == 0
+    specs._packs.cache_clear()
+    assert specs.cached_valid(raw, "v1", "PolicyVersion", workspace.checked_dir) is None
+    assert workspace.versions()["v1"].spec["proposal"]["trigger"]["seen"].year == 2024

@@ -335,9 +335,11 @@ class Workspace:
             expected = seal.approval_mac(key, state.name, state.approval)
             state.approval_sealed = seal.same(found.get("approval"), expected)
         previous = found.get("previous")
+        if not recorded and not previous:
+            return  # no records, and no seal to hold a place (most proposals: no MAC to compute)
         genuine = seal.same(found.get("records"),
                             seal.records_mac(key, state.name, files, previous))
-        if not recorded and not (genuine and previous):
+        if not recorded and not genuine:
             return  # no records, and no seal of the controller's to hold a place
         if not genuine:
             written = ", ".join(run_path(state.name, f) for f in seal.SEALED_FILES

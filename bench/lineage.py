@@ -8,7 +8,12 @@ it (a subprocess, start-up included; `validate` twice: the first run records the
 found valid by content digest, which later commands read instead of checking those bytes
 again; `lineage` and `plan` cold, as on a fresh clone with no such record, and warm), and,
 in the same run, a naive reader that checks out every branch and reads its spec from disk:
-the baseline the ratios are against.
+the baseline the naive/lineage ratios are against.
+
+The cold commands are also set against the floor of a cold check, timed the same way: one
+process that reads every spec in one `git cat-file --batch`, parses it with libyaml and
+checks it with jsonschema, and does nothing else. Their CPU over the floor's is what they
+spend beyond that (start-up, the harness and project checks, records, the output).
 
 Then one version is approved and its launch is applied in-process from a context read
 before (its run record's commit, its worktree, the re-read of that version; the backend
@@ -48,7 +53,33 @@ COMMANDS = ((("validate",), True), (("validate",), False), (("lineage", "--json"
             (("plan", "--json"), False), (("reconcile",), False))
 LABELS = ("first validate", "validate", "cold lineage", "cold plan", "lineage --json",
           "plan --json", "reconcile")
+COLD = ("first validate", "cold lineage", "cold plan")
 GOAL_S = 3.0
+# The floor of a cold check (see the docstring); run as `python -c FLOOR ROOT`.
+FLOOR = """
+import subprocess, sys
+import yaml
+from jsonschema import Draft202012Validator
+from evotrainer.store.specs import registry, schema
+root = sys.argv[1]
+tips = subprocess.run(["git", "-C", root, "for-each-ref", "refs/heads/evo/",
+                       "--format=%(objectname) %(refname:strip=3)"],
+                      capture_output=True, text=True, check=True).stdout.split()
+request = "".join(f"{sha}:spec/versions/{name}.yaml\\n"
+                  for sha, name in zip(tips[::2], tips[1::2]))
+out = subprocess.run(["git", "-C", root, "cat-file", "--batch"], input=request.encode(),
+                     capture_output=True, check=True).stdout
+validator = Draft202012Validator(schema("PolicyVersion"), registry=registry())
+at = checked = 0
+while at < len(out):
+    end = out.index(b"\\n", at)
+    size = int(out[at:end].split()[2])
+    if not validator.is_valid(yaml.load(out[end + 1:end + 1 + size], Loader=yaml.CSafeLoader)):
+        sys.exit("a spec the schema refuses")
+    at, checked = end + 2 + size, checked + 1
+if checked != len(tips) // 2:
+    sys.exit(f"read {checked} of {len(tips) // 2} specs")
+"""
 
 
 def build(root: Path, count: int, shape: str = "tree") -> Workspace:
@@ -91,15 +122,21 @@ def cpu_seconds() -> float:
 
 def timed_cli(root: Path, *args: str) -> tuple[float, float]:
     """(wall seconds, CPU seconds) of one command: the CPU time (user + system, the
-    command's git processes included) is what a loaded shared machine does not inflate."""
+    command's git processes and forked halves included) is what a loaded shared machine
+    does not inflate."""
+    return timed([sys.executable, "-m", "evotrainer", "-C", str(root), *args],
+                 f"evotrainer {' '.join(args)}")
+
+
+def timed(argv: list[str], label: str) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one process and the processes it waited for."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "evotrainer", "-C", str(root), *args],
-                            capture_output=True, text=True)
+    result = subprocess.run(argv, capture_output=True, text=True)
     elapsed = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if result.returncode not in (0, 2):  # plan: 2 = changes pending
-        raise SystemExit(f"evotrainer {' '.join(args)} failed:\n{result.stderr[-2000:]}")
+        raise SystemExit(f"{label} failed:\n{result.stderr[-2000:]}")
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     return elapsed, cpu
 
@@ -150,6 +187,7 @@ def main() -> None:
     header = f"{'shape':>5} {'branches':>8}  " + "  ".join(f"{label:>19}" for label in LABELS)
     print(header + f"  {'one launch':>19}  {'naive read':>10}  naive/lineage")
     launches: dict[str, list[float]] = {}
+    colds: list[str] = []
     for shape in args.shapes:
         for size in args.sizes:
             with tempfile.TemporaryDirectory() as tmp:
@@ -159,6 +197,7 @@ def main() -> None:
                     if cold:
                         shutil.rmtree(ws.state_dir / "cache", ignore_errors=True)
                     times.append(timed_cli(ws.root, *command))
+                floor = timed([sys.executable, "-c", FLOOR, str(ws.root)], "the floor")
                 naive = naive_checkout_read(ws) if size <= args.naive_up_to else None
                 # The last version: in a chain the deepest, in the tree a leaf.
                 times.append(action_cost(ws, f"v{size - 1}"))
@@ -169,8 +208,16 @@ def main() -> None:
                 tail = (f"  {naive:8.2f} s  {naive / lineage:6.1f}x" if naive is not None
                         else f"  {'—':>10}")
                 print(f"{shape:>5} {size:8d}  {cells}{tail}")
+                cold = [(label, *times[LABELS.index(label)]) for label in COLD]
+                colds.append(f"cold {shape:>5} {size:8d}  floor {floor[0]:6.2f} s "
+                             f"({floor[1]:5.2f} s)" + "".join(
+                                 f"  {label} {wall:6.2f} s ({cpu:5.2f} s, {cpu / floor[1]:4.1f}x)"
+                                 for label, wall, cpu in cold))
     print(f"(wall (CPU); ! = wall over the {GOAL_S:.0f} s goal; each command a fresh process, "
           "start-up included; one launch: in-process, from a context read before)")
+    print("\nCold, as on a fresh clone: wall (CPU, CPU as a multiple of the floor's); the "
+          "floor reads every spec at once, parses it and checks it against the schema")
+    print("\n".join(colds))
     for shape, costs in launches.items():
         if len(costs) > 1:
             print(f"{shape}: one launch at {args.sizes[-1]} branches costs "

@@ -5,6 +5,8 @@ reports."""
 
 from __future__ import annotations
 
+import json
+
 from evotrainer.control.versions import spec_text
 from evotrainer.store.git import branch_name
 from evotrainer.store.workspace import Workspace, version_spec_path
@@ -85,3 +87,69 @@ def test_specs_found_valid_together_are_recorded_in_one_pack_and_packs_stay_few(
         found = specs.cached_valid(raw, "again.yaml", "PolicyVersion", tmp_path)
         assert found is not None and found.data == d.data and found.source == "again.yaml"
     assert specs.cached_valid(b"name: never\n", "x.yaml", "PolicyVersion", tmp_path) is None
+
+
+def test_an_invalid_spec_among_many_is_reported_on_a_cold_start(tmp_path, cli, monkeypatch):
+    """A lineage of many valid proposals, one of them changed into a spec the schema
+    refuses, never validated before (no record of checked documents): `validate` names that
+    one spec's branch and file with line and column, its field and the fix, and nothing
+    else; `plan` refuses it. The specs are parsed and checked in two halves at once here
+    (store/halves.py), as in a lineage of thousands."""
+    from test_scale import bench_build
+
+    from evotrainer.store import halves
+
+    monkeypatch.setattr(halves, "MIN_ITEMS", 8)
+    ws = bench_build(tmp_path / "ws", 60)
+    commit_spec(ws, "v37", {"grpo": {"lr": 3e-4, "lrr": 1}})
+    assert not ws.checked_dir.exists()
+    result = cli("-C", str(ws.root), "validate")
+    assert result.code == 1
+    [problem] = [line for line in result.err.splitlines() if "✗" in line]
+    assert "evo/v37:spec/versions/v37.yaml:13:5: recipe.grpo.lrr: unknown key 'lrr'" in problem
+    assert "did you mean 'lr'?" in problem
+    planned = cli("-C", str(ws.root), "plan", "--json")
+    refused = [v for v in json.loads(planned.out)["versions"] if v["error"]]
+    assert planned.code == 1 and [v["version"] for v in refused] == ["v37"]
+    assert "v37.yaml:13:5: recipe.grpo.lrr: unknown key 'lrr'" in refused[0]["error"]
+    # The 59 valid specs were recorded by their bytes, the refused one was not: the second
+    # run reads them and reports the same.
+    assert cli("-C", str(ws.root), "validate").err == result.err
+
+
+def test_identical_spec_texts_on_two_branches_are_each_checked_and_reported(workspace, cli):
+    """The same bytes on two branches are two specs: a text the schema refuses is reported
+    at each branch, and a valid text named after one branch is refused on the other."""
+    refused = spec_text({"apiVersion": "evotrainer/v1", "kind": "PolicyVersion", "name": "a",
+                         "parent": "v0", "recipe": {"grpo": {"lrr": 1}}}).encode()
+    named_c = spec_text({"apiVersion": "evotrainer/v1", "kind": "PolicyVersion", "name": "c",
+                         "parent": "v0"}).encode()
+    for name, text in (("a", refused), ("b", refused), ("c", named_c), ("d", named_c)):
+        workspace.git.commit_files(branch_name(name), {version_spec_path(name): text},
+                                   f"Propose {name}", start=branch_name("v0"))
+    for _ in range(2):  # cold, then with the specs found valid recorded
+        result = cli("-C", str(workspace.root), "validate")
+        assert result.code == 1
+        problems = [line for line in result.err.splitlines() if "✗" in line]
+        assert [p.split(":")[0].removeprefix("✗ ") for p in problems] == ["evo/a", "evo/b",
+                                                                         "evo/d"]
+        assert all("unknown key 'lrr'" in p for p in problems[:2])
+        assert "name 'c' does not match 'd'" in problems[2]
+
+
+def test_a_valid_spec_holding_a_date_is_checked_every_time_and_not_recorded(workspace, cli):
+    """YAML reads an unquoted 2024-01-01 as a date, which the record of checked documents
+    (JSON) cannot keep: the spec is valid, `validate` says so every time (it used to fail on
+    the record), and its bytes are checked again rather than read back as a string."""
+    from evotrainer.store import specs
+
+    text = spec_text({"apiVersion": "evotrainer/v1", "kind": "PolicyVersion", "name": "v1",
+                      "parent": "v0", "proposal": {"trigger": {"seen": "DATE"}}})
+    raw = text.replace("DATE", "2024-01-01").encode()  # unquoted: YAML reads a date
+    workspace.git.commit_files(branch_name("v1"), {version_spec_path("v1"): raw}, "Propose v1",
+                               start=branch_name("v0"))
+    for _ in range(2):
+        assert cli("-C", str(workspace.root), "validate").code == 0
+    specs._packs.cache_clear()
+    assert specs.cached_valid(raw, "v1", "PolicyVersion", workspace.checked_dir) is None
+    assert workspace.versions()["v1"].spec["proposal"]["trigger"]["seen"].year == 2024

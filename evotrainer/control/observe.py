@@ -71,6 +71,9 @@ class Context:
     steps_spent: int | None = None
     gpu_hours_spent: float | None = None
     now: str = field(default_factory=now_iso)
+    # The project document and the restricted part of its recipe, which every unapproved
+    # version's recipe is compared with (`_held_for_review`): resolved once a document.
+    reviewed: tuple[Any, Any] = field(default=(None, None), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.active_jobs is None:
@@ -422,8 +425,10 @@ def _held_for_review(ctx: Context, state: VersionState) -> str:
         recipe = ctx.ws.resolved_recipe(state.name, ctx.states, shared=True)
     except EvoError:
         return ""  # validation reports it; nothing is approved or launched meanwhile
-    reviewed = resolve(ctx.ws.project.get("recipe") or {}, [])
-    if _restricted_part(recipe) == _restricted_part(reviewed):
+    project = ctx.ws.project
+    if ctx.reviewed[0] is not project:
+        ctx.reviewed = (project, _restricted_part(resolve(project.get("recipe") or {}, [])))
+    if _restricted_part(recipe) == ctx.reviewed[1]:
         return ""
     keys = ", ".join(sorted(set(restricted_keys(recipe)))[:5])
     return (f"its recipe's commands, endpoints or secrets ({keys}) are not main's project "

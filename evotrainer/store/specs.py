@@ -12,18 +12,23 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jsonschema
-import referencing
+import orjson
 import yaml
 
 from evotrainer import API_VERSION
 from evotrainer.errors import EvoError
 from evotrainer.store.builtin import builtin_dir
+from evotrainer.store.halves import map_in_halves
+
+if TYPE_CHECKING:  # imported where a document is checked: a listing reads specs without them
+    import jsonschema
+    import referencing
 
 KINDS = ("Project", "PolicyVersion", "HarnessRevision", "Skill", "Run", "Diagnosis", "Decision")
 # CEL expressions a document holds, by kind: each is parsed and held to CEL's bounds wherever
@@ -60,15 +65,15 @@ class Document:
 
     data: Any
     source: str  # shown in errors: a path, or `ref:path` for a file read from git
-    # field path → (line, column), 1-based; None: found from `raw` when first asked (a
-    # document whose data came from the checked-documents cache, see `cached_valid`)
+    # field path → (line, column), 1-based; None: found from `raw` when first asked. Only a
+    # problem's position reads them, so a valid document never pays for them.
     _marks: dict[Path_, tuple[int, int]] | None = None
     raw: bytes | str | None = field(default=None, repr=False)
 
     @property
     def marks(self) -> dict[Path_, tuple[int, int]]:
         if self._marks is None:
-            self._marks = parse(self.raw, self.source).marks if self.raw is not None else {}
+            self._marks = positions(self.raw, self.source) if self.raw is not None else {}
         return self._marks
 
     def where(self, path: Path_ = ()) -> str:
@@ -101,6 +106,8 @@ def schema_file(name: str) -> dict:
 def registry() -> referencing.Registry:
     """Every schema under spec/schemas by its `$id`, so `"$ref": "recipe.schema.json"` (the
     one recipe contract) and `common.schema.json#/$defs/name` resolve offline."""
+    import referencing
+
     resources = [
         referencing.Resource.from_contents(schema_file(path.name))
         for path in sorted(builtin_dir("spec/schemas").glob("*.schema.json"))
@@ -110,6 +117,9 @@ def registry() -> referencing.Registry:
 
 @cache
 def _validator(kind: str) -> jsonschema.Draft202012Validator:
+    """`kind`'s validator, built once a process: every document of a kind is checked by it."""
+    import jsonschema
+
     return jsonschema.Draft202012Validator(schema(kind), registry=registry())
 
 
@@ -141,23 +151,14 @@ def rules_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def _cache_file(folder: Path, raw: bytes, kind: str) -> Path:
-    return folder / f"{kind}-{rules_digest()}-{hashlib.sha256(raw).hexdigest()}.json"
-
-
 def cached_valid(raw: bytes, source: str, kind: str, folder: Path) -> Document | None:
     """The document `raw` is, when these very bytes were checked valid as `kind` before,
-    under these schemas and this code (`remember_valid`, `remember_valid_many`); None
-    otherwise (parse and check it). The key is the content's digest, never a name: other
-    bytes are other entries."""
+    under these schemas and this code (`remember_valid_many`); None otherwise (parse and
+    check it). The key is the content's digest, never a name: other bytes are other
+    entries."""
     packed = _packs(str(folder), kind, rules_digest())
     data = packed.get(hashlib.sha256(raw).hexdigest()) if packed else None
-    if data is None:
-        try:
-            data = json.loads(_cache_file(folder, raw, kind).read_bytes())
-        except (OSError, ValueError):
-            return None
-    return Document(data, source, None, raw)
+    return None if data is None else Document(data, source, None, raw)
 
 
 _PACK = "pack"
@@ -172,7 +173,7 @@ def _packs(folder: str, kind: str, rules: str) -> dict[str, Any]:
     entries: dict[str, Any] = {}
     for path in sorted(Path(folder).glob(f"{kind}-{rules}-{_PACK}-*.json")):
         try:
-            data = json.loads(path.read_bytes())
+            data = orjson.loads(path.read_bytes())
         except (OSError, ValueError):
             continue
         if isinstance(data, dict):
@@ -181,13 +182,18 @@ def _packs(folder: str, kind: str, rules: str) -> dict[str, Any]:
 
 
 def remember_valid_many(docs: list[tuple[Document, bytes]], kind: str, folder: Path) -> None:
-    """`remember_valid` for many documents at once, in one file (a pack) rather than one
-    file each: the first check of thousands of version specs wrote thousands of files. Past
-    _MAX_PACKS packs, this one takes in the others' entries and they go."""
+    """Record that each `raw` of `docs` checked valid as `kind`, with its data, for
+    `cached_valid`: all in one file (a pack), as a file each cost the first check of
+    thousands of version specs thousands of writes. Only data JSON keeps exactly is kept (a
+    YAML date, say, would come back a string). Past _MAX_PACKS packs, this one takes in the
+    others' entries and they go."""
     entries = {}
     for doc, raw in docs:
-        text = json.dumps(doc.data, sort_keys=True)
-        if json.loads(text) == doc.data:  # only data JSON keeps exactly (see remember_valid)
+        try:
+            kept = orjson.loads(orjson.dumps(doc.data)) == doc.data
+        except TypeError:  # not JSON at all (a mapping keyed by a number, say)
+            kept = False
+        if kept:
             entries[hashlib.sha256(raw).hexdigest()] = doc.data
     if not entries:
         return
@@ -197,11 +203,11 @@ def remember_valid_many(docs: list[tuple[Document, bytes]], kind: str, folder: P
         entries = {**_packs(str(folder), kind, rules), **entries}
     else:
         older = []
-    text = json.dumps(entries, sort_keys=True)
-    name = f"{kind}-{rules}-{_PACK}-{hashlib.sha256(text.encode()).hexdigest()}.json"
+    text = orjson.dumps(entries, option=orjson.OPT_SORT_KEYS)
+    name = f"{kind}-{rules}-{_PACK}-{hashlib.sha256(text).hexdigest()}.json"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as out:
+        with tempfile.NamedTemporaryFile("wb", dir=folder, delete=False, suffix=".tmp") as out:
             out.write(text)
         os.replace(out.name, folder / name)
         for path in older:
@@ -212,30 +218,38 @@ def remember_valid_many(docs: list[tuple[Document, bytes]], kind: str, folder: P
     _packs.cache_clear()
 
 
-def remember_valid(doc: Document, raw: bytes, kind: str, folder: Path | None) -> None:
-    """Record that `raw` checked valid as `kind`, with its data, for `cached_valid`; only
-    data JSON keeps exactly (a YAML date, say, would come back a string: not kept)."""
-    if folder is None:
-        return
-    text = json.dumps(doc.data, sort_keys=True)
-    if json.loads(text) != doc.data:
-        return
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as out:
-            out.write(text)
-        os.replace(out.name, _cache_file(folder, raw, kind))
-    except OSError:
-        pass  # a cache that cannot be written is only slower
-
-
 def parse(text: bytes | str, source: str) -> Document:
-    """Parse one YAML document safely, keeping positions; reject duplicate keys."""
-    node, data = _load_bounded(text, source)
+    """Parse one YAML document safely; reject duplicate keys. Its positions are found from
+    `text` when a problem first asks for one (`Document.marks`)."""
+    return Document(_load_bounded(text, source, unique_keys=True)[1], source, None, text)
+
+
+def parse_many(items: Sequence[tuple[bytes, str]]) -> list[Document | None]:
+    """`parse` of each (text, source); None for a text that does not parse (`validate`
+    parses it again to say why). Thousands of specs are parsed in two halves at once."""
+    parsed = map_in_halves(_parsed_data, items)
+    return [Document(data, source, None, raw) if ok else None
+            for (ok, data), (raw, source) in zip(parsed, items, strict=True)]
+
+
+def _parsed_data(items: Sequence[tuple[bytes, str]]) -> list[tuple[bool, Any]]:
+    out: list[tuple[bool, Any]] = []
+    for raw, source in items:
+        try:
+            out.append((True, parse(raw, source).data))
+        except EvoError:
+            out.append((False, None))
+    return out
+
+
+def positions(text: bytes | str, source: str) -> dict[Path_, tuple[int, int]]:
+    """(line, column) of every field of the document `text`, by field path; a key's own
+    position under (*path, key, "<key>")."""
+    node = _load_bounded(text, source, unique_keys=True)[0]
     marks: dict[Path_, tuple[int, int]] = {}
     if node is not None:
         _collect_marks(node, (), marks, source)
-    return Document(data, source, marks)
+    return marks
 
 
 def load_yaml(text: bytes | str, source: str) -> Any:
@@ -245,8 +259,11 @@ def load_yaml(text: bytes | str, source: str) -> Any:
     return _load_bounded(text, source)[1]
 
 
-def _load_bounded(text: bytes | str, source: str) -> tuple[yaml.Node | None, Any]:
-    """Compose once, check the bounds on the node graph, then construct the data from it.
+def _load_bounded(
+    text: bytes | str, source: str, unique_keys: bool = False
+) -> tuple[yaml.Node | None, Any]:
+    """Compose once, check the bounds on the node graph (and, with `unique_keys`, that no
+    mapping repeats a key), then construct the data from it.
 
     Aliases share nodes, so a 600-byte "billion laughs" document composes instantly but
     expands to billions of values in everything that walks the data afterwards: the
@@ -270,8 +287,11 @@ def _load_bounded(text: bytes | str, source: str) -> tuple[yaml.Node | None, Any
         node = loader.get_single_node()
         if node is None:
             return None, None
-        _check_expansion(node, source)
-        return node, loader.construct_document(node)
+        repeats = _check_expansion(node, source)
+        data = loader.construct_document(node)
+        if unique_keys and repeats:
+            _collect_marks(node, (), {}, source)  # raises the first repeated key, with its field
+        return node, data
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
@@ -287,15 +307,18 @@ def _load_bounded(text: bytes | str, source: str) -> tuple[yaml.Node | None, Any
         loader.dispose()
 
 
-def _check_expansion(root: yaml.Node, source: str) -> None:
+def _check_expansion(root: yaml.Node, source: str) -> bool:
     """Reject recursive aliases, nesting deeper than MAX_YAML_DEPTH, and documents whose
     aliases expand to more than MAX_YAML_NODES nodes. Shared nodes are counted once per
-    reference (as every consumer of the data will see them) but measured only once."""
+    reference (as every consumer of the data will see them) but measured only once.
+    Whether some mapping repeats a key: the same walk finds it, `_collect_marks` says where."""
     expanded: dict[int, int] = {}  # id(node) → size of its expanded subtree
     on_path: set[int] = set()
+    repeats = False
 
     def where(node: yaml.Node) -> str:
         return f"{source}:{node.start_mark.line + 1}:{node.start_mark.column + 1}"
+
 
     def measure(node: yaml.Node, depth: int) -> int:
         if id(node) in expanded:
@@ -305,15 +328,22 @@ def _check_expansion(root: yaml.Node, source: str) -> None:
                            where=where(node), hint="write the value out instead")
         if depth > MAX_YAML_DEPTH:
             raise EvoError(f"YAML nested deeper than {MAX_YAML_DEPTH} levels", where=where(node))
+        nonlocal repeats
         children: list[yaml.Node] = []
         if isinstance(node, yaml.MappingNode):
             children = [part for pair in node.value for part in pair]
+            keys = [key.value for key in children[::2] if type(key) is yaml.ScalarNode]
+            repeats = repeats or len(set(keys)) < len(keys)
         elif isinstance(node, yaml.SequenceNode):
             children = node.value
         on_path.add(id(node))
         total = 1
+        # A scalar within the depth bound counts one and holds nothing to walk: most nodes
+        # are scalars, so they are counted here rather than each in a call of its own.
+        leaf_depth = depth < MAX_YAML_DEPTH
         for child in children:
-            total += measure(child, depth + 1)
+            total += 1 if leaf_depth and type(child) is yaml.ScalarNode else measure(
+                child, depth + 1)
             if total > MAX_YAML_NODES:
                 raise EvoError(
                     f"YAML expands to more than {MAX_YAML_NODES} values through its aliases",
@@ -326,6 +356,7 @@ def _check_expansion(root: yaml.Node, source: str) -> None:
         return total
 
     measure(root, 0)
+    return repeats
 
 
 def _collect_marks(node: yaml.Node, path: Path_, marks: dict, source: str) -> None:
@@ -373,8 +404,20 @@ def check(doc: Document, kind: str | None = None) -> list[EvoError]:
         return [EvoError(f"expected kind {kind!r}, found {found!r}", where=doc.where(("kind",)),
                          field="kind", hint=f"set `kind: {kind}`")]
     errors = sorted(_validator(kind).iter_errors(data), key=lambda e: _order(doc, e))
-    problems = [_explain(doc, kind, e) for e in _most_specific(errors)]
+    problems = [_explain(doc, kind, e) for e in _most_specific(errors)] if errors else []
     return problems or _expression_problems(doc, kind)
+
+
+def check_many(docs: Sequence[Document], kind: str) -> list[list[EvoError]]:
+    """`check` of each document as `kind`, thousands in two halves at once. A half checked
+    elsewhere answers only which documents have a problem; those are checked again here
+    for their problems (a valid document, the usual case, is checked once)."""
+    flagged = map_in_halves(partial(_has_problems, kind=kind), docs)
+    return [check(doc, kind) if bad else [] for doc, bad in zip(docs, flagged, strict=True)]
+
+
+def _has_problems(docs: Sequence[Document], kind: str) -> list[bool]:
+    return [bool(check(doc, kind)) for doc in docs]
 
 
 def _expression_problems(doc: Document, kind: str) -> list[EvoError]:
@@ -399,6 +442,8 @@ def recipe_problems(doc: Document) -> list[EvoError]:
     """Schema problems of a bare recipe document (`evotrainer train FILE`), explained as in a
     project or version spec: the one recipe schema, through the same registry and wording
     (a Project's `recipe:` is a `$ref` to it, so refs resolve alike)."""
+    import jsonschema
+
     recipe_schema = _resolved("Project", {"$ref": "recipe.schema.json"})
     validator = jsonschema.Draft202012Validator(recipe_schema, registry=registry())
     errors = sorted(validator.iter_errors(doc.data), key=lambda e: _order(doc, e))
@@ -430,10 +475,12 @@ def _order(doc: Document, error: jsonschema.ValidationError) -> tuple:
 
 def _most_specific(errors: list[jsonschema.ValidationError]) -> list[jsonschema.ValidationError]:
     """For oneOf/anyOf failures report the best-matching branch's error, once per field."""
+    from jsonschema.exceptions import best_match
+
     out, seen = [], set()
     for error in errors:
         if error.context:
-            error = jsonschema.exceptions.best_match(error.context)
+            error = best_match(error.context)
         key = (tuple(error.absolute_path), error.validator)
         if key not in seen:
             seen.add(key)

@@ -34,6 +34,8 @@ ALLOWED_SIGNERS = "spec/allowed_signers"
 STATE_DIR = ".evotrainer"
 MAIN_REF = "refs/heads/main"
 RECORD_FILES = ("run.yaml", "diagnosis.yaml", "decision.yaml")
+# A version's files under runs/<name>/ that its seal covers, and the seal itself.
+SEALED_AND_SEAL = (*seal.SEALED_FILES, seal.SEAL_FILE)
 
 
 def version_spec_path(name: str) -> str:
@@ -264,50 +266,52 @@ class Workspace:
             wanted.append((sha, version_spec_path(name)))
             if (sha, f"runs/{name}") in recorded:
                 wanted += [(sha, run_path(name, f))
-                           for f in (*seal.SEALED_FILES, seal.SEAL_FILE)]
+                           for f in SEALED_AND_SEAL]
         # main's copy of each recorded version's records: a branch moved back behind what
         # main merged of it is rewound (`_check_rewound`).
         wanted += [(MAIN_REF, run_path(name, f)) for name, sha in branches.items()
                    if (sha, f"runs/{name}") in recorded
-                   for f in (*seal.SEALED_FILES, seal.SEAL_FILE)]
-        blobs = dict.fromkeys(
-            ((ref, run_path(name, f)) for name, sha in branches.items() for ref in (sha, MAIN_REF)
-             for f in (*seal.SEALED_FILES, seal.SEAL_FILE)), None)
-        blobs.update(self.git.read_many(wanted))
+                   for f in SEALED_AND_SEAL]
+        blobs = self.git.read_many(wanted)
         parents = self.git.first_parents(
             sha for name, sha in branches.items() if (sha, f"runs/{name}") in recorded)
         states = {}
+        checked = self.checked_dir
         for name, sha in branches.items():
-            ref = branch_name(name)
-            source = f"{ref}:{version_spec_path(name)}"
+            source = f"{branch_name(name)}:{version_spec_path(name)}"
             raw = blobs[(sha, version_spec_path(name))]
-            state = VersionState(name, sha, None, source, raw)
+            state = states[name] = VersionState(name, sha, None, source, raw)
             state.checked = raw and specs.cached_valid(raw, source, "PolicyVersion",
-                                                       self.checked_dir) or None
-            if state.checked is None and raw is not None:
-                state.parsed = parsed_spec(raw, source)
+                                                       checked) or None
+        # The specs not found valid before, parsed as validation parses them, all at once
+        # (None: a spec that does not parse).
+        unchecked = [s for s in states.values() if s.checked is None and s.spec_raw is not None]
+        for state, doc in zip(unchecked, specs.parse_many(
+                [(s.spec_raw, s.spec_source) for s in unchecked]), strict=True):
+            state.parsed = doc
+        for name, sha in branches.items():
+            state, ref = states[name], branch_name(name)
             # `validate` reports a broken spec; listing goes on
             # (the data is shared with `checked`: callers get copies of this state)
             known = state.checked or state.parsed
-            spec = known.data if known else safe_yaml(raw, source)
+            spec = known.data if known else safe_yaml(state.spec_raw, state.spec_source)
             state.spec = spec if isinstance(spec, dict) else None
+            files = dict.fromkeys(SEALED_AND_SEAL)
+            on_main = dict.fromkeys(SEALED_AND_SEAL)
+            if (sha, f"runs/{name}") in recorded:  # else no record file is there to read
+                files = {f: blobs[(sha, run_path(name, f))] for f in SEALED_AND_SEAL}
+                on_main = {f: blobs[(MAIN_REF, run_path(name, f))] for f in SEALED_AND_SEAL}
             for f in RECORD_FILES:
                 kind, where = f.removesuffix(".yaml"), f"{ref}:{run_path(name, f)}"
-                blob = blobs[(sha, run_path(name, f))]
                 try:
-                    state.records[kind] = load_record(blob, where)
+                    state.records[kind] = load_record(files[f], where)
                     # A record of the wrong shape (a list for `result`, text for `attempt`)
                     # belongs to this version too: read its typed view once here.
                     TYPED_RECORDS[kind].from_record(state.records[kind], where)
                 except EvoError as err:
                     state.records[kind] = None
                     state.record_errors[kind] = err
-            self._check_seal(state, {f: blobs[(sha, run_path(name, f))]
-                                     for f in (*seal.SEALED_FILES, seal.SEAL_FILE)},
-                             parents.get(sha),
-                             {f: blobs[(MAIN_REF, run_path(name, f))]
-                              for f in (*seal.SEALED_FILES, seal.SEAL_FILE)})
-            states[name] = state
+            self._check_seal(state, files, parents.get(sha), on_main)
         return states
 
     def _check_seal(self, state: VersionState, files: dict[str, bytes | None],
@@ -335,9 +339,11 @@ class Workspace:
             expected = seal.approval_mac(key, state.name, state.approval)
             state.approval_sealed = seal.same(found.get("approval"), expected)
         previous = found.get("previous")
+        if not recorded and not previous:
+            return  # no records, and no seal to hold a place (most proposals: no MAC to compute)
         genuine = seal.same(found.get("records"),
                             seal.records_mac(key, state.name, files, previous))
-        if not recorded and not (genuine and previous):
+        if not recorded and not genuine:
             return  # no records, and no seal of the controller's to hold a place
         if not genuine:
             written = ", ".join(run_path(state.name, f) for f in seal.SEALED_FILES
@@ -677,17 +683,6 @@ def load_record(blob: bytes | None, source: str) -> dict | None:
         raise EvoError("a record must be a mapping", where=source,
                        hint="restore the record from the branch's history")
     return data
-
-
-def parsed_spec(raw: bytes, source: str) -> specs.Document | None:
-    """The spec document `raw` is, parsed as validation parses it (None: it does not parse;
-    `validate` says why)."""
-    try:
-        doc = specs.parse(raw, source)
-    except EvoError:
-        return None
-    doc.raw = raw
-    return doc
 
 
 def safe_yaml(blob: bytes | None, source: str = "<yaml>") -> Any:

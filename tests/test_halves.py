@@ -1,0 +1,83 @@
+"""store/halves.py: per-item work in two halves, the second in a forked child. The answer is
+the one-process answer, in order, whatever happens to the child."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from evotrainer.store import halves, specs
+from evotrainer.store.halves import map_in_halves
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or halves._cpus() < 2,
+                                reason="the second half runs in a forked child on a second CPU")
+
+
+@pytest.fixture
+def forking(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Halves from a handful of items on; the pids of the forked children, as they start."""
+    monkeypatch.setattr(halves, "MIN_ITEMS", 4)
+    children: list[int] = []
+    fork = os.fork
+
+    def counted_fork() -> int:
+        pid = fork()
+        if pid:
+            children.append(pid)
+        return pid
+
+    monkeypatch.setattr(os, "fork", counted_fork)
+    return children
+
+
+def test_the_halves_answer_in_order_as_one_process_does(forking):
+    """Each item's answer, in the items' order: the child's half comes back after the
+    parent's own."""
+    items = list(range(11))
+    assert map_in_halves(lambda part: [(i, os.getpid()) for i in part], items)[-1][1] != \
+        os.getpid()
+    assert [i for i, _ in map_in_halves(lambda part: [(i, 0) for i in part], items)] == items
+    assert len(forking) == 2
+
+
+def test_a_child_that_fails_costs_its_half_here_not_the_answer(forking):
+    """The child raises on its half (here: any process but this one): that half is computed
+    in this process instead, and the answer is whole."""
+    parent = os.getpid()
+
+    def work(part):
+        if os.getpid() != parent:
+            raise RuntimeError("the child fails")
+        return [i * i for i in part]
+
+    assert map_in_halves(work, list(range(10))) == [i * i for i in range(10)]
+    assert len(forking) == 1
+
+
+def test_few_items_are_worked_in_this_process(forking):
+    assert map_in_halves(lambda part: [i + 1 for i in part], [1, 2, 3]) == [2, 3, 4]
+    assert forking == []
+
+
+def test_specs_parsed_and_checked_in_halves_are_what_one_process_finds(forking):
+    """Valid specs, one the schema refuses, one that does not parse and one with a repeated
+    key: parsed and checked in two halves, each comes back as `parse` and `check` say, the
+    refused one with its field and position (found again here from its text)."""
+    valid = [f"apiVersion: evotrainer/v1\nkind: PolicyVersion\nname: v{i}\nparent: v0\n"
+             for i in range(6)]
+    texts = [*valid,
+             "apiVersion: evotrainer/v1\nkind: PolicyVersion\nname: v6\nparent: v0\nrecipe:\n"
+             "  grpo:\n    lrr: 1\n",
+             "apiVersion: [evotrainer/v1\n",
+             "apiVersion: evotrainer/v1\nname: v8\nname: v9\n"]
+    items = [(text.encode(), f"evo/v{i}:spec/versions/v{i}.yaml") for i, text in enumerate(texts)]
+    docs = specs.parse_many(items)
+    assert [doc is None for doc in docs] == [False] * 7 + [True, True]
+    assert [d.data for d in docs[:7]] == [specs.parse(raw, s).data for raw, s in items[:7]]
+    problems = specs.check_many(docs[:7], "PolicyVersion")
+    assert problems[:6] == [[]] * 6
+    [refused] = problems[6]
+    assert refused.field == "recipe.grpo.lrr" and "unknown key 'lrr'" in refused.message
+    assert refused.where == "evo/v6:spec/versions/v6.yaml:7:5"
+    assert len(forking) == 2

@@ -131,8 +131,16 @@ def test_a_skill_named_for_a_direction_declares_only_that_direction(name: str):
 @pytest.mark.parametrize("name", sorted(n for n, s in LIBRARY.items()
                                         if not s.negative and s.recipe_patch))
 def test_every_positive_skill_moves_some_recipe(name: str):
-    """A floor or ceiling that leaves every recipe alone would make the skill dead."""
-    assert any(resolve_skill(LIBRARY[name], r).changes for r in RECIPES.values()), name
+    """A floor or ceiling that leaves every recipe alone would make the skill dead. A skill
+    that binds a reward component at trigger time is bound to each weighted one in turn."""
+    skill = LIBRARY[name]
+    if not skill.bind:
+        assert any(resolve_skill(skill, r).changes for r in RECIPES.values()), name
+        return
+    assert set(skill.bind) == {"component"}, skill.bind
+    assert any(resolve_skill(skill.bound({"component": c["name"]}), r).changes
+               for r in RECIPES.values() for c in r["reward"]["components"]
+               if c.get("weight", 1.0) > 0), name
 
 
 def test_the_length_budget_is_raised_not_cut_1280_times():

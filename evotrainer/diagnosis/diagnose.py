@@ -157,7 +157,9 @@ def diagnose(
         "layers": {m.name: m.layer for m in harness.metrics},
         "trends": {name: _slope(points) for name, points in series.items()},
         "series": series,
-        "keyed": run.keyed,
+        # Only a revision with keyed metrics has the section: a diagnosis under one without
+        # them reads as it always did.
+        **({"keyed": run.keyed} if run.keyed else {}),
         "alerts": alerts,
         "gaps": gaps,
         "comparison": comparison,

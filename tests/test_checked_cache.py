@@ -100,6 +100,8 @@ def test_an_invalid_spec_among_many_is_reported_on_a_cold_start(tmp_path, cli, m
     from evotrainer.store import halves
 
     monkeypatch.setattr(halves, "MIN_ITEMS", 8)
+    # pytest-xdist's I/O thread takes no lock the parse and check do: the halves still fork.
+    monkeypatch.setattr(halves, "_other_threads", lambda: False)
     ws = bench_build(tmp_path / "ws", 60)
     commit_spec(ws, "v37", {"grpo": {"lr": 3e-4, "lrr": 1}})
     assert not ws.checked_dir.exists()

@@ -16,8 +16,11 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or halves._cpus() < 2,
 
 @pytest.fixture
 def forking(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Halves from a handful of items on; the pids of the forked children, as they start."""
+    """Halves from a handful of items on; the pids of the forked children, as they start.
+    The test runner's own threads (pytest-xdist's I/O thread) hold no lock the work here
+    takes, so they do not stop the fork; a thread of the process under test does (below)."""
     monkeypatch.setattr(halves, "MIN_ITEMS", 4)
+    monkeypatch.setattr(halves, "_other_threads", lambda: False)
     children: list[int] = []
     fork = os.fork
 
@@ -81,3 +84,23 @@ def test_specs_parsed_and_checked_in_halves_are_what_one_process_finds(forking):
     assert refused.field == "recipe.grpo.lrr" and "unknown key 'lrr'" in refused.message
     assert refused.where == "evo/v6:spec/versions/v6.yaml:7:5"
     assert len(forking) == 2
+
+
+def test_no_fork_while_another_thread_of_the_process_runs(monkeypatch):
+    """A lock another thread holds at the fork would stay held in the child: with a second
+    thread running, everything is computed here."""
+    import threading
+
+    monkeypatch.setattr(halves, "MIN_ITEMS", 4)
+    forks: list[int] = []
+    monkeypatch.setattr(os, "fork", lambda: forks.append(1) or 0)
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        assert map_in_halves(lambda part: [i * 2 for i in part], list(range(10))) == \
+            [i * 2 for i in range(10)]
+    finally:
+        stop.set()
+        thread.join()
+    assert forks == []

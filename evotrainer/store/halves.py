@@ -29,7 +29,7 @@ def map_in_halves(work: Callable[[Sequence[T]], list[R]], items: Sequence[T]) ->
     """`work(items)`, one answer per item in order, computed in two halves at once where a
     second CPU is there to take one."""
     if (len(items) < MIN_ITEMS or not hasattr(os, "fork") or _cpus() < 2
-            or threading.active_count() > 1):
+            or _other_threads()):
         return work(items)
     half = len(items) // 2
     first, second = items[:half], items[half:]
@@ -56,6 +56,12 @@ def map_in_halves(work: Callable[[Sequence[T]], list[R]], items: Sequence[T]) ->
     if not isinstance(theirs, list) or len(theirs) != len(second):
         theirs = work(second)
     return mine + theirs
+
+
+def _other_threads() -> bool:
+    """Whether a Python thread besides this one runs (a lock it holds would stay held in a
+    forked child)."""
+    return threading.active_count() > 1
 
 
 def _cpus() -> int:

@@ -141,8 +141,8 @@ def test_identical_spec_texts_on_two_branches_are_each_checked_and_reported(work
 
 def test_a_valid_spec_holding_a_date_is_checked_every_time_and_not_recorded(workspace, cli):
     """YAML reads an unquoted 2024-01-01 as a date, which the record of checked documents
-    (JSON) cannot keep: the spec is valid, `validate` says so every time (it used to fail on
-    the record), and its bytes are checked again rather than read back as a string."""
+    (JSON) cannot keep: the spec is valid, `validate` says so every time without writing it
+    to the record, and its bytes are checked again rather than read back as a string."""
     from evotrainer.store import specs
 
     text = spec_text({"apiVersion": "evotrainer/v1", "kind": "PolicyVersion", "name": "v1",

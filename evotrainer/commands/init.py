@@ -19,10 +19,14 @@ def register(app: typer.Typer) -> None:
         example: str = typer.Option(
             "arith", "--example", help="Starting project: " + ", ".join(examples()) + "."
         ),
+        model: Path | None = typer.Option(
+            None, "--model", help="Train this local checkpoint (a save_pretrained directory "
+            "or a .gguf file) instead of the example's model; its folder becomes a data root.",
+        ),
     ) -> None:
         """Create a workspace: a git repo with the project spec, the built-in harness and
         skills, and the baseline version v0 on branch evo/v0."""
-        root = init_workspace(directory, example)
+        root = init_workspace(directory, example, model)
         console = make_console()
         console.print(
             f"Initialised workspace [bold]{safe(str(root))}[/] ({example}): "

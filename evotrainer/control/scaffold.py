@@ -3,6 +3,7 @@ the git repository, its spec, harness revisions and skills, and the approved bas
 
 from __future__ import annotations
 
+import json
 import shutil
 from datetime import datetime, timezone
 from importlib.util import find_spec
@@ -59,14 +60,18 @@ def baseline_spec(now: str) -> dict:
     }
 
 
-def init_workspace(directory: Path, example: str) -> Path:
+def init_workspace(directory: Path, example: str, model: Path | None = None) -> Path:
+    """The workspace at `directory` from `example`; with `model`, the example's model is that
+    local checkpoint (a save_pretrained directory or a .gguf file) instead of its own."""
     if example not in examples():
         raise EvoError(
             f"unknown example {example!r}",
             field="--example",
             hint=f"one of {', '.join(examples())}",
         )
-    missing = missing_requirements(example)
+    if model is not None:
+        model = model.expanduser().resolve()
+    missing = missing_requirements(example, model)
     if missing:
         raise EvoError(
             f"the {example} example needs what is not installed: {'; '.join(missing)}",
@@ -87,7 +92,7 @@ def init_workspace(directory: Path, example: str) -> Path:
     while not existed and not top.parent.exists():
         top = top.parent
     try:
-        _scaffold(directory, example)
+        _scaffold(directory, example, model)
     except BaseException:
         # Nothing half-made stays behind, so running init again there works.
         if existed:
@@ -102,16 +107,18 @@ def init_workspace(directory: Path, example: str) -> Path:
     return directory
 
 
-def missing_requirements(example: str) -> list[str]:
+def missing_requirements(example: str, model: Path | None = None) -> list[str]:
     """What the example's recipe needs and this installation lacks, found by the checks
     `validate` and `approve` run (the backend's: model package, domain data package...) plus
-    the packages a recipe switch loads only once training starts. Nothing is created."""
+    the packages a recipe switch loads only once training starts; with `model`, the recipe
+    as `init --model` writes it. Nothing is created."""
     from evotrainer.backends import get_backend
     from evotrainer.store.recipe import resolve
     from evotrainer.store.specs import load_yaml
 
     source = EXAMPLES_DIR / f"{example}.yaml"
-    recipe = resolve(load_yaml(source.read_bytes(), str(source)).get("recipe") or {}, [])
+    text = source.read_text() if model is None else with_model(source.read_text(), model)
+    recipe = resolve(load_yaml(text.encode(), str(source)).get("recipe") or {}, [])
     missing = []
     try:
         get_backend(recipe.get("backend", "local")).check(recipe)
@@ -128,11 +135,38 @@ def missing_requirements(example: str) -> list[str]:
     return missing
 
 
-def _scaffold(directory: Path, example: str) -> None:
+def with_model(project_text: str, model: Path) -> str:
+    """The example's project text with `recipe.model` reading the checkpoint at `model` (its
+    package or path line replaced, else a path line added, which outranks a tiny model's
+    settings) and the checkpoint's folder declared a data root, comments kept."""
+    lines = project_text.splitlines(keepends=True)
+    path_line = f"    path: {json.dumps(str(model))}\n"
+    if "  model:\n" not in lines:  # the recipe's defaults: the tiny model
+        lines.insert(lines.index("recipe:\n") + 1, "  model:\n")
+    start = lines.index("  model:\n")
+    for index in range(start + 1, len(lines)):
+        if not lines[index].startswith("    "):
+            lines.insert(start + 1, path_line)
+            break
+        if lines[index].split(":")[0].strip() in ("package", "path"):
+            lines[index] = path_line
+            break
+    else:
+        lines.insert(start + 1, path_line)
+    root = model if model.is_dir() else model.parent
+    at = next(i for i, line in enumerate(lines) if line.startswith("recipe:"))
+    lines.insert(at, "# The folder of the checkpoint `init --model` was given.\n"
+                     f"data_roots: [{json.dumps(str(root))}]\n")
+    return "".join(lines)
+
+
+def _scaffold(directory: Path, example: str, model: Path | None) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     repo = git.Repo.init(directory, initial_branch="main")
 
     project_text = (EXAMPLES_DIR / f"{example}.yaml").read_text()
+    if model is not None:
+        project_text = with_model(project_text, model)
     (directory / "spec").mkdir()
     (directory / PROJECT_FILE).write_text(
         schema_modeline(PROJECT_FILE, "Project") + project_text

@@ -12,7 +12,7 @@ arm, under the same rounds and the same `autonomy.max_total_steps`, approving up
 - `score`: the score-only control — the `score` planner (hill-climbing on Avg@k) with the
   `score-only` harness revision (no alerts, a gate on the paired bootstrap CI alone).
 
-Setups whose pathology the starting harness h0 cannot see (issue 29 D11: `idle`, `echo_h0`;
+Setups whose pathology the starting harness h0 cannot see (`idle`, `echo_h0`;
 tests/test_unseen_pathologies.py checks on planted stand-in runs that h0 raises no alert and
 fires no skill on them) measure the harness side: the `rules` arm must detect a gap, adopt a
 revision that sees the pathology (backtested), then fix it; both controls cannot.
@@ -121,7 +121,7 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
     Setup("lr_collapse", "arith",
           "a learning rate that collapses training (30x the example's)",
           {"grpo": {"lr": 1.0e-2, "steps": 100}}, {"grpo": {"steps": 40}}),
-    # ---- pathologies h0 cannot see (issue 29 D11) ----
+    # ---- pathologies h0 cannot see ----
     # A shaped reward that pays quitting: 40% of the demonstrations answer a blind guess, and
     # the project's reward adds to correctness partial credit (0.5, so no group is dead: h0's
     # dead-groups skills stay quiet) and an efficiency term (0.5 × 1/actions). An answer alone

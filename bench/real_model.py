@@ -8,17 +8,18 @@ in the same run.
              least max(FLOPs / GFLOP/s, bytes / GB/s), and tokens/s <= batch / that
   sampling   tokens/s of each engine on the same contexts (prompts x group, same budget),
              contenders alternated round by round (a shared machine's load hits them alike),
-             medians: `builtin` (the engine's sampler as it is), `baseline` (the engine before
-             issue 30: torch's plain linear, a KV cache grown by torch.cat, torch.multinomial),
-             `prepacked` (the baseline with prepacked weights: issue 30's first step),
+             medians: `builtin` (the engine's sampler as it is), `baseline` (the engine without
+             its fast paths: torch's plain linear, a KV cache grown by torch.cat,
+             torch.multinomial),
+             `prepacked` (the baseline with prepacked weights alone),
              `int8` (the built-in sampler on int8 layers, `rollout.quantization: int8`, with
              how far its samples' distribution is from the float32 policy's, as the loss's
              correction logs it: rollout_kl, rollout_is_mean, rollout_is_ratio_fraction_high;
              and exact_kl, over the whole vocabulary at the same positions),
              `generate` (transformers), `vllm` and `llamacpp` where they import (vLLM's
              start-up is reported apart); each as a share of the bound and against the baseline
-  steps      short GRPO runs of the same recipe, alternated: the baseline (the sampler before
-             issue 30, scoring after sampling, a training forward over full rows) against the
+  steps      short GRPO runs of the same recipe, alternated: the baseline (the sampler without
+             its fast paths, scoring after sampling, a training forward over full rows) against the
              engine as it is (`rollout.score_workers: 1`), int8 rollouts with the loss's
              correction (importance_cap 2) when `int8` is among --engines, and vLLM where it
              imports; the median
@@ -100,8 +101,8 @@ def domain_section(args: argparse.Namespace) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def before_issue_30(packed: bool = False) -> Iterator[None]:
-    """The engine as it was before issue 30, for the baselines: the KV cache grown by
+def without_fast_paths(packed: bool = False) -> Iterator[None]:
+    """The engine without its fast paths, for the baselines: the KV cache grown by
     torch.cat each step and every row holding a copy of its prompt's (no group decode),
     torch.multinomial's draw at every vocabulary size, the training forward over full rows,
     and (unless `packed`) no layer large enough to be prepacked."""
@@ -172,11 +173,11 @@ def contenders(
             return generate(model, contexts, stops, budget, 1.0, 1.0, pad)
 
     def baseline(contexts: list[list[int]], stops: list[int]) -> list[Generation]:
-        with before_issue_30():
+        with without_fast_paths():
             return generate(model, contexts, stops, budget, 1.0, 1.0, pad)
 
     def prepacked(contexts: list[list[int]], stops: list[int]) -> list[Generation]:
-        with before_issue_30(packed=True), rollout.prepacked(model):
+        with without_fast_paths(packed=True), rollout.prepacked(model):
             return generate(model, contexts, stops, budget, 1.0, 1.0, pad)
 
     def int8(contexts: list[list[int]], stops: list[int]) -> list[Generation]:
@@ -371,7 +372,7 @@ def step_split(run: Path) -> dict[str, float]:
 def bench_grpo_steps(args: argparse.Namespace, out: Path) -> dict:
     """The same GRPO steps under each configuration, alternated; medians over steps."""
     configurations: dict[str, tuple[dict | None, bool]] = {
-        "baseline": (None, True),  # scoring after sampling, before_issue_30: the engine before
+        "baseline": (None, True),  # scoring after sampling, the engine without its fast paths
         "builtin": ({"score_workers": 1}, False),
     }
     if "int8" in args.engines:
@@ -385,7 +386,7 @@ def bench_grpo_steps(args: argparse.Namespace, out: Path) -> dict:
         for name in order:
             section, old = configurations[name]
             run = out / f"steps-{name}-{round_}"
-            with before_issue_30() if old else contextlib.nullcontext():
+            with without_fast_paths() if old else contextlib.nullcontext():
                 run_job(recipe(args, args.steps, section), run, cache_dir=CACHE)
             splits[name].append(step_split(run))
     figures = {

@@ -64,7 +64,7 @@ def test_the_bench_reports_engines_the_bound_and_the_step_split(tmp_path, monkey
     assert json.loads((tmp_path / "out" / "real_model.json").read_text())["steps"]
 
 
-def test_the_baseline_is_the_engine_before_issue_30_and_only_inside(monkeypatch):
+def test_the_baseline_is_the_engine_without_its_fast_paths_and_only_inside(monkeypatch):
     bench = load_bench()
     from transformers.cache_utils import DynamicLayer
 
@@ -84,7 +84,7 @@ def test_the_baseline_is_the_engine_before_issue_30_and_only_inside(monkeypatch)
     monkeypatch.setattr(group_decode, "MIN_WEIGHTS", 0)
     before = (rollout.decode_cache, rollout.DRAW_MIN_VOCABULARY, rollout.PACK_MIN_WEIGHTS,
               group_decode.MIN_WEIGHTS)
-    with bench.before_issue_30():
+    with bench.without_fast_paths():
         assert grpo.SHARE_PROMPT_FORWARD is False and math.isinf(rollout.PACK_MIN_WEIGHTS)
         old_cache = rollout.decode_cache  # recorded by hand: the context restores its own
         rollout.decode_cache = lambda capacity: caches.append(old_cache(capacity)) or caches[-1]

@@ -123,10 +123,10 @@ def test_idle_setup_only_the_evolving_arm_sees_and_fixes_it(tmp_path, monkeypatc
     # stalled child and lets a skill act.
     assert rules.versions[0]["name"] == "v1" and rules.versions[0]["verdict"] != "promote"
     assert "no_next_step on v0" in rules.gaps
-    assert rules.adopted[0] == "h3 (+idle_failure_rate)"  # h2 is built in
-    assert rules.fixes == ["drop-efficiency-reward"]
-    fixed = [v for v in rules.versions if v["skills"] == ["drop-efficiency-reward"]]
-    assert fixed[0]["verdict"] == "promote" and fixed[0]["parent"] == "v0"
+    assert rules.adopted[0] == "h3 (+reward_alignment)"  # h2 is built in
+    assert rules.fixes == ["lower-misaligned-reward"]
+    fixed = [v for v in rules.versions if v["skills"] == ["lower-misaligned-reward"]]
+    assert fixed[0]["verdict"] == "promote" and fixed[0]["parent"] == "v0", rules.versions
     assert fixed[0]["changes"]["reward"]["components"] == [{"name": "efficiency",
                                                             "weight": 0.0}]
     assert rules.significant and rules.ci[0] > 0
@@ -140,4 +140,4 @@ def test_idle_setup_only_the_evolving_arm_sees_and_fixes_it(tmp_path, monkeypatc
     budget = 2 * setup.rounds * setup.quick["grpo"]["steps"]
     assert all(0 < r.steps_spent <= budget for r in arms.values())
     table = gym.table(list(arms.values()))
-    assert "| idle | rules | " in table and "h3 (+idle_failure_rate)" in table
+    assert "| idle | rules | " in table and "h3 (+reward_alignment)" in table

@@ -4,6 +4,7 @@ the catalogue's reward_alignment, and a skill that binds the component its trigg
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,20 @@ def test_a_harness_backtest_shows_each_key_of_an_added_keyed_metric():
     console = Console(width=400, record=True)
     console.print(backtest_tables(report)[0])
     assert "reward_alignment=-0.41 (efficiency=-0.41, partial=0.9)" in console.export_text()
+
+
+def test_diagnose_shows_each_key_of_a_keyed_metric(cli, tmp_path):
+    """`diagnose --rollouts` prints which key a keyed metric's minimum came from, and
+    `--json` carries the per-key values under `keyed`."""
+    import pyarrow.parquet as pq
+
+    pq.write_table(rollout_table(_rows()), tmp_path / "r.parquet")
+    (tmp_path / "hk.yaml").write_text(yaml.safe_dump(_harness()))
+    result = cli("diagnose", "--rollouts", str(tmp_path / "r.parquet"),
+                 "--harness", str(tmp_path / "hk.yaml"))
+    assert result.code == 0, result.output
+    assert "by_component by key: a 0.3, b 1" in result.out
+    result = cli("diagnose", "--rollouts", str(tmp_path / "r.parquet"),
+                 "--harness", str(tmp_path / "hk.yaml"), "--json")
+    assert json.loads(result.out)["keyed"] == {"by_component": {"a": pytest.approx(0.3),
+                                                                "b": 1.0}}

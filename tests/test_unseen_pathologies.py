@@ -1,8 +1,9 @@
 """The autonomy gym's unseen pathologies (bench/autonomy.py `idle`, `echo_h0`) on planted
 stand-in runs: h0 raises no alert and no library skill fires on its diagnosis, while the
 catalogue metric a harness revision would add alerts on them — and not on the same run
-without the pathology — and a library skill reads that alert. Beside them, the idle setup's
-`efficiency` reward term and the skill that takes it out."""
+without the pathology — and a library skill reads that alert (for idle, the reward audit names
+the `efficiency` term and the generic skill binds it). Beside them, the idle setup's
+`efficiency` reward term."""
 
 from __future__ import annotations
 
@@ -30,19 +31,19 @@ pytestmark = pytest.mark.usefixtures("standin")
 # setup → (planted params, extra settings, the catalogue metric that sees it, its alert, the
 # library skill whose trigger reads that alert)
 # The idle setup's reward (bench/autonomy.py): correctness, partial credit and the efficiency
-# term that pays an answer alone; the skill that fires names that term as the cause.
+# term that pays an answer alone; the audit's alert names that term as the cause.
 IDLE_REWARD = ('reward.components=[{"name": "correctness", "weight": 1.0}, '
                '{"name": "partial", "weight": 0.5}, {"name": "efficiency", "weight": 0.5}]')
 CASES = {
-    "idle": ({"planted_idle": 0.4}, [IDLE_REWARD], "idle_failure_rate", "idle_failure",
-             "drop-efficiency-reward"),
+    "idle": ({"planted_idle": 0.4}, [IDLE_REWARD], "reward_alignment", "misaligned_reward",
+             "lower-misaligned-reward"),
     # A quarter of the rollouts loop for 12 calls: h0's same-tool streak (max-turns-cap fires
     # on a mean over 4.0) is 0.25 × 12 + 0.75 × 1 = 3.75. At 40% looping it is 5.4 and h0
     # sees the loops through that streak: this setup is unseen only while loops are rarer.
     "echo_h0": ({"planted_loop": 0.25}, ["environment.max_turns=24"], "tool_limit_ratio",
                 "turn_budget", "repeat-penalty-at-turn-limit"),
 }
-SHARE = {"idle": 0.4, "echo_h0": 0.25}
+SHARE = {"echo_h0": 0.25}  # the share of looping rollouts planted
 
 
 def planted_run(tmp_path, monkeypatch, params: dict, settings: list[str]) -> Workspace:
@@ -86,13 +87,25 @@ def test_h0_cannot_see_it_and_the_catalogue_metric_can(setup, tmp_path, monkeypa
     assert fired(ws, h0) == []
 
     seen = diagnosis_with(ws, with_catalogue_metric(ws, metric))
-    assert seen["metrics"][metric]["value"] == pytest.approx(SHARE[setup], abs=0.06)
+    value = seen["metrics"][metric]["value"]
+    if setup == "idle":
+        # The audit's lowest correlation with correctness is the efficiency term's, negative:
+        # an answer alone earns it whole; partial credit pays what correctness pays.
+        assert seen["keyed"][metric] == {"partial": pytest.approx(1.0), "efficiency": value}
+        assert value < 0
+    else:
+        assert value == pytest.approx(SHARE[setup], abs=0.06)
     assert [a["name"] for a in seen["alerts"]] == [alert]
     assert skill in fired(ws, seen)
 
     clean = planted_run(tmp_path / "clean", monkeypatch, {k: 0.0 for k in params}, settings)
     unseen = diagnosis_with(clean, with_catalogue_metric(clean, metric))
-    assert unseen["metrics"][metric]["value"] == 0.0 and unseen["alerts"] == []
+    if setup == "idle":
+        # Every clean episode searches alike, so the term has no spread to correlate.
+        assert unseen["keyed"][metric]["efficiency"] is None
+    else:
+        assert unseen["metrics"][metric]["value"] == 0.0
+    assert unseen["alerts"] == []
 
 
 def test_idle_demonstrations_are_planted_only_when_asked():
@@ -131,26 +144,3 @@ def test_efficiency_pays_an_answer_alone_most():
     assert efficiency("") == 0.0
     # The components the recipe weights are scored as before.
     assert domain.score(task, "?8;<;?4;<;=3;", []).components["no_repeat"] == 1.0
-
-
-def test_drop_efficiency_reward_fires_only_with_the_term_and_the_alert(tmp_path):
-    ws = Workspace(init_workspace(tmp_path, "toolenv"))
-    new_version(ws, "v1", "v0", rationale="planted", settings=[IDLE_REWARD])
-    planted, plain = ws.resolved_recipe("v1"), ws.resolved_recipe("v0")
-    idle = {"metrics": {"idle_failure_rate": {"value": 0.7}},
-            "alerts": [{"name": "idle_failure"}]}
-    library = workspace_library(ws)
-
-    def fired_on(diagnosis: dict, recipe: dict) -> dict:
-        return {m.skill.name: m for m in match(library, diagnosis, domain="toolenv",
-                                               recipe=recipe, patch_base=recipe)}
-
-    found = fired_on(idle, planted)["drop-efficiency-reward"]
-    assert found.names_cause and not found.applied
-    assert [str(c) for c in found.resolution.changes] == [
-        "reward.components[efficiency].weight 0.5 → 0"]
-    # Partial credit is already on: act-before-answering would change nothing.
-    assert fired_on(idle, planted)["act-before-answering"].applied
-    # Without the term, or without the alert, it does not fire.
-    assert "drop-efficiency-reward" not in fired_on(idle, plain)
-    assert "drop-efficiency-reward" not in fired_on({"metrics": {}, "alerts": []}, planted)

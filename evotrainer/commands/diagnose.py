@@ -89,7 +89,8 @@ def _fmt(value: float | None) -> str:
 
 def _show(diagnosis: dict, metrics, as_json: bool) -> None:
     if as_json:
-        typer.echo(json.dumps({k: diagnosis[k] for k in _JSON_KEYS}, indent=2))
+        keyed = {"keyed": diagnosis["keyed"]} if diagnosis.get("keyed") else {}
+        typer.echo(json.dumps({**{k: diagnosis[k] for k in _JSON_KEYS}, **keyed}, indent=2))
     else:
         _print(diagnosis, metrics)
 
@@ -112,6 +113,12 @@ def _print(diagnosis: dict, metrics) -> None:
             )
         table.add_section()
     out.print(table)
+    # A keyed metric is the minimum over its keys: each key's value, lowest first, says
+    # which one it is.
+    for name, values in (diagnosis.get("keyed") or {}).items():
+        ordered = sorted(values.items(), key=lambda kv: (kv[1] is None, kv[1] or 0.0, kv[0]))
+        shown = ", ".join(f"{safe(str(key))} {_fmt(value)}" for key, value in ordered)
+        out.print(f"{safe(name)} by key: {shown}")
     for alert in diagnosis["alerts"]:
         color = "red" if alert["severity"] == "critical" else "yellow"
         out.print(

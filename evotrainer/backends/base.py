@@ -97,6 +97,11 @@ class LiveEvidence:
 
 class Backend(Protocol):
     name: str
+    # The folders of weights a job of this backend keeps in its artifact dir beside the
+    # recorded checkpoints (`checkpoint`, `checkpoint-seed*`): paths relative to the artifact
+    # dir, a part ending in `*` naming every folder of that prefix. What `evotrainer gc`
+    # deletes with a dropped policy.
+    weight_folders: tuple[str, ...]
 
     def check(self, recipe: dict) -> None:
         """Raise EvoError for a recipe this backend cannot run, before any compute."""

@@ -58,6 +58,7 @@ class LocalBackend:
     # branch that commits `evotrainer/engine/__main__.py` or `sitecustomize.py` is data.
     engine_module = "evotrainer.engine"
     python_flags: tuple[str, ...] = ("-I",)
+    weight_folders: tuple[str, ...] = ()  # the engine writes only the recorded checkpoints
 
     def __init__(self, cache_dir: Path | None = None) -> None:
         self.cache_dir = cache_dir  # shared warm-start cache under the artifact root

@@ -103,6 +103,8 @@ RAY_STATES = {
 
 class VerlBackend:
     name = "verl"
+    # Each seed's FSDP shards (JobFiles.checkpoint_dir), beside the merged policies.
+    weight_folders = ("verl/seed*/checkpoints",)
 
     def check(self, recipe: dict) -> None:
         """The backend-independent recipe contract first, then render every seed's overrides

@@ -13,6 +13,7 @@ import yaml
 from safetensors.torch import load_file
 from sealing import controller_commit
 
+from evotrainer.backends.local import LocalBackend
 from evotrainer.control.policy_export import export_policy
 from evotrainer.control.reconcile import record_text
 from evotrainer.control.retention import apply_gc, plan_gc
@@ -27,6 +28,13 @@ from evotrainer.store.recipe import resolve
 from evotrainer.store.workspace import Workspace, run_path
 
 torch.set_num_threads(1)
+
+
+class ShardedBackend(LocalBackend):
+    """A backend that keeps folders of weights of its own (as verl keeps its FSDP shards)."""
+
+    weight_folders = ("verl/seed*/checkpoints",)
+
 
 TINY = {
     "model": {
@@ -250,7 +258,7 @@ def test_gc_and_export_accept_only_a_job_folder_of_the_version_itself(lineage, j
     assert policies["v1"].is_dir() and policies["v2"].is_dir()
 
 
-def test_a_link_in_a_dropped_runs_folder_leads_gc_nowhere(lineage, tmp_path, cli):
+def test_a_link_in_a_dropped_runs_folder_leads_gc_nowhere(lineage, tmp_path):
     """The attack: the pruned run's folder holds `verl -> /outside` and
     `checkpoint-seed1 -> /outside/seed0/checkpoints`. Before, the glob walked through the
     link and gc deleted /outside/seed0/checkpoints. Now only v2's own weights go; links stay
@@ -265,14 +273,28 @@ def test_a_link_in_a_dropped_runs_folder_leads_gc_nowhere(lineage, tmp_path, cli
     (run_dir / "checkpoint-seed2").mkdir()  # a real second-seed checkpoint: it goes
     (run_dir / "checkpoint-seed2" / "model.safetensors").write_bytes(b"s2")
 
-    drops, _ = plan_gc(ws)
+    drops, _ = plan_gc(ws, backends={"local": ShardedBackend()})
     assert [d.version for d in drops] == ["v2"]
     assert drops[0].folders == [policies["v2"], run_dir / "checkpoint-seed2"]
-    result = cli("-C", str(ws.root), "gc")
-    assert result.code == 0, result.output
+    apply_gc(ws, drops, "keep-promoted-and-open")
     assert (outside / "seed0" / "checkpoints" / "precious.bin").read_bytes() == b"keep me"
     assert (run_dir / "verl").is_symlink() and (run_dir / "checkpoint-seed1").is_symlink()
     assert not policies["v2"].exists() and not (run_dir / "checkpoint-seed2").exists()
+
+
+def test_gc_drops_the_folders_of_weights_the_runs_backend_names(lineage):
+    """Beside the recorded policy, a dropped run loses the folders of weights its backend
+    names (`Backend.weight_folders`), and only those: a backend that names none leaves them."""
+    ws, policies = lineage
+    run_dir = policies["v2"].parent
+    shards = run_dir / "verl" / "seed0" / "checkpoints"
+    shards.mkdir(parents=True)
+    (shards / "model_world_size_1_rank_0.pt").write_bytes(b"shard")
+    assert plan_gc(ws)[0][0].folders == [policies["v2"]]  # the local backend names none
+    drops, _ = plan_gc(ws, backends={"local": ShardedBackend()})
+    assert drops[0].folders == [policies["v2"], shards]
+    apply_gc(ws, drops, "keep-promoted-and-open")
+    assert not shards.exists() and (run_dir / "verl" / "seed0").is_dir()
 
 
 def test_a_folder_swapped_for_a_link_after_planning_is_not_deleted(lineage, tmp_path):

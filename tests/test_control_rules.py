@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from evotrainer.backends.base import JobState, JobStatus
+from evotrainer.backends.base import JobStatus
 from evotrainer.control.decide import Observed, decide_next, progress_text
-from evotrainer.store.records import DecisionRecord, DiagnosisRecord, RunRecord
+from evotrainer.store.records import DecisionRecord, DiagnosisRecord, JobState, RunRecord
 
 RUN = RunRecord(state="Succeeded", attempt=1, job_id="evo-v1-a1-x", backend="local",
                 artifact_dir="a", spec_digest="d1", created_at="2025-01-01T00:00:00Z")

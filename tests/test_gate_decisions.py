@@ -14,7 +14,8 @@ from standin_planted import converge as converge_planted
 
 from evotrainer.backends import BACKEND_TYPES
 from evotrainer.diagnosis.harness import parse_harness, resolve_harness
-from evotrainer.gate.decision import decide, gate_verdict, recorded_scores, references
+from evotrainer.gate.decision import decide, recorded_scores, references
+from evotrainer.gate.rules import gate_verdict
 from evotrainer.stats import GateProcedure, compare_tables
 from evotrainer.store.specs import load_yaml
 from evotrainer.store.workspace import Workspace

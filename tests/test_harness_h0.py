@@ -9,7 +9,7 @@ import pytest
 from evotrainer.diagnosis.diagnose import _Run, diagnose, diagnosis_document
 from evotrainer.diagnosis.harness import resolve_harness
 from evotrainer.evidence.synthetic import rollout_table
-from evotrainer.gate.decision import gate_verdict
+from evotrainer.gate.rules import gate_verdict
 
 H0 = resolve_harness("h0")
 

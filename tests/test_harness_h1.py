@@ -10,8 +10,8 @@ import pytest
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import resolve_harness
 from evotrainer.evidence.synthetic import rollout_table
-from evotrainer.gate.decision import gate_verdict
 from evotrainer.gate.harness_backtest import diff_harness
+from evotrainer.gate.rules import gate_verdict
 
 H0 = resolve_harness("h0")
 H1 = resolve_harness("h1")

@@ -21,8 +21,8 @@ from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import parse_harness, resolve_harness
 from evotrainer.domains import get_domain, make_domain
 from evotrainer.evidence.synthetic import rollout_table
-from evotrainer.gate.decision import gate_verdict
 from evotrainer.gate.harness_backtest import diff_harness
+from evotrainer.gate.rules import gate_verdict
 from evotrainer.skills.replay import backtest_filter, backtest_reward, skill_reward
 from evotrainer.skills.skill import load_library, match, resolve_skill
 from evotrainer.store.recipe import deep_merge

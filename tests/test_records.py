@@ -15,12 +15,13 @@ import pytest
 import standin
 from standin import StandinBackend, converge, propose, record, wait_for
 
-from evotrainer.backends.base import JobSpec, JobState
+from evotrainer.backends.base import JobSpec
 from evotrainer.backends.local import JOB_FILE, spawn_detached
 from evotrainer.control.reconcile import diagnose_version
 from evotrainer.control.versions import new_version, spec_text
 from evotrainer.errors import EvoError
 from evotrainer.store.git import GitStore
+from evotrainer.store.records import JobState
 from evotrainer.store.workspace import Workspace, version_spec_path
 
 pytestmark = pytest.mark.usefixtures("standin")

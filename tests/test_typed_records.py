@@ -5,6 +5,8 @@ the harness backtest and the model card decide."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -16,8 +18,22 @@ from evotrainer.errors import EvoError
 from evotrainer.gate.harness_backtest import recorded_versions
 from evotrainer.report.views import _Evidence
 from evotrainer.store.git import branch_name
-from evotrainer.store.records import DecisionRecord, RunRecord
+from evotrainer.store.records import ACTIVE_STATES, DecisionRecord, JobState, RunRecord
 from evotrainer.store.workspace import Workspace, run_path
+
+
+def test_a_run_record_holds_the_job_states_as_their_strings():
+    """JobState is the one list of run states: run.schema.json allows each but Unknown (a
+    backend's word for a job it has no record of, never recorded), a record's string reads
+    as its member, and what is active is one group of them."""
+    schema = Path(__file__).resolve().parents[1] / "spec/schemas/run.schema.json"
+    recorded = json.loads(schema.read_text())["properties"]["state"]["enum"]
+    assert recorded == [s.value for s in JobState if s is not JobState.UNKNOWN]
+    assert yaml.safe_dump({"state": JobState.STALLED.value}) == "state: Stalled\n"
+    run = RunRecord.from_record({"state": "Stalled", "job_id": "evo-v1-a1-0123456789"})
+    assert run.state == JobState.STALLED and run.active
+    assert [s for s in JobState if s.active] == list(ACTIVE_STATES)
+    assert not any(s.active and s.finished for s in JobState)
 
 
 def test_null_fields_read_as_their_defaults_not_as_the_text_none():

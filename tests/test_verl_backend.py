@@ -22,11 +22,12 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from evotrainer.backends.base import JobSpec, JobState, job_id
+from evotrainer.backends.base import JobSpec, job_id
 from evotrainer.backends.verl import VerlBackend
 from evotrainer.backends.verl_render import JobFiles
 from evotrainer.errors import EvoError
 from evotrainer.store.recipe import BASE_RECIPE, deep_merge, digest
+from evotrainer.store.records import JobState
 
 STANDIN = Path(__file__).parent / "verl_standin"  # a Ray job ships it in its worktree
 

@@ -21,12 +21,12 @@ import pytest
 from test_verl_backend import make_job, wait_for
 
 from evotrainer.backends import verl_reward
-from evotrainer.backends.base import JobState
 from evotrainer.backends.verl import VerlBackend, write_verl_parquet
 from evotrainer.backends.verl_render import JobFiles
 from evotrainer.domains import Task, make_domain
 from evotrainer.evidence.verl import ingest_dump
 from evotrainer.skills.replay import backtest_filter
+from evotrainer.store.records import JobState
 
 GOLDEN = Path(__file__).parent / "golden" / "verl"
 VERL = json.loads((GOLDEN / "verl_metrics.json").read_text())

@@ -33,9 +33,10 @@ from evotrainer.evidence.io import read_rollouts, read_steps
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.gate.harness_backtest import _code_digest, _remember
 from evotrainer.store.lineage import tree_order
+from evotrainer.store.records import JobState
 from evotrainer.store.workspace import VersionState, Workspace
 
-REPLAYED_STATES = ("Succeeded", "Stopped")
+REPLAYED_STATES = (JobState.SUCCEEDED, JobState.STOPPED)
 
 
 def stops_may_differ(old: HarnessRevision, new: HarnessRevision) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -18,22 +17,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from evotrainer.domains.judge import named_like_secret
+from evotrainer.store.records import JobState
 
 if TYPE_CHECKING:
     from evotrainer.engine.outputs import JobProgress
-
-
-class JobState(str, Enum):
-    PENDING = "Pending"
-    RUNNING = "Running"
-    SUCCEEDED = "Succeeded"
-    FAILED = "Failed"
-    STALLED = "Stalled"  # alive but silent for longer than the watchdog allows
-    UNKNOWN = "Unknown"  # the backend has no record of this job id
-
-    @property
-    def finished(self) -> bool:
-        return self in (JobState.SUCCEEDED, JobState.FAILED)
 
 
 @dataclass(frozen=True)
@@ -97,6 +84,11 @@ class LiveEvidence:
 
 class Backend(Protocol):
     name: str
+    # The folders of weights a job of this backend keeps in its artifact dir beside the
+    # recorded checkpoints (`checkpoint`, `checkpoint-seed*`): paths relative to the artifact
+    # dir, a part ending in `*` naming every folder of that prefix. What `evotrainer gc`
+    # deletes with a dropped policy.
+    weight_folders: tuple[str, ...]
 
     def check(self, recipe: dict) -> None:
         """Raise EvoError for a recipe this backend cannot run, before any compute."""

@@ -26,7 +26,6 @@ import pyarrow as pa
 from evotrainer.backends.base import (
     Collected,
     JobSpec,
-    JobState,
     JobStatus,
     LiveEvidence,
     job_environment,
@@ -39,6 +38,7 @@ from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.store.checkpoints import CHECKPOINT
 from evotrainer.store.clock import now_iso
 from evotrainer.store.files import atomic_write, read_json
+from evotrainer.store.records import JobState
 from evotrainer.store.seal import KEY_ENV, keys_dir
 
 JOB_FILE = "job.json"
@@ -58,6 +58,7 @@ class LocalBackend:
     # branch that commits `evotrainer/engine/__main__.py` or `sitecustomize.py` is data.
     engine_module = "evotrainer.engine"
     python_flags: tuple[str, ...] = ("-I",)
+    weight_folders: tuple[str, ...] = ()  # the engine writes only the recorded checkpoints
 
     def __init__(self, cache_dir: Path | None = None) -> None:
         self.cache_dir = cache_dir  # shared warm-start cache under the artifact root

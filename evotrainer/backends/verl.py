@@ -38,7 +38,6 @@ import evotrainer
 from evotrainer.backends.base import (
     Collected,
     JobSpec,
-    JobState,
     JobStatus,
     LiveEvidence,
     job_environment,
@@ -76,6 +75,7 @@ from evotrainer.evidence.verl import (
 from evotrainer.store.checkpoints import check_job_start
 from evotrainer.store.clock import now_iso
 from evotrainer.store.files import atomic_write, read_json
+from evotrainer.store.records import JobState
 from evotrainer.trackers import RunIdentity, logger_names
 from evotrainer.trackers.mlflow_tracker import tracking_uri
 from evotrainer.trackers.verl import verl_tracker_env
@@ -103,6 +103,8 @@ RAY_STATES = {
 
 class VerlBackend:
     name = "verl"
+    # Each seed's FSDP shards (JobFiles.checkpoint_dir), beside the merged policies.
+    weight_folders = ("verl/seed*/checkpoints",)
 
     def check(self, recipe: dict) -> None:
         """The backend-independent recipe contract first, then render every seed's overrides

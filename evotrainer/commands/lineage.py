@@ -8,6 +8,7 @@ import typer
 from rich.tree import Tree
 
 from evotrainer.store.lineage import LineageRow, lineage_rows, stopped_text
+from evotrainer.store.records import JobState
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import console as make_console
 from evotrainer.terminal import safe
@@ -18,9 +19,9 @@ STATUS_STYLE = {
     "revert": "red",
     "inconclusive": "yellow",
     "baseline": "cyan",
-    "Failed": "red",
-    "Running": "blue",
-    "Stopped": "red",
+    JobState.FAILED: "red",
+    JobState.RUNNING: "blue",
+    JobState.STOPPED: "red",
     "proposed": "dim",
     "stale": "magenta",
 }

@@ -8,19 +8,20 @@ import typer
 from rich.table import Table
 
 from evotrainer.control.reconcile import VersionPlan, load_context, plan
+from evotrainer.store.records import JobState
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import console as make_console
 from evotrainer.terminal import safe
 
 SYNC_STYLE = {"Synced": "green", "OutOfSync": "yellow", "Drifted": "magenta", "Invalid": "red"}
 HEALTH_STYLE = {
-    "Succeeded": "green",
-    "Running": "blue",
-    "Pending": "cyan",
-    "Failed": "red",
-    "Stalled": "red",
-    "Cancelled": "yellow",
-    "Stopped": "red",
+    JobState.SUCCEEDED: "green",
+    JobState.RUNNING: "blue",
+    JobState.PENDING: "cyan",
+    JobState.FAILED: "red",
+    JobState.STALLED: "red",
+    JobState.CANCELLED: "yellow",
+    JobState.STOPPED: "red",
 }
 
 

@@ -21,12 +21,11 @@ from evotrainer.backends.verl_render import RenderedRun, verl_settings
 from evotrainer.commands.train import load_recipe
 from evotrainer.errors import EvoError
 from evotrainer.store import recipe as recipes
+from evotrainer.store.records import RETRIED_STATES
 from evotrainer.trackers import RunIdentity
 
 FORMATS = ("overrides", "yaml", "shell")
 BACKENDS = ("verl",)
-# Run states after which reconcile's next launch of a version is a new attempt (a retry).
-RETRIED_STATES = ("Failed", "Cancelled")
 
 
 def register(app: typer.Typer) -> None:

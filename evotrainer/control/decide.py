@@ -12,12 +12,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from evotrainer.backends.base import JobState, JobStatus
+from evotrainer.backends.base import JobStatus
 from evotrainer.store.lineage import stop_progress, stopped_text
-from evotrainer.store.records import MERGING, DecisionRecord, DiagnosisRecord, RunRecord, Verdict
-
-# The job states in which a job still runs (or will): what an early stop cancels.
-LIVE_JOB_STATES = (JobState.PENDING, JobState.RUNNING, JobState.STALLED)
+from evotrainer.store.records import (
+    MERGING,
+    DecisionRecord,
+    DiagnosisRecord,
+    JobState,
+    RunRecord,
+    Verdict,
+)
 
 
 @dataclass
@@ -119,7 +123,7 @@ def rule_drift_reapproved(o: Observed) -> VersionPlan | None:
 def rule_parent_stopped(o: Observed) -> VersionPlan | None:
     """A parent stopped early has no final scores: its child could train but never be
     compared or gated, so it is refused before it spends compute."""
-    if o.parent_run_state != "Stopped" or (o.run is not None and not o.run.active):
+    if o.parent_run_state != JobState.STOPPED or (o.run is not None and not o.run.active):
         return None
     return VersionPlan(
         o.name, o.sync, o.health, None,
@@ -143,15 +147,15 @@ def rule_active_job(o: Observed) -> VersionPlan | None:
         return None
     job, health = o.job, o.run.state
     if job.state is JobState.SUCCEEDED:
-        return o.plan(Action("collect", "job finished"), health="Succeeded")
-    if job.state is JobState.UNKNOWN and health == "Pending":
+        return o.plan(Action("collect", "job finished"), health=JobState.SUCCEEDED.value)
+    if job.state is JobState.UNKNOWN and health == JobState.PENDING:
         if o.approval != "approved":
             return approval_wait(o)
         return launch_or_wait(o, Action("launch", "run recorded but job never started"))
     if job.state in (JobState.FAILED, JobState.UNKNOWN):
         why = job.detail if job.state is JobState.FAILED else (
             "the backend has no record of the job (artifact dir missing?)")
-        return o.plan(Action("fail", why), health="Failed")
+        return o.plan(Action("fail", why), health=JobState.FAILED.value)
     if job.state.value != health:
         return o.plan(Action("poll", f"job is {job.state.value}"), health=job.state.value)
     note = f"job {job.state.value.lower()}{progress_text(job)}"
@@ -167,11 +171,11 @@ def rule_early_stop(o: Observed) -> VersionPlan | None:
     if stop is None or o.run is None or not o.run.active or not job_running:
         return None
     return o.plan(Action("stop", f"early stop {stop['rule']} at {stop_progress(stop)}: "
-                         f"{stop['reason']}"), health="Stopped")
+                         f"{stop['reason']}"), health=JobState.STOPPED.value)
 
 
 def rule_cancelled(o: Observed) -> VersionPlan | None:
-    if o.run is None or o.run.state != "Cancelled":
+    if o.run is None or o.run.state != JobState.CANCELLED:
         return None
     return o.plan(note=f"cancelled ({o.run.detail}); `evotrainer retry {o.name}` relaunches it")
 
@@ -179,9 +183,9 @@ def rule_cancelled(o: Observed) -> VersionPlan | None:
 def rule_stopped(o: Observed) -> VersionPlan | None:
     """A run stopped early has no final scores: nothing to collect, diagnose or gate; its
     prune decision was committed with it, so the verdict's actions follow."""
-    if o.run is None or o.run.state != "Stopped":
+    if o.run is None or o.run.state != JobState.STOPPED:
         return None
-    if o.job is not None and o.job.state in LIVE_JOB_STATES:
+    if o.job is not None and o.job.state.active:
         return o.plan(Action("stop", "the stopped job is still running"))
     decided = rule_verdict(o)
     if decided.action is None:
@@ -190,7 +194,7 @@ def rule_stopped(o: Observed) -> VersionPlan | None:
 
 
 def rule_failed(o: Observed) -> VersionPlan | None:
-    if o.run is None or o.run.state != "Failed":
+    if o.run is None or o.run.state != JobState.FAILED:
         return None
     if infrastructure_failure(o.run.detail):
         return o.plan(note=f"infrastructure failure ({o.run.detail}): not the run's own; fix "
@@ -212,7 +216,7 @@ def rule_drifted(o: Observed) -> VersionPlan | None:
 def rule_diagnose(o: Observed) -> VersionPlan | None:
     if o.diagnosis is not None:
         return None
-    if o.parent is not None and o.parent_run_state != "Succeeded":
+    if o.parent is not None and o.parent_run_state != JobState.SUCCEEDED:
         # the version layer compares with the parent's scores
         return o.plan(note=f"waiting for parent {o.parent} to be evaluated")
     return o.plan(Action("diagnose", "evidence collected"))
@@ -347,9 +351,9 @@ def infrastructure_failure(detail: str) -> bool:
 
 def own_failures(run: RunRecord) -> int:
     """Failed attempts that were the run's own fault, the current one included."""
-    history = [a for a in run.attempts if a.get("state") == "Failed"]
+    history = [a for a in run.attempts if a.get("state") == JobState.FAILED]
     count = sum(not infrastructure_failure(a.get("detail", "")) for a in history)
-    if run.state == "Failed" and not infrastructure_failure(run.detail):
+    if run.state == JobState.FAILED and not infrastructure_failure(run.detail):
         count += 1
     return count
 

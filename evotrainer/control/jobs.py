@@ -13,16 +13,10 @@ from difflib import SequenceMatcher
 
 from evotrainer.backends import Backends
 from evotrainer.backends.base import Backend, JobSpec
-from evotrainer.control.reconcile import (
-    LIVE_JOB_STATES,
-    Context,
-    job_for,
-    load_context,
-    record_text,
-)
+from evotrainer.control.reconcile import Context, job_for, load_context, record_text
 from evotrainer.errors import EvoError
 from evotrainer.store.clock import now_iso
-from evotrainer.store.records import ended_run
+from evotrainer.store.records import JobState, ended_run
 from evotrainer.store.workspace import VersionState, Workspace, run_path
 
 
@@ -56,13 +50,13 @@ def cancel_version(
     Cancelled run again stops its job again (a stop that failed the first time)."""
     current = version_job(ws, name, backends)
     run = dict(current.state.records["run"])
-    if not current.state.run.active and run["state"] != "Cancelled":
+    if not current.state.run.active and run["state"] != JobState.CANCELLED:
         raise EvoError(
             f"{name} has no running job to cancel (state: {run['state']})",
             hint="cancel stops a Pending, Running or Stalled job",
         )
-    if run["state"] != "Cancelled":
-        run = ended_run(run, now_iso(), state="Cancelled", detail=f"cancelled by {by}")
+    if run["state"] != JobState.CANCELLED:
+        run = ended_run(run, now_iso(), state=JobState.CANCELLED.value, detail=f"cancelled by {by}")
         ws.commit_records(
             name,
             {run_path(name, "run.yaml"): record_text("run", run).encode()},
@@ -86,7 +80,7 @@ def follow_logs(
     """The job's log lines as they come, until the job has finished (then the last ones)."""
     backend, shown = current.backend, []
     while True:
-        finished = backend.status(current.job).state not in LIVE_JOB_STATES
+        finished = not backend.status(current.job).state.active
         lines = backend.logs(current.job, tail=window).splitlines()
         # Lines new since the last look; the window slides and logs may be concatenated.
         for tag, _, _, first, last in SequenceMatcher(

@@ -44,7 +44,7 @@ from evotrainer.gate.decision import decision_header
 from evotrainer.store.cel import evaluate_unless_null
 from evotrainer.store.clock import now_iso
 from evotrainer.store.files import atomic_write, read_json
-from evotrainer.store.records import ended_run
+from evotrainer.store.records import JobState, ended_run
 from evotrainer.store.workspace import VersionState, Workspace
 
 LIVE_DIR = "live"
@@ -276,7 +276,7 @@ def stop_records(
     blocked_by = [stop["alert"]] if stop["alert"] in fired else []
     stopped_run = ended_run(
         run, at,
-        state="Stopped",
+        state=JobState.STOPPED.value,
         detail=f"stopped early by rule {stop['rule']} at {progress}: {stop['reason']}",
         stopped=stop,
         result={**(run.get("result") or {}), "steps_done": stop["step"]},

@@ -20,7 +20,7 @@ import git
 
 from evotrainer import API_VERSION
 from evotrainer.backends import Backends
-from evotrainer.backends.base import Backend, JobSpec, JobState, job_id
+from evotrainer.backends.base import Backend, JobSpec, job_id
 from evotrainer.control.decide import Observed, VersionPlan, decide_next, error_plan
 from evotrainer.control.live import LiveView, observe_running, saved_stop
 from evotrainer.control.validation import (
@@ -38,7 +38,7 @@ from evotrainer.store.clock import now_iso
 from evotrainer.store.git import PRUNED_TAG_PREFIX
 from evotrainer.store.lineage import merged_into_main, tree_order
 from evotrainer.store.recipe import deep_merge, digest, resolve
-from evotrainer.store.records import MERGING, RunRecord, Verdict
+from evotrainer.store.records import MERGING, JobState, RunRecord, Verdict
 from evotrainer.store.seal import KEY_ENV
 from evotrainer.store.workspace import VersionState, Workspace
 
@@ -131,7 +131,7 @@ FULL_RELOAD_ACTIONS = frozenset({"approve", "promote", "evidence"})
 def _holds_slot(state: VersionState) -> bool:
     # A Stalled job still holds its machine (a hung verl job keeps its GPUs, and its
     # GPU-hours keep counting), so it keeps its `max_concurrent_jobs` slot until it is
-    # cancelled or ends: one meaning of active (store/records.py ACTIVE_STATES).
+    # cancelled or ends: one meaning of active (JobState.active).
     return state.run is not None and state.run.active
 
 
@@ -258,7 +258,7 @@ def observe(ctx: Context, state: VersionState) -> Observed:
     job, live_stop, live_error = None, None, None
     # A Stopped run's job is asked about until the version is pruned: a pass that died
     # between the stop's commit and the cancel left it running.
-    if run is not None and (run.active or run.state == "Stopped" and not pruned):
+    if run is not None and (run.active or run.state == JobState.STOPPED and not pruned):
         job = ctx.backend(run.backend).status(job_for(ctx, state, state.records["run"]))
     if job is not None and run.active and job.state is JobState.RUNNING:
         live_stop, live_error = _live_stop(ctx, state)
@@ -269,7 +269,7 @@ def observe(ctx: Context, state: VersionState) -> Observed:
     # or a spec drifted from its run) and before a promotion. Elsewhere no rule asks.
     approval = (
         ctx.ws.approval_status(state, ctx.states)
-        if run is None or run.state in ("Pending", "Failed") or promoting
+        if run is None or run.state in (JobState.PENDING, JobState.FAILED) or promoting
         or run.spec_digest != state.spec_digest
         else "not needed"
     )
@@ -350,7 +350,7 @@ def live_look(ctx: Context, state: VersionState) -> LiveView:
 def _parent_policy_gap(parent: str, parent_run: RunRecord | None) -> str | None:
     """Why a continuing child cannot start yet (None: the parent's policy is recorded).
     Cheap: the digest is checked at launch, not on every plan."""
-    if parent_run is None or parent_run.state != "Succeeded":
+    if parent_run is None or parent_run.state != JobState.SUCCEEDED:
         return f"waiting for {parent}'s trained policy (model.init: parent)"
     artifact = parent_run.artifacts.get(CHECKPOINT)
     if not artifact:
@@ -502,7 +502,7 @@ def launch_record(
         "spec_digest": state.spec_digest,
         "recipe_digest": recipe_digest,
         "train": state.spec.get("train", True),
-        "state": "Pending",
+        "state": JobState.PENDING.value,
         "created_at": previous.get("created_at")
         if previous.get("job_id") == jid
         else now_iso(),

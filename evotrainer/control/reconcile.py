@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from evotrainer.backends import Backends
 from evotrainer.backends.base import Backend
-from evotrainer.control.decide import LIVE_JOB_STATES, Action, VersionPlan, error_plan
+from evotrainer.control.decide import Action, VersionPlan, error_plan
 from evotrainer.control.live import stop_records
 from evotrainer.control.observe import (
     NO_RUN,
@@ -54,13 +54,13 @@ from evotrainer.store import specs
 from evotrainer.store.checkpoints import CHECKPOINT, checkpoint_record, is_dropped, verify_directory
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import PRUNED_TAG_PREFIX, branch_name
-from evotrainer.store.records import ended_run
+from evotrainer.store.records import RETRIED_STATES, JobState, ended_run
 from evotrainer.store.workspace import VersionState, Workspace, run_path
 from evotrainer.trackers.records import log_gate, run_identity
 
 # The names callers have always imported from here (commands, the agent's loop, jobs, render).
 __all__ = [
-    "LIVE_JOB_STATES", "Context", "Reconciler", "VersionPlan", "diagnose_version", "error_plan",
+    "Context", "Reconciler", "VersionPlan", "diagnose_version", "error_plan",
     "job_for", "pending_launch", "load_context", "plan", "record_text", "request_retry",
     "steps_spent", "within_budget",
 ]
@@ -82,7 +82,7 @@ def request_retry(ws: Workspace, name: str, by: str) -> dict:
     if refusal:
         raise EvoError(f"{name} is invalid: {refusal}", hint="fix it; `evotrainer validate`")
     run = state.run
-    if run is None or run.state not in ("Failed", "Cancelled"):
+    if run is None or run.state not in RETRIED_STATES:
         raise EvoError(
             f"{name} has no failed or cancelled run to retry "
             f"(state: {run.state if run else 'not run'})",
@@ -191,7 +191,8 @@ class Reconciler:
             if applied:
                 continue
             # A version in error waits for a human, not for its job.
-            running = [p for p in plans if p.health in ("Pending", "Running") and not p.error]
+            running = [p for p in plans
+                       if p.health in (JobState.PENDING, JobState.RUNNING) and not p.error]
             if not (wait and running):
                 return plans
             if on_wait:
@@ -230,7 +231,7 @@ class Reconciler:
         # The worktree first: one that cannot move (uncommitted work in it) refuses the launch
         # before anything is recorded, so no attempt is spent on a job never submitted.
         self.ws.git.worktree_add(job.workdir, self.ws.spec_commit(state))
-        if previous.get("job_id") != jid or previous.get("state") != "Pending":
+        if previous.get("job_id") != jid or previous.get("state") != JobState.PENDING:
             self._commit_run(state, run, f"Launch {state.name} attempt {attempt} ({jid})", "launch")
             self.boundary()
         job.artifact_dir.mkdir(parents=True, exist_ok=True)
@@ -245,7 +246,7 @@ class Reconciler:
     def _poll(self, ctx: Context, state: VersionState) -> None:
         run = dict(state.records["run"])
         status = ctx.backend(run["backend"]).status(job_for(ctx, state, run))
-        if status.state not in LIVE_JOB_STATES:
+        if not status.state.active:
             # It ended since it was planned (a live look takes a while): recording that
             # state here would skip the collect; the next pass collects or fails it.
             return
@@ -260,7 +261,7 @@ class Reconciler:
         status = backend.status(job)
         run = ended_run(
             run, now_iso(),
-            state="Failed",
+            state=JobState.FAILED.value,
             exit_code=status.exit_code,
             detail=status.detail,
             log_tail=backend.logs(job, tail=30),
@@ -294,7 +295,7 @@ class Reconciler:
         result = collected.result
         run = ended_run(
             run, now_iso(),
-            state="Succeeded",
+            state=JobState.SUCCEEDED.value,
             artifacts=artifacts,
             result={
                 key: result.get(key)
@@ -390,7 +391,7 @@ class Reconciler:
         no pass ever reads the killed job as a failure to retry; a crash before the cancel
         leaves a Stopped run whose job still runs, and the next pass only cancels it."""
         run = state.records["run"]
-        if run["state"] != "Stopped":
+        if run["state"] != JobState.STOPPED:
             view = live_look(ctx, state)
             records = stop_records(state, run, ctx.harness, view)
             self.ws.commit_records(
@@ -411,9 +412,9 @@ class Reconciler:
         # A cancelled job takes a moment to go (the engine's SIGTERM handler, Ray's stop):
         # waiting a little spares the next pass a second, harmless, cancel.
         deadline = time.monotonic() + STOP_WAIT_S
-        while backend.status(job).state in LIVE_JOB_STATES and time.monotonic() < deadline:
+        while backend.status(job).state.active and time.monotonic() < deadline:
             time.sleep(0.2)
-        if run["state"] != "Stopped":
+        if run["state"] != JobState.STOPPED:
             stopped = replace(state, records={**state.records, "run": records.run,
                                               "diagnosis": records.diagnosis,
                                               "decision": records.decision})

@@ -10,8 +10,9 @@
 - keep-all: drop nothing.
 Whatever the policy, the parent of an open version that continues from it (`model.init:
 parent`) keeps its policy, and so does a version whose promotion is decided but not yet
-merged. Only weights go (the recorded checkpoint, the other seeds' checkpoints, verl's FSDP
-shards); rollouts, scores and records stay as evidence.
+merged. Only weights go (the recorded checkpoint, the other seeds' checkpoints, and the
+folders of weights the run's backend names in `Backend.weight_folders`); rollouts, scores and
+records stay as evidence.
 
 Run records and artifact folders are not trusted: a branch can edit its run.yaml and a job
 can leave links in its folder. Every folder gc deletes is the real path of a plain directory
@@ -28,9 +29,12 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from evotrainer.backends import Backends
+from evotrainer.backends.base import Backend
 from evotrainer.control.reconcile import record_text
 from evotrainer.errors import EvoError
 from evotrainer.store.checkpoints import (
@@ -53,7 +57,7 @@ DEFAULT_POLICY = POLICIES[0]
 class Drop:
     version: str
     reason: str
-    folders: list[Path]  # the recorded policy, the other seeds', verl's shards
+    folders: list[Path]  # the recorded policy, the other seeds', the backend's own
     bytes: int
     artifact_dir: Path  # the run's own folder (a real path): every folder lies inside it
     recorded: bool  # already recorded as dropped (an interrupted gc): only delete
@@ -64,10 +68,16 @@ def retention_policy(ws: Workspace) -> str:
 
 
 def plan_gc(
-    ws: Workspace, states: dict[str, VersionState] | None = None
+    ws: Workspace,
+    states: dict[str, VersionState] | None = None,
+    backends: Backends | Mapping[str, Backend] | None = None,
 ) -> tuple[list[Drop], dict[str, str]]:
-    """What gc would delete, and why each version with a policy on disk is kept."""
+    """What gc would delete, and why each version with a policy on disk is kept. `backends`:
+    the ones that ran the jobs, by name (default: the registry's), each naming its own
+    folders of weights."""
     states = states if states is not None else ws.versions()
+    if not isinstance(backends, Backends):
+        backends = Backends(backends)
     policy = retention_policy(ws)
     on_main = merged_into_main(ws) & states.keys()
     frontier = main_frontier(states, on_main)
@@ -103,7 +113,7 @@ def plan_gc(
             reason = f"{verdict}"
         if reason is None:
             continue
-        folders = _weight_folders(folder.parent)
+        folders = _weight_folders(folder.parent, backends[run.backend].weight_folders)
         if is_dropped(artifact) and not folders:
             continue  # dropped earlier, nothing left on disk
         drops.append(Drop(name, reason, folders, sum(_size(f) for f in folders),
@@ -157,14 +167,25 @@ def _continued_parents(ws: Workspace, states: dict[str, VersionState]) -> dict[s
     return out
 
 
-def _weight_folders(artifact_dir: Path) -> list[Path]:
+def _weight_folders(artifact_dir: Path, backend_folders: tuple[str, ...]) -> list[Path]:
     """Every folder of weights in a run's artifact dir (`checkpoint`, `checkpoint-seed*`, and
-    verl's shards under `verl/seed*/checkpoints`), each a plain directory inside it: a link
-    anywhere on the way (`verl -> /elsewhere`) is not followed, nor is anything else touched."""
-    folders = [artifact_dir / CHECKPOINT, *_children(artifact_dir, f"{CHECKPOINT}-seed")]
-    for seed in _children(artifact_dir / "verl", "seed"):
-        folders.append(seed / "checkpoints")
+    the backend's own, `backend_folders`), each a plain directory inside it: a link anywhere
+    on the way (`shards -> /elsewhere`) is not followed, nor is anything else touched."""
+    patterns = (CHECKPOINT, f"{CHECKPOINT}-seed*", *backend_folders)
+    folders = [f for pattern in patterns for f in _matching(artifact_dir, pattern)]
     return [f for f in folders if _plain_dir(f, artifact_dir)]
+
+
+def _matching(artifact_dir: Path, pattern: str) -> list[Path]:
+    """The paths under `artifact_dir` that `pattern` names, part by part (a part ending in `*`:
+    every folder of that prefix, none reached through a link)."""
+    found = [artifact_dir]
+    for part in pattern.split("/"):
+        if part.endswith("*"):
+            found = [child for folder in found for child in _children(folder, part[:-1])]
+        else:
+            found = [folder / part for folder in found]
+    return found
 
 
 def _children(folder: Path, prefix: str) -> list[Path]:

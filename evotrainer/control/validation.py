@@ -47,7 +47,7 @@ CRITERION = ("intervention", "hypothesis", "criterion")
 # from 0 and 1, so no division by zero or boundary case is mistaken for a type error.
 STAND_IN_DOUBLE = 0.5
 STAND_IN_COUNT = 2
-# One row of the gate's `strata` (gate/decision.py): what a rule's `s.field` reads.
+# One row of the gate's `strata` (gate/rules.py): what a rule's `s.field` reads.
 STAND_IN_STRATUM = {"data_source": "stand-in", "n_tasks": STAND_IN_COUNT,
                     "delta": STAND_IN_DOUBLE, "ci_low": STAND_IN_DOUBLE,
                     "ci_high": STAND_IN_DOUBLE, "p_value": STAND_IN_DOUBLE}

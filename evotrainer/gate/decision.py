@@ -1,6 +1,6 @@
-"""The promotion gate: a version against its parent on the per-task score tables, plus the
-harness's gate rules over the diagnosis. The verdict is written with the numbers that
-decided it, so a reviewer reads `decision.yaml` and sees why.
+"""The promotion gate: a version against its parent on the per-task score tables, judged by
+the harness's gate rules over the diagnosis (rules.py). The verdict is written with the
+numbers that decided it, so a reviewer reads `decision.yaml` and sees why.
 
 Beside the verdict the decision records the version's outcome (outcomes.py: improvement,
 regression, mixed evidence, insufficient evidence) and, when the score moved significantly
@@ -18,9 +18,8 @@ names both (`against_main` in the record)."""
 from __future__ import annotations
 
 import tempfile
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 
@@ -31,8 +30,8 @@ from evotrainer.diagnosis.harness import HarnessRevision
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_scores
 from evotrainer.gate.outcomes import classify, pathology_status
+from evotrainer.gate.rules import criterion_holds, gate_verdict, metric_values
 from evotrainer.stats import GateProcedure, adjust_p, confidence_label
-from evotrainer.store.cel import evaluate_unless_null, holds
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import branch_name
 from evotrainer.store.lineage import main_frontier, merged_into_main, verdict_of
@@ -56,12 +55,6 @@ def recorded_scores(ws: Workspace, version: str) -> pa.Table:
         path = Path(tmp) / "scores.csv"
         path.write_bytes(raw)
         return read_scores(path)
-
-
-def metric_values(diagnosis: dict | None) -> dict:
-    """{name: value} from a diagnosis record's {name: {value, layer, trend}}."""
-    metrics = (diagnosis or {}).get("metrics") or {}
-    return {name: (m.get("value") if isinstance(m, dict) else m) for name, m in metrics.items()}
 
 
 def evaluation_protocol(ws: Workspace, states: dict[str, VersionState], name: str) -> dict:
@@ -122,56 +115,6 @@ def replaced_frontier(
     return None
 
 
-def gate_verdict(
-    harness: HarnessRevision,
-    diagnosis: dict,
-    comparison: dict | None = None,
-    parent_metrics: dict[str, float | None] | None = None,
-) -> dict:
-    """Apply the gate: the first rule whose `when` holds decides; none holding means
-    inconclusive. A rule that reads a null value does not hold."""
-    comparison = comparison or diagnosis.get("comparison") or {}
-    alerts = diagnosis["alerts"]
-    variables = {
-        **diagnosis["metrics"],
-        "delta": comparison.get("delta"),
-        "ci_low": comparison.get("ci_low"),
-        "ci_high": comparison.get("ci_high"),
-        "p_value": comparison.get("p_bootstrap"),
-        "p_wilcoxon": comparison.get("p_wilcoxon"),
-        # Each data_source's own comparison: a pooled gain may carry a loss on one source.
-        "strata": [_stratum(row) for row in comparison.get("strata") or []],
-        "parent": dict(parent_metrics or {}),
-        "alpha": harness.alpha,
-        "min_delta": harness.min_delta,
-        "critical_alerts": sum(a["severity"] == "critical" for a in alerts),
-        # Critical behavior alerts (leak, abandonment) say the score itself cannot be
-        # trusted; critical signal alerts (dead groups) say what to fix next.
-        "critical_behavior_alerts": sum(
-            a["severity"] == "critical" and a.get("layer") == "behavior" for a in alerts
-        ),
-        "warning_alerts": sum(a["severity"] == "warning" for a in alerts),
-        "alerts": [a["name"] for a in alerts],
-        "params": harness.params,
-    }
-    for rule in harness.gate_rules:
-        if holds(rule.when, variables, where=harness.source, field=f"gate rule {rule.name}"):
-            return {"verdict": rule.verdict, "rule": rule.name, "variables": _plain(variables)}
-    return {"verdict": "inconclusive", "rule": None, "variables": _plain(variables)}
-
-
-def _stratum(row: dict[str, Any]) -> dict[str, Any]:
-    """One row of a comparison's `strata` as a gate rule reads it (`p_value` is the stratum's
-    bootstrap p, as the pooled `p_value` is the comparison's)."""
-    return {"data_source": row["data_source"], "n_tasks": row["n_tasks"],
-            "delta": row["delta"], "ci_low": row["ci_low"], "ci_high": row["ci_high"],
-            "p_value": row["p_bootstrap"]}
-
-
-def _plain(variables: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in variables.items() if k != "params"}
-
-
 def _family(
     ws: Workspace,
     states: dict[str, VersionState],
@@ -211,6 +154,67 @@ def _family(
     return family
 
 
+@dataclass(frozen=True)
+class Compared:
+    """What a version's gate compares: its parent's comparison (the numbers its gate rules
+    read), the whole family when the procedure compares with more than the parent, and main's
+    frontier (`replaces`) when the version is decided against it."""
+
+    procedure: GateProcedure
+    comparison: dict
+    family: dict[str, dict] | None = None
+    replaces: str | None = None
+
+    @property
+    def against_main(self) -> dict | None:
+        """The comparison with main's frontier that decides, None when the parent decides."""
+        if self.replaces is None or self.family is None:
+            return None
+        member = self.family["frontier"]
+        return {"version": self.replaces, "verdict": member["verdict"],
+                "rule": member["rule"], "comparison": member["comparison"]}
+
+    def family_record(self) -> dict | None:
+        """The family as `decision.yaml` records it; None when only the parent is compared."""
+        if self.family is None:
+            return None
+        return {"correction": self.procedure.correction, "alpha": self.procedure.alpha,
+                "members": {r: {k: m[k] for k in ("version", "verdict", "rule", "comparison")}
+                            for r, m in self.family.items()}}
+
+
+def _compare(
+    ws: Workspace,
+    states: dict[str, VersionState],
+    state: VersionState,
+    harness: HarnessRevision,
+    procedure: GateProcedure,
+) -> Compared:
+    """The comparisons `state`'s gate decides from: with main's frontier too when its parent
+    is not on main, as a family when the procedure asks for more than the parent, and
+    recomputed when the diagnosis compared otherwise (another procedure, another revision)."""
+    diagnosis = state.records["diagnosis"]
+    replaces = replaced_frontier(ws, states, state)
+    if replaces is not None and "frontier" not in procedure.compare_with:
+        procedure = replace(procedure, compare_with=(*procedure.compare_with, "frontier"))
+    if procedure.compare_with != ("parent",):
+        family = _family(ws, states, state, harness, procedure, diagnosis, replaces)
+        if "frontier" not in family:
+            replaces = None  # main's frontier has no scores (an untrained root): the parent decides
+        return Compared(procedure, family["parent"]["comparison"], family, replaces)
+    comparison = diagnosis.get("comparison")
+    if procedure != harness.procedure:
+        # The diagnosis compared under the harness's procedure: this one tests differently.
+        comparison = procedure.compare(recorded_scores(ws, state.parent),
+                                       recorded_scores(ws, state.name))
+    elif not comparison or (diagnosis.get("harness") or {}).get("digest") != harness.digest:
+        # Diagnosed without the parent's scores, or by another revision (another alpha).
+        comparison = harness.procedure.compare(
+            recorded_scores(ws, state.parent), recorded_scores(ws, state.name)
+        )
+    return Compared(procedure, comparison)
+
+
 def decide(
     ws: Workspace,
     states: dict[str, VersionState],
@@ -221,13 +225,10 @@ def decide(
     """The decision record of `state`. `procedure` (by default the harness's own) says how
     to test; the method's default at the harness's alpha (a paired percentile bootstrap
     against the parent, stratified by data_source) decides exactly as the gate always has."""
-    procedure = procedure or harness.procedure
     diagnosis = state.records["diagnosis"]
-    metrics = metric_values(diagnosis)
-    decision = decision_header(state, harness)
     if state.parent is None:
         return {
-            **decision,
+            **decision_header(state, harness),
             "verdict": "baseline",
             "reason": "root of the lineage: the reference its children are compared with",
             "blocked_by": [],
@@ -235,79 +236,18 @@ def decide(
             "decided_at": now_iso(),
         }
     parent = states[state.parent]
-    comparison = diagnosis.get("comparison")
-    family = None
-    replaces = replaced_frontier(ws, states, state)
-    if replaces is not None and "frontier" not in procedure.compare_with:
-        procedure = replace(procedure, compare_with=(*procedure.compare_with, "frontier"))
-    if procedure.compare_with != ("parent",):
-        family = _family(ws, states, state, harness, procedure, diagnosis, replaces)
-        comparison = family["parent"]["comparison"]
-        if "frontier" not in family:
-            replaces = None  # main's frontier has no scores (an untrained root): the parent decides
-    elif procedure != harness.procedure:
-        # The diagnosis compared under the harness's procedure: this one tests differently.
-        comparison = procedure.compare(recorded_scores(ws, parent.name),
-                                       recorded_scores(ws, state.name))
-    elif not comparison or (diagnosis.get("harness") or {}).get("digest") != harness.digest:
-        # Diagnosed without the parent's scores, or by another revision (another alpha).
-        comparison = harness.procedure.compare(
-            recorded_scores(ws, parent.name), recorded_scores(ws, state.name)
-        )
+    compared = _compare(ws, states, state, harness, procedure or harness.procedure)
     gate = gate_verdict(
         harness,
-        {"metrics": metrics, "alerts": diagnosis["alerts"]},
-        comparison,
+        {"metrics": metric_values(diagnosis), "alerts": diagnosis["alerts"]},
+        compared.comparison,
         metric_values(parent.records.get("diagnosis")),
     )
     critical = [a["name"] for a in diagnosis["alerts"]
                 if a.get("severity") == "critical" and a.get("layer") == "behavior"]
-    numbers = (
-        f"Δ avg@k {comparison['delta']:+.4f} {confidence_label(comparison)} "
-        f"[{comparison['ci_low']:+.4f}, "
-        f"{comparison['ci_high']:+.4f}], p={comparison['p_bootstrap']:.4f} "
-        f"over {comparison['n_tasks']} tasks"
-    )
-    verdict = gate["verdict"]
-    against_main = None
-    if replaces is not None and family is not None:
-        # Decided against what main would lose; the parent's comparison is recorded beside.
-        member = family["frontier"]
-        against_main = {"version": replaces, "verdict": member["verdict"],
-                        "rule": member["rule"], "comparison": member["comparison"]}
-        verdict = member["verdict"]
-    if verdict == "block":
-        verdict = "prune"
-        reason = f"blocked by critical alert(s) {', '.join(critical)} whatever the score; {numbers}"
-    else:
-        reason = f"{numbers} (gate rule {gate['rule'] or 'none'})"
-    if against_main is not None:
-        other = against_main["comparison"]
-        reason = (f"against main's frontier {replaces} (its parent {parent.name} is not on "
-                  f"main): Δ avg@k {other['delta']:+.4f} {confidence_label(other)} "
-                  f"[{other['ci_low']:+.4f}, {other['ci_high']:+.4f}], p="
-                  f"{other['p_bootstrap']:.4f} (gate rule {against_main['rule'] or 'none'}); "
-                  f"against its parent {parent.name}: {reason}")
-    if family is not None:
-        reason += f"; corrected ({procedure.correction}) for {len(family)} comparisons"
-        # A promotion must hold against every reference: a version that beats its parent
-        # but not the frontier (its parent was itself no better) is not promoted. Decided
-        # against main's frontier, the parent's comparison is recorded, not required.
-        holdout = next((r for r, m in family.items()
-                        if r != "parent" and m["verdict"] != "promote"
-                        and not (against_main is not None and r == "frontier")), None)
-        if verdict == "promote" and holdout is not None:
-            member = family[holdout]
-            verdict = ("prune" if member["verdict"] in ("prune", "revert", "block")
-                       else "inconclusive")
-            other = member["comparison"]
-            reason += (f"; not promoted: against the {holdout} {member['version']} Δ "
-                       f"{other['delta']:+.4f} {confidence_label(other)} [{other['ci_low']:+.4f}, "
-                       f"{other['ci_high']:+.4f}] (gate rule {member['rule'] or 'none'})")
-    protocols = {"version": evaluation_protocol(ws, states, state.name),
-                 "parent": evaluation_protocol(ws, states, parent.name)}
-    protocol_changed = protocols["version"] != protocols["parent"]
-    if protocol_changed:
+    verdict, reason = _named_verdict(gate, critical, compared, parent.name)
+    protocols = _changed_protocols(ws, states, state)
+    if protocols is not None:
         # Said, not enforced: the Δ mixes what training changed with what the evaluation
         # changed (the same policy scores differently under a hotter sampler).
         reason += (
@@ -315,58 +255,125 @@ def decide(
             f"{_protocol_text(protocols['parent'])}), so the Δ also measures the evaluation "
             "change: set grpo.eval_temperature to score both alike"
         )
-    decision.update(
-        verdict=verdict,
-        reason=reason,
-        rule=gate["rule"],
-        blocked_by=critical,
-        comparison=comparison,
-    )
-    if protocol_changed:
-        decision["evaluation_protocol"] = protocols
-    if family is not None:
-        decision["family"] = {"correction": procedure.correction, "alpha": procedure.alpha,
-                              "members": {r: {k: m[k] for k in ("version", "verdict", "rule",
-                                                                  "comparison")}
-                                          for r, m in family.items()}}
-    if against_main is not None:
-        decision["against_main"] = against_main
-    parent_diagnosis = parent.records.get("diagnosis")
-    outcome = classify(
-        against_main["comparison"] if against_main is not None else comparison,
-        blocked_by=critical, min_delta=harness.min_delta,
-        pathology=pathology_status(state.spec.get("proposal"), diagnosis,
-                                   ws.resolved_recipe(state.name, states)),
-    )
-    if outcome is not None:
-        decision["outcome"] = outcome.as_dict()
-        if against_main is not None:
-            decision["outcome"]["reason"] = (
-                f"against main's frontier {replaces}: {outcome.reason}; against its parent "
-                f"{parent.name} (not on main): Δ {comparison['delta']:+.4f}, CI "
-                f"[{comparison['ci_low']:+.4f}, {comparison['ci_high']:+.4f}]")
-    gap = unexplained_outcome(state.name, comparison, diagnosis, parent_diagnosis)
-    if gap is not None:
-        decision["gaps"] = [gap.as_dict()]
-    criterion = ((state.spec.get("intervention") or {}).get("hypothesis") or {}).get("criterion")
-    if criterion:
-        decision["criterion"] = {
-            "expression": criterion,
-            "held": _criterion_holds(criterion, gate["variables"]),
-        }
+    gap = unexplained_outcome(state.name, compared.comparison, diagnosis,
+                              parent.records.get("diagnosis"))
+    decision = {
+        **decision_header(state, harness),
+        "verdict": verdict,
+        "reason": reason,
+        "rule": gate["rule"],
+        "blocked_by": critical,
+        "comparison": compared.comparison,
+    }
+    recorded_when_found = {
+        "evaluation_protocol": protocols,
+        "family": compared.family_record(),
+        "against_main": compared.against_main,
+        "outcome": _named_outcome(ws, states, state, compared, critical, harness.min_delta),
+        "gaps": None if gap is None else [gap.as_dict()],
+        "criterion": _criterion(state, gate["variables"]),
+    }
+    decision.update((k, v) for k, v in recorded_when_found.items() if v is not None)
     decision["decided_at"] = now_iso()
     return decision
+
+
+def _named_verdict(
+    gate: dict, critical: list[str], compared: Compared, parent: str
+) -> tuple[str, str]:
+    """The verdict and its reason: the gate's on the parent's comparison, or on main's
+    frontier's where that decides (the parent's recorded beside it); a block prunes; within a
+    family a promotion must hold against every other reference."""
+    comparison, against_main = compared.comparison, compared.against_main
+    verdict = gate["verdict"] if against_main is None else against_main["verdict"]
+    numbers = (f"Δ avg@k {_interval(comparison)}, p={comparison['p_bootstrap']:.4f} "
+               f"over {comparison['n_tasks']} tasks")
+    if verdict == "block":
+        verdict = "prune"
+        reason = f"blocked by critical alert(s) {', '.join(critical)} whatever the score; {numbers}"
+    else:
+        reason = f"{numbers} (gate rule {gate['rule'] or 'none'})"
+    if against_main is not None:
+        other = against_main["comparison"]
+        reason = (f"against main's frontier {compared.replaces} (its parent {parent} is not on "
+                  f"main): Δ avg@k {_interval(other)}, p={other['p_bootstrap']:.4f} "
+                  f"(gate rule {against_main['rule'] or 'none'}); "
+                  f"against its parent {parent}: {reason}")
+    if compared.family is None:
+        return verdict, reason
+    reason += (f"; corrected ({compared.procedure.correction}) for {len(compared.family)} "
+               "comparisons")
+    return _held_out(compared, verdict, reason)
+
+
+def _held_out(compared: Compared, verdict: str, reason: str) -> tuple[str, str]:
+    """A promotion must hold against every reference: a version that beats its parent but not
+    the frontier (its parent was itself no better) is not promoted. Decided against main's
+    frontier, the parent's comparison is recorded, not required."""
+    family = compared.family or {}
+    holdout = next((r for r, m in family.items()
+                    if r != "parent" and m["verdict"] != "promote"
+                    and not (compared.replaces is not None and r == "frontier")), None)
+    if verdict != "promote" or holdout is None:
+        return verdict, reason
+    member = family[holdout]
+    verdict = "prune" if member["verdict"] in ("prune", "revert", "block") else "inconclusive"
+    reason += (f"; not promoted: against the {holdout} {member['version']} "
+               f"Δ {_interval(member['comparison'])} (gate rule {member['rule'] or 'none'})")
+    return verdict, reason
+
+
+def _named_outcome(
+    ws: Workspace,
+    states: dict[str, VersionState],
+    state: VersionState,
+    compared: Compared,
+    critical: list[str],
+    min_delta: float,
+) -> dict | None:
+    """The outcome recorded beside the verdict (outcomes.py), classified on the comparison
+    that decided; decided against main's frontier, its reason names the parent's too."""
+    against_main = compared.against_main
+    outcome = classify(
+        against_main["comparison"] if against_main is not None else compared.comparison,
+        blocked_by=critical, min_delta=min_delta,
+        pathology=pathology_status(state.spec.get("proposal"), state.records["diagnosis"],
+                                   ws.resolved_recipe(state.name, states)),
+    )
+    if outcome is None:
+        return None
+    named = outcome.as_dict()
+    if against_main is not None:
+        comparison = compared.comparison
+        named["reason"] = (
+            f"against main's frontier {compared.replaces}: {outcome.reason}; against its parent "
+            f"{state.parent} (not on main): Δ {comparison['delta']:+.4f}, CI "
+            f"[{comparison['ci_low']:+.4f}, {comparison['ci_high']:+.4f}]")
+    return named
+
+
+def _changed_protocols(
+    ws: Workspace, states: dict[str, VersionState], state: VersionState
+) -> dict | None:
+    """{version, parent}: how each one's validation samples were drawn, when they differ;
+    None when the version was evaluated as its parent was."""
+    protocols = {"version": evaluation_protocol(ws, states, state.name),
+                 "parent": evaluation_protocol(ws, states, states[state.parent].name)}
+    return protocols if protocols["version"] != protocols["parent"] else None
+
+
+def _interval(comparison: dict) -> str:
+    return (f"{comparison['delta']:+.4f} {confidence_label(comparison)} "
+            f"[{comparison['ci_low']:+.4f}, {comparison['ci_high']:+.4f}]")
 
 
 def _protocol_text(protocol: dict) -> str:
     return f"temperature {protocol['temperature']}, top-p {protocol['top_p']}"
 
 
-def _criterion_holds(expression: str, variables: dict) -> bool | None:
-    """The version's falsifiable criterion; None when it reads a metric that is null (or an
-    expression that no longer evaluates: the criterion was checked when it was proposed)."""
-    try:
-        held = evaluate_unless_null(expression, variables)
-    except EvoError:
+def _criterion(state: VersionState, variables: dict) -> dict | None:
+    """The version's falsifiable criterion (its hypothesis's), and whether it held."""
+    criterion = ((state.spec.get("intervention") or {}).get("hypothesis") or {}).get("criterion")
+    if not criterion:
         return None
-    return None if held is None else held is True
+    return {"expression": criterion, "held": criterion_holds(criterion, variables)}

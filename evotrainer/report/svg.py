@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from evotrainer.store.lineage import LineageRow
-from evotrainer.store.records import NEGATIVE
+from evotrainer.store.records import NEGATIVE, JobState
 
 # Status → CSS class suffix; anything else (a backend's own state name) draws as "other".
 STATUS_CLASSES = {
@@ -19,11 +19,11 @@ STATUS_CLASSES = {
     "revert": "revert",
     "inconclusive": "inconclusive",
     "baseline": "baseline",
-    "Failed": "failed",
-    "Stalled": "failed",
-    "Running": "running",
-    "Pending": "running",
-    "Succeeded": "succeeded",
+    JobState.FAILED: "failed",
+    JobState.STALLED: "failed",
+    JobState.RUNNING: "running",
+    JobState.PENDING: "running",
+    JobState.SUCCEEDED: "succeeded",
     "approved": "proposed",
     "proposed": "proposed",
 }

@@ -17,8 +17,39 @@ from typing import Any
 from evotrainer.errors import EvoError
 from evotrainer.store.clock import now_iso
 
-# The states a run record holds; "Cancelled" is a user's `evotrainer cancel`.
-ACTIVE_STATES = ("Pending", "Running", "Stalled")
+
+class JobState(str, Enum):
+    """A job's state as its backend reports it, and the state its run record holds
+    (run.schema.json). A state compares equal to its recorded string, so
+    `run.state == JobState.FAILED` reads a record's value as it is; a record is written with
+    the string itself (`JobState.FAILED.value`)."""
+
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    STALLED = "Stalled"  # alive but silent for longer than the watchdog allows
+    UNKNOWN = "Unknown"  # the backend has no record of this job id (never recorded)
+    CANCELLED = "Cancelled"  # a user's `evotrainer cancel` (recorded, never reported)
+    STOPPED = "Stopped"  # an early stop's rule ended it (recorded, never reported)
+
+    @property
+    def active(self) -> bool:
+        """The job runs, or will: it holds its machine (a Stalled job too)."""
+        return self in ACTIVE_STATES
+
+    @property
+    def finished(self) -> bool:
+        """The job ended, whichever way."""
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED,
+                        JobState.STOPPED)
+
+
+# The states a run is active in (one meaning: a Stalled job still holds its machine and its
+# `max_concurrent_jobs` slot, and an early stop cancels it), and those `evotrainer retry`
+# restarts (reconcile's next launch is then a new attempt).
+ACTIVE_STATES = (JobState.PENDING, JobState.RUNNING, JobState.STALLED)
+RETRIED_STATES = (JobState.FAILED, JobState.CANCELLED)
 
 
 class Verdict(str, Enum):
@@ -109,7 +140,7 @@ class RunRecord:
     @property
     def succeeded(self) -> bool:
         """The job finished and was collected: its scores and artifacts are recorded."""
-        return self.state == "Succeeded"
+        return self.state == JobState.SUCCEEDED
 
     @property
     def steps_done(self) -> int:

@@ -33,7 +33,7 @@ from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import HarnessRevision, load_harness
 from evotrainer.evidence.schema import SCORE_SCHEMA
 from evotrainer.evidence.synthetic import rollout_table
-from evotrainer.gate.decision import gate_verdict
+from evotrainer.gate.rules import gate_verdict
 from evotrainer.store.builtin import builtin_dir
 
 HERE = Path(__file__).resolve().parent / "harness"

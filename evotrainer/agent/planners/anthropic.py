@@ -61,8 +61,8 @@ from evotrainer.diagnosis.sql import ReadOnlyQuery, check_select
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts
 from evotrainer.evidence.layout import RunArtifacts
-from evotrainer.gate.decision import metric_values
 from evotrainer.gate.harness_backtest import backtest_harness
+from evotrainer.gate.rules import metric_values
 from evotrainer.skills.replay import (
     backtest_filter,
     backtest_reward,

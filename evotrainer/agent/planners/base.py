@@ -38,7 +38,7 @@ from evotrainer.store.checkpoints import CHECKPOINT, is_dropped
 from evotrainer.store.git import PRUNED_TAG_PREFIX
 from evotrainer.store.lineage import main_frontier, merged_into_main, tree_order
 from evotrainer.store.recipe import canonical_json, set_dotted
-from evotrainer.store.records import NO_GAIN
+from evotrainer.store.records import NO_GAIN, JobState
 from evotrainer.store.specs import load_yaml, schema_modeline
 from evotrainer.store.workspace import VersionState, Workspace
 
@@ -135,7 +135,7 @@ class View:
         state = self.states[name]
         run = state.records.get("run") or {}
         artifact = (run.get("artifacts") or {}).get(CHECKPOINT)
-        return (state.spec.get("train") is not False and run.get("state") == "Succeeded"
+        return (state.spec.get("train") is not False and run.get("state") == JobState.SUCCEEDED
                 and bool(artifact) and not is_dropped(artifact))
 
     def outcome(self, name: str) -> str | None:
@@ -151,7 +151,7 @@ class View:
         if self.outcome(name) == MIXED and self.verdict(name) == "inconclusive":
             return False
         return self.verdict(name) in NO_GAIN or (
-            self.run_state(name) == "Failed" and self.verdict(name) is None
+            self.run_state(name) == JobState.FAILED and self.verdict(name) is None
         )
 
     def supported(self, name: str) -> bool:
@@ -197,7 +197,7 @@ class View:
             decision = state.records.get("decision") or {}
             run = state.records.get("run") or {}
             when = decision.get("decided_at") or (
-                run.get("finished_at") if run.get("state") == "Failed" else None
+                run.get("finished_at") if run.get("state") == JobState.FAILED else None
             )
             if when:
                 out.append((when, name))

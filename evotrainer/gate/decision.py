@@ -30,8 +30,9 @@ from evotrainer.diagnosis.gaps import unexplained_outcome
 from evotrainer.diagnosis.harness import HarnessRevision
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_scores
+from evotrainer.gate import counterfactual
 from evotrainer.gate.outcomes import classify, pathology_status
-from evotrainer.stats import GateProcedure, adjust_p, confidence_label
+from evotrainer.stats import GateProcedure, confidence_label
 from evotrainer.store.cel import evaluate_unless_null, holds
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import branch_name
@@ -87,14 +88,16 @@ def references(
     frontier: str | None = None,
 ) -> dict[str, str]:
     """{role: version} for the comparison family: the parent always, then the frontier (main's
-    latest promotion) and the root of the version's chain when asked for and distinct from
-    the parent and from the version itself (a duplicate would count twice in the correction).
+    latest promotion), the root of the version's chain and a treatment's control
+    (gate/counterfactual.py) when asked for and distinct from the parent and from the version
+    itself (a duplicate would count twice in the correction).
     `frontier`: the one the caller already found (`replaced_frontier`)."""
     chain = [s.name for s in ws.chain(state.name, states)]
     found = {"parent": state.parent}
     candidates = {
         "frontier": lambda: frontier or main_frontier(states, merged_into_main(ws)),
         "root": lambda: chain[0],
+        counterfactual.CONTROL: lambda: counterfactual.control_of(state.spec),
     }
     for role in wanted:
         if role == "parent":
@@ -189,16 +192,17 @@ def _family(
         try:
             scores[role] = (name, recorded_scores(ws, name))
         except EvoError:
-            if role == "parent":
-                raise
+            if role in ("parent", counterfactual.CONTROL):
+                raise  # a treatment is decided only once its control is scored
             continue  # a reference never scored (an untrained root) is not in the family
-    alpha = procedure.alpha / len(scores)
+    m = counterfactual.comparisons(state.spec, len(scores))
+    alpha = procedure.alpha / m
     candidate = recorded_scores(ws, state.name)
     family = {role: {"version": name, "comparison": procedure.compare(table, candidate, alpha)}
               for role, (name, table) in scores.items()}
     roles = list(family)
-    adjusted = adjust_p([family[r]["comparison"]["p_bootstrap"] for r in roles],
-                        procedure.correction)
+    adjusted = counterfactual.adjusted([family[r]["comparison"]["p_bootstrap"] for r in roles],
+                                       procedure.correction, m)
     for role, p in zip(roles, adjusted, strict=True):
         member = family[role]
         member["comparison"]["p_unadjusted"] = member["comparison"]["p_bootstrap"]
@@ -240,6 +244,7 @@ def decide(
     replaces = replaced_frontier(ws, states, state)
     if replaces is not None and "frontier" not in procedure.compare_with:
         procedure = replace(procedure, compare_with=(*procedure.compare_with, "frontier"))
+    procedure = counterfactual.with_control(procedure, state.spec)
     if procedure.compare_with != ("parent",):
         family = _family(ws, states, state, harness, procedure, diagnosis, replaces)
         comparison = family["parent"]["comparison"]
@@ -289,7 +294,8 @@ def decide(
                   f"{other['p_bootstrap']:.4f} (gate rule {against_main['rule'] or 'none'}); "
                   f"against its parent {parent.name}: {reason}")
     if family is not None:
-        reason += f"; corrected ({procedure.correction}) for {len(family)} comparisons"
+        reason += (f"; corrected ({procedure.correction}) for "
+                   f"{counterfactual.comparisons(state.spec, len(family))} comparisons")
         # A promotion must hold against every reference: a version that beats its parent
         # but not the frontier (its parent was itself no better) is not promoted. Decided
         # against main's frontier, the parent's comparison is recorded, not required.
@@ -328,7 +334,8 @@ def decide(
         decision["family"] = {"correction": procedure.correction, "alpha": procedure.alpha,
                               "members": {r: {k: m[k] for k in ("version", "verdict", "rule",
                                                                   "comparison")}
-                                          for r, m in family.items()}}
+                                          for r, m in family.items()},
+                              **counterfactual.record(state.spec, len(family))}
     if against_main is not None:
         decision["against_main"] = against_main
     parent_diagnosis = parent.records.get("diagnosis")

@@ -79,6 +79,8 @@ class Observed:
     parent: str | None = None
     parent_run_state: str | None = None
     parent_diagnosed: bool = True
+    control: str | None = None  # a treatment's family control (gate/counterfactual.py)
+    control_diagnosed: bool = True
     parent_policy: str | None = None  # model.init: parent: why the parent's policy is missing
     budget_refusal: str | None = None  # autonomy.max_gpu_hours: why no GPU job may launch now
     diagnosis: DiagnosisRecord | None = None
@@ -234,6 +236,8 @@ def rule_gate(o: Observed) -> VersionPlan | None:
         return None
     if not o.parent_diagnosed:
         return o.plan(note=f"waiting for parent {o.parent} to be evaluated")
+    if not o.control_diagnosed:
+        return o.plan(note=f"waiting for its family's control {o.control} to be evaluated")
     return o.plan(Action("gate", "diagnosed, not yet gated"))
 
 

@@ -31,6 +31,7 @@ from evotrainer.control.validation import (
 )
 from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
 from evotrainer.errors import EvoError
+from evotrainer.gate.counterfactual import control_of
 from evotrainer.skills.library import pending_evidence
 from evotrainer.skills.skill import RESTRICTED_PATCH_KEYS, restricted_keys
 from evotrainer.store.checkpoints import CHECKPOINT, init_mode, is_dropped, parent_checkpoint
@@ -253,6 +254,8 @@ def observe(ctx: Context, state: VersionState) -> Observed:
     run, diagnosis, decision = state.run, state.diagnosis, state.decision
     parent = ctx.states.get(state.parent) if state.parent else None
     parent_run = parent.run if parent else None
+    control = control_of(state.spec)  # a treatment is gated once its control is diagnosed
+    control_state = ctx.states.get(control) if control else None
     verdict = decision.verdict if decision else None
     pruned = verdict == Verdict.PRUNE and state.name in ctx.pruned
     job, live_stop, live_error = None, None, None
@@ -305,6 +308,9 @@ def observe(ctx: Context, state: VersionState) -> Observed:
         parent=parent.name if parent else None,
         parent_run_state=parent_run.state if parent_run else None,
         parent_diagnosed=parent is None or parent.diagnosis is not None,
+        control=control,
+        control_diagnosed=control is None
+        or control_state is not None and control_state.diagnosis is not None,
         parent_policy=parent_policy,
         budget_refusal=budget_refusal,
         diagnosis=diagnosis,

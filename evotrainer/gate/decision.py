@@ -18,8 +18,10 @@ names both (`against_main` in the record)."""
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
@@ -29,9 +31,10 @@ from evotrainer.diagnosis.gaps import unexplained_outcome
 from evotrainer.diagnosis.harness import HarnessRevision
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_scores
+from evotrainer.gate import counterfactual
 from evotrainer.gate.outcomes import classify, pathology_status
 from evotrainer.gate.rules import criterion_holds, gate_verdict, metric_values
-from evotrainer.stats import GateProcedure, adjust_p, confidence_label
+from evotrainer.stats import GateProcedure, confidence_label
 from evotrainer.store.clock import now_iso
 from evotrainer.store.git import branch_name
 from evotrainer.store.lineage import main_frontier, merged_into_main, verdict_of
@@ -80,14 +83,16 @@ def references(
     frontier: str | None = None,
 ) -> dict[str, str]:
     """{role: version} for the comparison family: the parent always, then the frontier (main's
-    latest promotion) and the root of the version's chain when asked for and distinct from
-    the parent and from the version itself (a duplicate would count twice in the correction).
+    latest promotion), the root of the version's chain and a treatment's control
+    (gate/counterfactual.py) when asked for and distinct from the parent and from the version
+    itself (a duplicate would count twice in the correction).
     `frontier`: the one the caller already found (`replaced_frontier`)."""
     chain = [s.name for s in ws.chain(state.name, states)]
     found = {"parent": state.parent}
     candidates = {
         "frontier": lambda: frontier or main_frontier(states, merged_into_main(ws)),
         "root": lambda: chain[0],
+        counterfactual.CONTROL: lambda: counterfactual.control_of(state.spec),
     }
     for role in wanted:
         if role == "parent":
@@ -132,16 +137,17 @@ def _family(
         try:
             scores[role] = (name, recorded_scores(ws, name))
         except EvoError:
-            if role == "parent":
-                raise
+            if role in ("parent", counterfactual.CONTROL):
+                raise  # a treatment is decided only once its control is scored
             continue  # a reference never scored (an untrained root) is not in the family
-    alpha = procedure.alpha / len(scores)
+    m = counterfactual.comparisons(state.spec, len(scores))
+    alpha = procedure.alpha / m
     candidate = recorded_scores(ws, state.name)
     family = {role: {"version": name, "comparison": procedure.compare(table, candidate, alpha)}
               for role, (name, table) in scores.items()}
     roles = list(family)
-    adjusted = adjust_p([family[r]["comparison"]["p_bootstrap"] for r in roles],
-                        procedure.correction)
+    adjusted = counterfactual.adjusted([family[r]["comparison"]["p_bootstrap"] for r in roles],
+                                       procedure.correction, m)
     for role, p in zip(roles, adjusted, strict=True):
         member = family[role]
         member["comparison"]["p_unadjusted"] = member["comparison"]["p_bootstrap"]
@@ -164,6 +170,12 @@ class Compared:
     comparison: dict
     family: dict[str, dict] | None = None
     replaces: str | None = None
+    spec: Mapping[str, Any] | None = None  # the version's, for its counterfactual family
+
+    @property
+    def comparisons(self) -> int:
+        """How many comparisons the family's correction counts (gate/counterfactual.py)."""
+        return counterfactual.comparisons(self.spec, len(self.family or {}))
 
     @property
     def against_main(self) -> dict | None:
@@ -180,7 +192,8 @@ class Compared:
             return None
         return {"correction": self.procedure.correction, "alpha": self.procedure.alpha,
                 "members": {r: {k: m[k] for k in ("version", "verdict", "rule", "comparison")}
-                            for r, m in self.family.items()}}
+                            for r, m in self.family.items()},
+                **counterfactual.record(self.spec, len(self.family))}
 
 
 def _compare(
@@ -197,11 +210,13 @@ def _compare(
     replaces = replaced_frontier(ws, states, state)
     if replaces is not None and "frontier" not in procedure.compare_with:
         procedure = replace(procedure, compare_with=(*procedure.compare_with, "frontier"))
+    procedure = counterfactual.with_control(procedure, state.spec)
     if procedure.compare_with != ("parent",):
         family = _family(ws, states, state, harness, procedure, diagnosis, replaces)
         if "frontier" not in family:
             replaces = None  # main's frontier has no scores (an untrained root): the parent decides
-        return Compared(procedure, family["parent"]["comparison"], family, replaces)
+        return Compared(procedure, family["parent"]["comparison"], family, replaces,
+                        state.spec)
     comparison = diagnosis.get("comparison")
     if procedure != harness.procedure:
         # The diagnosis compared under the harness's procedure: this one tests differently.
@@ -301,7 +316,7 @@ def _named_verdict(
                   f"against its parent {parent}: {reason}")
     if compared.family is None:
         return verdict, reason
-    reason += (f"; corrected ({compared.procedure.correction}) for {len(compared.family)} "
+    reason += (f"; corrected ({compared.procedure.correction}) for {compared.comparisons} "
                "comparisons")
     return _held_out(compared, verdict, reason)
 

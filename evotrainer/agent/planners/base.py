@@ -22,6 +22,7 @@ refuted, and proposals build on it (`proposal_base`).
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -31,6 +32,7 @@ import yaml
 from evotrainer.control.versions import new_version, parse_assignment
 from evotrainer.diagnosis.harness import HarnessRevision, parse_harness, resolve_harness
 from evotrainer.errors import EvoError
+from evotrainer.gate.counterfactual import family_of
 from evotrainer.gate.outcomes import MIXED, SUPPORTED
 from evotrainer.skills.library import workspace_library
 from evotrainer.skills.skill import Skill
@@ -263,6 +265,46 @@ def overrides_key(settings: list[str]) -> str:
     return canonical_json(overrides)
 
 
+def dotted_keys(overrides: dict) -> set[str]:
+    """The dotted leaf keys a recipe override sets."""
+    return {setting.split("=", 1)[0] for setting in dotted_settings(overrides)}
+
+
+def revert_overrides(before: Any, patch: Any) -> Any:
+    """The override that undoes `patch` on top of `before` (None removes a key; a named
+    list entry the patch added is switched off: weight 0 or enabled false)."""
+    if isinstance(patch, dict):
+        if not isinstance(before, dict):
+            return before
+        return {k: revert_overrides(before[k], v) if k in before else None
+                for k, v in patch.items()}
+    if isinstance(patch, list) and all(isinstance(i, dict) and "name" in i for i in patch):
+        index = {i["name"]: i for i in before or [] if isinstance(i, dict) and "name" in i}
+        out = []
+        for item in patch:
+            if item["name"] in index:
+                out.append({"name": item["name"], **{k: index[item["name"]].get(k)
+                                                     for k in item if k != "name"}})
+            elif "weight" in item:
+                out.append({"name": item["name"], "weight": 0.0})
+            elif "enabled" in item:
+                out.append({"name": item["name"], "enabled": False})
+        return out
+    return before
+
+
+def dotted_settings(override: dict, prefix: str = "") -> list[str]:
+    """Dotted KEY=VALUE (JSON values, which YAML reads back) for `new_version`."""
+    out = []
+    for key, value in override.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out += dotted_settings(value, dotted + ".")
+        else:
+            out.append(f"{dotted}={json.dumps(value)}")
+    return out
+
+
 # ------------------------------------------------------------------------------ policy
 
 
@@ -328,17 +370,30 @@ def write_proposals(ws: Workspace, result: PlannerResult, view: View | None = No
     planner read (else read afresh)."""
     view = view or View.load(ws)
     accepted = []
+    broken: set[str] = set()  # families that lost a member: written whole or not at all
     for proposal in result.proposals:
         refusal = policy_violation(view, proposal)
         if refusal:
             result.notes.append(f"refused a proposal from {proposal.parent} "
                                 f"({', '.join(proposal.skills) or 'settings'}): {refusal}")
+            if family := family_of({"proposal": proposal.proposal}):
+                broken.add(family["name"])
         else:
             accepted.append(proposal)
-    result.proposals = accepted
+    result.proposals = []
+    for proposal in accepted:
+        family = family_of({"proposal": proposal.proposal})
+        if family and family["name"] in broken:
+            result.notes.append(f"dropped {proposal.name} with its family {family['name']}: "
+                                "a family is written whole or not at all")
+        else:
+            result.proposals.append(proposal)
+    # A planner may name its proposals (a family's members name each other): others take
+    # the next free name around them.
+    named = [p.name for p in result.proposals if p.name]
     written = []
     for proposal in result.proposals:
-        name = proposal.name or next_name(list(ws.versions()), "v")
+        name = proposal.name or next_name([*ws.versions(), *named], "v")
         new_version(
             ws,
             name,

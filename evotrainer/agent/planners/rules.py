@@ -33,6 +33,11 @@
 9. Evidence before moving on (evidence.py): a version left inconclusive with a positive
    point estimate inside its interval is rerun on one more seed, the seeds pooled by the
    gate, before any new factor; this move ranks first outside an escalation.
+10. Counterfactual branches (counterfactual.py): an alert whose obvious fix has negative
+   evidence (refuted with the alert still firing, or a backtest showing no effect) gets a
+   family in one proposal slot — up to two other fixes as treatments and a control without
+   the suspected factor — ranked just before its best treatment; the gate decides each
+   treatment against the control.
 """
 
 from __future__ import annotations
@@ -41,8 +46,17 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from evotrainer.agent.planners import evidence, gate_revisions, revisions
-from evotrainer.agent.planners.base import BUNDLE, PlannerResult, Proposal, View, overrides_key
+from evotrainer.agent.planners import counterfactual, evidence, gate_revisions, revisions
+from evotrainer.agent.planners.base import (
+    BUNDLE,
+    PlannerResult,
+    Proposal,
+    View,
+    dotted_keys,
+    dotted_settings,
+    overrides_key,
+    revert_overrides,
+)
 from evotrainer.agent.planners.base import fmt as _fmt
 from evotrainer.agent.retrieval import SearchTrace, query_for, retrieve
 from evotrainer.diagnosis.gaps import FiredSkill
@@ -75,6 +89,8 @@ class _Candidate:
     rank: tuple
     skills: list[str] = field(default_factory=list)
     overrides: str = ""  # canonical overrides of a settings-only candidate
+    # A counterfactual family: every member, written together in one proposal slot.
+    members: list[_Candidate] = field(default_factory=list)
 
 
 @dataclass
@@ -86,6 +102,7 @@ class _Fired:
     any: bool = False
     actionable: bool = False
     skills: dict[str, list[FiredSkill]] = field(default_factory=dict)  # evidence version →
+    refuted: list[counterfactual.Refuted] = field(default_factory=list)
 
 
 class RulesPlanner:
@@ -131,40 +148,31 @@ class RulesPlanner:
         skill_candidates = self._skill_candidates(view, base, escalation, result, fired)
         candidates += skill_candidates + self._defaults(view, base, fired.any)
         if not escalation:
+            candidates += self._family(view, base, skill_candidates, fired, result.notes)
             # An inconclusive gain gets more evidence before any new factor (evidence.py).
             candidates += [
                 _Candidate(p, (-3, False, 0, i), overrides=overrides_key(p.settings))
                 for i, p in enumerate(evidence.proposals(view, base, frontier, result.notes))]
         # What was tried from each parent a candidate forks from (bundles fork from the
         # frontier, the rest from the base): the same change is never proposed twice.
-        tried: dict[str, tuple[set[str], set[frozenset[str]], set[str]]] = {}
+        tried: dict[str, _Tried] = {}
+        slots = 0  # a family takes one slot for all its members
         for candidate in sorted(candidates, key=lambda c: c.rank):
-            if len(result.proposals) >= max_proposals:
+            if slots >= max_proposals:
                 break
-            parent = candidate.proposal.parent
-            if parent not in tried:
-                children = view.children(parent)
-                tried[parent] = ({s for c in children for s in view.applied_skills(c)},
-                                 {frozenset(view.applied_skills(c)) for c in children},
-                                 view.tried_overrides(parent))
-            tried_skills, tried_sets, tried_overrides = tried[parent]
-            if len(candidate.skills) > 1:
-                if frozenset(candidate.skills) in tried_sets:
-                    continue
-            elif candidate.skills and set(candidate.skills) & tried_skills:
+            members = candidate.members or [candidate]
+            if any(_tried(view, tried, m).has(m) for m in members):
                 continue
-            if not candidate.skills and candidate.overrides in tried_overrides:
-                continue
-            if escalation:
-                candidate.proposal.proposal["escalation"] = escalation
-            if builds_on and parent == base:
-                candidate.proposal.proposal["builds_on"] = builds_on
-                candidate.proposal.rationale = (
-                    f"Builds on {base} (mixed evidence: {reason}). {candidate.proposal.rationale}")
-            result.proposals.append(candidate.proposal)
-            tried_skills |= set(candidate.skills)
-            tried_sets.add(frozenset(candidate.skills))
-            tried_overrides.add(candidate.overrides)
+            for member in members:
+                if escalation:
+                    member.proposal.proposal["escalation"] = escalation
+                if builds_on and member.proposal.parent == base:
+                    member.proposal.proposal["builds_on"] = builds_on
+                    member.proposal.rationale = (f"Builds on {base} (mixed evidence: {reason}). "
+                                                 f"{member.proposal.rationale}")
+                result.proposals.append(member.proposal)
+                _tried(view, tried, member).add(member)
+            slots += 1
         # One revision a round: a metric for a diagnostic gap first, else a gate procedure
         # the recorded decisions call for.
         harness = revisions.revision_for_gaps(
@@ -173,6 +181,25 @@ class RulesPlanner:
         if harness:
             result.harness.append(harness)
         return result
+
+    def _family(
+        self, view: View, base: str, skill_candidates: list[_Candidate], fired: _Fired,
+        notes: list[str],
+    ) -> list[_Candidate]:
+        """A counterfactual family (counterfactual.py), ranked just before its best
+        treatment: it holds that treatment, and answers why the obvious fix did not work."""
+        ranked = sorted(skill_candidates, key=lambda c: c.rank)
+        members = counterfactual.family(
+            view, base, self._evidence(view, base), fired.refuted,
+            [(c.proposal, _effect(c.proposal.proposal.get("backtest"))) for c in ranked], notes)
+        if not members:
+            return []
+        *treatments, control = members
+        best = min(c.rank for c in ranked
+                   if c.skills in [t.skills for t in treatments])
+        inner = [_Candidate(t, best, skills=list(t.skills)) for t in treatments]
+        inner.append(_Candidate(control, best, overrides=overrides_key(control.settings)))
+        return [_Candidate(members[0], (best[0], -1), members=inner)]
 
     # ---- skills ------------------------------------------------------------------------
 
@@ -221,6 +248,7 @@ class RulesPlanner:
                 if name in refuted:
                     result.notes.append(f"skipped {name}: refuted on this lineage by "
                                         f"{refuted[name]}")
+                    fired.refuted.append(counterfactual.Refuted(source, diagnosis, found))
                     continue
                 if escalation and found.skill.category in escalation["avoid_categories"]:
                     result.notes.append(f"skipped {name}: escalation switches layer away "
@@ -337,7 +365,7 @@ class RulesPlanner:
                 patch = resolve_skill(skill, before).overrides if skill else None
                 if not patch:
                     continue
-                settings = _settings(_revert(before, patch))
+                settings = dotted_settings(revert_overrides(before, patch))
                 if not settings:
                     continue
                 failed = ", ".join(escalation["failed"])
@@ -374,8 +402,8 @@ class RulesPlanner:
                 (a,), (b,) = view.applied_skills(first), view.applied_skills(second)
                 if a == b or not {a, b} <= view.skills.keys():
                     continue
-                keys_a = _dotted_keys(view.states[first].spec.get("recipe") or {})
-                keys_b = _dotted_keys(view.states[second].spec.get("recipe") or {})
+                keys_a = dotted_keys(view.states[first].spec.get("recipe") or {})
+                keys_b = dotted_keys(view.states[second].spec.get("recipe") or {})
                 if keys_a & keys_b:
                     continue  # both change the same setting: not separable factors
                 halves = "; ".join(
@@ -410,7 +438,8 @@ class RulesPlanner:
                                       or view.outcome(version) == REGRESSION):
                 continue
             before = view.ws.resolved_recipe(parent, view.states)
-            settings = _settings(_revert(before, view.states[version].spec.get("recipe") or {}))
+            settings = dotted_settings(
+                revert_overrides(before, view.states[version].spec.get("recipe") or {}))
             if not settings:
                 continue
             comparison = view.states[version].records["decision"].get("comparison") or {}
@@ -514,6 +543,38 @@ class RulesPlanner:
 # ---- helpers ---------------------------------------------------------------------------
 
 
+@dataclass
+class _Tried:
+    """What was tried from one parent: skills, skill sets, canonical settings overrides."""
+
+    skills: set[str]
+    sets: set[frozenset[str]]
+    overrides: set[str]
+
+    def has(self, candidate: _Candidate) -> bool:
+        if len(candidate.skills) > 1:
+            return frozenset(candidate.skills) in self.sets
+        if candidate.skills:
+            return bool(set(candidate.skills) & self.skills)
+        return candidate.overrides in self.overrides
+
+    def add(self, candidate: _Candidate) -> None:
+        self.skills |= set(candidate.skills)
+        self.sets.add(frozenset(candidate.skills))
+        self.overrides.add(candidate.overrides)
+
+
+def _tried(view: View, tried: dict[str, _Tried], candidate: _Candidate) -> _Tried:
+    """What was tried from the parent `candidate` forks from (read once per decision)."""
+    parent = candidate.proposal.parent
+    if parent not in tried:
+        children = view.children(parent)
+        tried[parent] = _Tried({s for c in children for s in view.applied_skills(c)},
+                               {frozenset(view.applied_skills(c)) for c in children},
+                               view.tried_overrides(parent))
+    return tried[parent]
+
+
 def _retrieved(
     view: View, frontier: str, diagnosis: dict, skill: Any
 ) -> tuple[list[str], list[dict]]:
@@ -552,45 +613,6 @@ def _effect(backtest: dict | None) -> float | None:
     if before is None or after is None:
         return None
     return (before - after) / before if before > 0 else 0.0
-
-
-def _dotted_keys(overrides: dict) -> set[str]:
-    """The dotted leaf keys a recipe override sets."""
-    return {setting.split("=", 1)[0] for setting in _settings(overrides)}
-
-
-def _revert(before: Any, patch: Any) -> Any:
-    """The override that undoes `patch` on top of `before` (None removes a key; a named
-    list entry the patch added is switched off: weight 0 or enabled false)."""
-    if isinstance(patch, dict):
-        if not isinstance(before, dict):
-            return before
-        return {k: _revert(before[k], v) if k in before else None for k, v in patch.items()}
-    if isinstance(patch, list) and all(isinstance(i, dict) and "name" in i for i in patch):
-        index = {i["name"]: i for i in before or [] if isinstance(i, dict) and "name" in i}
-        out = []
-        for item in patch:
-            if item["name"] in index:
-                out.append({"name": item["name"], **{k: index[item["name"]].get(k)
-                                                     for k in item if k != "name"}})
-            elif "weight" in item:
-                out.append({"name": item["name"], "weight": 0.0})
-            elif "enabled" in item:
-                out.append({"name": item["name"], "enabled": False})
-        return out
-    return before
-
-
-def _settings(override: dict, prefix: str = "") -> list[str]:
-    """Dotted KEY=VALUE (JSON values, which YAML reads back) for `new_version`."""
-    out = []
-    for key, value in override.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out += _settings(value, dotted + ".")
-        else:
-            out.append(f"{dotted}={json.dumps(value)}")
-    return out
 
 
 def _backtest_text(report: dict) -> str:

@@ -309,7 +309,7 @@ class _RevisionBuilder:
                                 hint="a declared analyzer needs a name no other analyzer "
                                 f"has (registered: {', '.join(sorted(ANALYZERS))})")
             # Imported by a revision that declares an analyzer (the built-in ones do not): it
-            # brings the analyzer sandbox and the SQL runner, which `validate` needs no more.
+            # brings the analyzer sandbox and the SQL runner, which checking any other does not use.
             from evotrainer.diagnosis.declared import declared_analyzer
 
             declared = declared_analyzer(raw, revision=data["name"],

@@ -20,12 +20,19 @@ before (its run record's commit, its worktree, the re-read of that version; the 
 submits nothing): the cost of one action, which must not grow with the branches. The last
 line gives it at the largest size over the smallest.
 
+With `--before DIR` the cold commands also run with DIR first on PYTHONPATH (an older
+checkout, e.g. `git archive REV evotrainer spec harness_versions skills | tar -x -C DIR`),
+turn about with the current code, on the same workspace: each is printed as its CPU time
+now over before, best of `--runs`.
+
     python bench/lineage.py [--sizes 100 1000 5000] [--shapes tree chain] [--naive-up-to 1000]
+                            [--before DIR] [--runs 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import shutil
 import subprocess
@@ -120,19 +127,22 @@ def cpu_seconds() -> float:
         resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
-def timed_cli(root: Path, *args: str) -> tuple[float, float]:
+def timed_cli(root: Path, *args: str, code: Path | None = None) -> tuple[float, float]:
     """(wall seconds, CPU seconds) of one command: the CPU time (user + system, the
     command's git processes and forked halves included) is what a loaded shared machine
-    does not inflate."""
+    does not inflate. `code`: a tree to import evotrainer from instead of this one."""
+    env = {**os.environ, "PYTHONPATH": str(code)} if code is not None else None
+    # Run in the workspace: a checkout's own folder first on sys.path would shadow `code`.
     return timed([sys.executable, "-m", "evotrainer", "-C", str(root), *args],
-                 f"evotrainer {' '.join(args)}")
+                 f"evotrainer {' '.join(args)}", cwd=root, env=env)
 
 
-def timed(argv: list[str], label: str) -> tuple[float, float]:
+def timed(argv: list[str], label: str, cwd: Path | None = None,
+          env: dict[str, str] | None = None) -> tuple[float, float]:
     """(wall seconds, CPU seconds) of one process and the processes it waited for."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    result = subprocess.run(argv, capture_output=True, text=True)
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=cwd, env=env)
     elapsed = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if result.returncode not in (0, 2):  # plan: 2 = changes pending
@@ -176,27 +186,59 @@ def action_cost(ws: Workspace, name: str) -> tuple[float, float]:
     return wall, cpu
 
 
-def main() -> None:
+def cold(root: Path, command: tuple[str, ...], code: Path | None = None) -> tuple[float, float]:
+    """One command as on a fresh clone: the workspace's cache removed first."""
+    shutil.rmtree(root / ".evotrainer" / "cache", ignore_errors=True)
+    return timed_cli(root, *command, code=code)
+
+
+def before_and_now(root: Path, before: Path, runs: int) -> list[str]:
+    """Each cold command with the code in `before` and with this tree, in turns, best of
+    `runs` each: (label, before, now) lines, CPU now over CPU before."""
+    lines = []
+    for label, (command, _) in zip(LABELS, COMMANDS, strict=True):
+        if label not in COLD:
+            continue
+        then, now = [], []
+        for _ in range(runs):
+            then.append(cold(root, command, before))
+            now.append(cold(root, command))
+        (then_wall, then_cpu), (now_wall, now_cpu) = min(then, key=lambda t: t[1]), min(
+            now, key=lambda t: t[1])
+        lines.append(f"  {label:>15}: before {then_wall:6.2f} s ({then_cpu:5.2f} s)  now "
+                     f"{now_wall:6.2f} s ({now_cpu:5.2f} s)  CPU now/before "
+                     f"{now_cpu / then_cpu:4.2f}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=int, nargs="+", default=[100, 1000, 5000])
     parser.add_argument("--shapes", nargs="+", choices=("tree", "chain"),
                         default=["tree", "chain"])
     parser.add_argument("--naive-up-to", type=int, default=1000,
                         help="time the naive reader only up to this many branches")
-    args = parser.parse_args()
+    parser.add_argument("--before", type=Path,
+                        help="an older tree: its cold commands against this tree's")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="with --before: runs of each cold command per tree (best kept)")
+    args = parser.parse_args(argv)
     header = f"{'shape':>5} {'branches':>8}  " + "  ".join(f"{label:>19}" for label in LABELS)
     print(header + f"  {'one launch':>19}  {'naive read':>10}  naive/lineage")
     launches: dict[str, list[float]] = {}
     colds: list[str] = []
+    compared: list[str] = []
     for shape in args.shapes:
         for size in args.sizes:
             with tempfile.TemporaryDirectory() as tmp:
                 ws = build(Path(tmp) / "ws", size, shape)
                 times = []
-                for command, cold in COMMANDS:
-                    if cold:
-                        shutil.rmtree(ws.state_dir / "cache", ignore_errors=True)
-                    times.append(timed_cli(ws.root, *command))
+                for command, is_cold in COMMANDS:
+                    times.append(cold(ws.root, command) if is_cold
+                                 else timed_cli(ws.root, *command))
+                if args.before is not None:
+                    compared += [f"before/now, {shape} {size}:",
+                                 *before_and_now(ws.root, args.before.resolve(), args.runs)]
                 floor = timed([sys.executable, "-c", FLOOR, str(ws.root)], "the floor")
                 naive = naive_checkout_read(ws) if size <= args.naive_up_to else None
                 # The last version: in a chain the deepest, in the tree a leaf.
@@ -208,16 +250,21 @@ def main() -> None:
                 tail = (f"  {naive:8.2f} s  {naive / lineage:6.1f}x" if naive is not None
                         else f"  {'—':>10}")
                 print(f"{shape:>5} {size:8d}  {cells}{tail}")
-                cold = [(label, *times[LABELS.index(label)]) for label in COLD]
+                firsts = [(label, *times[LABELS.index(label)]) for label in COLD]
                 colds.append(f"cold {shape:>5} {size:8d}  floor {floor[0]:6.2f} s "
                              f"({floor[1]:5.2f} s)" + "".join(
                                  f"  {label} {wall:6.2f} s ({cpu:5.2f} s, {cpu / floor[1]:4.1f}x)"
-                                 for label, wall, cpu in cold))
+                                 for label, wall, cpu in firsts))
     print(f"(wall (CPU); ! = wall over the {GOAL_S:.0f} s goal; each command a fresh process, "
           "start-up included; one launch: in-process, from a context read before)")
     print("\nCold, as on a fresh clone: wall (CPU, CPU as a multiple of the floor's); the "
           "floor reads every spec at once, parses it and checks it against the schema")
     print("\n".join(colds))
+    if compared:
+        print(f"\nCold, before ({args.before}) and now, in turns, best of {args.runs}: wall "
+              "(CPU)")
+        print("\n".join(compared))
+    print(f"load average (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     for shape, costs in launches.items():
         if len(costs) > 1:
             print(f"{shape}: one launch at {args.sizes[-1]} branches costs "

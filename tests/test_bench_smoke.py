@@ -54,3 +54,13 @@ def test_report_bench_runs_on_one_version(capsys, standin, monkeypatch):
     assert set(times) == {"bare_cpu", "bare_wall", "report_cpu", "report_wall"}
     assert all(0 < value < math.inf for value in times.values())
     assert "the bare read's CPU" in capsys.readouterr().out
+
+
+def test_lineage_bench_runs_on_a_short_chain_against_a_tree_before(capsys):
+    """bench/lineage.py: a chain of 3 versions, each command once, the naive reader and the
+    floor, one launch, and the cold commands against a tree before (this one), once each."""
+    bench("lineage").main(["--sizes", "3", "--shapes", "chain", "--naive-up-to", "3",
+                           "--before", str(BENCH.parent), "--runs", "1"])
+    out = capsys.readouterr().out
+    assert "naive/lineage" in out and "floor" in out
+    assert out.count("CPU now/before") == 3

@@ -1,3 +1,4 @@
+import lark
 import pytest
 
 from evotrainer.errors import EvoError
@@ -136,3 +137,50 @@ def test_an_alert_over_the_budget_fails_the_diagnosis_naming_the_alert():
     assert err.value.where == "harness_versions/h1.yaml"
     assert err.value.field == "alerts.grid_sweep.levels[0].when"
     assert "steps" in err.value.message
+
+
+@pytest.fixture
+def fresh_parser(monkeypatch):
+    """celpy builds its one parser per process: each test here builds it anew, and the
+    parser of the rest of the suite is put back after."""
+    from celpy.celparser import CELParser
+
+    kept = CELParser.CEL_PARSER
+    monkeypatch.setattr(CELParser, "CEL_PARSER", None)
+    cel._env.cache_clear()
+    cel._compile.cache_clear()
+    yield
+    CELParser.CEL_PARSER = kept
+    cel._env.cache_clear()
+    cel._compile.cache_clear()
+
+
+def test_parser_tables_are_kept_in_the_user_cache_and_read_back(fresh_parser, monkeypatch,
+                                                                 tmp_path):
+    from celpy.celparser import CELParser
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cache = cel.parser_cache()
+    assert cache is not None and cache.parent == tmp_path / "evotrainer"
+    assert not cache.exists()
+    first = cel._env().compile("x > 0.5 && [1].all(v, v > y)")
+    assert cache.is_file()
+    written = cache.read_bytes()
+
+    CELParser.CEL_PARSER = None  # as a new process: the tables read, not built
+    cel._env.cache_clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(lark.Lark, "_build_parser", lambda self: pytest.fail("tables built"))
+        assert cel._env().compile("x > 0.5 && [1].all(v, v > y)") == first
+    assert cache.read_bytes() == written
+    assert cel.evaluate("x > 0.5 && [1].all(v, v < y)", {"x": 0.75, "y": 2}) is True
+
+
+def test_a_cache_folder_that_cannot_be_made_builds_the_parser_in_memory(fresh_parser,
+                                                                        monkeypatch, tmp_path):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    assert cel.parser_cache() is None
+    assert cel.evaluate("x > 0.5", {"x": 0.75}) is True
+    with pytest.raises(EvoError, match="invalid CEL expression"):
+        cel.check("x >")

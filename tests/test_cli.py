@@ -121,9 +121,10 @@ HEAVY = ("torch", "transformers", "duckdb", "pyarrow", "scipy", "numpy", "git", 
          "celpy", "jinja2", "pandas")
 
 
-def _heavy_modules_after(*argv: str) -> list[str]:
-    """Top-level heavy packages imported by `evotrainer ARGV` (or by importing the CLI alone
-    when ARGV is empty), in a fresh interpreter."""
+def _heavy_modules_after(*argv: str, among: tuple[str, ...] = HEAVY) -> list[str]:
+    """The modules of `among` (by default the top-level heavy packages) imported by
+    `evotrainer ARGV` (or by importing the CLI alone when ARGV is empty), in a fresh
+    interpreter."""
     code = (
         "import sys\n"
         f"sys.argv = ['evotrainer', *{list(argv)!r}]\n"
@@ -133,7 +134,7 @@ def _heavy_modules_after(*argv: str) -> list[str]:
         "        main()\n"
         "    except SystemExit:\n"
         "        pass\n"
-        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr)\n"
+        f"print(sorted(m for m in {among!r} if m in sys.modules), file=sys.stderr)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True, env={**os.environ, "COLUMNS": "200"})
@@ -144,6 +145,19 @@ def test_importing_the_cli_version_and_help_import_no_heavy_package():
     assert _heavy_modules_after() == []
     assert _heavy_modules_after("--version") == []
     assert _heavy_modules_after("--help") == []
+
+
+# What checking specs never runs: the reconcile loop, a diagnosis, the analyzer sandbox, the
+# Parquet reader.
+NOT_FOR_CHECKS = ("evotrainer.control.reconcile", "evotrainer.diagnosis.diagnose",
+                  "evotrainer.diagnosis.declared", "evotrainer.sandbox.process",
+                  "pyarrow.parquet")
+
+
+def test_validate_and_plan_import_no_diagnosis_and_no_reconcile_loop(workspace):
+    for command in ("validate", "plan"):
+        assert _heavy_modules_after("-C", str(workspace.root), command,
+                                    among=NOT_FOR_CHECKS) == [], command
 
 
 def test_the_listing_shows_each_commands_own_help(cli):

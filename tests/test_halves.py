@@ -10,7 +10,7 @@ import pytest
 from evotrainer.store import halves, specs
 from evotrainer.store.halves import map_in_halves
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or halves._cpus() < 2,
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or halves.cpus() < 2,
                                 reason="the second half runs in a forked child on a second CPU")
 
 
@@ -104,3 +104,38 @@ def test_no_fork_while_another_thread_of_the_process_runs(monkeypatch):
         stop.set()
         thread.join()
     assert forks == []
+
+
+def test_thousands_of_git_reads_go_to_two_processes_with_the_answers_in_order(workspace,
+                                                                               monkeypatch):
+    """GitStore.read_many and present from MIN_ITEMS requests on: two `git cat-file`
+    processes at once, each request answered as a read of it alone answers it (a file, a
+    missing file, a folder, an unknown ref)."""
+    import subprocess
+
+    from evotrainer.store.git import branch_name
+    from evotrainer.store.workspace import PROJECT_FILE, version_spec_path
+
+    store = workspace.git
+    branch = branch_name("v0")
+    wanted = [(ref, path) for ref in ("main", branch, "no-such-ref")
+              for path in (PROJECT_FILE, version_spec_path("v0"), "spec", "missing.yaml")]
+    alone = {key: store.read_many([key])[key] for key in wanted}
+    found = {key for key in wanted if store.present([key])}
+    assert alone[("main", PROJECT_FILE)] and alone[(branch, version_spec_path("v0"))]
+    assert ("main", "spec") in found and alone[("main", "spec")] is None
+
+    monkeypatch.setattr(halves, "MIN_ITEMS", 4)
+    batches: list[bytes] = []
+    run = subprocess.run
+
+    def counted(argv, *args, **kwargs):
+        if "cat-file" in argv:
+            batches.append(kwargs["input"])
+        return run(argv, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", counted)
+    assert store.read_many(wanted) == alone
+    assert store.present(wanted) == found
+    assert len(batches) == 4 and all(batch.count(b"\n") == len(wanted) // 2
+                                     for batch in batches)

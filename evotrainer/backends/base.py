@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-import pyarrow as pa
-import pyarrow.compute as pc
-
 from evotrainer.domains.judge import named_like_secret
 from evotrainer.store.records import JobState
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # pyarrow is imported where evidence is counted, not by every command
+    import pyarrow as pa
+
     from evotrainer.engine.outputs import JobProgress
 
 
@@ -78,6 +77,8 @@ class LiveEvidence:
         """(train, val) rollouts read."""
         if self.rollouts is None or not self.rollouts.num_rows:
             return 0, 0
+        import pyarrow.compute as pc
+
         train = pc.sum(pc.equal(self.rollouts.column("split"), "train")).as_py() or 0
         return train, self.rollouts.num_rows - train
 

@@ -19,9 +19,9 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
-import pyarrow as pa
 
 from evotrainer.backends.base import (
     Collected,
@@ -31,15 +31,19 @@ from evotrainer.backends.base import (
     job_environment,
 )
 from evotrainer.engine import engine_threads
-from evotrainer.engine.outputs import JobProgress, read_progress
 from evotrainer.errors import EvoError
-from evotrainer.evidence.io import read_rollouts, read_steps
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.store.checkpoints import CHECKPOINT
 from evotrainer.store.clock import now_iso
 from evotrainer.store.files import atomic_write, read_json
 from evotrainer.store.records import JobState
 from evotrainer.store.seal import KEY_ENV, keys_dir
+
+if TYPE_CHECKING:
+    from evotrainer.engine.outputs import JobProgress
+
+# The evidence readers (pyarrow) are imported where a job's outputs are read: `validate` and
+# `plan` use this backend to check recipes and look at jobs that are not running.
 
 JOB_FILE = "job.json"
 STDIO_FILE = "process.log"
@@ -157,6 +161,8 @@ class LocalBackend:
         return {"nodes": 1, "gpus_per_node": 0, "gpus": 0}  # the engine runs on the CPU
 
     def progress(self, job: JobSpec) -> JobProgress | None:
+        from evotrainer.engine.outputs import read_progress
+
         return read_progress(job.artifact_dir)
 
     def live_evidence(self, job: JobSpec, cache: Path, read: dict, force: bool) -> LiveEvidence:
@@ -175,6 +181,10 @@ class LocalBackend:
         present = [p for p in files if p.is_file()]
         if not (changed or force) or not present:
             return LiveEvidence(None, None, changed, signature, digest, started)
+        import pyarrow as pa
+
+        from evotrainer.evidence.io import read_rollouts, read_steps
+
         try:
             tables = [read_rollouts(p) for p in present]
             steps = read_steps(layout.steps) if layout.steps.is_file() else None
@@ -190,6 +200,8 @@ def running_status(job: JobSpec, record: dict) -> JobStatus:
     """A running job, with its progress from the engine's progress record: training steps
     finished over all of the recipe's seeds, and the time left at the steps' own pace
     (start-up and warm start excluded). No record yet, or a torn one: no estimate."""
+    from evotrainer.engine.outputs import read_progress
+
     status = JobStatus(JobState.RUNNING, f"pid {record['pid']}")
     grpo, seeds = job.recipe.get("grpo") or {}, job.recipe.get("seeds") or [0]
     total = int(grpo.get("steps") or 0) * len(seeds)

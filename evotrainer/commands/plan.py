@@ -7,7 +7,8 @@ import json
 import typer
 from rich.table import Table
 
-from evotrainer.control.reconcile import VersionPlan, load_context, plan
+from evotrainer.control.decide import VersionPlan
+from evotrainer.control.observe import load_context, plan
 from evotrainer.store.records import JobState
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import console as make_console

@@ -29,23 +29,25 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
-
-import pyarrow as pa
+from typing import TYPE_CHECKING, Any
 
 from evotrainer.backends import get_backend
 from evotrainer.backends.base import Backend, JobSpec, LiveEvidence
-from evotrainer.diagnosis.diagnose import diagnosis_document
 from evotrainer.diagnosis.harness import HarnessRevision
-from evotrainer.diagnosis.incremental import DiagnosisState, diagnose_incremental
-from evotrainer.engine.outputs import JobProgress
 from evotrainer.errors import EvoError
-from evotrainer.gate.decision import decision_header
 from evotrainer.store.cel import evaluate_unless_null
 from evotrainer.store.clock import now_iso
 from evotrainer.store.files import atomic_write, read_json
 from evotrainer.store.records import JobState, ended_run
 from evotrainer.store.workspace import VersionState, Workspace
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from evotrainer.engine.outputs import JobProgress
+
+# The diagnosis (pyarrow, DuckDB) and the gate's records are imported where a running job is
+# diagnosed or stopped: `plan` and `validate` import this module and never do either.
 
 LIVE_DIR = "live"
 STATE_FILE = "state.json"
@@ -281,6 +283,9 @@ def stop_records(
         stopped=stop,
         result={**(run.get("result") or {}), "steps_done": stop["step"]},
     )
+    from evotrainer.diagnosis.diagnose import diagnosis_document
+    from evotrainer.gate.decision import decision_header
+
     diagnosis = diagnosis_document(view.diagnosis, state.name)
     diagnosis["created_at"] = at
     diagnosis["live"] = {"step": stop["step"], "steps": stop["steps"], "rows": stop["rows"]}
@@ -307,6 +312,8 @@ def stop_records(
 def _diagnose(folder: Path, evidence: LiveEvidence, harness: HarnessRevision) -> dict:
     """The live diagnosis, from the saved incremental state; the state and the diagnosis are
     saved for the next look."""
+    from evotrainer.diagnosis.incremental import DiagnosisState, diagnose_incremental
+
     state_file = folder / DIAGNOSIS_STATE_FILE
     previous = DiagnosisState.from_json(state_file.read_text()) if state_file.is_file() else None
     diagnosis, state = diagnose_incremental(

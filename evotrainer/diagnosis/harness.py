@@ -23,10 +23,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from evotrainer.diagnosis.analyzers import ANALYZERS
-from evotrainer.diagnosis.declared import DeclaredAnalyzer, declared_analyzer
 from evotrainer.diagnosis.sql import check_condition, check_select, condition_type, sql_params
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
@@ -34,6 +33,9 @@ from evotrainer.stats import GateProcedure
 from evotrainer.store import cel, specs
 from evotrainer.store.builtin import builtin_dir
 from evotrainer.store.recipe import digest
+
+if TYPE_CHECKING:
+    from evotrainer.diagnosis.declared import DeclaredAnalyzer
 
 LAYERS = ("score", "signal", "behavior", "version")
 # Variables a gate rule may read besides the metric names (documented in the README).
@@ -306,6 +308,10 @@ class _RevisionBuilder:
                 raise self.fail((*path, "name"), f"analyzer name {raw['name']!r} is taken",
                                 hint="a declared analyzer needs a name no other analyzer "
                                 f"has (registered: {', '.join(sorted(ANALYZERS))})")
+            # Imported by a revision that declares an analyzer (the built-in ones do not): it
+            # brings the analyzer sandbox and the SQL runner, which checking any other does not use.
+            from evotrainer.diagnosis.declared import declared_analyzer
+
             declared = declared_analyzer(raw, revision=data["name"],
                                          where=self.doc.where(path))
             if declared.sql is not None:

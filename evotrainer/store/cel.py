@@ -17,10 +17,16 @@ of work for one alert.
 
 from __future__ import annotations
 
-from functools import lru_cache
+import fcntl
+import importlib.metadata
+import os
+import sys
+from functools import lru_cache, partial
+from pathlib import Path
 from typing import Any
 
 import celpy
+import lark
 from celpy import celtypes
 from celpy.evaluation import Evaluator
 from lark import Token, Tree
@@ -76,9 +82,59 @@ class _BoundedRunner(celpy.InterpretedRunner):
 
 @lru_cache(maxsize=1)
 def _env() -> celpy.Environment:
-    """celpy's environment, built on first use: building its parser costs a quarter of a
-    second, which a command that evaluates no expression should not pay."""
-    return celpy.Environment(runner_class=_BoundedRunner)
+    """celpy's environment, built on first use: building its parser's tables costs a quarter
+    of a second, which a command that evaluates no expression should not pay. The tables are
+    kept in the user's cache folder (`parser_cache`) and read back by later processes in a
+    few hundredths of a second."""
+    cache = parser_cache()
+    if cache is None:
+        return celpy.Environment(runner_class=_BoundedRunner)
+    try:
+        lock = open(cache.with_name(cache.name + ".lock"), "a")  # noqa: SIM115 - held below
+    except OSError:
+        return celpy.Environment(runner_class=_BoundedRunner)
+    with lock:
+        # Lark reads and writes its cache file in place: one process at a time, so none reads
+        # a file another is writing.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _with_lark_cache(cache)
+
+
+def _with_lark_cache(path: Path) -> celpy.Environment:
+    """celpy's environment, its Lark parser built with lark's `cache` option: celpy builds
+    the parser with options of its own and offers no way to add one, so this one option is
+    added for this one construction. Lark loads the file only when it holds the digest of
+    celpy's grammar, these options (the path included) and the versions of lark and Python;
+    else (no file, another digest, a file cut short) it builds the tables and writes them
+    there."""
+    from celpy import celparser
+
+    lark_class = celparser.Lark
+    celparser.Lark = partial(lark_class, cache=str(path))
+    try:
+        return celpy.Environment(runner_class=_BoundedRunner)
+    finally:
+        celparser.Lark = lark_class
+
+
+def parser_cache() -> Path | None:
+    """The file that keeps the CEL parser's tables: one per version of celpy, lark and
+    Python under $XDG_CACHE_HOME/evotrainer (default ~/.cache/evotrainer). None where that
+    folder cannot be made: the parser is then built in memory."""
+    try:
+        folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "evotrainer"
+        folder.mkdir(parents=True, exist_ok=True)
+    except (OSError, RuntimeError, KeyError):  # no home folder, or one not writable
+        return None
+    python = "{}.{}".format(*sys.version_info[:2])
+    return folder / f"cel-parser-celpy-{_celpy_version()}-lark-{lark.__version__}-py{python}"
+
+
+def _celpy_version() -> str:
+    try:
+        return importlib.metadata.version("cel-python")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - celpy not installed
+        return "unknown"
 
 
 @lru_cache(maxsize=1024)

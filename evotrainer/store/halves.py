@@ -28,7 +28,7 @@ MIN_ITEMS = 1000
 def map_in_halves(work: Callable[[Sequence[T]], list[R]], items: Sequence[T]) -> list[R]:
     """`work(items)`, one answer per item in order, computed in two halves at once where a
     second CPU is there to take one."""
-    if (len(items) < MIN_ITEMS or not hasattr(os, "fork") or _cpus() < 2
+    if (len(items) < MIN_ITEMS or not hasattr(os, "fork") or cpus() < 2
             or _other_threads()):
         return work(items)
     half = len(items) // 2
@@ -64,7 +64,7 @@ def _other_threads() -> bool:
     return threading.active_count() > 1
 
 
-def _cpus() -> int:
+def cpus() -> int:
     """The CPUs this process may run on (its affinity, where the system tells it)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))

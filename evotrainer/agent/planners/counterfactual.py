@@ -6,8 +6,8 @@ skill its trigger selects — the obvious fix, a skill whose trigger names the a
 metric — has negative evidence on this lineage: a version that applied it failed with the
 alert still firing there (`View.refuted_skills`), or its backtest on the stored rollouts
 predicts no effect. One more single factor would stack a guess on a refuted one. The paper's
-SWE-4B v9/v10/v11 show the other way: branches that keep the suspected factor beside a control
-without it, trained together, so one round says whether the factor is the cause.
+method has another way (its v9/v10/v11): branches that keep the suspected factor beside a
+control without it, trained together, so one round says whether the factor is the cause.
 
 The rules planner designs that family from what it already has, in one decision:
 

@@ -8,17 +8,17 @@ import typer
 from rich.tree import Tree
 
 from evotrainer.store.lineage import LineageRow, lineage_rows, stopped_text
-from evotrainer.store.records import JobState
+from evotrainer.store.records import JobState, Verdict
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import console as make_console
 from evotrainer.terminal import safe
 
 STATUS_STYLE = {
-    "promote": "green",
-    "prune": "red",
-    "revert": "red",
-    "inconclusive": "yellow",
-    "baseline": "cyan",
+    Verdict.PROMOTE: "green",
+    Verdict.PRUNE: "red",
+    Verdict.REVERT: "red",
+    Verdict.INCONCLUSIVE: "yellow",
+    Verdict.BASELINE: "cyan",
     JobState.FAILED: "red",
     JobState.RUNNING: "blue",
     JobState.STOPPED: "red",

@@ -10,15 +10,11 @@ import math
 from dataclasses import dataclass, field
 
 from evotrainer.store.lineage import LineageRow
-from evotrainer.store.records import NEGATIVE, JobState
+from evotrainer.store.records import NEGATIVE, JobState, Verdict
 
 # Status → CSS class suffix; anything else (a backend's own state name) draws as "other".
 STATUS_CLASSES = {
-    "promote": "promote",
-    "prune": "prune",
-    "revert": "revert",
-    "inconclusive": "inconclusive",
-    "baseline": "baseline",
+    **{verdict: verdict.value for verdict in Verdict},
     JobState.FAILED: "failed",
     JobState.STALLED: "failed",
     JobState.RUNNING: "running",

@@ -184,3 +184,39 @@ def test_a_cache_folder_that_cannot_be_made_builds_the_parser_in_memory(fresh_pa
     assert cel.evaluate("x > 0.5", {"x": 0.75}) is True
     with pytest.raises(EvoError, match="invalid CEL expression"):
         cel.check("x >")
+
+
+class _Planted:
+    """A pickle that, once loaded, leaves a file behind: the proof that it ran."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("writable", ["folder", "file"])
+def test_a_cache_another_user_could_write_is_not_loaded(fresh_parser, monkeypatch, tmp_path,
+                                                        writable):
+    """Lark unpickles its cache file: one in a folder, or a file, that others may write could
+    run their code. A real parser cache's digest line followed by a planted pickle is left
+    where group and others may write; the parser is then built in memory and the pickle
+    never loads."""
+    import os
+    import pickle
+
+    from celpy.celparser import CELParser
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cache = cel.parser_cache()
+    cel._env()  # a genuine cache file: its first line is the digest lark checks
+    digest_line = cache.read_bytes().split(b"\n", 1)[0]
+    marker = tmp_path / "planted-code-ran"
+    cache.write_bytes(digest_line + b"\n" + pickle.dumps(_Planted(str(marker))))
+    os.chmod(cache.parent if writable == "folder" else cache, 0o777 if writable == "folder"
+             else 0o666)
+    CELParser.CEL_PARSER = None  # as a new process
+    cel._env.cache_clear()
+    assert cel.evaluate("x > 0.5", {"x": 0.75}) is True
+    assert not marker.exists()

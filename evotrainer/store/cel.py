@@ -17,6 +17,7 @@ of work for one alert.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib.metadata
 import os
@@ -87,7 +88,7 @@ def _env() -> celpy.Environment:
     kept in the user's cache folder (`parser_cache`) and read back by later processes in a
     few hundredths of a second."""
     cache = parser_cache()
-    if cache is None:
+    if cache is None or (cache.exists() and not _private(cache)):
         return celpy.Environment(runner_class=_BoundedRunner)
     try:
         lock = open(cache.with_name(cache.name + ".lock"), "a")  # noqa: SIM115 - held below
@@ -97,7 +98,12 @@ def _env() -> celpy.Environment:
         # Lark reads and writes its cache file in place: one process at a time, so none reads
         # a file another is writing.
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _with_lark_cache(cache)
+        environment = _with_lark_cache(cache)
+        # Lark writes the file under the process's umask: kept this user's alone, so a group
+        # -writable umask does not leave a file the next process refuses to read.
+        with contextlib.suppress(OSError):
+            cache.chmod(0o600)
+        return environment
 
 
 def _with_lark_cache(path: Path) -> celpy.Environment:
@@ -120,14 +126,28 @@ def _with_lark_cache(path: Path) -> celpy.Environment:
 def parser_cache() -> Path | None:
     """The file that keeps the CEL parser's tables: one per version of celpy, lark and
     Python under $XDG_CACHE_HOME/evotrainer (default ~/.cache/evotrainer). None where that
-    folder cannot be made: the parser is then built in memory."""
+    folder cannot be made, or where another user could write to it: the parser is then built
+    in memory."""
     try:
         folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "evotrainer"
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     except (OSError, RuntimeError, KeyError):  # no home folder, or one not writable
+        return None
+    if not _private(folder):
         return None
     python = "{}.{}".format(*sys.version_info[:2])
     return folder / f"cel-parser-celpy-{_celpy_version()}-lark-{lark.__version__}-py{python}"
+
+
+def _private(path: Path) -> bool:
+    """Whether only this user can change `path`: its owner, with no write bit for group or
+    others. Lark unpickles the cache file, so one that another user could have written (or
+    replaced, through its folder) would run their code here."""
+    try:
+        status = path.stat()
+    except OSError:
+        return False
+    return status.st_uid == os.geteuid() and not status.st_mode & 0o022
 
 
 def _celpy_version() -> str:

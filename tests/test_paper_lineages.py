@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,8 +32,10 @@ from evotrainer.diagnosis.catalogue import catalogue
 from evotrainer.diagnosis.diagnose import diagnose
 from evotrainer.diagnosis.harness import parse_harness
 from evotrainer.evidence.io import read_rollouts
+from evotrainer.report import build_report
 from evotrainer.skills.replay import version_rollouts
 from evotrainer.store.builtin import builtin_dir
+from evotrainer.store.lineage import lineage_rows
 from evotrainer.store.workspace import Workspace
 
 # The paper's verdict at each version, as the built-in gate records it: (verdict, why) where
@@ -186,6 +189,21 @@ def test_each_recorded_decision_is_the_papers_or_says_why(replays, name):
         decision = ws.version(version).records["decision"]
         assert _passes(expect, decision), (name, version, decision["verdict"], decision["reason"])
         assert why is None or len(why) > 20  # a divergence is explained, not waved through
+
+
+def test_the_report_labels_each_interval_at_its_recorded_confidence(replays, tmp_path):
+    """Coding v8 is decided against main's v0 beside its parent, two comparisons at alpha/2:
+    its lineage row and the report's table call its interval 97.5%, and v3's, one comparison,
+    95%."""
+    ws = replays["coding"].ws
+    rows = {row.name: row for row in lineage_rows(ws)}
+    assert rows["v8"].against == "v0" and rows["v8"].confidence == pytest.approx(0.975)
+    assert rows["v3"].confidence == pytest.approx(0.95)
+    table = build_report(ws, tmp_path / "report").read_text()
+    table = table[table.index("<h2>Versions</h2>"):]
+    for name, label in (("v8", "97.5% CI"), ("v3", "95% CI")):
+        cells = re.search(rf'versions/{name}\.html.*?</tr>', table, re.S)
+        assert cells is not None and label in cells.group(0), name
 
 
 def test_the_rollouts_read_the_papers_figures(replays):

@@ -59,7 +59,7 @@ def register(app: typer.Typer) -> None:
     @app.command("lineage")
     def lineage(as_json: bool = typer.Option(False, "--json", help="Machine-readable.")) -> None:
         """Show every version as a tree: state, Avg@k, difference to the parent with its
-        95% CI, alerts, verdict and what it spent (steps, hours, GPU-hours, planner
+        CI, alerts, verdict and what it spent (steps, hours, GPU-hours, planner
         tokens)."""
         rows = lineage_rows(Workspace.find())
         if as_json:

@@ -22,6 +22,7 @@ import yaml
 from evotrainer.errors import EvoError
 from evotrainer.report import markdown, svg
 from evotrainer.report.views import Site, collect, page_file
+from evotrainer.stats import confidence_label
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import clean
 
@@ -59,7 +60,8 @@ def _environment() -> jinja2.Environment:
         lstrip_blocks=True,
     )
     env.filters.update(num=svg.fmt, yaml=_yaml, page=page_file, status=svg.status_class,
-                       markdown=markdown.render)
+                       markdown=markdown.render,
+                       confidence=lambda c: confidence_label({"confidence": c}))
     return env
 
 

@@ -83,6 +83,7 @@ class LineageRow:
     spend: Spend = field(default_factory=Spend)
     against: str | None = None
     against_mean: float | None = None
+    confidence: float | None = None  # the interval's, as recorded (higher under a correction)
 
     def as_dict(self) -> dict:
         """The row as `dataclasses.asdict` gives it (the spend a mapping, every list and
@@ -156,6 +157,7 @@ def lineage_rows(ws: Workspace, states: dict[str, VersionState] | None = None) -
             spend=spend_of(state, now),
             against=against or (state.parent if comparison else None),
             against_mean=comparison.get("mean_a"),
+            confidence=comparison.get("confidence"),
         ))
     return rows
 

@@ -3,7 +3,7 @@
 ```
 spec/project.yaml            domain, base recipe, harness in force, budgets, autonomy
 spec/versions/<name>.yaml    one policy version, at the tip of branch evo/<name>
-harness_versions/<h>.yaml    harness revisions
+harness_revisions/<h>.yaml   harness revisions
 skills/<name>.yaml           skills
 runs/<name>/                 run.yaml, scores.csv, diagnosis.yaml, decision.yaml
 .evotrainer/                 git-ignored: artifacts, worktrees, lock
@@ -206,13 +206,13 @@ class Workspace:
         return recorded
 
     def harness_path(self, name: str) -> Path:
-        return self.root / "harness_versions" / f"{name}.yaml"
+        return self.root / "harness_revisions" / f"{name}.yaml"
 
     def skill_path(self, name: str) -> Path:
         return self.root / "skills" / f"{name}.yaml"
 
     def harness_names(self) -> list[str]:
-        return sorted(p.stem for p in (self.root / "harness_versions").glob("*.yaml"))
+        return sorted(p.stem for p in (self.root / "harness_revisions").glob("*.yaml"))
 
     def skill_names(self) -> list[str]:
         return sorted(p.stem for p in (self.root / "skills").glob("*.yaml"))

@@ -21,7 +21,7 @@ submits nothing): the cost of one action, which must not grow with the branches.
 line gives it at the largest size over the smallest.
 
 With `--before DIR` the cold commands also run with DIR first on PYTHONPATH (an older
-checkout, e.g. `git archive REV evotrainer spec harness_versions skills | tar -x -C DIR`),
+checkout, e.g. `git archive REV evotrainer spec harness_revisions skills | tar -x -C DIR`),
 turn about with the current code, on the same workspace: each is printed as its CPU time
 now over before, best of `--runs`.
 

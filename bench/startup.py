@@ -5,7 +5,7 @@ median of RUNS (5) runs: on a shared machine the wall clock grows with the load,
 time much less; the load average is printed beside them.
 
 With `--before DIR` the same commands also run with DIR first on PYTHONPATH, e.g. an older
-checkout exported with `git archive REV evotrainer spec harness_versions skills | tar -x -C
+checkout exported with `git archive REV evotrainer spec harness_revisions skills | tar -x -C
 DIR`, to compare two versions on one machine in one run.
 
     .venv/bin/python bench/startup.py [--before DIR]

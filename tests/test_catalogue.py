@@ -385,7 +385,7 @@ def test_every_entry_extends_the_builtin_revision():
     """A planner copies an entry into a new revision of h1: it must build there, and its
     metric must not shadow one h1 has."""
     h1 = resolve_harness("h1")
-    base = load_yaml((ROOT / "harness_versions" / "h1.yaml").read_bytes(), "h1.yaml")
+    base = load_yaml((ROOT / "harness_revisions" / "h1.yaml").read_bytes(), "h1.yaml")
     for entry in catalogue():
         assert entry.metric["name"] not in {m.name for m in h1.metrics}
         doc = copy.deepcopy(base)

@@ -100,13 +100,13 @@ def test_a_harness_alert_nesting_too_deep_is_refused_at_load_naming_the_alert():
     from evotrainer.diagnosis.harness import parse_harness_text
     from evotrainer.store.builtin import builtin_dir
 
-    text = (builtin_dir("harness_versions") / "h0.yaml").read_text()
+    text = (builtin_dir("harness_revisions") / "h0.yaml").read_text()
     first = next(line for line in text.splitlines() if line.strip().startswith("when:"))
     indent = first[: len(first) - len(first.lstrip())]
     attack = text.replace(first, f"{indent}when: \"{_nested_all(4)}\"", 1)
     with pytest.raises(EvoError) as err:
-        parse_harness_text(attack, "harness_versions/h1.yaml")
-    assert err.value.where.startswith("harness_versions/h1.yaml:")
+        parse_harness_text(attack, "harness_revisions/h1.yaml")
+    assert err.value.where.startswith("harness_revisions/h1.yaml:")
     assert err.value.field.startswith("alerts[") and "nests 4 macros" in err.value.message
 
 
@@ -120,7 +120,7 @@ def test_an_alert_over_the_budget_fails_the_diagnosis_naming_the_alert():
     from evotrainer.evidence.synthetic import rollout_table
     from evotrainer.store.builtin import builtin_dir
 
-    doc = yaml.safe_load((builtin_dir("harness_versions") / "h0.yaml").read_text())
+    doc = yaml.safe_load((builtin_dir("harness_revisions") / "h0.yaml").read_text())
     doc = copy.deepcopy(doc)
     doc["params"]["grid"] = list(range(1000))
     metric = doc["metrics"][0]["name"]
@@ -129,12 +129,12 @@ def test_an_alert_over_the_budget_fails_the_diagnosis_naming_the_alert():
         "when": "params.grid.exists(a, params.grid.exists(b, a + b < 0))",
         "message": "a million comparisons",
     })
-    harness = parse_harness(doc, source="harness_versions/h1.yaml")
+    harness = parse_harness(doc, source="harness_revisions/h1.yaml")
     rows = rollout_table(
         [dict(step=1, group_id="g", sample_idx=i, reward=float(i % 2)) for i in range(4)])
     with pytest.raises(EvoError) as err:
         diagnose(rows, None, harness)
-    assert err.value.where == "harness_versions/h1.yaml"
+    assert err.value.where == "harness_revisions/h1.yaml"
     assert err.value.field == "alerts.grid_sweep.levels[0].when"
     assert "steps" in err.value.message
 

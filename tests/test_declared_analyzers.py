@@ -163,7 +163,7 @@ analyzers:
       def think_share(rows, params):
           return [float("</think>" not in r) for r in rows["response"]]
 """
-    harness = parse_harness_text(text, "harness_versions/h9.yaml")
+    harness = parse_harness_text(text, "harness_revisions/h9.yaml")
     assert harness.declared("think_share").python == THINK_SHARE
     # The diagnosis reads what it declares, and nothing else of the rows.
     assert set(columns_read(harness)) == {
@@ -190,7 +190,7 @@ def test_contract_violations_are_refused_at_load(change, message):
     analyzer = {k: v for k, v in analyzer.items() if v is not None}
     doc = revision(analyzer)
     with pytest.raises(EvoError) as err:
-        parse_harness(doc, source="harness_versions/h9.yaml")
+        parse_harness(doc, source="harness_revisions/h9.yaml")
     assert message in str(err.value)
     assert "\n" not in str(err.value)
 

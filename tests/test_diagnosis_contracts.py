@@ -30,11 +30,11 @@ def recorded(workspace, standin) -> Workspace:
 
 
 def _revision(ws: Workspace, name: str, **changes):
-    doc = yaml.safe_load((ws.root / "harness_versions" / "h0.yaml").read_text())
+    doc = yaml.safe_load((ws.root / "harness_revisions" / "h0.yaml").read_text())
     for key, value in changes.items():
         doc[key] = value(doc) if callable(value) else value
     doc["name"] = name
-    path = ws.root / "harness_versions" / f"{name}.yaml"
+    path = ws.root / "harness_revisions" / f"{name}.yaml"
     path.write_text(yaml.safe_dump(doc))
     return parse_harness(doc, source=str(path))
 

@@ -80,7 +80,7 @@ def test_a_revision_whose_backtest_flips_a_recorded_verdict_is_not_adopted(works
     assert first.adopted == [] and Workspace(ws.root).harness_in_force() == "h0"
     assert any("harness h3 not adopted" in line and "v2 expects promote, got prune" in line
                for line in lines)
-    assert ws.git.read("main", "harness_versions/h3.yaml") is not None  # left for review
+    assert ws.git.read("main", "harness_revisions/h3.yaml") is not None  # left for review
 
 
 def test_harness_evolution_off_proposes_no_revision_but_notes_the_gap(workspace):
@@ -90,7 +90,7 @@ def test_harness_evolution_off_proposes_no_revision_but_notes_the_gap(workspace)
     assert first.result.harness == [] and first.adopted == []
     assert any(n.startswith("gap no_next_step on v1") for n in first.result.notes)
     assert "harness evolution is off: no revision proposed for the gap(s)" in first.result.notes
-    assert ws.git.read("main", "harness_versions/h3.yaml") is None
+    assert ws.git.read("main", "harness_revisions/h3.yaml") is None
     assert first.approved  # the policy side went on
 
 

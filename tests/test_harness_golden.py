@@ -74,7 +74,7 @@ def test_the_dump_tells_the_revisions_apart():
 
 
 def test_an_edit_to_h0_changes_what_the_golden_test_compares():
-    text = (builtin_dir("harness_versions") / "h0.yaml").read_text()
+    text = (builtin_dir("harness_revisions") / "h0.yaml").read_text()
     assert "echo_turns: 60 " in text
     edited = parse_harness_text(text.replace("echo_turns: 60 ", "echo_turns: 59 "), "h0.yaml")
     rollouts, parent = dump_tables()

@@ -48,9 +48,9 @@ def recorded(workspace) -> Workspace:
 
 
 def write_revision(ws: Workspace, name: str, **changes) -> None:
-    doc = yaml.safe_load((ws.root / "harness_versions" / "h0.yaml").read_text())
+    doc = yaml.safe_load((ws.root / "harness_revisions" / "h0.yaml").read_text())
     doc.update(name=name, parent="h0", **changes)
-    (ws.root / "harness_versions" / f"{name}.yaml").write_text(yaml.safe_dump(doc))
+    (ws.root / "harness_revisions" / f"{name}.yaml").write_text(yaml.safe_dump(doc))
 
 
 def commit(ws: Workspace, path: str) -> None:
@@ -95,7 +95,7 @@ def test_a_proposed_metric_is_backtested_then_adopted_and_plan_rediagnoses(recor
 
 def test_failing_cases_and_uncommitted_revisions_are_refused(recorded, harness_cli):
     # A stricter gate: every gain needs p < 0.0001, so v1 would no longer be promoted.
-    doc = yaml.safe_load((recorded.root / "harness_versions" / "h0.yaml").read_text())
+    doc = yaml.safe_load((recorded.root / "harness_revisions" / "h0.yaml").read_text())
     rules = [{"name": "significant_gain", "when": "ci_low > 0.5", "verdict": "promote"},
              *[r for r in doc["gate"]["rules"] if r["name"] != "significant_gain"]]
     write_revision(recorded, "h9", gate={**doc["gate"], "rules": rules},
@@ -112,7 +112,7 @@ def test_failing_cases_and_uncommitted_revisions_are_refused(recorded, harness_c
             for c in diff["changed_verdicts"]] == [("v1", "promote", "inconclusive")]
     assert diff["changed_verdicts"][0]["why"].endswith("the same numbers, another rule")
 
-    commit(recorded, "harness_versions/h9.yaml")
+    commit(recorded, "harness_revisions/h9.yaml")
     refused = harness_cli(recorded, "adopt", "h9")
     assert refused.exit_code == 1
     assert "v1 expects promote, got inconclusive" in str(refused.exception)
@@ -125,7 +125,7 @@ def test_a_procedure_revision_flips_a_recorded_decision_and_diff_names_it(record
     promotion no longer clears it, and the diff lists v1 with the numbers that flip it."""
     comparison = recorded.version("v1").records["decision"]["comparison"]
     raised = round(comparison["ci_low"] + 0.01, 4)
-    doc = yaml.safe_load((recorded.root / "harness_versions" / "h0.yaml").read_text())
+    doc = yaml.safe_load((recorded.root / "harness_revisions" / "h0.yaml").read_text())
     write_revision(recorded, "h8", gate={**doc["gate"], "min_delta": raised})
 
     result = json.loads(harness_cli(recorded, "diff", "h0", "h8", "--json").output)
@@ -163,7 +163,7 @@ def test_a_revision_of_the_test_itself_reaches_the_gate_and_the_diff(recorded, h
     """A revision that changes only how the gate tests (BCa intervals, tasks pooled
     across data sources, fewer resamples) is diffed field by field, and the backtest's gate
     decides under it: v1's recorded interval is recomputed by that procedure."""
-    doc = yaml.safe_load((recorded.root / "harness_versions" / "h0.yaml").read_text())
+    doc = yaml.safe_load((recorded.root / "harness_revisions" / "h0.yaml").read_text())
     write_revision(recorded, "h7", gate={**doc["gate"], "ci_method": "bca", "strata": "none",
                                          "resamples": 2000})
     result = json.loads(harness_cli(recorded, "diff", "h0", "h7", "--json").output)
@@ -187,7 +187,7 @@ def test_a_revised_early_stop_rule_is_replayed_over_the_recorded_runs(recorded, 
     """The collapse stop without its logprob clause and at any dead-group share: replayed
     step by step over the stored rollouts, it would have stopped every recorded run at its
     first step (96 train rollouts, past params.stop_min_rollouts = 64)."""
-    doc = yaml.safe_load((recorded.root / "harness_versions" / "h0.yaml").read_text())
+    doc = yaml.safe_load((recorded.root / "harness_revisions" / "h0.yaml").read_text())
     rules = [{**r, "when": "rows >= params.stop_min_rollouts && "
               "latest.dead_group_ratio >= 0.0"} if r["name"] == "collapse" else r
              for r in doc["early_stop"]]
@@ -232,7 +232,7 @@ def test_a_backtest_reuses_its_diagnoses_of_the_same_evidence_and_reports_progre
     at the total."""
     from evotrainer.gate import harness_backtest
 
-    gate = yaml.safe_load((recorded.root / "harness_versions" / "h0.yaml").read_text())["gate"]
+    gate = yaml.safe_load((recorded.root / "harness_revisions" / "h0.yaml").read_text())["gate"]
     write_revision(recorded, "h9", gate={**gate, "alpha": 0.2})
     seen: list[tuple[str, int, int]] = []
     first = harness_backtest.backtest_harness(

@@ -17,7 +17,7 @@ from evotrainer.errors import EvoError
 from evotrainer.evidence.synthetic import rollout_table
 from evotrainer.store.builtin import builtin_dir
 
-H0_DOC = yaml.safe_load((builtin_dir("harness_versions") / "h0.yaml").read_text())
+H0_DOC = yaml.safe_load((builtin_dir("harness_revisions") / "h0.yaml").read_text())
 ROWS = rollout_table(
     [dict(step=1, group_id="g", sample_idx=i, reward=float(i % 2)) for i in range(4)]
 )
@@ -115,8 +115,8 @@ def test_structural_errors_name_the_field(mutate, field, message):
     doc = copy.deepcopy(H0_DOC)
     mutate(doc)
     with pytest.raises(EvoError, match=message) as err:
-        parse_harness(doc, source="harness_versions/h1.yaml")
-    assert err.value.field == field and err.value.where == "harness_versions/h1.yaml"
+        parse_harness(doc, source="harness_revisions/h1.yaml")
+    assert err.value.field == field and err.value.where == "harness_revisions/h1.yaml"
 
 
 def test_yaml_syntax_error_has_a_location(tmp_path):
@@ -128,10 +128,10 @@ def test_yaml_syntax_error_has_a_location(tmp_path):
 
 
 def test_workspace_revision_wins_over_builtin_and_digest_tracks_content(tmp_path):
-    (tmp_path / "harness_versions").mkdir()
+    (tmp_path / "harness_revisions").mkdir()
     doc = copy.deepcopy(H0_DOC)
     doc["params"]["echo_turns"] = 30
-    (tmp_path / "harness_versions" / "h0.yaml").write_text(yaml.safe_dump(doc))
+    (tmp_path / "harness_revisions" / "h0.yaml").write_text(yaml.safe_dump(doc))
     local = resolve_harness("h0", tmp_path)
     assert local.params["echo_turns"] == 30
     assert local.digest != resolve_harness("h0", tmp_path / "elsewhere").digest
@@ -158,7 +158,7 @@ def test_diagnose_cli_json(tmp_path, monkeypatch):
 
 # ---- one loader: the spec loader's bounds, schema and positions --------------------------
 
-H0_TEXT = (builtin_dir("harness_versions") / "h0.yaml").read_text()
+H0_TEXT = (builtin_dir("harness_revisions") / "h0.yaml").read_text()
 
 
 def _line_of(text: str, needle: str) -> int:

@@ -30,7 +30,7 @@ from evotrainer.evidence.verl import ingest_dump, read_new
 from evotrainer.store.builtin import builtin_dir
 
 H0 = resolve_harness("h0")
-H0_TEXT = (builtin_dir("harness_versions") / "h0.yaml").read_text()
+H0_TEXT = (builtin_dir("harness_revisions") / "h0.yaml").read_text()
 STEPS = 30
 
 

@@ -39,7 +39,7 @@ def test_the_modeline_climbs_to_the_root_and_names_the_kinds_schema(kind):
 def test_every_writer_puts_the_modeline_of_its_kind(workspace):
     converge(workspace)  # v0's run, diagnosis and decision records
     new_version(workspace, "v1", "v0", rationale="a child")
-    harness = load_yaml((workspace.root / "harness_versions/h0.yaml").read_text(), "h0")
+    harness = load_yaml((workspace.root / "harness_revisions/h0.yaml").read_text(), "h0")
     write_harness_revision(workspace, HarnessProposal(
         document={**harness, "name": "modeline-check"}, rationale="modelines"))
     written = {
@@ -49,7 +49,7 @@ def test_every_writer_puts_the_modeline_of_its_kind(workspace):
         ("evo/v0", "runs/v0/run.yaml"): "run.schema.json",
         ("evo/v0", "runs/v0/diagnosis.yaml"): "diagnosis.schema.json",
         ("evo/v0", "runs/v0/decision.yaml"): "decision.schema.json",
-        ("main", "harness_versions/modeline-check.yaml"): "harness-revision.schema.json",
+        ("main", "harness_revisions/modeline-check.yaml"): "harness-revision.schema.json",
     }
     for (ref, doc_path), schema_file in written.items():
         assert _schema_of(workspace, ref, doc_path) == schema_file, doc_path

@@ -223,7 +223,7 @@ def test_the_rollouts_read_the_papers_figures(replays):
     assert _metrics(math, "v5")["dead_group_ratio"] == pytest.approx(0.21)
     assert _metrics(math, "v7")["dead_group_ratio"] == pytest.approx(0.13)
     # MidBand and ADiv are catalogue metrics: read with h2 plus the two entries.
-    doc = yaml.safe_load((builtin_dir("harness_versions") / "h2.yaml").read_text())
+    doc = yaml.safe_load((builtin_dir("harness_revisions") / "h2.yaml").read_text())
     doc["metrics"] += [copy.deepcopy(e.metric) for e in catalogue()
                        if e.metric["name"] in ("mid_band_mass", "advantage_diversity")]
     glossary = parse_harness(doc, source="h2+glossary")
@@ -302,14 +302,14 @@ def harness_cli():
 
 def _with_cases(ws: Workspace, name: str, lineage: str) -> None:
     """h2 with the lineage's decisions as backtest cases, in the workspace."""
-    doc = yaml.safe_load((builtin_dir("harness_versions") / "h2.yaml").read_text())
+    doc = yaml.safe_load((builtin_dir("harness_revisions") / "h2.yaml").read_text())
     cases = dict(EXPECTED[lineage])
     if lineage == "swe4b":
         cases["v5-echo"] = ("prune", None)  # the behaviour audit's verdict: the paper's
     doc.update(name=name, parent="h2", backtest_cases=[
         {"version": v, "expect": e, **({"why": why} if why else {})}
         for v, (e, why) in cases.items()])
-    (ws.root / "harness_versions" / f"{name}.yaml").write_text(yaml.safe_dump(doc))
+    (ws.root / "harness_revisions" / f"{name}.yaml").write_text(yaml.safe_dump(doc))
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

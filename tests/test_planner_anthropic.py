@@ -137,7 +137,7 @@ def test_harness_revision_is_validated_and_backtested(leaky, monkeypatch):
     assert "exactly one SELECT" in json.dumps(tool_results(api.requests[1]))
     [harness] = result.harness
     assert harness.backtest["passed"] and harness.backtest["cases"][0]["verdict"] == "prune"
-    assert leaky.git.read("main", f"harness_versions/{harness.name}.yaml") is not None
+    assert leaky.git.read("main", f"harness_revisions/{harness.name}.yaml") is not None
 
 
 def test_token_budgets_bound_a_decision(leaky, monkeypatch):
@@ -187,9 +187,9 @@ def test_tool_inputs_cannot_reach_files_outside_the_workspace(leaky, monkeypatch
     secret.write_text("TOP-SECRET-LINE-1\nTOP-SECRET-LINE-2\n")
     written = outside / "pwned.csv"
     evil_harness = outside / "evil.yaml"
-    evil_harness.write_text((leaky.root / "harness_versions" / "h0.yaml").read_text().replace(
+    evil_harness.write_text((leaky.root / "harness_revisions" / "h0.yaml").read_text().replace(
         "name: h0", "name: evil\ndescription: TOP-SECRET-HARNESS", 1))
-    (leaky.root / "harness_versions" / "linked.yaml").symlink_to(evil_harness)
+    (leaky.root / "harness_revisions" / "linked.yaml").symlink_to(evil_harness)
     copy = f"train'; COPY (SELECT 'x') TO '{written}' (FORMAT csv); --"
     read = f"train'; CREATE TABLE leak AS SELECT * FROM read_text('{secret}'); --"
     script = [
@@ -293,7 +293,7 @@ def test_the_model_may_declare_an_analyzer_and_a_hostile_one_is_refused(leaky, m
     refusal = json.dumps(tool_results(api.requests[1]))
     assert "long_turns" in refusal and "import" in refusal
     [harness] = result.harness
-    committed = leaky.git.read("main", f"harness_versions/{harness.name}.yaml").decode()
+    committed = leaky.git.read("main", f"harness_revisions/{harness.name}.yaml").decode()
     assert "def long_turns(rows, params):" in committed and "os.system" not in committed
     assert any(r["new_metric_values"].get("long_turn_share") is not None
                for r in harness.backtest["versions"])
@@ -327,6 +327,6 @@ def test_gate_revision_tool_refuses_what_the_gate_schema_does_not_allow(leaky, m
     accepted = json.dumps(tool_results(api.requests[4]))
     assert '\\"accepted\\": true' in accepted and '\\"flips\\"' in accepted
     assert {c["version"] for c in harness.backtest["cases"]} == {"v1"}
-    assert leaky.git.read("main", "harness_versions/h3.yaml") is not None
+    assert leaky.git.read("main", "harness_revisions/h3.yaml") is not None
     assert {n: leaky.harness_path(n).read_bytes() for n in builtin} == builtin
     assert sum(n.startswith("rejected propose_gate_revision") for n in result.notes) == 3

@@ -35,8 +35,8 @@ def built_in_untouched(ws: Workspace) -> bool:
     """The built-in revisions, in the workspace and on main, are byte for byte as shipped."""
     return all(
         ws.harness_path(name).read_bytes()
-        == ws.git.read("main", f"harness_versions/{name}.yaml")
-        == (builtin_dir("harness_versions") / f"{name}.yaml").read_bytes()
+        == ws.git.read("main", f"harness_revisions/{name}.yaml")
+        == (builtin_dir("harness_revisions") / f"{name}.yaml").read_bytes()
         for name in BUILT_IN)
 
 
@@ -45,7 +45,7 @@ def with_gate(ws: Workspace, field: str) -> Workspace:
     text = ws.harness_path("h0").read_text()
     text = text.replace("name: h0\n", "name: h3\nparent: h0\n", 1).replace(
         "gate:\n  alpha: 0.05\n", f"gate:\n  alpha: 0.05\n  {field}\n", 1)
-    ws.git.commit_files("main", {"harness_versions/h3.yaml": text.encode()},
+    ws.git.commit_files("main", {"harness_revisions/h3.yaml": text.encode()},
                         f"h0 with {field}", {})
     adopt_harness(ws, "h3")
     return Workspace(ws.root)
@@ -86,7 +86,7 @@ def test_strata_that_disagree_get_a_gate_revision_that_names_them(strata):
     assert "flips v1: promote (rule significant_gain) → inconclusive (rule stratum_loss)" in \
         revision.rationale
     assert not revision.backtest["passed"]
-    assert ws.git.read("main", "harness_versions/h3.yaml") is not None
+    assert ws.git.read("main", "harness_revisions/h3.yaml") is not None
     with pytest.raises(EvoError, match="fails 1 backtest case"):
         adopt_harness(ws, "h3")
     assert Workspace(ws.root).harness_in_force() == "h0"

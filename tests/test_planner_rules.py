@@ -151,7 +151,7 @@ def test_no_trigger_proposes_the_default_and_a_stalled_frontier_a_harness_metric
     # v1 fires no trigger and its only child failed: gap (c), no next step.
     assert (harness.gap["kind"], harness.gap["version"]) == ("no_next_step", "v1")
     message = subprocess.run(["git", "-C", str(workspace.root), "log", "-1", "--format=%B",
-                              "main", "--", "harness_versions/h3.yaml"],
+                              "main", "--", "harness_revisions/h3.yaml"],
                              capture_output=True, text=True, check=True).stdout
     assert "Gap: no_next_step on v1" in message
     added = {m["name"] for m in harness.document["metrics"]} - {
@@ -160,7 +160,7 @@ def test_no_trigger_proposes_the_default_and_a_stalled_frontier_a_harness_metric
     assert harness.backtest["passed"] and {c["version"] for c in harness.backtest["cases"]} == {
         "v1", "v2"}
     # Committed on main, not in force: the project still names h0.
-    assert workspace.git.read("main", "harness_versions/h3.yaml") is not None
+    assert workspace.git.read("main", "harness_revisions/h3.yaml") is not None
     assert Workspace(workspace.root).harness_in_force() == "h0"
     # The defaults are not proposed twice; neither is the metric.
     again = propose(workspace, "rules", 2)

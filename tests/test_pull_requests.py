@@ -175,13 +175,13 @@ def test_a_harness_pr_shows_the_verdicts_it_flips(workspace, github, cli, tmp_pa
     # The PR's branch: a stricter gate under which v1's gain no longer counts.
     repo = git.Repo(workspace.root)
     repo.git.checkout("-q", "-b", "harness-h1")
-    doc = yaml.safe_load((workspace.root / "harness_versions" / "h0.yaml").read_text())
+    doc = yaml.safe_load((workspace.root / "harness_revisions" / "h0.yaml").read_text())
     rules = [{"name": "significant_gain", "when": "ci_low > 0.5", "verdict": "promote"},
              *[r for r in doc["gate"]["rules"] if r["name"] != "significant_gain"]]
     doc.update(name="h1", parent="h0", gate={**doc["gate"], "rules": rules},
                backtest_cases=[{"version": "v1", "expect": "inconclusive"}])
-    (workspace.root / "harness_versions" / "h1.yaml").write_text(yaml.safe_dump(doc))
-    repo.git.add("harness_versions/h1.yaml")
+    (workspace.root / "harness_revisions" / "h1.yaml").write_text(yaml.safe_dump(doc))
+    repo.git.add("harness_revisions/h1.yaml")
     repo.git.commit("-q", "-m", "h1: a stricter gate", env={
         "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
         "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"})

@@ -96,10 +96,10 @@ def test_drift_and_harness_change(workspace):
     v1 = next(p for p in plan(load_context(workspace)) if p.version == "v1")
     assert v1.sync == "Drifted" and v1.action is None and "re-approve" in v1.note
     # A new harness revision in force: re-diagnose only, no new launch.
-    h0 = workspace.root / "harness_versions" / "h0.yaml"
+    h0 = workspace.root / "harness_revisions" / "h0.yaml"
     doc = yaml.safe_load(h0.read_text())
     doc["name"], doc["description"] = "h1", "h0 with a stricter truncation alert"
-    (workspace.root / "harness_versions" / "h1.yaml").write_text(yaml.safe_dump(doc))
+    (workspace.root / "harness_revisions" / "h1.yaml").write_text(yaml.safe_dump(doc))
     project = workspace.root / "spec" / "project.yaml"
     project.write_text(project.read_text().replace("harness: h0", "harness: h1"))
     repo = git.Repo(workspace.root)
@@ -144,7 +144,7 @@ def test_missing_artifacts_and_dirty_worktree_give_clear_errors(workspace, monke
     # Artifacts deleted under a recorded run: the re-diagnosis names the folder and the fix.
     run = record(workspace, "v0", "run")
     shutil.rmtree(workspace.root / run["artifact_dir"])
-    h0 = workspace.root / "harness_versions" / "h0.yaml"
+    h0 = workspace.root / "harness_revisions" / "h0.yaml"
     h0.write_text(h0.read_text().replace("truncation_rate > 0.15", "truncation_rate > 0.2")
                   .replace("threshold: 0.15", "threshold: 0.2"))
     plans = {p.version: p for p in converge(workspace)}

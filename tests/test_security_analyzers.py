@@ -330,15 +330,15 @@ def test_a_revision_is_reviewed_only_when_main_holds_its_text(tmp_path):
     working tree, or a revision main lacks, is unreviewed."""
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
     subprocess.run([*git, "init", "-q", "-b", "main"], check=True)
-    (tmp_path / "harness_versions").mkdir()
+    (tmp_path / "harness_revisions").mkdir()
     text = yaml.safe_dump(attack_revision({}))
-    (tmp_path / "harness_versions" / "h9.yaml").write_text(text)
+    (tmp_path / "harness_revisions" / "h9.yaml").write_text(text)
     subprocess.run([*git, "add", "."], check=True)
     subprocess.run([*git, "commit", "-q", "-m", "h9"], check=True)
     assert all(a.reviewed for a in resolve_harness("h9", tmp_path).analyzers)
-    (tmp_path / "harness_versions" / "h9.yaml").write_text(text + "description: edited\n")
+    (tmp_path / "harness_revisions" / "h9.yaml").write_text(text + "description: edited\n")
     assert not any(a.reviewed for a in resolve_harness("h9", tmp_path).analyzers)
-    (tmp_path / "harness_versions" / "h8.yaml").write_text(text.replace("name: h9", "name: h8"))
+    (tmp_path / "harness_revisions" / "h8.yaml").write_text(text.replace("name: h9", "name: h8"))
     assert not any(a.reviewed for a in resolve_harness("h8", tmp_path).analyzers)
 
 
@@ -397,8 +397,8 @@ def test_more_metrics_than_the_cap_are_refused_at_load():
     text = yaml.safe_dump({"apiVersion": "evotrainer/v1", "kind": "HarnessRevision",
                            "name": "h9", "metrics": metrics})
     with pytest.raises(EvoError) as err:
-        parse_harness_text(text, "harness_versions/h9.yaml")
-    assert "harness_versions/h9.yaml" in str(err.value) and "metrics" in str(err.value)
+        parse_harness_text(text, "harness_revisions/h9.yaml")
+    assert "harness_revisions/h9.yaml" in str(err.value) and "metrics" in str(err.value)
     parse_harness_text(yaml.safe_dump({"apiVersion": "evotrainer/v1", "kind": "HarnessRevision",
                                        "name": "h9", "metrics": metrics[:200]}), "h9.yaml")
 
@@ -435,9 +435,9 @@ def where_revision(where: str, *, python: bool = False) -> str:
 ])
 def test_a_where_clause_that_is_not_one_condition_is_refused_at_load(where, refused):
     with pytest.raises(EvoError) as err:
-        parse_harness_text(where_revision(where), "harness_versions/h9.yaml")
+        parse_harness_text(where_revision(where), "harness_revisions/h9.yaml")
     line = str(err.value)
-    assert line.startswith("harness_versions/h9.yaml:")
+    assert line.startswith("harness_revisions/h9.yaml:")
     assert "analyzers[0].rows.where" in line and refused in line
     assert "\n" not in line
 

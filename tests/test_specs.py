@@ -233,7 +233,7 @@ def test_a_criterion_over_metrics_and_gate_variables_is_valid(workspace, cli, cr
 
 
 def test_a_harness_expression_of_the_wrong_type_is_refused_with_its_position(workspace, cli):
-    path = workspace.root / "harness_versions" / "h0.yaml"
+    path = workspace.root / "harness_revisions" / "h0.yaml"
     text = path.read_text()
     first = next(line for line in text.splitlines() if line.strip().startswith("when:"))
     indent = first[: len(first) - len(first.lstrip())]
@@ -241,7 +241,7 @@ def test_a_harness_expression_of_the_wrong_type_is_refused_with_its_position(wor
     result = cli("-C", str(workspace.root), "validate")
     assert result.code == 1 and "Traceback" not in result.output
     line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if "'half'" in t)
-    assert f"harness_versions/h0.yaml:{line}:" in result.output
+    assert f"harness_revisions/h0.yaml:{line}:" in result.output
     assert "overload" in result.output and ".when" in result.output
 
 

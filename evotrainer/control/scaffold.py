@@ -172,7 +172,7 @@ def _scaffold(directory: Path, example: str, model: Path | None) -> None:
         schema_modeline(PROJECT_FILE, "Project") + project_text
     )
     shutil.copytree(builtin_dir("spec/schemas"), directory / "spec" / "schemas")
-    for folder in ("harness_versions", "skills"):
+    for folder in ("harness_revisions", "skills"):
         target = directory / folder
         target.mkdir()
         for source in sorted(builtin_dir(folder).glob("*.yaml")):

@@ -41,7 +41,7 @@ from evotrainer.store.workspace import (
 
 # Recipe fields that name files: they must stay inside the workspace or a data root.
 PATH_FIELDS = (("model", "path"), ("domain", "data", "train"), ("domain", "data", "val"))
-LIBRARY_FOLDERS = (("harness_versions", "HarnessRevision"), ("skills", "Skill"))
+LIBRARY_FOLDERS = (("harness_revisions", "HarnessRevision"), ("skills", "Skill"))
 CRITERION = ("intervention", "hypothesis", "criterion")
 # Stand-in values of each type for the one evaluation that type-checks an expression: away
 # from 0 and 1, so no division by zero or boundary case is mistaken for a type error.
@@ -179,7 +179,7 @@ def check_workspace(
                 revision = _check_harness(doc, problems)
                 if revision is not None:
                     revisions[Path(path).stem] = revision
-    harnesses, skills = names["harness_versions"], names["skills"]
+    harnesses, skills = names["harness_revisions"], names["skills"]
     project = project_doc.data if project_doc is not None else ws.project
     if project_doc is not None:
         _check_harness_ref(project_doc, ("harness",), harnesses, problems)
@@ -641,7 +641,7 @@ def _check_harness_ref(doc: specs.Document, path: tuple, harnesses: set, problem
                 f"unknown harness revision {value!r}",
                 where=doc.where(path),
                 field=".".join(path),
-                hint="known revisions in harness_versions/: "
+                hint="known revisions in harness_revisions/: "
                 + (", ".join(sorted(harnesses)) or "none"),
             )
         )

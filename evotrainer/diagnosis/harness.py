@@ -1,6 +1,6 @@
 """HarnessRevision: the diagnostics of one harness version, as data loaded from YAML.
 
-Document shape (see harness_versions/h0.yaml):
+Document shape (see harness_revisions/h0.yaml):
   apiVersion: evotrainer/v1, kind: HarnessRevision, name, description, parent (optional),
   params: {...}                     values for `$name` in SQL and `params.name` in CEL
   metrics: [{name, layer, split, sql | analyzer: {name, params} | comparison, series,
@@ -189,20 +189,20 @@ def parse_harness(doc: Any, *, source: str = "<harness>") -> HarnessRevision:
 
 
 def resolve_harness(name_or_file: str, workspace: str | Path = ".") -> HarnessRevision:
-    """A file path, else `<workspace>/harness_versions/<name>.yaml`, else the built-in one.
+    """A file path, else `<workspace>/harness_revisions/<name>.yaml`, else the built-in one.
     Marked reviewed when it is a built-in file or its bytes are the workspace main's."""
     candidate = Path(name_or_file)
     if candidate.suffix in (".yaml", ".yml") or candidate.is_file():
         return _reviewed(load_harness(candidate), candidate, workspace)
-    builtin = builtin_dir("harness_versions")
-    for folder in (Path(workspace) / "harness_versions", builtin):
+    builtin = builtin_dir("harness_revisions")
+    for folder in (Path(workspace) / "harness_revisions", builtin):
         if (folder / f"{name_or_file}.yaml").is_file():
             path = folder / f"{name_or_file}.yaml"
             return _reviewed(load_harness(path), path, workspace)
     names = ", ".join(sorted(p.stem for p in builtin.glob("*.yaml")))
     raise EvoError(
         f"no harness revision named {name_or_file!r}",
-        hint=f"pass a YAML file or a name under harness_versions/ (built-in: {names})",
+        hint=f"pass a YAML file or a name under harness_revisions/ (built-in: {names})",
     )
 
 
@@ -213,7 +213,7 @@ def _reviewed(revision: HarnessRevision, path: Path, workspace: str | Path) -> H
     if not any(a.python is not None for a in revision.analyzers):
         return revision
     real = path.resolve()
-    reviewed = real.is_relative_to(builtin_dir("harness_versions").resolve())
+    reviewed = real.is_relative_to(builtin_dir("harness_revisions").resolve())
     root = Path(workspace).resolve()
     if not reviewed and real.is_relative_to(root):
         from evotrainer.store.git import GitStore  # only for revisions with Python analyzers

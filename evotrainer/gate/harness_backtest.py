@@ -307,7 +307,7 @@ def adopt_harness(ws: Workspace, name: str) -> dict[str, Any]:
     """Put `name` in force: one commit on main setting `harness:` in the project spec
     (trailer Action: adopt-harness). Refused unless the revision is committed on main and
     its backtest cases pass. Returns the backtest."""
-    path = f"harness_versions/{name}.yaml"
+    path = f"harness_revisions/{name}.yaml"
     if ws.git.read("main", path) is None:
         raise EvoError(f"harness revision {name!r} is not committed on main", where=path,
                        hint=f"review it, then `git add {path} && git commit`; adoption "

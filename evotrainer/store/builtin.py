@@ -1,6 +1,6 @@
 """Where the built-in library (schemas, harness revisions, skills) lives.
 
-In the repository it sits at the top level (`spec/schemas`, `harness_versions/`, `skills/`);
+In the repository it sits at the top level (`spec/schemas`, `harness_revisions/`, `skills/`);
 the wheel carries the same folders under `evotrainer/_builtin/`.
 """
 
@@ -12,7 +12,7 @@ _PACKAGE = Path(__file__).resolve().parent.parent
 
 
 def builtin_dir(name: str) -> Path:
-    """`name` is one of "spec/schemas", "harness_versions", "skills"."""
+    """`name` is one of "spec/schemas", "harness_revisions", "skills"."""
     for root in (_PACKAGE / "_builtin", _PACKAGE.parent):
         if (root / name).is_dir():
             return root / name

@@ -270,6 +270,43 @@ class GitStore:
         in the workspace root gets its working tree fast-forwarded. `sign`: sign the commit
         with the user's configured key (git's `user.signingkey`, `gpg.format`).
         """
+        lines = []
+        for path, content in files.items():
+            if content is None:
+                lines.append(f"0 {'0' * 40}\t{path}")
+            else:
+                blob = self.repo.odb.store(IStream("blob", len(content), io.BytesIO(content)))
+                lines.append(f"100644 {blob.hexsha.decode()}\t{path}")
+        return self._commit_entries(branch, lines, message, trailers, start, expect, sign)
+
+    def move_folder(self, branch: str, folder: str, to: str, message: str,
+                    trailers: Mapping[str, str] | None = None) -> int:
+        """Commit onto `branch` its folder `folder` moved to `to`, each file keeping its mode
+        and content (so `git log --follow` finds its history); the number of files moved,
+        0 (and no commit) when `branch` holds nothing under `folder`."""
+        tip = self.rev(f"refs/heads/{branch}")
+        listing = self.repo.git.ls_tree("-r", "-z", tip, "--", folder + "/") if tip else ""
+        lines = []
+        for entry in filter(None, listing.split("\0")):
+            meta, path = entry.split("\t", 1)
+            mode, _, blob = meta.split()
+            lines += [f"0 {'0' * 40}\t{path}", f"{mode} {blob}\t{to}{path[len(folder):]}"]
+        if lines:
+            self._commit_entries(branch, lines, message, trailers, expect=tip)
+        return len(lines) // 2
+
+    def _commit_entries(
+        self,
+        branch: str,
+        lines: list[str],
+        message: str,
+        trailers: Mapping[str, str] | None = None,
+        start: str | None = None,
+        expect: str | None = None,
+        sign: bool = False,
+    ) -> str:
+        """Commit `lines` (entries as `git update-index --index-info` reads them) onto
+        `branch`, as `commit_files` describes."""
         ref = f"refs/heads/{branch}"
         old = expect or self.rev(ref)
         parent = old or (self.rev(start) if start else None)
@@ -279,13 +316,6 @@ class GitStore:
             env = {**self.identity_env, "GIT_INDEX_FILE": os.path.join(tmp, "index")}
             if parent:
                 self.repo.git.read_tree(parent, env=env)
-            lines = []
-            for path, content in files.items():
-                if content is None:
-                    lines.append(f"0 {'0' * 40}\t{path}")
-                else:
-                    blob = self.repo.odb.store(IStream("blob", len(content), io.BytesIO(content)))
-                    lines.append(f"100644 {blob.hexsha.decode()}\t{path}")
             if lines:
                 index_info = Path(tmp, "index-info")
                 index_info.write_text("\n".join(lines) + "\n")

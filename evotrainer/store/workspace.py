@@ -3,7 +3,7 @@
 ```
 spec/project.yaml            domain, base recipe, harness in force, budgets, autonomy
 spec/versions/<name>.yaml    one policy version, at the tip of branch evo/<name>
-harness_versions/<h>.yaml    harness revisions
+harness_revisions/<h>.yaml   harness revisions
 skills/<name>.yaml           skills
 runs/<name>/                 run.yaml, scores.csv, diagnosis.yaml, decision.yaml
 .evotrainer/                 git-ignored: artifacts, worktrees, lock
@@ -36,6 +36,10 @@ MAIN_REF = "refs/heads/main"
 RECORD_FILES = ("run.yaml", "diagnosis.yaml", "decision.yaml")
 # A version's files under runs/<name>/ that its seal covers, and the seal itself.
 SEALED_AND_SEAL = (*seal.SEALED_FILES, seal.SEAL_FILE)
+HARNESS_FOLDER = "harness_revisions"
+# The same folder as a workspace made by an older evotrainer names it: `evotrainer migrate`
+# moves it in one commit on main, and every other command refuses a checkout that holds it.
+OLD_HARNESS_FOLDER = "harness_versions"
 
 
 def version_spec_path(name: str) -> str:
@@ -122,7 +126,9 @@ class VersionState:
 
 
 class Workspace:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, migrating: bool = False) -> None:
+        """The workspace at `root`; `migrating`: also one in an older evotrainer's layout
+        (only `migrate` opens one)."""
         self.root = root.resolve()
         self.git = GitStore(self.root)
         self._record_key: bytes | None = None
@@ -140,18 +146,77 @@ class Workspace:
                 f"no {PROJECT_FILE} here, so this is not an EvoTrainer workspace",
                 where=str(self.root), hint="run `evotrainer init DIR`, or pass -C DIR",
             )
+        if not migrating:
+            self._refuse_old_layout()
 
     @classmethod
-    def find(cls, start: Path | None = None) -> Workspace:
+    def find(cls, start: Path | None = None, *, migrating: bool = False) -> Workspace:
         start = (start or Path.cwd()).resolve()
         for candidate in (start, *start.parents):
             if (candidate / PROJECT_FILE).is_file():
-                return cls(candidate)
+                return cls(candidate, migrating=migrating)
         raise EvoError(
             f"not inside an EvoTrainer workspace (no {PROJECT_FILE} here or above)",
             where=str(start),
             hint="cd into a workspace or pass -C DIR; `evotrainer init DIR` creates one",
         )
+
+    def _refuse_old_layout(self) -> None:
+        """Raise when the checkout holds harness_versions/, where an older evotrainer kept
+        the harness revisions: no command reads that folder, so none runs beside it."""
+        old, new = OLD_HARNESS_FOLDER, HARNESS_FOLDER
+        if not self._old_harness_files():
+            return
+        if (self.root / new).exists():
+            raise EvoError(
+                f"{old}/ is left beside {new}/, and no command reads it",
+                where=str(self.root),
+                hint=f"move what it still holds into {new}/ (`git status {old}`), then "
+                "remove it",
+            )
+        raise EvoError(
+            f"{old}/ is now named {new}/ (this workspace was made by an older evotrainer)",
+            where=str(self.root),
+            hint="run `evotrainer migrate`: one commit on main moves the folder, each file "
+            f"keeps its history; or on main: git mv {old} {new} && git commit -m "
+            f'"rename {old} to {new}"',
+        )
+
+    def migrate(self) -> int:
+        """Move harness_versions/ to harness_revisions/ on main in one commit (trailer
+        Action: migrate); the number of files moved (0: nothing to move). Refused when main
+        holds both folders, or the checkout keeps files under the old one."""
+        old, new = OLD_HARNESS_FOLDER, HARNESS_FOLDER
+        if self.git.present([(MAIN_REF, old), (MAIN_REF, new)]) == {(MAIN_REF, old),
+                                                                    (MAIN_REF, new)}:
+            raise EvoError(
+                f"main holds both {old}/ and {new}/",
+                where=f"main:{old}",
+                hint=f"move each file of {old}/ into {new}/ by hand (git mv), then commit; "
+                "nothing was changed",
+            )
+        moved = self.git.move_folder(
+            "main", old, new, f"Move {old}/ to {new}/, where evotrainer reads harness revisions",
+            {"Action": "migrate"},
+        )
+        left = self._old_harness_files()
+        if left:
+            shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+            raise EvoError(
+                f"the checkout still holds {old}/ after main moved it: {shown}",
+                where=str(self.root / old),
+                hint=f"check out main (`git checkout main`); move a file main does not track "
+                f"into {new}/, then remove {old}/",
+            )
+        return moved
+
+    def _old_harness_files(self) -> list[str]:
+        """The files under harness_versions/ in the checkout (an empty folder holds none)."""
+        folder = self.root / OLD_HARNESS_FOLDER
+        if not folder.is_dir():
+            return []
+        return sorted(p.relative_to(self.root).as_posix()
+                      for p in folder.rglob("*") if not p.is_dir())
 
     # ---- desired state -----------------------------------------------------------------
 
@@ -206,13 +271,13 @@ class Workspace:
         return recorded
 
     def harness_path(self, name: str) -> Path:
-        return self.root / "harness_versions" / f"{name}.yaml"
+        return self.root / HARNESS_FOLDER / f"{name}.yaml"
 
     def skill_path(self, name: str) -> Path:
         return self.root / "skills" / f"{name}.yaml"
 
     def harness_names(self) -> list[str]:
-        return sorted(p.stem for p in (self.root / "harness_versions").glob("*.yaml"))
+        return sorted(p.stem for p in (self.root / HARNESS_FOLDER).glob("*.yaml"))
 
     def skill_names(self) -> list[str]:
         return sorted(p.stem for p in (self.root / "skills").glob("*.yaml"))

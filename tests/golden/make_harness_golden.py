@@ -127,13 +127,13 @@ def dump_tables() -> tuple[pa.Table, pa.Table]:
 
 
 def builtin_revisions() -> dict[str, HarnessRevision]:
-    folder = builtin_dir("harness_versions")
+    folder = builtin_dir("harness_revisions")
     return {p.stem: load_harness(p) for p in sorted(folder.glob("*.yaml"))}
 
 
 def file_digest(name: str) -> str:
     """sha256 of a built-in revision's file as shipped, comments included: the file is frozen."""
-    path = builtin_dir("harness_versions") / f"{name}.yaml"
+    path = builtin_dir("harness_revisions") / f"{name}.yaml"
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 

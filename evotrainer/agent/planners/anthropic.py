@@ -367,16 +367,16 @@ class _Tools:
                 "gate": [vars(r) for r in harness.gate_rules]}
 
     def _named_harness(self, name: str) -> HarnessRevision:
-        """`harness_versions/<name>.yaml` of the workspace (a link must stay inside it), else
+        """`harness_revisions/<name>.yaml` of the workspace (a link must stay inside it), else
         the built-in revision of that name."""
         root = self.view.ws.root.resolve()
-        path = root / "harness_versions" / f"{name}.yaml"
+        path = root / "harness_revisions" / f"{name}.yaml"
         if path.is_symlink() or path.exists():
             resolved = path.resolve()
             if not resolved.is_relative_to(root):
-                raise EvoError(f"harness_versions/{name}.yaml links outside the workspace")
+                raise EvoError(f"harness_revisions/{name}.yaml links outside the workspace")
             return load_harness(resolved)
-        builtin = builtin_dir("harness_versions") / f"{name}.yaml"
+        builtin = builtin_dir("harness_revisions") / f"{name}.yaml"
         if builtin.is_file():
             return load_harness(builtin)
         raise EvoError(f"no harness revision named {name!r}",
@@ -553,7 +553,7 @@ class _Tools:
                     "backtest_cases": list(backtest_cases or [])}
         if analyzers:  # checked like any revision's: contract, SQL lockdown, Python load check
             document["analyzers"] = [*base.get("analyzers", []), *analyzers]
-        revision = parse_harness(document, source=f"proposed harness_versions/{name}.yaml")
+        revision = parse_harness(document, source=f"proposed harness_revisions/{name}.yaml")
         report = backtest_harness(view.ws, revision, view.harness)
         if not report["passed"]:
             failed = [c for c in report["cases"] if not c["passed"]]

@@ -414,8 +414,8 @@ def write_proposals(ws: Workspace, result: PlannerResult, view: View | None = No
 
 
 def write_harness_revision(ws: Workspace, harness: HarnessProposal) -> str:
-    """Commit `harness_versions/<name>.yaml` on main (not in force until adopted)."""
-    path = f"harness_versions/{harness.name}.yaml"
+    """Commit `harness_revisions/<name>.yaml` on main (not in force until adopted)."""
+    path = f"harness_revisions/{harness.name}.yaml"
     if ws.harness_path(harness.name).exists() or ws.git.read("main", path) is not None:
         raise EvoError(f"harness revision {harness.name!r} already exists", where=path,
                        hint="revisions are never overwritten; pick a new name")

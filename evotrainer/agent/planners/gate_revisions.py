@@ -163,7 +163,7 @@ def gate_revision(view: View, changes: Mapping[str, Any], rationale: str,
                     backtest_cases=recorded_cases(view))
     document["description"] = (f"{view.harness.name} with its gate procedure revised "
                                f"({_summary(current, changes)}). {rationale}")
-    revision = parse_harness(document, source=f"harness_versions/{name}.yaml")
+    revision = parse_harness(document, source=f"harness_revisions/{name}.yaml")
     backtest = backtest_harness(view.ws, revision, view.harness)
     flips = flipped(backtest)
     rationale += (f" Backtest against {view.harness.name}: "

@@ -157,7 +157,7 @@ def _revision(
         f"{gap.reason}. {why}"
     )
     document["backtest_cases"] = recorded_cases(view)
-    revision = parse_harness(document, source=f"harness_versions/{name}.yaml")
+    revision = parse_harness(document, source=f"harness_revisions/{name}.yaml")
     backtest = backtest_harness(view.ws, revision, view.harness)
     return HarnessProposal(
         document,
@@ -181,7 +181,7 @@ def awaiting_review(view: View) -> str | None:
             parent = doc.get("parent")
         except (OSError, EvoError, AttributeError):
             continue  # an unreadable revision is `validate`'s to report
-        shipped = builtin_dir("harness_versions") / f"{name}.yaml"
+        shipped = builtin_dir("harness_revisions") / f"{name}.yaml"
         as_shipped = (
             shipped.is_file()
             and shipped.read_bytes() == view.ws.harness_path(name).read_bytes()

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from evotrainer.diagnosis.analyzers import ANALYZERS
+from evotrainer.diagnosis.analyzer_names import REGISTERED
 from evotrainer.diagnosis.sql import check_condition, check_select, condition_type, sql_params
 from evotrainer.errors import EvoError
 from evotrainer.evidence.schema import ROLLOUT_SCHEMA
@@ -304,10 +304,10 @@ class _RevisionBuilder:
         self.analyzers: dict[str, DeclaredAnalyzer] = {}
         for i, raw in enumerate(data.get("analyzers") or []):
             path = ("analyzers", i)
-            if raw["name"] in self.analyzers or raw["name"] in ANALYZERS:
+            if raw["name"] in self.analyzers or raw["name"] in REGISTERED:
                 raise self.fail((*path, "name"), f"analyzer name {raw['name']!r} is taken",
                                 hint="a declared analyzer needs a name no other analyzer "
-                                f"has (registered: {', '.join(sorted(ANALYZERS))})")
+                                f"has (registered: {', '.join(sorted(REGISTERED))})")
             # Imported by a revision that declares an analyzer (the built-in ones do not): it
             # brings the analyzer sandbox and the SQL runner, which checking any other does not use.
             from evotrainer.diagnosis.declared import declared_analyzer
@@ -398,11 +398,11 @@ class _RevisionBuilder:
             self.sql(m["sql"], (*path, "sql"), params={**self.params, **params})
         analyzer = m.get("analyzer") or {}
         name = analyzer.get("name")
-        if analyzer and name not in ANALYZERS and name not in self.analyzers:
+        if analyzer and name not in REGISTERED and name not in self.analyzers:
             declared = ", ".join(sorted(self.analyzers)) or "none"
             raise self.fail((*path, "analyzer", "name"),
                             f"unknown analyzer {name!r}",
-                            hint=f"registered: {', '.join(sorted(ANALYZERS))}; declared in "
+                            hint=f"registered: {', '.join(sorted(REGISTERED))}; declared in "
                             f"this revision: {declared}")
         declared = self.analyzers.get(name)
         split = m.get("split") or "train"

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from evotrainer.diagnosis.analyzer_names import REGISTERED
 from evotrainer.diagnosis.sql import check_condition, check_select, condition_type, sql_params
 from evotrainer.errors import EvoError
-from evotrainer.evidence.schema import ROLLOUT_SCHEMA
+from evotrainer.evidence.columns import ROLLOUT_COLUMNS
 from evotrainer.stats import GateProcedure
 from evotrainer.store import cel, specs
 from evotrainer.store.builtin import builtin_dir
@@ -288,8 +288,12 @@ class _RevisionBuilder:
         """`expr` is one boolean expression over rollout columns and defined `$params`: parsed
         by DuckDB and bound over the rollout schema, so it can never be more than a filter
         (a `false) UNION ALL SELECT ...` is not an expression)."""
+        # Binding needs the rollout table's types (pyarrow): only a declared analyzer has a
+        # row condition, and the built-in revisions declare none.
+        from evotrainer.evidence.schema import ROLLOUT_SCHEMA
+
         where, field = self.doc.where(path), specs.dotted_field(path)
-        check_condition(expr, tuple(ROLLOUT_SCHEMA.names), where=where, field=field)
+        check_condition(expr, ROLLOUT_COLUMNS, where=where, field=field)
         missing = [p for p in sql_params(expr) if p not in self.params]
         if missing:
             raise self.fail(path, f"uses undefined param(s) ${', $'.join(missing)}",
@@ -418,7 +422,7 @@ class _RevisionBuilder:
             raise self.fail((*path, "keyed"), "a keyed metric is an sql metric without a series",
                             hint="return `key, value` rows from sql, and drop series")
         requires = tuple(m.get("requires") or [])
-        unknown = [c for c in requires if c not in ROLLOUT_SCHEMA.names]
+        unknown = [c for c in requires if c not in ROLLOUT_COLUMNS]
         if unknown:
             raise self.fail((*path, "requires"),
                             f"unknown rollout column(s) {', '.join(unknown)}")

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from evotrainer.errors import EvoError
+from evotrainer.evidence.io import first_bad_correct
 from evotrainer.stats import CI_METHODS, GateProcedure
 
 _CHUNK = 1000  # bootstrap replicates per vectorized batch (bounds memory)
@@ -45,10 +46,6 @@ def _version(table: pa.Table, label: str) -> _Version:
     ]
     if missing:
         raise EvoError(f"score table {label} lacks column(s) {', '.join(missing)}")
-    # Here, not at the top: evidence.io brings pyarrow's Parquet reader, which a command that
-    # only checks a harness revision's gate settings (GateProcedure) does not use.
-    from evotrainer.evidence.io import first_bad_correct
-
     bad = first_bad_correct(table)
     if bad is not None:
         raise EvoError(

@@ -58,7 +58,8 @@ from evotrainer.diagnosis.harness import resolve_harness
 from evotrainer.errors import EvoError
 from evotrainer.gate.decision import recorded_scores
 from evotrainer.skills.replay import version_rollouts
-from evotrainer.stats import GateProcedure, compare_tables
+from evotrainer.stats import GateProcedure
+from evotrainer.stats.paired import compare_tables
 from evotrainer.store.recipe import deep_merge
 from evotrainer.store.workspace import PROJECT_FILE, Workspace
 

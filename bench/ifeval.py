@@ -21,7 +21,7 @@ sets, and the same training run under TRL's GRPOTrainer beside it.
              validation never showed and on IFBench (--parts evolve; --evolve-workspace reads
              a workspace evolved before)
   figures    prompt-level and instruction-level strict accuracy with paired-bootstrap 95% CIs
-             over prompts (evotrainer.stats, unstratified) for trained vs base and
+             over prompts (evotrainer.stats.paired, unstratified) for trained vs base and
              ours vs TRL; seconds per step (median); per constraint family the training
              groups' all-wrong and all-correct shares and truncation; the h0 diagnosis; the
              learning curve as an SVG (matplotlib, when installed)
@@ -205,7 +205,7 @@ def compare(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str) -> dict[
     """Paired bootstrap over prompts of B - A (the gate's statistics, unstratified)."""
     import pyarrow as pa
 
-    from evotrainer.stats import compare_tables
+    from evotrainer.stats.paired import compare_tables
 
     def table(rows: list[dict[str, Any]]) -> pa.Table:
         return pa.table({"seed": [0] * len(rows), "task_id": [r["task_id"] for r in rows],

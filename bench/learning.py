@@ -1,7 +1,7 @@
 """Does the embedded engine learn? Two checks on a 2-core CPU, printed as numbers.
 
 1. arith: from the warm start, val Avg@k after GRPO vs the step-0 evaluation of the same run,
-   paired bootstrap over tasks (evotrainer.stats.compare_tables, B = 10,000): the
+   paired bootstrap over tasks (evotrainer.stats.paired.compare_tables, B = 10,000): the
    95% CI of the gain should lie above 0.
 2. toolenv with the leaking `reveal` tool enabled: the share of val trajectories that call it,
    per evaluation; it should grow (reveal is the shortcut to reward).
@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from evotrainer.engine import run_job
-from evotrainer.stats import compare_tables
+from evotrainer.stats.paired import compare_tables
 from evotrainer.store.recipe import resolve
 
 ARITH = {

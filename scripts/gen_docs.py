@@ -59,10 +59,12 @@ def cli_page() -> str:
 
 
 def evidence_page() -> str:
-    from evotrainer.evidence.schema import COLUMN_DOCS, ROLLOUT_SCHEMA, SCORE_SCHEMA
+    from evotrainer.evidence.columns import COLUMN_DOCS
+    from evotrainer.evidence.schema import ROLLOUT_SCHEMA, SCORE_SCHEMA
 
     lines = ["# Evidence: the canonical rollout table", "",
-             "Generated from `evotrainer/evidence/schema.py` by `scripts/gen_docs.py`.", "",
+             "Generated from `evotrainer/evidence/schema.py` and `columns.py` by "
+             "`scripts/gen_docs.py`.", "",
              "One row per trajectory, Parquet (`rollouts/train.parquet`, `rollouts/val.parquet` "
              "in a run's artifact folder), written by the embedded engine and by the verl "
              "ingest alike. Null means \"not recorded\". A rollout id is "

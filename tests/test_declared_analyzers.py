@@ -204,6 +204,15 @@ def test_a_metric_naming_an_undeclared_analyzer_is_refused():
         parse_harness(doc)
 
 
+def test_the_checks_list_of_registered_analyzers_is_the_registry():
+    # A revision is checked against the names alone (without importing the analyzers' code):
+    # an analyzer added to or removed from the registry must be in that list too.
+    from evotrainer.diagnosis.analyzer_names import REGISTERED
+    from evotrainer.diagnosis.analyzers import ANALYZERS
+
+    assert frozenset(ANALYZERS) == REGISTERED
+
+
 @pytest.mark.parametrize("kind, source, message", [
     ("per_row", "def a(rows, params):\n    return [1.0]\n", "returned 1 values for 72 rows"),
     ("per_row", "def a(rows, params):\n    return ['x'] * len(rows['response'])\n",

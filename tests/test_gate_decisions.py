@@ -16,7 +16,8 @@ from evotrainer.backends import BACKEND_TYPES
 from evotrainer.diagnosis.harness import parse_harness, resolve_harness
 from evotrainer.gate.decision import decide, recorded_scores, references
 from evotrainer.gate.rules import gate_verdict
-from evotrainer.stats import GateProcedure, compare_tables
+from evotrainer.stats import GateProcedure
+from evotrainer.stats.paired import compare_tables
 from evotrainer.store.specs import load_yaml
 from evotrainer.store.workspace import Workspace
 

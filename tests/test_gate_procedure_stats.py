@@ -10,7 +10,8 @@ import pytest
 from scipy import stats as sps
 
 from evotrainer.errors import EvoError
-from evotrainer.stats import GateProcedure, adjust_p, compare_tables
+from evotrainer.stats import GateProcedure, adjust_p
+from evotrainer.stats.paired import compare_tables
 
 
 def _scores(p, *, rng, sources=None, k=4) -> pa.Table:

@@ -18,6 +18,7 @@ from same_diagnosis import assert_same
 
 from evotrainer.diagnosis.analyzers import ANALYZERS, Analyzer
 from evotrainer.diagnosis.harness import parse_harness_text
+from evotrainer.errors import EvoError
 from evotrainer.store.builtin import builtin_dir
 
 sys.path.insert(0, str(Path(__file__).parent / "golden"))
@@ -99,3 +100,24 @@ def test_an_edit_to_an_analyzer_h0_uses_changes_what_the_golden_test_compares(mo
     got = golden(builtin_revisions()["h0"], rollouts, parent)
     # Same values on the dump, yet the analyzer's source differs: the check still fails.
     assert got["analyzers"]["echo_trap"] != EXPECTED_DATA["h0"]["analyzers"]["echo_trap"]
+
+
+# ---- a built-in revision's text is not parsed by DuckDB again (diagnosis/harness.py)
+
+
+def test_every_builtin_revision_passes_the_sql_checks_its_text_skips(monkeypatch):
+    from evotrainer.diagnosis import harness
+
+    monkeypatch.setattr(harness, "_builtin_texts", lambda: frozenset())  # no text is built-in
+    for name in sorted(EXPECTED_DATA):
+        path = builtin_dir("harness_versions") / f"{name}.yaml"
+        assert harness.load_harness(path).name == name
+
+
+def test_a_text_other_than_a_builtin_ones_has_its_sql_checked():
+    text = (builtin_dir("harness_versions") / "h0.yaml").read_text()
+    select = "SELECT step, avg(correct) AS value FROM rollouts GROUP BY ROLLUP (step)"
+    assert text.count(select) == 1
+    assert parse_harness_text(text + "\n", "h0.yaml").name == "h0"
+    with pytest.raises(EvoError, match="exactly one SELECT statement, found DELETE"):
+        parse_harness_text(text.replace(select, "DELETE FROM rollouts"), "h0.yaml")

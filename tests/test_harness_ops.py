@@ -18,7 +18,7 @@ from evotrainer.commands.harness import register
 from evotrainer.control.reconcile import load_context, plan
 from evotrainer.diagnosis.harness import resolve_harness
 from evotrainer.gate.decision import decide, recorded_scores
-from evotrainer.stats import compare_tables
+from evotrainer.stats.paired import compare_tables
 from evotrainer.store.workspace import Workspace
 
 pytestmark = pytest.mark.usefixtures("standin")

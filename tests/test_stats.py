@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from evotrainer.commands import compare as compare_cmd
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_scores
-from evotrainer.stats import compare_tables, pass_at_k
+from evotrainer.stats.paired import compare_tables, pass_at_k
 
 
 def _scores(p, *, seeds=1, k=4, rng, sources=None):

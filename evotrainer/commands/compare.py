@@ -12,7 +12,8 @@ from rich.table import Table
 from evotrainer.errors import EvoError, unreadable_table
 from evotrainer.evidence.io import read_scores
 from evotrainer.gate.decision import recorded_scores
-from evotrainer.stats import GateProcedure, compare_tables, confidence_label
+from evotrainer.stats import GateProcedure, confidence_label
+from evotrainer.stats.paired import compare_tables
 from evotrainer.store.workspace import Workspace
 from evotrainer.terminal import console as make_console
 

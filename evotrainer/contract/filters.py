@@ -18,12 +18,16 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jsonschema
-import numpy as np
 
 from evotrainer.errors import EvoError
+
+# numpy is imported where a filter computes: checking a recipe's `group_filter` (on every
+# `validate` and `plan`) reads only FILTERS' names, defaults and params schemas.
+if TYPE_CHECKING:
+    import numpy as np
 
 # "All rewards equal" up to the rounding of weighted float sums: such a group's advantages
 # are exactly zero, so the zero-std filters drop it. Not the dead-group rule behind every
@@ -35,6 +39,8 @@ ZERO_STD = 1e-8
 def group_stds(group_rewards: Sequence[np.ndarray]) -> np.ndarray:
     """Population std of each group; a group with no reward left (all excluded) has none to
     spread, so 0 (np.std of nothing is nan)."""
+    import numpy as np
+
     return np.array(
         [float(np.std(a)) if (a := np.asarray(r, dtype=float)).size else 0.0 for r in group_rewards]
     )
@@ -72,6 +78,8 @@ class GroupFilter:
         return None
 
     def keep(self, group_rewards: Sequence[np.ndarray]) -> np.ndarray:
+        import numpy as np
+
         return np.ones(len(group_rewards), dtype=bool)
 
 
@@ -120,6 +128,8 @@ class StdGroupFilter(GroupFilter):
     }
 
     def __init__(self, **params: Any) -> None:
+        import numpy as np
+
         super().__init__(**params)
         p = self.params
         self.z = NormalDist().inv_cdf(p["keep_ratio"])
@@ -130,6 +140,8 @@ class StdGroupFilter(GroupFilter):
 
     def threshold(self) -> float:
         """The current std threshold (0 during warm-up)."""
+        import numpy as np
+
         if self.params["mode"] == "absolute":
             return self.params["min_std_threshold"]
         if self.seen < self.warmup or self.ema_mean is None:
@@ -137,6 +149,8 @@ class StdGroupFilter(GroupFilter):
         return self.ema_mean - self.z * float(np.sqrt(self.ema_var))
 
     def keep(self, group_rewards: Sequence[np.ndarray]) -> np.ndarray:
+        import numpy as np
+
         stds = group_stds(group_rewards)
         alive = stds > ZERO_STD
         keep = alive & (stds >= self.threshold())
@@ -266,6 +280,8 @@ class BatchDecision:
 
     def sample_mask(self) -> np.ndarray:
         """Per trajectory, in group order: does it enter the loss?"""
+        import numpy as np
+
         if not self.excluded:
             return np.zeros(0, dtype=bool)
         return np.concatenate(
@@ -282,6 +298,8 @@ def filter_batch(
     parallel to `group_rewards`, is given), then the group test on each group's remaining
     rewards. Without trajectories nothing is excluded (a table with no turns, tool calls or
     lengths: the group level alone)."""
+    import numpy as np
+
     rewards = [np.asarray(r, dtype=float) for r in group_rewards]
     reasons: Counter = Counter()
     excluded = []

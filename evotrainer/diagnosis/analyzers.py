@@ -2,7 +2,8 @@
 
 An analyzer maps each rollout of its split to a number (NaN leaves the row out); the metric
 is the mean over rows and its series the mean per step. Register one with `@analyzer(name,
-columns)`; `columns` are the rollout columns it reads.
+columns)`; `columns` are the rollout columns it reads. Its name goes in analyzer_names.py too:
+checking a harness revision reads the names there, without this module's numpy and pyarrow.
 """
 
 from __future__ import annotations

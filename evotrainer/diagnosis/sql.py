@@ -18,17 +18,18 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
-from evotrainer.diagnosis.analyzers import call_table
 from evotrainer.errors import EvoError
 from evotrainer.evidence.groups import DEAD_GROUP_SQL
-from evotrainer.evidence.steps import empty_steps
+
+# numpy, pyarrow and the analyzers are imported where rows are read: checking a harness
+# revision's SQL (harness.py, on every `validate` and `plan`) needs DuckDB's parser alone.
+if TYPE_CHECKING:
+    import numpy as np
+    import pyarrow as pa
 
 _PARAM = re.compile(r"\$([A-Za-z_]\w*)")
 # DuckDB's own default is 80% of the machine's memory; a diagnosis needs far less.
@@ -316,6 +317,8 @@ def _strip(node: Any) -> Any:
 def split_rows(table: pa.Table, split: str | None) -> pa.Table:
     """The rows of `table` in `split` (all rows for None), as data: no SQL text is built from
     the split name."""
+    import pyarrow.compute as pc
+
     if split is None:
         return table
     return rows_where(table, pc.equal(table.column("split"), split))
@@ -325,6 +328,9 @@ def rows_where(table: pa.Table, mask: np.ndarray | pa.Array | pa.ChunkedArray) -
     """The rows of `table` where `mask` holds. Evidence stores each split as one run of rows
     (one file per split) and a growing run's new rows come after the old ones, so the result
     is usually zero-copy slices; scattered rows are filtered (copied) instead."""
+    import numpy as np
+    import pyarrow as pa
+
     if not isinstance(mask, np.ndarray):
         mask = mask.to_numpy(zero_copy_only=False)
     # Where the mask changes: boolean compares of neighbours, no integer copy of the mask.
@@ -377,6 +383,9 @@ class ReadOnlyQuery:
         rows: pa.Table | None = None,
         calls: Callable[[], pa.Table] | None = None,
     ) -> None:
+        from evotrainer.diagnosis.analyzers import call_table
+        from evotrainer.evidence.steps import empty_steps
+
         self.timeout_s, self.memory_limit = timeout_s, memory_limit
         self.con = _locked_database(memory_limit, threads).cursor()
         split_table = rows if rows is not None else split_rows(rollouts, split)
@@ -396,6 +405,8 @@ class ReadOnlyQuery:
         name: a subquery's `FROM rollouts` still reads the full view, so `WHERE` means what
         it means over `FROM rollouts WHERE step >= floor`."""
         if floor not in self.recent:
+            import pyarrow.compute as pc
+
             recent = pc.greater_equal(self.split_table.column("step"), floor)
             self.recent[floor] = f"recent_rollouts_{len(self.recent)}"
             self.con.register(self.recent[floor], rows_where(self.split_table, recent))

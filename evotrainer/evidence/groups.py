@@ -13,7 +13,12 @@ which drops groups whose advantages are exactly zero.
 
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING
+
+# numpy is imported by the two functions: DEAD_GROUP_SQL is read where a harness revision is
+# checked (`validate`, `plan`), which uses no numpy.
+if TYPE_CHECKING:
+    import numpy as np
 
 DEAD_GROUP_STD = 1e-3
 
@@ -24,9 +29,13 @@ DEAD_GROUP_SQL = f"stddev_pop(reward) < {DEAD_GROUP_STD!r}"
 
 def dead_groups(stds: np.ndarray) -> np.ndarray:
     """Whether each group is dead, from its rewards' population std."""
+    import numpy as np
+
     return np.asarray(stds, dtype=float) < DEAD_GROUP_STD
 
 
 def dead_group_ratio(rewards: np.ndarray) -> float:
     """Share of dead groups in a (groups, group size) reward matrix."""
+    import numpy as np
+
     return float(np.mean(dead_groups(np.asarray(rewards, dtype=float).std(axis=1))))

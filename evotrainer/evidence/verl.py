@@ -43,8 +43,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from evotrainer.errors import EvoError
+from evotrainer.evidence.columns import FINISH_REASONS
 from evotrainer.evidence.hermes import hermes_tool_calls
-from evotrainer.evidence.schema import FINISH_REASONS, ROLLOUT_SCHEMA, TOOL_CALL
+from evotrainer.evidence.schema import ROLLOUT_SCHEMA, TOOL_CALL
 from evotrainer.evidence.steps import STEPS_SCHEMA
 
 _STEP_FILE = re.compile(r"^(\d+)\.jsonl$")

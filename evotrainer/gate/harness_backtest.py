@@ -98,7 +98,7 @@ def _code_digest() -> str:
     digest = hashlib.sha256()
     root = Path(__file__).resolve().parents[1]
     for path in sorted([*root.glob("diagnosis/*.py"), *root.glob("diagnosis/*.yaml"),
-                        *root.glob("evidence/*.py"), root / "stats.py",
+                        *root.glob("evidence/*.py"), *root.glob("stats/*.py"),
                         root / "store" / "cel.py"]):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()

@@ -1,21 +1,14 @@
 """Paired statistics over per-task score tables: Avg@k, pass@k, paired bootstrap over tasks
-(stratified by data_source, seeds pooled hierarchically) and the Wilcoxon signed-rank test.
+(stratified by data_source, seeds pooled hierarchically) and the Wilcoxon signed-rank test,
+under a GateProcedure's settings (evotrainer/stats/__init__.py).
 
 The unit is the task: each task's score is its mean `correct` (over samples, then seeds).
 Delta = B - A (candidate minus parent).
-
-How the gate runs the test is a harness field (`gate:` in a revision, gate.schema.json), read
-into a `GateProcedure`: the CI method (percentile, or BCa: bias-corrected and accelerated,
-Efron 1987, with the acceleration from the jackknife over tasks), the number of resamples B,
-the strata (by data_source, or none), and the comparison family with its multiple-comparison
-correction (gate/decision.py). Absent fields keep the method's defaults, so a revision without
-them decides exactly as before.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Any
@@ -25,75 +18,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from evotrainer.errors import EvoError
+from evotrainer.evidence.io import first_bad_correct
+from evotrainer.stats import CI_METHODS, GateProcedure
 
 _CHUNK = 1000  # bootstrap replicates per vectorized batch (bounds memory)
-
-CI_METHODS = ("percentile", "bca")
-CORRECTIONS = ("holm", "bonferroni")
-
-
-@dataclass(frozen=True)
-class GateProcedure:
-    """How the gate tests a version (defaults: the method's paired bootstrap, §7)."""
-
-    alpha: float = 0.05
-    ci_method: str = "percentile"
-    resamples: int = 10_000
-    strata: str = "data_source"
-    compare_with: tuple[str, ...] = ("parent",)
-    correction: str = "holm"
-
-    @classmethod
-    def from_gate(cls, gate: Mapping[str, Any] | None) -> GateProcedure:
-        """From a harness revision's `gate:` section (schema-checked: gate.schema.json)."""
-        gate = gate or {}
-        default = cls()
-        compare_with = tuple(gate.get("compare_with") or default.compare_with)
-        if "parent" not in compare_with:
-            compare_with = ("parent", *compare_with)  # the verdict is always against the parent
-        return cls(
-            alpha=float(gate.get("alpha", default.alpha)),
-            ci_method=gate.get("ci_method", default.ci_method),
-            resamples=int(gate.get("resamples", default.resamples)),
-            strata=gate.get("strata", default.strata),
-            compare_with=compare_with,
-            correction=gate.get("correction", default.correction),
-        )
-
-    @property
-    def stratified(self) -> bool:
-        return self.strata != "none"
-
-    def compare(self, a: pa.Table, b: pa.Table, alpha: float | None = None) -> dict:
-        """`compare_tables` under this procedure (at `alpha`, when a correction lowers it)."""
-        return compare_tables(a, b, B=self.resamples, alpha=self.alpha if alpha is None else alpha,
-                              ci_method=self.ci_method, stratified=self.stratified)
-
-
-def confidence_label(comparison: Mapping[str, Any]) -> str:
-    """"95% CI", at the confidence the comparison recorded: a family correction computes a
-    parent's interval at a lower alpha (97.5% with two comparisons), and it says so."""
-    confidence = comparison.get("confidence")
-    if confidence is None:
-        return "CI"
-    return f"{float(confidence) * 100:.1f}".removesuffix(".0") + "% CI"
-
-
-def adjust_p(p_values: list[float], correction: str) -> list[float]:
-    """Family-wise adjusted p-values, in the given order: Bonferroni (m·p) or Holm's
-    step-down (the k-th smallest times m-k+1, kept monotone), capped at 1."""
-    m = len(p_values)
-    if correction == "bonferroni":
-        return [min(1.0, m * p) for p in p_values]
-    if correction != "holm":
-        raise EvoError(f"unknown correction {correction!r}",
-                       hint=f"one of {', '.join(CORRECTIONS)}")
-    adjusted = [0.0] * m
-    running = 0.0
-    for rank, index in enumerate(sorted(range(m), key=lambda i: p_values[i])):
-        running = max(running, min(1.0, (m - rank) * p_values[index]))
-        adjusted[index] = running
-    return adjusted
 
 
 @dataclass
@@ -118,10 +46,6 @@ def _version(table: pa.Table, label: str) -> _Version:
     ]
     if missing:
         raise EvoError(f"score table {label} lacks column(s) {', '.join(missing)}")
-    # Here, not at the top: evidence.io brings pyarrow's Parquet reader, which a command that
-    # only checks a harness revision's gate settings (GateProcedure) does not use.
-    from evotrainer.evidence.io import first_bad_correct
-
     bad = first_bad_correct(table)
     if bad is not None:
         raise EvoError(

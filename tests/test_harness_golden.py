@@ -110,12 +110,12 @@ def test_every_builtin_revision_passes_the_sql_checks_its_text_skips(monkeypatch
 
     monkeypatch.setattr(harness, "_builtin_texts", lambda: frozenset())  # no text is built-in
     for name in sorted(EXPECTED_DATA):
-        path = builtin_dir("harness_versions") / f"{name}.yaml"
+        path = builtin_dir("harness_revisions") / f"{name}.yaml"
         assert harness.load_harness(path).name == name
 
 
 def test_a_text_other_than_a_builtin_ones_has_its_sql_checked():
-    text = (builtin_dir("harness_versions") / "h0.yaml").read_text()
+    text = (builtin_dir("harness_revisions") / "h0.yaml").read_text()
     select = "SELECT step, avg(correct) AS value FROM rollouts GROUP BY ROLLUP (step)"
     assert text.count(select) == 1
     assert parse_harness_text(text + "\n", "h0.yaml").name == "h0"

@@ -252,7 +252,7 @@ def _BOUNDS(metric: str) -> re.Pattern[str]:
 def _builtin_texts() -> frozenset[bytes]:
     """The sha256 of each built-in revision's file."""
     return frozenset(hashlib.sha256(path.read_bytes()).digest()
-                     for path in builtin_dir("harness_versions").glob("*.yaml"))
+                     for path in builtin_dir("harness_revisions").glob("*.yaml"))
 
 
 class _RevisionBuilder:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import git
 import pytest
 
+from evotrainer.agent.retrieval import knowledge
+from evotrainer.control.scaffold import init_workspace
 from evotrainer.control.versions import new_version
 from evotrainer.diagnosis.harness import resolve_harness
 from evotrainer.errors import EvoError
@@ -117,3 +119,15 @@ def test_migrate_refuses_main_with_both_folders(workspace, cli):
     result = cli("-C", str(workspace.root), "migrate")
     assert result.code == 1 and f"main holds both {OLD}/ and {NEW}/" in result.err
     assert repo.head.commit == head
+
+
+def test_a_listed_workspace_in_the_old_layout_is_named_with_its_fix(workspace, tmp_path):
+    """A workspace whose skill_library lists one in the old layout: retrieval names the
+    listed workspace, the field that lists it and the migration to run there."""
+    other = Workspace(init_workspace(tmp_path / "older", "arith"))
+    old_layout(other)
+    with pytest.raises(EvoError) as refused:
+        knowledge(workspace, workspaces=(str(other.root),))
+    assert refused.value.field == "skill_library.workspaces"
+    assert f"{OLD}/ is now named {NEW}/" in refused.value.message
+    assert refused.value.hint.startswith(f"in {other.root}: run `evotrainer migrate`")

@@ -48,7 +48,7 @@ from evotrainer.errors import EvoError
 from evotrainer.skills.library import SharedLibrary, library_config, shared_library
 from evotrainer.skills.skill import Skill, bm25, load_library, tokens
 from evotrainer.store import cel
-from evotrainer.store.workspace import PROJECT_FILE, Workspace, run_path
+from evotrainer.store.workspace import PROJECT_FILE, OldLayout, Workspace, run_path
 
 ALERT_WEIGHT, METRIC_WEIGHT, DOMAIN_BONUS = 2.0, 1.0, 0.5
 # Tie order: the most specific first.
@@ -215,6 +215,10 @@ def _name(ws: Workspace) -> str:
 def _other_workspace(ws: Workspace, path: str) -> Workspace:
     try:
         return Workspace(ws.root / path)
+    except OldLayout as err:
+        raise EvoError(f"listed workspace {path!r} cannot be read: {err.message}",
+                       where=PROJECT_FILE, field="skill_library.workspaces",
+                       hint=f"in {path}: {err.hint}") from None
     except EvoError as err:
         raise EvoError(f"listed workspace {path!r} cannot be read: {err.message}",
                        where=PROJECT_FILE, field="skill_library.workspaces",

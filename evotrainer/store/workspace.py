@@ -125,6 +125,10 @@ class VersionState:
         return recipes.digest({k: v for k, v in (self.spec or {}).items() if k != "approval"})
 
 
+class OldLayout(EvoError):
+    """A workspace in an older evotrainer's layout (its fix is run in that workspace)."""
+
+
 class Workspace:
     def __init__(self, root: Path, *, migrating: bool = False) -> None:
         """The workspace at `root`; `migrating`: also one in an older evotrainer's layout
@@ -174,7 +178,7 @@ class Workspace:
                 hint=f"move what it still holds into {new}/ (`git status {old}`), then "
                 "remove it",
             )
-        raise EvoError(
+        raise OldLayout(
             f"{old}/ is now named {new}/ (this workspace was made by an older evotrainer)",
             where=str(self.root),
             hint="run `evotrainer migrate`: one commit on main moves the folder, each file "

@@ -129,6 +129,32 @@ def test_refuted_skills_are_skipped_and_escalation_subtracts(workspace):
 
 
 
+def test_escalation_never_subtracts_the_fix_that_closed_a_leak(toolenv):
+    """v2 closes v1's leak and is promoted; two failed children follow. The escalation rolls
+    back to v2 and subtracts, but never close-leak: re-enabling `reveal` would re-open the
+    leak the gate blocks whatever the score."""
+    project = toolenv.root / "spec" / "project.yaml"
+    project.write_text(project.read_text().replace("escalate_after_failures: 3",
+                                                   "escalate_after_failures: 2"))
+    toolenv = Workspace(toolenv.root)
+    train(toolenv, "v1", standin_skill=0.65, standin_leak=True)
+    new_version(toolenv, "v2", "v0", rationale="close the leak", skills=["close-leak"],
+                settings=standin_settings(standin_skill=0.65))
+    approve(toolenv, "v2", by="tester")
+    train(toolenv, "v3", parent="v2", standin_skill=0.4)
+    train(toolenv, "v4", parent="v2", standin_skill=0.4)
+    converge(toolenv)
+    view = View.load(toolenv)
+    assert view.frontier() == "v2" and view.failure_streak() == ["v3", "v4"]
+
+    result = RulesPlanner().propose(view, 3)
+    assert result.proposals  # the escalation still proposes something
+    for proposal in result.proposals:
+        assert "subtracts" not in proposal.proposal, proposal.rationale
+        assert not any("reveal" in setting for setting in proposal.settings), proposal.settings
+    assert "kept close-leak (applied by v2): an audit fix is never subtracted" in result.notes
+
+
 def test_no_trigger_proposes_the_default_and_a_stalled_frontier_a_harness_metric(workspace):
     train(workspace, "v1", standin_skill=0.65)
     train(workspace, "v2", parent="v1", standin_skill=0.4)

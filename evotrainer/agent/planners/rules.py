@@ -17,8 +17,9 @@
 4. A filter or reward skill is backtested on the stored rollouts that fired it; a backtest
    that shows no effect demotes the candidate.
 5. Escalation after `autonomy.escalate_after_failures` consecutive failed versions: re-branch
-   from the last good version, prefer subtraction (undo a skill on the chain), and switch
-   layer (skip the categories the failed versions tried).
+   from the last good version, prefer subtraction (undo a skill on the chain, never an
+   integrity fix: category audit), and switch layer (skip the categories the failed
+   versions tried).
 6. Nothing left: the most promising default (train the recipe as is from an untrained root,
    else twice the steps, else a second seed), saying that no trigger fired.
 7. Two moves beside single factors: a **bundle** merges two children of the frontier whose
@@ -76,6 +77,10 @@ from evotrainer.store.checkpoints import init_mode
 # truncation or dead groups are symptoms of the divergence, not of the budget or the reward);
 # then measurement artifacts; then the rest in the library's evidence order.
 CATEGORY_FIRST = {"audit": 0, "stability": 1, "eval-protocol": 2}
+# An escalation never subtracts an integrity fix: undoing it re-opens what made the score
+# untrustworthy (a leak the gate blocks whatever the score), so it cannot be what the
+# failed additions fight.
+NEVER_SUBTRACTED = {"audit"}
 # Among the rest, a skill that puts signal into dead groups (a reward change) before one that
 # drops them (a filter): a filter discards the groups a reward change would rescue, and the
 # paper's Coding and Math paths refined the reward before transferring StdGroupFilter.
@@ -141,7 +146,7 @@ class RulesPlanner:
             result.notes.append(f"building on {base} (mixed evidence: {reason})")
         candidates: list[_Candidate] = []
         if escalation:
-            candidates += self._subtractions(view, frontier, escalation)
+            candidates += self._subtractions(view, frontier, escalation, result)
         else:
             candidates += self._bundles(view, frontier) + self._reverts(view, base)
         fired = _Fired()
@@ -349,8 +354,10 @@ class RulesPlanner:
 
     # ---- escalation and defaults -------------------------------------------------------
 
-    def _subtractions(self, view: View, frontier: str, escalation: dict) -> list[_Candidate]:
-        """Undo one skill applied along the frontier's chain, latest first."""
+    def _subtractions(self, view: View, frontier: str, escalation: dict,
+                      result: PlannerResult) -> list[_Candidate]:
+        """Undo one skill applied along the frontier's chain, latest first (an integrity
+        fix is kept, with a note)."""
         out = []
         chain = view.chain(frontier)
         for depth, version in enumerate(reversed(chain)):
@@ -360,6 +367,10 @@ class RulesPlanner:
             before = view.ws.resolved_recipe(parent, view.states)
             for skill_name in view.applied_skills(version):
                 skill = view.applied_skill(version, skill_name)
+                if skill is not None and skill.category in NEVER_SUBTRACTED:
+                    result.notes.append(f"kept {skill_name} (applied by {version}): an "
+                                        f"{skill.category} fix is never subtracted")
+                    continue
                 # What the skill sets on the parent's recipe (its relative patch resolved
                 # there, as when the version was proposed): the values to undo.
                 patch = resolve_skill(skill, before).overrides if skill else None

@@ -19,6 +19,13 @@ def test_null_comparison_fails_but_or_absorbs_it():
     assert cel.evaluate("x > 0.05 || y > 50.0", {"x": None, "y": 60.0}) is True
 
 
+def test_a_macro_over_null_is_an_evoerror_and_undecided_where_a_map_lacks_it():
+    with pytest.raises(EvoError, match="failed"):
+        cel.evaluate("x.filter(c, c > 1)", {"x": None})
+    assert cel.evaluate_unless_null("recipe.reward.components.map(c, c.name)",
+                                    {"recipe": {"reward": {"components": None}}}) is None
+
+
 def test_bad_expression_is_an_evoerror():
     with pytest.raises(EvoError, match="invalid CEL expression"):
         cel.check("x >")

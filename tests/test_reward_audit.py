@@ -12,6 +12,7 @@ import yaml
 
 from evotrainer.control.scaffold import init_workspace
 from evotrainer.control.versions import new_version
+from evotrainer.diagnosis.catalogue import catalogue
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
 from evotrainer.diagnosis.harness import parse_harness
 from evotrainer.diagnosis.incremental import diagnose_incremental
@@ -59,6 +60,41 @@ def test_a_keyed_metric_needs_sql_without_a_series_and_one_row_per_key():
     repeated = "SELECT 'a' AS key, 1.0 AS value UNION ALL SELECT 'a', 2.0"
     with pytest.raises(EvoError, match="repeated key 'a'"):
         diagnose(rollout_table(_rows()), None, parse_harness(_harness(repeated)))
+
+
+def _alignment_rows() -> list[dict]:
+    """Solved episodes pay `partial` more and `efficiency` and `no_repeat` less."""
+    return [dict(step=1, task_id=f"t{i}", sample_idx=i, correct=float(i % 2),
+                 reward_components=[("correctness", float(i % 2)), ("partial", 0.5 + i % 2),
+                                    ("efficiency", 1.0 - i % 2), ("no_repeat", 0.8 - i % 2)])
+            for i in range(8)]
+
+
+def _alignment_harness(recipe: dict | None):
+    entry = next(e for e in catalogue() if e.metric["name"] == "reward_alignment")
+    return parse_harness({"apiVersion": "evotrainer/v1", "kind": "HarnessRevision",
+                          "name": "ha", "metrics": [entry.metric_for(recipe)],
+                          "alerts": [entry.alert]})
+
+
+@pytest.mark.parametrize(("weights", "audited", "fires"), [
+    ({"efficiency": 0.5, "partial": 0.5}, {"efficiency", "partial"}, True),
+    ({"efficiency": 0.0, "partial": 0.5}, {"partial"}, False),
+    ({}, set(), False),
+])
+def test_reward_alignment_audits_the_components_the_reward_sums(weights, audited, fires):
+    """The reward sums correctness and the components weighted here; the rollouts also carry
+    `no_repeat`, which it never sums: a component that pays nothing is not audited, and a
+    reward of correctness alone has nothing to audit (the metric is null, nothing fires)."""
+    recipe = {"reward": {"components": [{"name": "correctness"}, *(
+        {"name": name, "weight": weight} for name, weight in weights.items())]}}
+    result = diagnose(rollout_table(_alignment_rows()), None, _alignment_harness(recipe))
+    assert set(result.get("keyed", {}).get("reward_alignment", {})) == audited
+    assert (result["metrics"]["reward_alignment"] is not None) == bool(audited)
+    assert bool(result["alerts"]) == fires
+    # Unbound (no recipe), every component but correctness is audited.
+    unbound = diagnose(rollout_table(_alignment_rows()), None, _alignment_harness(None))
+    assert set(unbound["keyed"]["reward_alignment"]) == {"efficiency", "partial", "no_repeat"}
 
 
 RECIPE = {"domain": {"name": "toolenv"},

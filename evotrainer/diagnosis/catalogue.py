@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from evotrainer.errors import EvoError
+from evotrainer.store import cel
 from evotrainer.store.specs import load_yaml
 
 # What a metric can do for a diagnosis (docs: method.md, the harness evolution protocol):
@@ -32,18 +33,17 @@ class CatalogueEntry:
     alert: dict[str, Any] | None  # the alert a revision adds with it
     gaps: frozenset[str]  # the gaps (from GAPS) this metric can close
     hypotheses: tuple[str, ...]  # skill names or categories whose hypothesis it can test
-    # metric param: the dotted recipe field it takes its value from (the length budget)
+    # metric param: the CEL expression over `recipe` its value comes from (the length
+    # budget, the reward's weighted components)
     recipe_params: dict[str, str] = field(default_factory=dict)
 
     def metric_for(self, recipe: dict[str, Any] | None) -> dict[str, Any]:
-        """A copy of the metric with its params bound to `recipe` where the entry names a
-        field; a field the recipe lacks leaves the entry's default (the metric says what it
-        falls back to)."""
+        """A copy of the metric with its params bound to `recipe`; a field the recipe lacks
+        (the expression cannot be decided) leaves the entry's default (the metric says what
+        it falls back to)."""
         metric = copy.deepcopy(self.metric)
-        for param, dotted in self.recipe_params.items():
-            value: Any = recipe
-            for key in dotted.split("."):
-                value = value.get(key) if isinstance(value, dict) else None
+        for param, expression in self.recipe_params.items():
+            value = cel.evaluate_unless_null(expression, {"recipe": recipe})
             if value is not None:
                 metric.setdefault("params", {})[param] = value
         return metric

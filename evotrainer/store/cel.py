@@ -257,6 +257,8 @@ def evaluate(expr: str, variables: dict[str, Any]) -> Any:
         return _from_cel(program.evaluate(activation))
     except celpy.CELEvalError as err:
         raise EvoError(f"CEL expression {expr!r} failed: {err.args[0]}") from None
+    except TypeError as err:  # celpy's macros over a value of another type (null.filter)
+        raise EvoError(f"CEL expression {expr!r} failed: {err}") from None
     except CostExceeded as err:
         raise CostExceeded(f"CEL expression {expr!r}: {err.message}", hint=err.hint) from None
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from evotrainer.store.workspace import HARNESS_FOLDER, OLD_HARNESS_FOLDER, Workspace
+from evotrainer.store.builtin import HARNESS_FOLDER
+from evotrainer.store.workspace import OLD_HARNESS_FOLDER, Workspace
 from evotrainer.terminal import console
 
 

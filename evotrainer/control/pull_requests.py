@@ -34,6 +34,7 @@ from evotrainer.control.versions import approve
 from evotrainer.diagnosis.harness import HarnessRevision, parse_harness_text, resolve_harness
 from evotrainer.errors import EvoError
 from evotrainer.gate.harness_backtest import backtest_harness
+from evotrainer.store.builtin import HARNESS_FOLDER, harness_file
 from evotrainer.store.git import BRANCH_PREFIX, DIFF_SAFETY, PRUNED_TAG_PREFIX, branch_name
 from evotrainer.store.specs import load_yaml
 from evotrainer.store.workspace import (
@@ -448,11 +449,11 @@ def harness_candidates(ws: Workspace, base: str) -> tuple[list[str], HarnessRevi
                        hint="fetch the base branch (e.g. --base origin/main)")
     changed = ws.git.repo.git.diff(*DIFF_SAFETY, "--name-only", "--diff-filter=AM",
                                    f"{base}...HEAD", "--",
-                                   "harness_revisions/").split()
+                                   f"{HARNESS_FOLDER}/").split()
     candidates = [os.path.basename(p).removesuffix(".yaml") for p in changed
                   if p.endswith(".yaml")]
     name = _harness_of(ws, base)
-    path = f"harness_revisions/{name}.yaml"
+    path = harness_file(name)
     text = ws.git.read(base, path)
     against = (parse_harness_text(text, f"{base}:{path}") if text is not None
                else resolve_harness(name, ws.root))  # built in, not in the repository

@@ -15,7 +15,7 @@ from evotrainer import API_VERSION
 from evotrainer.contract.model_start import base_model
 from evotrainer.contract.recipe import package_checkpoint
 from evotrainer.errors import EvoError
-from evotrainer.store.builtin import builtin_dir
+from evotrainer.store.builtin import HARNESS_FOLDER, builtin_dir
 from evotrainer.store.git import GitStore, branch_name, with_trailers
 from evotrainer.store.specs import dump, schema_modeline
 from evotrainer.store.workspace import PROJECT_FILE, STATE_DIR, version_spec_path
@@ -172,7 +172,7 @@ def _scaffold(directory: Path, example: str, model: Path | None) -> None:
         schema_modeline(PROJECT_FILE, "Project") + project_text
     )
     shutil.copytree(builtin_dir("spec/schemas"), directory / "spec" / "schemas")
-    for folder in ("harness_revisions", "skills"):
+    for folder in (HARNESS_FOLDER, "skills"):
         target = directory / folder
         target.mkdir()
         for source in sorted(builtin_dir(folder).glob("*.yaml")):

@@ -30,6 +30,7 @@ from typing import Any
 
 from evotrainer.errors import EvoError
 from evotrainer.store import specs
+from evotrainer.store.builtin import HARNESS_FOLDER
 from evotrainer.store.git import branch_name
 from evotrainer.store.lineage import tree_order
 from evotrainer.store.workspace import (
@@ -41,7 +42,7 @@ from evotrainer.store.workspace import (
 
 # Recipe fields that name files: they must stay inside the workspace or a data root.
 PATH_FIELDS = (("model", "path"), ("domain", "data", "train"), ("domain", "data", "val"))
-LIBRARY_FOLDERS = (("harness_revisions", "HarnessRevision"), ("skills", "Skill"))
+LIBRARY_FOLDERS = ((HARNESS_FOLDER, "HarnessRevision"), ("skills", "Skill"))
 CRITERION = ("intervention", "hypothesis", "criterion")
 # Stand-in values of each type for the one evaluation that type-checks an expression: away
 # from 0 and 1, so no division by zero or boundary case is mistaken for a type error.
@@ -179,7 +180,7 @@ def check_workspace(
                 revision = _check_harness(doc, problems)
                 if revision is not None:
                     revisions[Path(path).stem] = revision
-    harnesses, skills = names["harness_revisions"], names["skills"]
+    harnesses, skills = names[HARNESS_FOLDER], names["skills"]
     project = project_doc.data if project_doc is not None else ws.project
     if project_doc is not None:
         _check_harness_ref(project_doc, ("harness",), harnesses, problems)

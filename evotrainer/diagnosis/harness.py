@@ -32,7 +32,7 @@ from evotrainer.errors import EvoError
 from evotrainer.evidence.columns import ROLLOUT_COLUMNS
 from evotrainer.stats import GateProcedure
 from evotrainer.store import cel, specs
-from evotrainer.store.builtin import builtin_dir
+from evotrainer.store.builtin import HARNESS_FOLDER, builtin_dir
 from evotrainer.store.recipe import digest
 
 if TYPE_CHECKING:
@@ -195,8 +195,8 @@ def resolve_harness(name_or_file: str, workspace: str | Path = ".") -> HarnessRe
     candidate = Path(name_or_file)
     if candidate.suffix in (".yaml", ".yml") or candidate.is_file():
         return _reviewed(load_harness(candidate), candidate, workspace)
-    builtin = builtin_dir("harness_revisions")
-    for folder in (Path(workspace) / "harness_revisions", builtin):
+    builtin = builtin_dir(HARNESS_FOLDER)
+    for folder in (Path(workspace) / HARNESS_FOLDER, builtin):
         if (folder / f"{name_or_file}.yaml").is_file():
             path = folder / f"{name_or_file}.yaml"
             return _reviewed(load_harness(path), path, workspace)
@@ -214,7 +214,7 @@ def _reviewed(revision: HarnessRevision, path: Path, workspace: str | Path) -> H
     if not any(a.python is not None for a in revision.analyzers):
         return revision
     real = path.resolve()
-    reviewed = real.is_relative_to(builtin_dir("harness_revisions").resolve())
+    reviewed = real.is_relative_to(builtin_dir(HARNESS_FOLDER).resolve())
     root = Path(workspace).resolve()
     if not reviewed and real.is_relative_to(root):
         from evotrainer.store.git import GitStore  # only for revisions with Python analyzers
@@ -252,7 +252,7 @@ def _BOUNDS(metric: str) -> re.Pattern[str]:
 def _builtin_texts() -> frozenset[bytes]:
     """The sha256 of each built-in revision's file."""
     return frozenset(hashlib.sha256(path.read_bytes()).digest()
-                     for path in builtin_dir("harness_revisions").glob("*.yaml"))
+                     for path in builtin_dir(HARNESS_FOLDER).glob("*.yaml"))
 
 
 class _RevisionBuilder:

@@ -34,6 +34,7 @@ from evotrainer.evidence.io import read_rollouts, read_steps
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.gate.decision import decide, recorded_scores
 from evotrainer.stats import GateProcedure
+from evotrainer.store.builtin import harness_file
 from evotrainer.store.lineage import tree_order
 from evotrainer.store.workspace import PROJECT_FILE, VersionState, Workspace
 
@@ -307,7 +308,7 @@ def adopt_harness(ws: Workspace, name: str) -> dict[str, Any]:
     """Put `name` in force: one commit on main setting `harness:` in the project spec
     (trailer Action: adopt-harness). Refused unless the revision is committed on main and
     its backtest cases pass. Returns the backtest."""
-    path = f"harness_revisions/{name}.yaml"
+    path = harness_file(name)
     if ws.git.read("main", path) is None:
         raise EvoError(f"harness revision {name!r} is not committed on main", where=path,
                        hint=f"review it, then `git add {path} && git commit`; adoption "

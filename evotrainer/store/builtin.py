@@ -9,6 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parent.parent
+# The folder of harness revisions, in the built-in library and at a workspace's top.
+HARNESS_FOLDER = "harness_revisions"
+
+
+def harness_file(name: str) -> str:
+    """The path of harness revision `name`, relative to a workspace (or the library)."""
+    return f"{HARNESS_FOLDER}/{name}.yaml"
 
 
 def builtin_dir(name: str) -> Path:

@@ -23,6 +23,7 @@ from typing import Any
 from evotrainer.errors import EvoError
 from evotrainer.store import recipe as recipes
 from evotrainer.store import seal, specs
+from evotrainer.store.builtin import HARNESS_FOLDER
 from evotrainer.store.git import DIFF_SAFETY, GitStore, branch_name
 from evotrainer.store.recipe import copy_tree
 from evotrainer.store.records import DecisionRecord, DiagnosisRecord, RunRecord
@@ -36,9 +37,9 @@ MAIN_REF = "refs/heads/main"
 RECORD_FILES = ("run.yaml", "diagnosis.yaml", "decision.yaml")
 # A version's files under runs/<name>/ that its seal covers, and the seal itself.
 SEALED_AND_SEAL = (*seal.SEALED_FILES, seal.SEAL_FILE)
-HARNESS_FOLDER = "harness_revisions"
-# The same folder as a workspace made by an older evotrainer names it: `evotrainer migrate`
-# moves it in one commit on main, and every other command refuses a checkout that holds it.
+# The folder of harness revisions (HARNESS_FOLDER) as a workspace made by an older
+# evotrainer names it: `evotrainer migrate` moves it in one commit on main, and every other
+# command refuses a checkout that holds it.
 OLD_HARNESS_FOLDER = "harness_versions"
 
 

@@ -72,7 +72,7 @@ from evotrainer.skills.replay import (
 )
 from evotrainer.skills.skill import get_skill, resolve_skill, search
 from evotrainer.store import cel, specs
-from evotrainer.store.builtin import builtin_dir
+from evotrainer.store.builtin import HARNESS_FOLDER, builtin_dir, harness_file
 from evotrainer.store.lineage import lineage_rows
 from evotrainer.store.recipe import set_dotted
 
@@ -370,13 +370,13 @@ class _Tools:
         """`harness_revisions/<name>.yaml` of the workspace (a link must stay inside it), else
         the built-in revision of that name."""
         root = self.view.ws.root.resolve()
-        path = root / "harness_revisions" / f"{name}.yaml"
+        path = root / harness_file(name)
         if path.is_symlink() or path.exists():
             resolved = path.resolve()
             if not resolved.is_relative_to(root):
-                raise EvoError(f"harness_revisions/{name}.yaml links outside the workspace")
+                raise EvoError(f"{harness_file(name)} links outside the workspace")
             return load_harness(resolved)
-        builtin = builtin_dir("harness_revisions") / f"{name}.yaml"
+        builtin = builtin_dir(HARNESS_FOLDER) / f"{name}.yaml"
         if builtin.is_file():
             return load_harness(builtin)
         raise EvoError(f"no harness revision named {name!r}",
@@ -553,7 +553,7 @@ class _Tools:
                     "backtest_cases": list(backtest_cases or [])}
         if analyzers:  # checked like any revision's: contract, SQL lockdown, Python load check
             document["analyzers"] = [*base.get("analyzers", []), *analyzers]
-        revision = parse_harness(document, source=f"proposed harness_revisions/{name}.yaml")
+        revision = parse_harness(document, source=f"proposed {harness_file(name)}")
         report = backtest_harness(view.ws, revision, view.harness)
         if not report["passed"]:
             failed = [c for c in report["cases"] if not c["passed"]]

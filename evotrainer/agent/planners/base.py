@@ -36,6 +36,7 @@ from evotrainer.gate.counterfactual import family_of
 from evotrainer.gate.outcomes import MIXED, SUPPORTED
 from evotrainer.skills.library import workspace_library
 from evotrainer.skills.skill import Skill
+from evotrainer.store.builtin import harness_file
 from evotrainer.store.checkpoints import CHECKPOINT, is_dropped
 from evotrainer.store.git import PRUNED_TAG_PREFIX
 from evotrainer.store.lineage import main_frontier, merged_into_main, tree_order
@@ -415,7 +416,7 @@ def write_proposals(ws: Workspace, result: PlannerResult, view: View | None = No
 
 def write_harness_revision(ws: Workspace, harness: HarnessProposal) -> str:
     """Commit `harness_revisions/<name>.yaml` on main (not in force until adopted)."""
-    path = f"harness_revisions/{harness.name}.yaml"
+    path = harness_file(harness.name)
     if ws.harness_path(harness.name).exists() or ws.git.read("main", path) is not None:
         raise EvoError(f"harness revision {harness.name!r} already exists", where=path,
                        hint="revisions are never overwritten; pick a new name")

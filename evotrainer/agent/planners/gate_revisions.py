@@ -80,6 +80,7 @@ from evotrainer.gate.decision import recorded_scores
 from evotrainer.gate.harness_backtest import backtest_harness
 from evotrainer.stats import GateProcedure
 from evotrainer.store import cel
+from evotrainer.store.builtin import harness_file
 from evotrainer.store.specs import schema_file
 
 STRATA_DISAGREE, WIDE_INTERVALS = "strata_disagree", "wide_intervals"
@@ -163,7 +164,7 @@ def gate_revision(view: View, changes: Mapping[str, Any], rationale: str,
                     backtest_cases=recorded_cases(view))
     document["description"] = (f"{view.harness.name} with its gate procedure revised "
                                f"({_summary(current, changes)}). {rationale}")
-    revision = parse_harness(document, source=f"harness_revisions/{name}.yaml")
+    revision = parse_harness(document, source=harness_file(name))
     backtest = backtest_harness(view.ws, revision, view.harness)
     flips = flipped(backtest)
     rationale += (f" Backtest against {view.harness.name}: "

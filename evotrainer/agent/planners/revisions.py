@@ -43,7 +43,7 @@ from evotrainer.diagnosis.harness import parse_harness
 from evotrainer.errors import EvoError
 from evotrainer.gate.harness_backtest import backtest_harness, recorded_versions
 from evotrainer.skills.skill import fires, match
-from evotrainer.store.builtin import builtin_dir
+from evotrainer.store.builtin import HARNESS_FOLDER, builtin_dir, harness_file
 from evotrainer.store.records import NO_GAIN, Verdict
 from evotrainer.store.specs import load_yaml
 
@@ -157,7 +157,7 @@ def _revision(
         f"{gap.reason}. {why}"
     )
     document["backtest_cases"] = recorded_cases(view)
-    revision = parse_harness(document, source=f"harness_revisions/{name}.yaml")
+    revision = parse_harness(document, source=harness_file(name))
     backtest = backtest_harness(view.ws, revision, view.harness)
     return HarnessProposal(
         document,
@@ -181,7 +181,7 @@ def awaiting_review(view: View) -> str | None:
             parent = doc.get("parent")
         except (OSError, EvoError, AttributeError):
             continue  # an unreadable revision is `validate`'s to report
-        shipped = builtin_dir("harness_revisions") / f"{name}.yaml"
+        shipped = builtin_dir(HARNESS_FOLDER) / f"{name}.yaml"
         as_shipped = (
             shipped.is_file()
             and shipped.read_bytes() == view.ws.harness_path(name).read_bytes()

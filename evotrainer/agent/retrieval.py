@@ -215,14 +215,12 @@ def _name(ws: Workspace) -> str:
 def _other_workspace(ws: Workspace, path: str) -> Workspace:
     try:
         return Workspace(ws.root / path)
-    except OldLayout as err:
-        raise EvoError(f"listed workspace {path!r} cannot be read: {err.message}",
-                       where=PROJECT_FILE, field="skill_library.workspaces",
-                       hint=f"in {path}: {err.hint}") from None
     except EvoError as err:
+        # A workspace in an older layout is fixed there; anything else here, by the listing.
+        hint = (f"in {path}: {err.hint}" if isinstance(err, OldLayout)
+                else "list workspace folders (with spec/project.yaml), or remove it")
         raise EvoError(f"listed workspace {path!r} cannot be read: {err.message}",
-                       where=PROJECT_FILE, field="skill_library.workspaces",
-                       hint="list workspace folders (with spec/project.yaml), or remove it"
+                       where=PROJECT_FILE, field="skill_library.workspaces", hint=hint
                        ) from None
 
 

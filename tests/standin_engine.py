@@ -102,7 +102,9 @@ def main(recipe_file: str, out_dir: str, version: str) -> int:
             if params.get("standin_flush"):
                 flush(out, rows(version, "train", list(range(1, step + 1)), skill, leak, seed))
     (out / "rollouts").mkdir(parents=True, exist_ok=True)
-    train = rows(version, "train", [1, 2, 3], skill, leak, seed)
+    # Train rollouts of the first few steps (a run's shape), or of as many as asked for.
+    recorded = int(params.get("standin_train_steps", 3))
+    train = rows(version, "train", list(range(1, recorded + 1)), skill, leak, seed)
     val = rows(version, "val", [recipe["grpo"]["steps"]], skill, False, seed + 1)
     pq.write_table(pa.Table.from_pylist(train, ROLLOUT_SCHEMA), out / "rollouts/train.parquet")
     pq.write_table(pa.Table.from_pylist(val, ROLLOUT_SCHEMA), out / "rollouts/val.parquet")

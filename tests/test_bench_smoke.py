@@ -29,13 +29,16 @@ def test_ingest_bench_runs_every_flavour(capsys):
 
 
 def test_harness_bench_runs_on_one_version(capsys, standin, monkeypatch):
-    """bench/harness.py: one stand-in version, the plain backtest and `harness diff` cold and
-    again, each timed once. (The `standin` fixture restores the backend and PYTHONPATH the
-    bench sets for itself.)"""
+    """bench/harness.py: one stand-in version of four recorded steps, the plain backtest,
+    the early-stop replays both ways and `harness diff` cold and again, each timed once.
+    (The `standin` fixture restores the backend and PYTHONPATH the bench sets for
+    itself.)"""
     monkeypatch.setattr(sys, "path", list(sys.path))
-    times = bench("harness").main(["--versions", "1", "--runs", "1"])
-    assert set(times) == {"baseline", "cold", "warm", "cold_cpu", "warm_cpu"}
-    assert "of the plain backtest" in capsys.readouterr().out
+    times = bench("harness").main(["--versions", "1", "--steps", "4", "--runs", "1"])
+    assert set(times) == {"baseline", "cold", "warm", "cold_cpu", "warm_cpu", "replay_steps",
+                          "replay_prefixes"}
+    out = capsys.readouterr().out
+    assert "of the plain backtest" in out and "from each run's prefixes" in out
 
 
 def test_diagnose_bench_runs_at_a_small_size(capsys):

@@ -13,6 +13,31 @@ def test_evaluate_plain_values():
     assert cel.evaluate("'leak' in alerts", {"alerts": ["leak"]}) is True
 
 
+def test_the_same_expression_over_the_same_values_is_evaluated_once(monkeypatch):
+    """Results are kept per expression and values as CEL receives them: an int and a double,
+    a bool and an int, or one map in two key orders are other values; a kept list is the
+    caller's own copy; values JSON cannot carry exactly are evaluated every time."""
+    evaluated = []
+    real = cel._evaluate
+    monkeypatch.setattr(cel, "_evaluate", lambda e, v: (evaluated.append(v), real(e, v))[1])
+    cel._evaluate_json.cache_clear()
+    assert cel.evaluate("x / 2", {"x": 3, "unread": 1}) == 1
+    assert cel.evaluate("x / 2", {"x": 3, "unread": 2}) == 1  # what it does not read
+    with pytest.raises(EvoError, match="failed"):  # a double over an int: no overload
+        cel.evaluate("x / 2", {"x": 3.0})
+    assert cel.evaluate("type(x) == bool", {"x": True}) is True
+    assert cel.evaluate("type(x) == bool", {"x": 1}) is False
+    assert cel.evaluate("m.map(k, k)", {"m": {"a": 1, "b": 2}}) == ["a", "b"]
+    assert cel.evaluate("m.map(k, k)", {"m": {"b": 2, "a": 1}}) == ["b", "a"]
+    first = cel.evaluate("x.map(v, v * 2)", {"x": [1, 2]})
+    first.append(99)
+    assert cel.evaluate("x.map(v, v * 2)", {"x": (1, 2)}) == [2, 4]
+    assert len(evaluated) == 7
+    assert cel.evaluate("size(m)", {"m": {1: "a", "b": 2}}) == 2  # a key CEL makes a string
+    assert cel.evaluate("size(m)", {"m": {1: "a", "b": 2}}) == 2
+    assert len(evaluated) == 9
+
+
 def test_null_comparison_fails_but_or_absorbs_it():
     with pytest.raises(EvoError, match="failed"):
         cel.evaluate("x > 1.0", {"x": None})

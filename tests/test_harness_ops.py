@@ -224,6 +224,41 @@ def test_early_stops_are_replayed_only_when_what_a_stop_reads_changes():
                                 dataclasses.replace(unread, early_stop=()))
 
 
+def test_a_stop_reads_the_critical_levels_alone_unless_a_rule_reads_warnings():
+    """What a replay diagnoses (stop_inputs): h0's rules read `critical`, so only critical
+    levels are kept, the alerts without one are left out, and so are the metrics only a
+    warning reads; a warning threshold moved changes no stop, a critical one may. A rule
+    that reads `warning_alerts` keeps every level."""
+    import dataclasses
+
+    from evotrainer.agent.stop_replay import stop_inputs, stops_may_differ
+    from evotrainer.diagnosis.harness import resolve_harness
+
+    h0 = resolve_harness("h0")
+    cut = stop_inputs(h0)
+    assert {a.name for a in cut.alerts} == {"dead_groups", "abandonment", "leak",
+                                            "overconfidence"}
+    assert all(level.severity == "critical" for a in cut.alerts for level in a.levels)
+    assert all(a.sample_limit == 0 for a in cut.alerts)  # no rule reads examples
+    kept = {m.name for m in cut.metrics}
+    assert {"dead_group_ratio", "leak_ratio", "val_leak_ratio", "mean_logprob"} <= kept
+    assert not kept & {"reward_spread", "truncation_rate", "length_reward_corr", "avg_at_k"}
+
+    def moved(harness, alert, when):
+        return dataclasses.replace(harness, alerts=tuple(
+            dataclasses.replace(a, levels=tuple(
+                dataclasses.replace(level, when=when) if level is a.levels[-1] else level
+                for level in a.levels)) if a.name == alert else a
+            for a in harness.alerts))
+
+    assert not stops_may_differ(h0, moved(h0, "weak_signal", "reward_spread < 0.5"))
+    assert stops_may_differ(h0, moved(h0, "leak", "leak_ratio > 0.5"))
+    warned = dataclasses.replace(h0, early_stop=(*h0.early_stop, dataclasses.replace(
+        h0.early_stop[0], name="warned", when="warning_alerts > 3")))
+    assert len(stop_inputs(warned).alerts) == len(h0.alerts)
+    assert stops_may_differ(warned, moved(warned, "weak_signal", "reward_spread < 0.5"))
+
+
 def test_a_backtest_reuses_its_diagnoses_of_the_same_evidence_and_reports_progress(
         recorded, monkeypatch):
     """A backtest keeps each diagnosis it computes, keyed by the revision, the version's and

@@ -23,6 +23,7 @@ from evotrainer.diagnosis.incremental import (
     _key_codes,
     _sql_partials,
     diagnose_incremental,
+    diagnose_prefixes,
 )
 from evotrainer.diagnosis.sql import ReadOnlyQuery
 from evotrainer.errors import EvoError
@@ -206,6 +207,9 @@ def test_values_from_histograms_are_duckdbs_to_the_bit(seed):
         "SELECT (SELECT max(turns) FROM all_rollouts) AS value FROM rollouts",
         "SELECT quantile_cont(turns, $q) AS value FROM rollouts",
         "SELECT avg(DISTINCT turns) AS value FROM rollouts",
+        "SELECT step, avg(DISTINCT turns) AS value FROM rollouts GROUP BY ROLLUP (step)",
+        "SELECT avg(turns) AS value FROM rollouts WHERE turns > 1 GROUP BY seed",
+        "SELECT avg(turns) AS value FROM rollouts WHERE (turns > 1",
         "SELECT max(turns) AS value FROM groups",
     ],
 )
@@ -242,19 +246,23 @@ def test_a_correlation_from_co_moments_is_duckdbs_and_its_state_survives_json():
     assert [v for _, v in points] == pytest.approx([v for _, v in wanted], rel=1e-12)
 
 
+def _tampered(table: pa.Table) -> pa.Table:
+    """`table` with a `tampered` reward component on two rows of three, 1 on one in 17."""
+    components = pa.array(
+        [[] if i % 3 == 0 else [("tampered", float(i % 17 == 0))] for i in range(table.num_rows)],
+        table.schema.field("reward_components").type,
+    )
+    return table.set_column(table.schema.get_field_index("reward_components"),
+                            "reward_components", components)
+
+
 def test_h1_grown_in_chunks_diagnoses_like_the_full_run():
     # h1's additions combine from per-step partials too: the integrity means over the rows
     # that carry `tampered` (some do not) and the echo_repeat analyzer.
     h1 = resolve_harness("h1")
     kinds = {m.name: _combinable(m)[0] for m in h1.metrics}
     assert kinds["tampered_ratio"] == kinds["echo_repeat_ratio"] == "mean"
-    table = _run(1200)
-    components = pa.array(
-        [[] if i % 3 == 0 else [("tampered", float(i % 17 == 0))] for i in range(table.num_rows)],
-        table.schema.field("reward_components").type,
-    )
-    table = table.set_column(table.schema.get_field_index("reward_components"),
-                             "reward_components", components)
+    table = _tampered(_run(1200))
     state = None
     for end in (table.num_rows // 3 + 7, table.num_rows * 2 // 3 + 1, table.num_rows):
         grown = table.slice(0, end)
@@ -305,3 +313,51 @@ def test_catalogue_metrics_and_declared_analyzers_grown_in_chunks_diagnose_like_
         full = diagnose(grown, None, harness)
         _assert_same(incremental, full)
         assert full["metrics"]["calls_per_turn"] > 0
+
+
+def test_a_mean_over_every_row_combines_without_points():
+    """`SELECT avg(e) AS value FROM v WHERE c` (h2's val_tampered_ratio) combines from the
+    same per-step partials as a mean by step, and has no per-step points, as in full."""
+    h2 = resolve_harness("h2")
+    assert _combinable(h2.metric("val_tampered_ratio"))[0] == "mean"
+    table = _tampered(_run(1200))
+    state = None
+    for end in (table.num_rows // 3 + 7, table.num_rows):
+        grown = table.slice(0, end)
+        incremental, state = diagnose_incremental(grown, None, h2, state)
+        full = diagnose(grown, None, h2)
+        _assert_same(incremental, full)
+    assert full["metrics"]["val_tampered_ratio"] > 0
+    assert "val_tampered_ratio" in state.partials
+
+
+def test_every_prefix_of_a_run_reads_as_its_diagnosis_in_full():
+    """diagnose_prefixes: at each recorded step, every metric an early stop of h2 reads
+    (leak and tamper ratios of both splits, dead groups, the turns histogram, logprobs
+    recorded from step 5 on only) and each series' latest point are what `diagnose` computes
+    over the rows up to that step."""
+    from evotrainer.agent.stop_replay import stop_inputs
+
+    harness = stop_inputs(resolve_harness("h2"))
+    table = _tampered(_run(1200))
+    logprob = table.schema.get_field_index("mean_logprob")
+    table = table.set_column(logprob, "mean_logprob", pc.if_else(
+        pc.less(table.column("step"), 5), pa.scalar(None, pa.float64()),
+        table.column("mean_logprob")))
+    ends = sorted(set(table.column("step").to_pylist()))
+    prefixes = diagnose_prefixes(table, None, harness, ends)
+    assert prefixes is not None and len(prefixes) == len(ends) > 5
+    for end, (metrics, latest) in zip(ends, prefixes, strict=True):
+        full = diagnose(table.filter(pc.less_equal(table.column("step"), end)), None, harness)
+        assert metrics.keys() == full["metrics"].keys()
+        for name, value in full["metrics"].items():
+            expected = value if value is None else pytest.approx(value, rel=1e-9, abs=1e-12)
+            assert metrics[name] == expected, (end, name)
+        assert latest.keys() == {n for n, points in full["series"].items() if points}, end
+        for name, point in latest.items():
+            assert point == pytest.approx(full["series"][name][-1], rel=1e-9), (end, name)
+    assert prefixes[0][0]["mean_logprob"] is None
+    assert prefixes[-1][0]["mean_logprob"] is not None
+    assert prefixes[-1][0]["val_tampered_ratio"] > 0
+    # A metric that does not combine (h0's avg_at_k joins the groups): no prefixes.
+    assert diagnose_prefixes(table, None, H0, ends) is None

@@ -1,5 +1,6 @@
-"""Early-stop replays kept between `harness diff` runs: the same revision over the same
-recorded run is read back, never replayed again; another revision is replayed."""
+"""Early-stop replays: every recorded step of a run from its prefixes in one pass, stopping
+where the step-by-step replay stops; kept between `harness diff` runs, so the same revision
+over the same recorded run is read back, never replayed again, and another is replayed."""
 
 from __future__ import annotations
 
@@ -60,3 +61,35 @@ def test_an_unreadable_memo_is_replayed(workspace):
     for i, path in enumerate(kept):
         path.write_text(('{"stop": "collapse"}', "not json", "[]", '{"other": 1}')[i % 4])
     assert stop_replay.stop_changes(workspace, h0, h5) == first
+
+
+def test_a_replay_from_prefixes_stops_where_the_step_by_step_replay_stops(workspace,
+                                                                          monkeypatch):
+    """A run of 8 recorded steps and a collapse stop judged on at least 400 rollouts: both
+    replays stop at step 5 (480 rollouts; 384 at step 4), the one from prefixes after a
+    single diagnosis of the run, the other after one per step."""
+    from evotrainer.diagnosis import incremental
+
+    train(workspace, "v1", standin_skill=0.6, standin_train_steps=8)
+    converge(workspace)
+    doc = yaml.safe_load((workspace.root / "harness_revisions" / "h0.yaml").read_text())
+    doc.update(name="h7", parent="h0", params={**doc["params"], "stop_min_rollouts": 400})
+    doc["early_stop"] = [{**r, "when": "rows >= params.stop_min_rollouts && "
+                                       "latest.dead_group_ratio >= 0.0"}
+                         if r["name"] == "collapse" else r for r in doc["early_stop"]]
+    (workspace.root / "harness_revisions" / "h7.yaml").write_text(yaml.safe_dump(doc))
+    harness = stop_replay.stop_inputs(resolve_harness("h7", workspace.root))
+    states = workspace.versions()
+    recipe = workspace.resolved_recipe("v1", states)
+    diagnosed = []
+    real = incremental.diagnose_incremental
+    monkeypatch.setattr(incremental, "diagnose_incremental",
+                        lambda *a, **k: (diagnosed.append(1), real(*a, **k))[1])
+    monkeypatch.setattr(stop_replay, "diagnose_incremental", incremental.diagnose_incremental)
+    fast = stop_replay._replay(workspace, states["v1"], harness, recipe)
+    assert len(diagnosed) == 1
+    monkeypatch.setattr(stop_replay, "diagnose_prefixes", lambda *args: None)
+    slow = stop_replay._replay(workspace, states["v1"], harness, recipe)
+    assert len(diagnosed) == 1 + 5
+    assert fast == slow == {"rule": "collapse", "alert": "dead_groups", "step": 5,
+                            "steps": 150, "rows": 480}

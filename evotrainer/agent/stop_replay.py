@@ -8,14 +8,17 @@ one step to the next) and the rules are evaluated by the controller's own `early
 the same variables (`stop_variables`: rows, step, latest.<metric>, critical, ...). The first
 step where a rule holds is the stop that revision would have made.
 
-A replay re-diagnoses each recorded step, so `harness diff` runs it only when the two
-revisions differ in what a stop reads (`stops_may_differ`), and each replay's outcome is kept
-beside the backtest's diagnoses (.evotrainer/cache/backtest), keyed by what it depends on:
-the revision's digest, the version's branch, its resolved recipe and the code that replays.
+A replay re-diagnoses each recorded step with only what a stop reads (`stop_inputs`: the
+rules, the alerts, the params and the metrics they name), so `harness diff` runs it only when
+the two revisions differ there (`stops_may_differ`), and each replay's outcome is kept beside
+the backtest's diagnoses (.evotrainer/cache/backtest), keyed by what it depends on: those
+inputs, the version's branch, its resolved recipe and the code that replays. Two revisions
+that differ only in what no stop reads share their replays.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -27,11 +30,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from evotrainer.control.live import LiveView, early_stop
+from evotrainer.diagnosis.diagnose import fired_level
 from evotrainer.diagnosis.harness import HarnessRevision
-from evotrainer.diagnosis.incremental import diagnose_incremental
+from evotrainer.diagnosis.incremental import diagnose_incremental, diagnose_prefixes
 from evotrainer.evidence.io import read_rollouts, read_steps
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.gate.harness_backtest import _code_digest, _remember
+from evotrainer.store.cel import names
 from evotrainer.store.lineage import tree_order
 from evotrainer.store.records import JobState
 from evotrainer.store.workspace import VersionState, Workspace
@@ -39,19 +44,38 @@ from evotrainer.store.workspace import VersionState, Workspace
 REPLAYED_STATES = (JobState.SUCCEEDED, JobState.STOPPED)
 
 
+def stop_inputs(harness: HarnessRevision) -> HarnessRevision:
+    """`harness` cut to what its early stops read: the rules, the params, the alerts (the
+    rules read which fire; only their critical levels where no rule reads `alerts` or
+    `warning_alerts`, as a critical level fires whatever follows it), and the metrics a rule
+    or a kept level names. Alert examples are left out (no rule reads them), and the digest
+    is of what is kept."""
+    warned = any(names(rule.when) & {"alerts", "warning_alerts"} for rule in harness.early_stop)
+    alerts = tuple(
+        dataclasses.replace(alert, sample_limit=0, levels=levels)
+        for alert in harness.alerts
+        if (levels := tuple(level for level in alert.levels
+                            if warned or level.severity == "critical"))
+    )
+    texts = " ".join([rule.when for rule in harness.early_stop] +
+                     [level.when for alert in alerts for level in alert.levels])
+    read = {alert.metric for alert in alerts} | {
+        m.name for m in harness.metrics if re.search(rf"\b{re.escape(m.name)}\b", texts)}
+    kept = dataclasses.replace(
+        harness, metrics=tuple(m for m in harness.metrics if m.name in read), alerts=alerts)
+    content = {field: dataclasses.asdict(kept)[field]
+               for field in ("params", "metrics", "alerts", "early_stop", "analyzers")}
+    digest = hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode())
+    return dataclasses.replace(kept, digest=digest.hexdigest())
+
+
 def stops_may_differ(old: HarnessRevision, new: HarnessRevision) -> bool:
-    """Whether a stop could differ: the rules, or what they read — alerts (`critical`),
-    params, or a metric a rule names whose definition changed. A revision that only adds
-    metrics no rule reads is not replayed."""
+    """Whether a stop could differ: the rules, or what they read — alerts, params, or a
+    metric a rule or an alert names whose definition changed. A revision that only adds
+    metrics nothing reads is not replayed."""
     if not (old.early_stop or new.early_stop):
         return False
-    if old.early_stop != new.early_stop or old.alerts != new.alerts or \
-            old.params != new.params:
-        return True
-    a, b = {m.name: m for m in old.metrics}, {m.name: m for m in new.metrics}
-    redefined = {n for n in set(a) | set(b) if a.get(n) != b.get(n)}
-    read = " ".join(rule.when for rule in new.early_stop)
-    return any(re.search(rf"\b{re.escape(n)}\b", read) for n in redefined)
+    return stop_inputs(old).digest != stop_inputs(new).digest
 
 
 def replayed_versions(ws: Workspace, states: dict[str, VersionState]) -> list[str]:
@@ -67,29 +91,43 @@ def replayed_versions(ws: Workspace, states: dict[str, VersionState]) -> list[st
 
 def replay_stop(ws: Workspace, states: dict[str, VersionState], name: str,
                 harness: HarnessRevision) -> dict[str, Any] | None:
-    """The first early stop `harness` would have made on `name`'s recorded run, or None."""
+    """The first early stop `harness` (a revision's `stop_inputs`) would have made on
+    `name`'s recorded run, or None."""
     if not harness.early_stop:
         return None
-    state = states[name]
-    recipe = ws.resolved_recipe(name, states)
-    key = _memo_key(harness, state.name, state.sha, recipe)
-    memo = ws.state_dir / "cache" / "backtest" / f"stop-{key}.json"
-    try:  # this revision's replay of this very run, from an earlier harness diff
-        kept = json.loads(memo.read_bytes())
-        if isinstance(kept, dict) and (kept.get("stop") is None or
-                                       isinstance(kept["stop"], dict)):
-            return kept["stop"]
-    except (OSError, ValueError, KeyError):
-        pass
-    stop = _replay(ws, state, harness, recipe)
-    _remember(memo, {"stop": stop})
+    memo = _memo(ws, states, name, harness)
+    found, stop = _kept(memo)
+    if not found:
+        stop = _replay(ws, states[name], harness, ws.resolved_recipe(name, states))
+        _remember(memo, {"stop": stop})
     return stop
 
 
+def _memo(ws: Workspace, states: dict[str, VersionState], name: str,
+          harness: HarnessRevision) -> Path:
+    """Where this revision's replay of this run is kept, from an earlier harness diff."""
+    state = states[name]
+    key = _memo_key(harness, state.name, state.sha, ws.resolved_recipe(name, states))
+    return ws.state_dir / "cache" / "backtest" / f"stop-{key}.json"
+
+
+def _kept(memo: Path) -> tuple[bool, dict[str, Any] | None]:
+    """(found, the stop) of a kept replay; a memo that is not one is not found."""
+    try:
+        kept = json.loads(memo.read_bytes())
+        if isinstance(kept, dict) and (kept.get("stop") is None or
+                                       isinstance(kept["stop"], dict)):
+            return True, kept["stop"]
+    except (OSError, ValueError, KeyError):
+        pass
+    return False, None
+
+
 def _memo_key(harness: HarnessRevision, name: str, sha: str, recipe: dict) -> str:
-    """What a replay depends on: the revision, the version's branch (its run record and
-    artifacts' digests), the recipe it ran (its steps and seeds, inherited from ancestors)
-    and the code that diagnoses, reads the evidence and decides a stop."""
+    """What a replay depends on: what the revision's stops read (`stop_inputs`' digest), the
+    version's branch (its run record and artifacts' digests), the recipe it ran (its steps
+    and seeds, inherited from ancestors) and the code that diagnoses, reads the evidence and
+    decides a stop."""
     parts = (harness.digest, name, sha, json.dumps(recipe, sort_keys=True, default=str),
              _code_digest(), _replay_code_digest())
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
@@ -107,25 +145,30 @@ def _replay_code_digest() -> str:
 
 def _replay(ws: Workspace, state: VersionState, harness: HarnessRevision, recipe: dict
             ) -> dict[str, Any] | None:
-    """The replay itself: every recorded step diagnosed and looked at as the live look
-    does."""
+    """The replay itself: the run's evidence up to each recorded step diagnosed and looked
+    at as the live look does; every step's metrics from one pass where they all combine
+    (`diagnose_prefixes`), else each step's diagnosis carried to the next."""
     name = state.name
     files = RunArtifacts(ws.run_dir(name, state.records["run"]))
     table = read_rollouts(files.rollouts_dir)
     steps = read_steps(files.steps) if files.steps.is_file() else None
     seeds = recipe.get("seeds") or [0]
     total = int(recipe["grpo"]["steps"]) * len(seeds)
-    train = table.filter(pc.equal(table["split"], "train"))
-    points = sorted(set(train["step"].to_pylist()))
+    looks = _looks(table, total)
+    prefixes = diagnose_prefixes(table, steps, harness, [look.step for look in looks])
     carried = None
-    for step in points:
-        so_far = table.filter(pc.less_equal(table["step"], step))
-        steps_so_far = steps.filter(pc.less_equal(steps["step"], step)) \
-            if steps is not None and "step" in steps.column_names else steps
-        diagnosis, carried = diagnose_incremental(so_far, steps_so_far, harness, carried)
-        view = LiveView(name, "replay", recipe.get("backend") or "local",
-                        step=_steps_done(so_far), steps=total,
-                        rows=_count(so_far, "train"), val_rows=_count(so_far, "val"),
+    for i, look in enumerate(looks):
+        if prefixes is not None:
+            metrics, latest = prefixes[i]
+            diagnosis = {"metrics": metrics, "alerts": _alerts(harness, metrics),
+                         "series": {name: [point] for name, point in latest.items()}}
+        else:
+            so_far = table.filter(pc.less_equal(table["step"], look.step))
+            steps_so_far = steps.filter(pc.less_equal(steps["step"], look.step)) \
+                if steps is not None and "step" in steps.column_names else steps
+            diagnosis, carried = diagnose_incremental(so_far, steps_so_far, harness, carried)
+        view = LiveView(name, "replay", recipe.get("backend") or "local", step=look.done,
+                        steps=total, rows=look.rows, val_rows=look.val_rows,
                         diagnosis=diagnosis)
         stop = early_stop(harness, view)
         if stop is not None:
@@ -134,15 +177,38 @@ def _replay(ws: Workspace, state: VersionState, harness: HarnessRevision, recipe
     return None
 
 
-def _count(table: pa.Table, split: str) -> int:
-    return int(pc.sum(pc.equal(table["split"], split)).as_py() or 0)
+@dataclasses.dataclass(frozen=True)
+class _Look:
+    """What the live look would see at a recorded train step: the training steps done
+    (summed over seeds), and the train and validation rows up to it."""
+
+    step: int
+    done: int
+    rows: int
+    val_rows: int
 
 
-def _steps_done(table: pa.Table) -> int:
-    """Training steps with train rollouts so far, summed over seeds (as the live look
-    counts them)."""
-    train = table.filter(pc.equal(table["split"], "train"))
-    return len(set(zip(train["seed"].to_pylist(), train["step"].to_pylist(), strict=True)))
+def _looks(table: pa.Table, total: int) -> list[_Look]:
+    """A look at each recorded train step while steps are left to save (at the last one the
+    live look stops nothing: early_stop), counted from one grouping of the rows."""
+    counts = table.group_by(["split", "seed", "step"]).aggregate([([], "count_all")])
+    keys = [row for row in counts.to_pylist() if row["step"] is not None]
+    looks = []
+    for step in sorted({k["step"] for k in keys if k["split"] == "train"}):
+        upto = [k for k in keys if k["step"] <= step]
+        done = sum(k["split"] == "train" for k in upto)
+        if done >= total:
+            break
+        looks.append(_Look(step, done, *(sum(k["count_all"] for k in upto if k["split"] == s)
+                                         for s in ("train", "val"))))
+    return looks
+
+
+def _alerts(harness: HarnessRevision, metrics: dict[str, float | None]) -> list[dict]:
+    """The alerts that fire over `metrics`, with what a stop rule reads of them."""
+    return [{"name": alert.name, "severity": level.severity,
+             "layer": harness.metric(alert.metric).layer}
+            for alert in harness.alerts if (level := fired_level(harness, alert, metrics))]
 
 
 def stop_changes(ws: Workspace, old: HarnessRevision, new: HarnessRevision
@@ -151,6 +217,7 @@ def stop_changes(ws: Workspace, old: HarnessRevision, new: HarnessRevision
     recorded (the stop its run record holds), before, after} — a stop that would (not) have
     fired, or fired by another rule or at another step."""
     states = ws.versions()
+    old, new = stop_inputs(old), stop_inputs(new)
     out = []
     for name in replayed_versions(ws, states):
         before, after = replay_stop(ws, states, name, old), replay_stop(ws, states, name, new)

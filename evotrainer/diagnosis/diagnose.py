@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 
 from evotrainer.diagnosis.analyzers import ANALYZERS, call_table, mean_by_step
 from evotrainer.diagnosis.declared import AnalyzerRefused, AnalyzerRuns, run_declared
-from evotrainer.diagnosis.harness import Alert, HarnessRevision, Metric
+from evotrainer.diagnosis.harness import Alert, HarnessRevision, Level, Metric
 from evotrainer.diagnosis.sql import (
     MEMORY_LIMIT,
     READS_CALLS,
@@ -249,6 +249,19 @@ def _slope(points: list[list[float]]) -> float | None:
         return None
     steps, values = np.array(points, dtype=float).T
     return float(np.polyfit(steps, values, 1)[0])
+
+
+def fired_level(
+    harness: HarnessRevision, alert: Alert, metrics: dict[str, float | None]
+) -> Level | None:
+    """The level `alert` fires at over `metrics`: the first of its levels (most severe
+    first) whose condition holds, or None."""
+    variables = {**metrics, "params": harness.params}
+    for i, level in enumerate(alert.levels):
+        field = f"alerts.{alert.name}.levels[{i}].when"
+        if cel.holds(level.when, variables, where=harness.source, field=field):
+            return level
+    return None
 
 
 class _Run:
@@ -488,23 +501,21 @@ class _Run:
         return mean_by_step(view.column("step").to_numpy(), values)
 
     def alert(self, alert: Alert, metrics: dict[str, float | None]) -> dict | None:
-        variables = {**metrics, "params": self.harness.params}
-        for i, level in enumerate(alert.levels):
-            field = f"alerts.{alert.name}.levels[{i}].when"
-            if cel.holds(level.when, variables, where=self.harness.source, field=field):
-                metric = self.harness.metric(alert.metric)
-                fired_on = self._fired_on(alert, level.when, metrics)
-                return {
-                    "name": alert.name,
-                    "metric": fired_on,
-                    "layer": metric.layer,
-                    "severity": level.severity,
-                    "value": metrics[fired_on],
-                    "threshold": level.threshold,
-                    "message": alert.message,
-                    "examples": self._examples(alert, metric),
-                }
-        return None
+        level = fired_level(self.harness, alert, metrics)
+        if level is None:
+            return None
+        metric = self.harness.metric(alert.metric)
+        fired_on = self._fired_on(alert, level.when, metrics)
+        return {
+            "name": alert.name,
+            "metric": fired_on,
+            "layer": metric.layer,
+            "severity": level.severity,
+            "value": metrics[fired_on],
+            "threshold": level.threshold,
+            "message": alert.message,
+            "examples": self._examples(alert, metric),
+        }
 
     def _fired_on(self, alert: Alert, when: str, metrics: dict[str, float | None]) -> str:
         """The metric whose value alone makes `when` hold (the alert's own metric first), so

@@ -53,6 +53,16 @@ _MEAN_SQL = re.compile(
     r"(?:\s+WHERE\s+(?P<where>.*?))?\s+GROUP\s+BY\s+ROLLUP\s*\(\s*step\s*\)\s*;?\s*$",
     _FLAGS,
 )
+# A mean over every row, without per-step points (`SELECT avg(e) AS value FROM v WHERE c`): its
+# partials are the same; its WHERE may hold no clause that changes the query's shape.
+_PLAIN_MEAN_SQL = re.compile(
+    r"^\s*SELECT\s+avg\((?P<expr>.*)\)\s+AS\s+value\s+FROM\s+(?P<view>rollouts|groups)"
+    r"(?:\s+WHERE\s+(?P<where>.*?))?\s*;?\s*$",
+    _FLAGS,
+)
+_CLAUSE = re.compile(
+    r"\b(group|order|limit|offset|having|qualify|window|union|intersect|except)\b", re.IGNORECASE
+)
 _CORR_SQL = re.compile(
     r"^\s*SELECT\s+step\s*,\s*corr\((?P<args>.*)\)\s+AS\s+value\s+FROM\s+(?P<view>rollouts|groups)"
     r"(?:\s+WHERE\s+(?P<where>.*?))?\s+GROUP\s+BY\s+ROLLUP\s*\(\s*step\s*\)\s*;?\s*$",
@@ -161,6 +171,98 @@ def diagnose_incremental(
     return diagnosis, increment.next_state()
 
 
+# A prefix's metrics, and the latest point of each series metric that has one.
+Prefix = tuple[dict[str, float | None], dict[str, list[float]]]
+
+
+def diagnose_prefixes(
+    rollouts: pa.Table, steps: pa.Table | None, harness: HarnessRevision, ends: list[int]
+) -> list[Prefix] | None:
+    """For each step in `ends` (ascending), the metrics `diagnose_incremental` computes over
+    the rows up to it (every split's rows with `step <= end`) and each series' latest point
+    (what a live look reads of a series), from one pass over the rows: each metric's
+    partials per (seed, step) are computed once and merged step by step. A metric comparing
+    with a parent is null (there is none). None when a metric does not combine (a join, a
+    float's quantile, a keyed or a declared analyzer): diagnose each prefix then."""
+    metrics = [m for m in harness.metrics if not m.comparison]
+    if any(_combinable(m)[0] is None for m in metrics):
+        return None
+    rollouts = rollouts.filter(pc.is_valid(rollouts["step"]))  # no prefix holds a null step
+    _, state = diagnose_incremental(rollouts, steps, harness)
+    prefixes: list[Prefix] = [({m.name: None for m in harness.metrics}, {}) for _ in ends]
+    for metric in metrics:
+        counted = state.rows.get(metric.split, {})
+        partials = state.partials.get(metric.name)
+        recorded_from = max((_first_step(rollouts, metric.split, c) for c in metric.requires),
+                            key=lambda step: math.inf if step is None else step, default=None)
+        if recorded_from is None and metric.requires:
+            continue  # a column it requires is never recorded: null at every step
+        if partials is None:
+            if counted:
+                return None  # its split has rows and columns, yet it did not combine
+            continue
+        kind = _combinable(metric)[0]
+        first_row = min((step for _, step in counted), default=None)
+        start = max(first_row, recorded_from or first_row) if first_row is not None else None
+        by_step: dict[int, list[Any]] = {}
+        for (_, step), part in partials.items():
+            by_step.setdefault(step, []).append(part)
+        pending = sorted(by_step)
+        merged: Any = None
+        latest: list[float] | None = None
+        for end, (values, points) in zip(ends, prefixes, strict=True):
+            while pending and pending[0] <= end:
+                step = pending.pop(0)
+                here = _merged(kind, by_step[step])
+                merged = here if merged is None else _merged(kind, [merged, here])
+                if kind != "histogram":
+                    latest = next(iter(_combine(kind, {(0, step): here})[1]), None) or latest
+            if start is None or end < start:
+                continue  # no rows of its split yet, or not its required columns
+            whole = {(0, None): merged} if merged is not None else {}
+            if kind == "histogram":
+                value, latest = _latest_histogram(metric.sql, by_step, whole, end)
+            else:
+                value = _combine(kind, whole)[0]
+            values[metric.name] = value
+            if metric.series and _per_step(metric) and latest is not None:
+                points[metric.name] = latest
+    return prefixes
+
+
+def _merged(kind: str, parts: list[Any]) -> Any:
+    """One partial of `kind` for the union of the rows of `parts`."""
+    if kind == "mean":
+        return (sum(total for total, _ in parts), sum(n for _, n in parts))
+    if kind == "moments":
+        return _merge_moments(parts)
+    return _merge(parts)  # an entropy's or a histogram's value counts
+
+
+def _latest_histogram(
+    sql: str, by_step: dict[int, list[dict]], whole: dict[Key, Any], end: int
+) -> tuple[float | None, list[float] | None]:
+    """(value, latest point) of a histogram query over the steps up to `end`, `whole` their
+    merged histogram: each step's point reads `whole` (a scalar subquery's rows)."""
+    everything = whole[0, None] if whole else {}
+    value, _ = _from_histograms(sql, {}, everything)
+    for step in sorted((s for s in by_step if s <= end), reverse=True):
+        _, points = _from_histograms(sql, {(0, step): _merge(by_step[step])}, everything)
+        if points:
+            return value, points[-1]
+        if not _histogram_query(sql)[1]:
+            break  # not per step: no points at all
+    return value, None
+
+
+def _first_step(rollouts: pa.Table, split: str, column: str) -> int | None:
+    """The first step at which `column` holds a value in `split`'s rows, or None."""
+    if column not in rollouts.column_names:
+        return None
+    holds = pc.and_(pc.equal(rollouts["split"], split), pc.is_valid(rollouts[column]))
+    return pc.min(rollouts["step"].filter(holds)).as_py()
+
+
 class Increment:
     """One incremental diagnosis: the changed rows of each split and the partials of the
     combinable metrics, recomputed for those rows and combined with the carried ones."""
@@ -234,7 +336,8 @@ class Increment:
             if (split, sql) not in self.merged:
                 self.merged[split, sql] = _merge(partials.values())
             return _from_histograms(metric.sql, partials, self.merged[split, sql])
-        return _combine(kind, partials)
+        value, points = _combine(kind, partials)
+        return value, points if _per_step(metric) else []
 
     def _fuse(self, metric: Metric) -> None:
         """Compute the mean partials of `metric` and of every other mean of its split over
@@ -354,12 +457,26 @@ def _value_codes(column: pa.ChunkedArray) -> tuple[np.ndarray, Callable[[int], A
 
 def _mean_rows(metric: Metric) -> tuple[str, str, str | None] | None:
     """(expression averaged, view, WHERE) of a mean query whose partials combine, or None."""
-    if not metric.sql or (mean := _MEAN_SQL.match(metric.sql)) is None:
+    if not metric.sql:
         return None
+    mean = _MEAN_SQL.match(metric.sql)
+    if mean is None:
+        mean = _PLAIN_MEAN_SQL.match(metric.sql)
+        if mean is None or _CLAUSE.search(mean["where"] or ""):
+            return None
     expr, view, where = mean["expr"], mean["view"], mean["where"]
-    if not _balanced(expr) or any(_READS_RELATION.search(p or "") for p in (expr, where)):
+    if re.match(r"\s*distinct\b", expr, re.IGNORECASE):
+        return None  # a mean of distinct values: no per-step partial combines into it
+    if not _balanced(expr) or not _balanced(where or "") or any(
+        _READS_RELATION.search(p or "") for p in (expr, where)
+    ):
         return None
     return expr, view.lower(), where
+
+
+def _per_step(metric: Metric) -> bool:
+    """Whether `metric`'s value comes with per-step points (a plain mean's does not)."""
+    return not metric.sql or _PLAIN_MEAN_SQL.match(metric.sql) is None
 
 
 def _combinable(metric: Metric) -> tuple[str | None, str]:

@@ -67,7 +67,8 @@ def test_a_replay_from_prefixes_stops_where_the_step_by_step_replay_stops(worksp
                                                                           monkeypatch):
     """A run of 8 recorded steps and a collapse stop judged on at least 400 rollouts: both
     replays stop at step 5 (480 rollouts; 384 at step 4), the one from prefixes after a
-    single diagnosis of the run, the other after one per step."""
+    single diagnosis of the run, the other after one per step. A revision defining its
+    metrics alike (another threshold, never reached) is replayed from the same pass."""
     from evotrainer.diagnosis import incremental
 
     train(workspace, "v1", standin_skill=0.6, standin_train_steps=8)
@@ -78,7 +79,12 @@ def test_a_replay_from_prefixes_stops_where_the_step_by_step_replay_stops(worksp
                                        "latest.dead_group_ratio >= 0.0"}
                          if r["name"] == "collapse" else r for r in doc["early_stop"]]
     (workspace.root / "harness_revisions" / "h7.yaml").write_text(yaml.safe_dump(doc))
-    harness = stop_replay.stop_inputs(resolve_harness("h7", workspace.root))
+    doc["name"] = "h8"
+    doc["early_stop"] = [{**r, "when": r["when"].replace(">= 0.0", ">= 2.0")}
+                         for r in doc["early_stop"]]
+    (workspace.root / "harness_revisions" / "h8.yaml").write_text(yaml.safe_dump(doc))
+    harness, never = (stop_replay.stop_inputs(resolve_harness(h, workspace.root))
+                      for h in ("h7", "h8"))
     states = workspace.versions()
     recipe = workspace.resolved_recipe("v1", states)
     diagnosed = []
@@ -86,10 +92,11 @@ def test_a_replay_from_prefixes_stops_where_the_step_by_step_replay_stops(worksp
     monkeypatch.setattr(incremental, "diagnose_incremental",
                         lambda *a, **k: (diagnosed.append(1), real(*a, **k))[1])
     monkeypatch.setattr(stop_replay, "diagnose_incremental", incremental.diagnose_incremental)
-    fast = stop_replay._replay(workspace, states["v1"], harness, recipe)
+    fast, none = stop_replay._replay(workspace, states["v1"], [harness, never], recipe)
+    assert none is None
     assert len(diagnosed) == 1
     monkeypatch.setattr(stop_replay, "diagnose_prefixes", lambda *args: None)
-    slow = stop_replay._replay(workspace, states["v1"], harness, recipe)
+    [slow] = stop_replay._replay(workspace, states["v1"], [harness], recipe)
     assert len(diagnosed) == 1 + 5
     assert fast == slow == {"rule": "collapse", "alert": "dead_groups", "step": 5,
                             "steps": 150, "rows": 480}

@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ import pyarrow.compute as pc
 from evotrainer.control.live import LiveView, early_stop
 from evotrainer.diagnosis.diagnose import fired_level
 from evotrainer.diagnosis.harness import HarnessRevision
-from evotrainer.diagnosis.incremental import diagnose_incremental, diagnose_prefixes
+from evotrainer.diagnosis.incremental import Prefix, diagnose_incremental, diagnose_prefixes
 from evotrainer.evidence.io import read_rollouts, read_steps
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.gate.harness_backtest import _code_digest, _remember
@@ -89,18 +90,20 @@ def replayed_versions(ws: Workspace, states: dict[str, VersionState]) -> list[st
     return out
 
 
-def replay_stop(ws: Workspace, states: dict[str, VersionState], name: str,
-                harness: HarnessRevision) -> dict[str, Any] | None:
-    """The first early stop `harness` (a revision's `stop_inputs`) would have made on
-    `name`'s recorded run, or None."""
-    if not harness.early_stop:
-        return None
-    memo = _memo(ws, states, name, harness)
-    found, stop = _kept(memo)
-    if not found:
-        stop = _replay(ws, states[name], harness, ws.resolved_recipe(name, states))
-        _remember(memo, {"stop": stop})
-    return stop
+def replay_stops(ws: Workspace, states: dict[str, VersionState], name: str,
+                 harnesses: list[HarnessRevision]) -> list[dict[str, Any] | None]:
+    """The first early stop each of `harnesses` (revisions' `stop_inputs`) would have made
+    on `name`'s recorded run, or None: kept ones read back, the others replayed together."""
+    memos = [_memo(ws, states, name, h) if h.early_stop else None for h in harnesses]
+    stops = [_kept(memo) if memo is not None else (True, None) for memo in memos]
+    missing = [i for i, (found, _) in enumerate(stops) if not found]
+    if missing:
+        replayed = _replay(ws, states[name], [harnesses[i] for i in missing],
+                           ws.resolved_recipe(name, states))
+        for i, stop in zip(missing, replayed, strict=True):
+            stops[i] = (True, stop)
+            _remember(memos[i], {"stop": stop})
+    return [stop for _, stop in stops]
 
 
 def _memo(ws: Workspace, states: dict[str, VersionState], name: str,
@@ -143,32 +146,74 @@ def _replay_code_digest() -> str:
     return digest.hexdigest()
 
 
-def _replay(ws: Workspace, state: VersionState, harness: HarnessRevision, recipe: dict
-            ) -> dict[str, Any] | None:
-    """The replay itself: the run's evidence up to each recorded step diagnosed and looked
-    at as the live look does; every step's metrics from one pass where they all combine
-    (`diagnose_prefixes`), else each step's diagnosis carried to the next."""
-    name = state.name
-    files = RunArtifacts(ws.run_dir(name, state.records["run"]))
+def _replay(ws: Workspace, state: VersionState, harnesses: list[HarnessRevision],
+            recipe: dict) -> list[dict[str, Any] | None]:
+    """The replays themselves, of one run for each of `harnesses`: the run's evidence up to
+    each recorded step diagnosed and looked at as the live look does. Every step's metrics
+    come from one pass where they all combine (`diagnose_prefixes`; one pass for revisions
+    that define their metrics alike), else from each step's diagnosis carried to the next."""
+    files = RunArtifacts(ws.run_dir(state.name, state.records["run"]))
     table = read_rollouts(files.rollouts_dir)
     steps = read_steps(files.steps) if files.steps.is_file() else None
     seeds = recipe.get("seeds") or [0]
-    total = int(recipe["grpo"]["steps"]) * len(seeds)
-    looks = _looks(table, total)
-    prefixes = diagnose_prefixes(table, steps, harness, [look.step for look in looks])
+    looks = _looks(table, int(recipe["grpo"]["steps"]) * len(seeds))
+    ends = [look.step for look in looks]
+    shared = _shared(harnesses)
+    prefixes = diagnose_prefixes(table, steps, shared, ends) if shared is not None else None
+    out = []
+    for harness in harnesses:
+        own = prefixes if prefixes is not None else (
+            diagnose_prefixes(table, steps, harness, ends) if shared is None else None)
+        looked = _looked_from_prefixes(harness, own) if own is not None else \
+            _looked_step_by_step(harness, table, steps, ends)
+        out.append(_first_stop(state.name, harness, recipe, looks, looked))
+    return out
+
+
+def _shared(harnesses: list[HarnessRevision]) -> HarnessRevision | None:
+    """One revision holding every metric of `harnesses`, where they bind the same params
+    and analyzers and define each metric they share alike; None where they do not."""
+    first = harnesses[0]
+    metrics = {m.name: m for m in first.metrics}
+    for other in harnesses[1:]:
+        if other.params != first.params or other.analyzers != first.analyzers:
+            return None
+        for metric in other.metrics:
+            if metrics.setdefault(metric.name, metric) != metric:
+                return None
+    return dataclasses.replace(first, metrics=tuple(metrics.values()), alerts=(),
+                               early_stop=(), digest=f"{first.digest}+{len(harnesses)}")
+
+
+def _looked_from_prefixes(harness: HarnessRevision, prefixes: list[Prefix]
+                          ) -> Iterator[dict]:
+    """The diagnosis a live look reads at each step, from prefixes holding (at least) the
+    metrics of `harness`: its metrics, the alerts that fire over them, each series' latest
+    point."""
+    for values, latest in prefixes:
+        metrics = {m.name: values[m.name] for m in harness.metrics}
+        yield {"metrics": metrics, "alerts": _alerts(harness, metrics),
+               "series": {n: [point] for n, point in latest.items() if n in metrics}}
+
+
+def _looked_step_by_step(harness: HarnessRevision, table: pa.Table, steps: pa.Table | None,
+                         ends: list[int]) -> Iterator[dict]:
+    """The diagnosis of the rows up to each step, each carried to the next."""
     carried = None
-    for i, look in enumerate(looks):
-        if prefixes is not None:
-            metrics, latest = prefixes[i]
-            diagnosis = {"metrics": metrics, "alerts": _alerts(harness, metrics),
-                         "series": {name: [point] for name, point in latest.items()}}
-        else:
-            so_far = table.filter(pc.less_equal(table["step"], look.step))
-            steps_so_far = steps.filter(pc.less_equal(steps["step"], look.step)) \
-                if steps is not None and "step" in steps.column_names else steps
-            diagnosis, carried = diagnose_incremental(so_far, steps_so_far, harness, carried)
+    for end in ends:
+        so_far = table.filter(pc.less_equal(table["step"], end))
+        steps_so_far = steps.filter(pc.less_equal(steps["step"], end)) \
+            if steps is not None and "step" in steps.column_names else steps
+        diagnosis, carried = diagnose_incremental(so_far, steps_so_far, harness, carried)
+        yield diagnosis
+
+
+def _first_stop(name: str, harness: HarnessRevision, recipe: dict, looks: list[_Look],
+                diagnoses: Iterator[dict]) -> dict[str, Any] | None:
+    """The first look at which a rule of `harness` holds, as the stop a run record holds."""
+    for look, diagnosis in zip(looks, diagnoses, strict=True):
         view = LiveView(name, "replay", recipe.get("backend") or "local", step=look.done,
-                        steps=total, rows=look.rows, val_rows=look.val_rows,
+                        steps=look.total, rows=look.rows, val_rows=look.val_rows,
                         diagnosis=diagnosis)
         stop = early_stop(harness, view)
         if stop is not None:
@@ -184,13 +229,15 @@ class _Look:
 
     step: int
     done: int
+    total: int
     rows: int
     val_rows: int
 
 
 def _looks(table: pa.Table, total: int) -> list[_Look]:
-    """A look at each recorded train step while steps are left to save (at the last one the
-    live look stops nothing: early_stop), counted from one grouping of the rows."""
+    """A look at each recorded train step while steps are left to save (of `total`, summed
+    over seeds; at the last one the live look stops nothing: early_stop), counted from one
+    grouping of the rows."""
     counts = table.group_by(["split", "seed", "step"]).aggregate([([], "count_all")])
     keys = [row for row in counts.to_pylist() if row["step"] is not None]
     looks = []
@@ -199,8 +246,9 @@ def _looks(table: pa.Table, total: int) -> list[_Look]:
         done = sum(k["split"] == "train" for k in upto)
         if done >= total:
             break
-        looks.append(_Look(step, done, *(sum(k["count_all"] for k in upto if k["split"] == s)
-                                         for s in ("train", "val"))))
+        looks.append(_Look(step, done, total,
+                           *(sum(k["count_all"] for k in upto if k["split"] == s)
+                             for s in ("train", "val"))))
     return looks
 
 
@@ -220,7 +268,7 @@ def stop_changes(ws: Workspace, old: HarnessRevision, new: HarnessRevision
     old, new = stop_inputs(old), stop_inputs(new)
     out = []
     for name in replayed_versions(ws, states):
-        before, after = replay_stop(ws, states, name, old), replay_stop(ws, states, name, new)
+        before, after = replay_stops(ws, states, name, [old, new])
         if before != after:
             recorded = (states[name].records.get("run") or {}).get("stopped") or None
             out.append({"version": name, "recorded": recorded and recorded.get("rule"),

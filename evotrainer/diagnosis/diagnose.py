@@ -88,6 +88,7 @@ def diagnose(
     memory_limit: str = MEMORY_LIMIT,
     evidence_digest: str | None = None,
     increment: Increment | None = None,
+    parent_comparison: dict | None = None,
 ) -> dict:
     """Compute every metric, series, trend and alert of `harness` over the evidence.
 
@@ -96,7 +97,9 @@ def diagnose(
     rollouts). `split` labels the rows of a verl dump folder. Each harness query runs within
     `timeout_s` and `memory_limit`. `evidence_digest` spares hashing evidence whose digest the
     caller holds. `increment` (see incremental.diagnose_incremental, which passes it) computes
-    the metrics that combine from per-step partials from the new rows only."""
+    the metrics that combine from per-step partials from the new rows only.
+    `parent_comparison`, the comparison with the parent where the caller holds it (the same
+    gate procedure over the same score tables), stands for computing it."""
     # The evidence digest is hashed, and the analyzers run, on other threads while the
     # queries run: sha256, Arrow's IPC writer, numpy and DuckDB release the GIL, so each
     # costs little wall time beside the others instead of adding its whole pass to them.
@@ -125,8 +128,8 @@ def diagnose(
         try:
             if increment is None:  # an increment's analyzers see few rows: no thread needed
                 run.start_analyzers(background)
-            comparison = None
-            if parent_scores is not None:
+            comparison = parent_comparison
+            if comparison is None and parent_scores is not None:
                 candidate = scores if scores is not None else val_scores(table)
                 if candidate.num_rows:
                     # The one comparison with the parent, under the harness's gate procedure:

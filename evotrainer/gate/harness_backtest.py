@@ -50,8 +50,12 @@ def recorded_versions(ws: Workspace, states: dict[str, VersionState]) -> list[st
 
 
 def _diagnosis(
-    ws: Workspace, states: dict[str, VersionState], state: VersionState, harness: HarnessRevision
+    ws: Workspace, states: dict[str, VersionState], state: VersionState, harness: HarnessRevision,
+    parent_comparison: dict | None = None,
 ) -> dict:
+    """The diagnosis of `state`'s recorded evidence under `harness`: reconcile's under the same
+    revision, else one an earlier backtest kept, else diagnosed now (with the comparison with
+    the parent, where the caller holds it under the same procedure)."""
     recorded = state.diagnosis
     if recorded and recorded.harness_digest == harness.digest:
         # reconcile already diagnosed it with exactly this revision
@@ -67,12 +71,15 @@ def _diagnosis(
     steps_file = files.steps
     # The parent's and the version's recorded scores, as reconcile diagnoses: the
     # version-layer metrics and the gate then read the same comparison here as there.
+    compared = parent_comparison is not None
     result = diagnose(
         read_rollouts(files.rollouts_dir),
         read_steps(steps_file) if steps_file.is_file() else None,
         harness,
-        recorded_scores(ws, state.parent) if _collected(states, state.parent) else None,
-        scores=recorded_scores(ws, state.name),
+        recorded_scores(ws, state.parent)
+        if not compared and _collected(states, state.parent) else None,
+        scores=None if compared else recorded_scores(ws, state.name),
+        parent_comparison=parent_comparison,
     )
     document = diagnosis_document(result, state.name)
     _remember(memo, document)
@@ -131,15 +138,19 @@ def _diagnose_all(
 ) -> tuple[dict[str, dict], dict[str, dict]]:
     """Each version's diagnosis under `old` and under `new` (once where they are one
     revision), one version after another: run on threads, two versions at once hung in a
-    git read (each diagnosis has threads and child processes of its own)."""
+    git read (each diagnosis has threads and child processes of its own). Where both test
+    under one gate procedure, `new` reads the comparison with the parent `old`'s holds: the
+    same procedure over the same recorded score tables."""
     old_diag: dict[str, dict] = {}
     new_diag: dict[str, dict] = {}
     for done, name in enumerate(names):
         if progress is not None:
             progress(name, done, len(names))
         old_diag[name] = _diagnosis(ws, states, states[name], old)
+        compared = old_diag[name].get("comparison") if new.procedure == old.procedure \
+            else None
         new_diag[name] = (old_diag[name] if new.digest == old.digest
-                          else _diagnosis(ws, states, states[name], new))
+                          else _diagnosis(ws, states, states[name], new, compared))
     if progress is not None and names:
         progress(names[-1], len(names), len(names))
     return old_diag, new_diag

@@ -20,7 +20,7 @@ def test_the_same_expression_over_the_same_values_is_evaluated_once(monkeypatch)
     evaluated = []
     real = cel._evaluate
     monkeypatch.setattr(cel, "_evaluate", lambda e, v: (evaluated.append(v), real(e, v))[1])
-    cel._evaluate_json.cache_clear()
+    cel._EVALUATED.clear()
     assert cel.evaluate("x / 2", {"x": 3, "unread": 1}) == 1
     assert cel.evaluate("x / 2", {"x": 3, "unread": 2}) == 1  # what it does not read
     with pytest.raises(EvoError, match="failed"):  # a double over an int: no overload

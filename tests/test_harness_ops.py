@@ -204,6 +204,50 @@ def test_a_revised_early_stop_rule_is_replayed_over_the_recorded_runs(recorded, 
         in shown.output
 
 
+def test_early_stops_are_replayed_beside_the_backtest_by_a_child_and_the_caller(
+        recorded, monkeypatch):
+    """stop_changes_beside: the child (`python -m evotrainer.agent.stop_replay ROOT OLD NEW`)
+    keeps the replays it makes; the caller reads those back, makes the rest, stops the child
+    and answers as stop_changes does. On one core the caller replays alone."""
+    import shutil
+    import subprocess
+
+    from evotrainer.agent import stop_replay
+    from evotrainer.diagnosis.harness import resolve_harness
+
+    doc = yaml.safe_load((recorded.root / "harness_revisions" / "h0.yaml").read_text())
+    write_revision(recorded, "h5", early_stop=[
+        {**r, "when": "rows >= params.stop_min_rollouts && latest.dead_group_ratio >= 0.0"}
+        if r["name"] == "collapse" else r for r in doc["early_stop"]])
+    h0, h5 = (resolve_harness(h, recorded.root) for h in ("h0", "h5"))
+    cache = recorded.state_dir / "cache" / "backtest"
+    expected = stop_replay.stop_changes(recorded, h0, h5)
+    assert [c["version"] for c in expected] == ["v0", "v1", "v2"]
+    shutil.rmtree(cache)
+    children = []
+    real = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: children.append(real(*a, **k))
+                        or children[-1])
+    with stop_replay.stop_changes_beside(recorded, h0, h5) as changes:
+        assert changes() == expected
+    replayers = [c for c in children if "evotrainer.agent.stop_replay" in c.args]
+    assert len(replayers) == 1 and replayers[0].returncode is not None
+    # What the child keeps is read back, not replayed again.
+    shutil.rmtree(cache)
+    assert stop_replay._main([str(recorded.root), h0.source, h5.source]) == 0
+    kept = stop_replay._replay
+    monkeypatch.setattr(stop_replay, "_replay", lambda *a: pytest.fail("replayed again"))
+    with stop_replay.stop_changes_beside(recorded, h0, h5) as changes:
+        assert changes() == expected
+    monkeypatch.setattr(stop_replay, "_replay", kept)
+    shutil.rmtree(cache)
+    monkeypatch.setattr(stop_replay.os, "sched_getaffinity", lambda pid: {0})
+    with stop_replay.stop_changes_beside(recorded, h0, h5) as changes:
+        assert changes() == expected
+    assert len([c for c in children if "evotrainer.agent.stop_replay" in c.args]) == 2
+    # (the second is the one whose replays were read back; on one core there is none)
+
+
 def test_early_stops_are_replayed_only_when_what_a_stop_reads_changes():
     import dataclasses
 

@@ -21,8 +21,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import re
-from collections.abc import Iterator
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -31,9 +35,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from evotrainer.control.live import LiveView, early_stop
-from evotrainer.diagnosis.diagnose import fired_level
-from evotrainer.diagnosis.harness import HarnessRevision
+from evotrainer.diagnosis.diagnose import columns_read, fired_level
+from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
 from evotrainer.diagnosis.incremental import Prefix, diagnose_incremental, diagnose_prefixes
+from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts, read_steps
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.gate.harness_backtest import _code_digest, _remember
@@ -153,7 +158,9 @@ def _replay(ws: Workspace, state: VersionState, harnesses: list[HarnessRevision]
     come from one pass where they all combine (`diagnose_prefixes`; one pass for revisions
     that define their metrics alike), else from each step's diagnosis carried to the next."""
     files = RunArtifacts(ws.run_dir(state.name, state.records["run"]))
-    table = read_rollouts(files.rollouts_dir)
+    read = [columns_read(h) for h in harnesses]  # a replay reads no prompt or response text
+    columns = None if None in read else sorted({c for each in read for c in each})
+    table = read_rollouts(files.rollouts_dir, columns=columns)
     steps = read_steps(files.steps) if files.steps.is_file() else None
     seeds = recipe.get("seeds") or [0]
     looks = _looks(table, int(recipe["grpo"]["steps"]) * len(seeds))
@@ -265,10 +272,18 @@ def stop_changes(ws: Workspace, old: HarnessRevision, new: HarnessRevision
     recorded (the stop its run record holds), before, after} — a stop that would (not) have
     fired, or fired by another rule or at another step."""
     states = ws.versions()
-    old, new = stop_inputs(old), stop_inputs(new)
+    return _changes(ws, states, [stop_inputs(old), stop_inputs(new)],
+                    replayed_versions(ws, states))
+
+
+def _changes(ws: Workspace, states: dict[str, VersionState], cut: list[HarnessRevision],
+             runs: list[str], backwards: bool = False) -> list[dict[str, Any]]:
+    """stop_changes over `runs`, replayed from the last one back where `backwards`."""
+    stops = {name: replay_stops(ws, states, name, cut)
+             for name in (reversed(runs) if backwards else runs)}
     out = []
-    for name in replayed_versions(ws, states):
-        before, after = replay_stops(ws, states, name, [old, new])
+    for name in runs:
+        before, after = stops[name]
         if before != after:
             recorded = (states[name].records.get("run") or {}).get("stopped") or None
             out.append({"version": name, "recorded": recorded and recorded.get("rule"),
@@ -284,3 +299,56 @@ def describe(change: dict[str, Any]) -> str:
         return f"{stop['rule']} at step {stop['step']} of {stop['steps']} ({stop['rows']} " \
             "rollouts)"
     return f"{change['version']}: {one(change['before'])} → {one(change['after'])}"
+
+
+@contextmanager
+def stop_changes_beside(ws: Workspace, old: HarnessRevision, new: HarnessRevision
+                        ) -> Iterator[Callable[[], list[dict[str, Any]]]]:
+    """`stop_changes(ws, old, new)` with the replays shared with a child process (`python -m
+    evotrainer.agent.stop_replay`), which starts on another core while the caller does its
+    own work (`harness diff`'s backtest) and keeps each replay it makes, the recorded runs in
+    tree order. Yields the function that, asked for the result, goes through the runs from
+    the last one back, reading each replay the child kept and making the others, then stops
+    the child (at most the run it is on is replayed twice; nothing waits on it). In this
+    process alone on one core, or for a revision not read from a file."""
+    files = [Path(h.source) for h in (old, new)]
+    if len(os.sched_getaffinity(0)) < 2 or not all(f.is_file() for f in files):
+        yield lambda: stop_changes(ws, old, new)
+        return
+    # Started first, as its start-up is most of what it costs; it exits at once where every
+    # replay is kept.
+    child = subprocess.Popen(
+        [sys.executable, "-m", "evotrainer.agent.stop_replay", str(ws.root), *map(str, files)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    states = ws.versions()
+    cut = [stop_inputs(old), stop_inputs(new)]
+    runs = replayed_versions(ws, states)
+
+    def meet() -> list[dict[str, Any]]:
+        changes = _changes(ws, states, cut, runs, backwards=True)
+        child.kill()  # every replay is kept: it could only be making one made here
+        child.wait()
+        return changes
+
+    try:
+        yield meet
+    finally:
+        if child.poll() is None:  # the caller failed before asking
+            child.kill()
+            child.wait()
+
+
+def _main(args: list[str]) -> int:
+    """The child of `stop_changes_beside`, `ROOT OLD NEW` (the revisions' files): makes and
+    keeps the replays. What fails here fails again in the caller, which reports it."""
+    root, old, new = args
+    try:
+        ws = Workspace(Path(root))
+        stop_changes(ws, resolve_harness(old, ws.root), resolve_harness(new, ws.root))
+    except EvoError:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

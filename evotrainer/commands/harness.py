@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import typer
 from rich.table import Table
 
-from evotrainer.agent.stop_replay import describe, stop_changes, stops_may_differ
+from evotrainer.agent.stop_replay import describe, stop_changes_beside, stops_may_differ
 from evotrainer.diagnosis.harness import resolve_harness
 from evotrainer.gate.harness_backtest import adopt_harness, backtest_harness, diff_harness
 from evotrainer.store.workspace import Workspace
@@ -144,8 +144,12 @@ def register(app: typer.Typer) -> None:
         ws = Workspace.find()
         a, b = resolve_harness(old, ws.root), resolve_harness(new, ws.root)
         result = diff_harness(a, b)
-        with backtest_progress(not as_json) as progress:
+        # The early stops are replayed beside the backtest: in a child process, on another core.
+        replaying = stop_changes_beside(ws, a, b) if backtest_ and stops_may_differ(a, b) \
+            else nullcontext(list)
+        with replaying as early_stops, backtest_progress(not as_json) as progress:
             report = backtest_harness(ws, b, a, progress=progress) if backtest_ else None
+            stops = early_stops()
         if report is not None:
             result["changed_verdicts"] = [
                 {**{k: r[k] for k in ("version", "recorded", "verdict_before",
@@ -154,7 +158,7 @@ def register(app: typer.Typer) -> None:
                  "after": (r["flip"] or {}).get("after")}
                 for r in report["versions"] if r["verdict_before"] != r["verdict_after"]
             ]
-            result["early_stops"] = stop_changes(ws, a, b) if stops_may_differ(a, b) else []
+            result["early_stops"] = stops
         if as_json:
             print(json.dumps(result, indent=2, default=str))
             return

@@ -27,6 +27,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
 from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
 from evotrainer.errors import EvoError
@@ -49,13 +51,31 @@ def recorded_versions(ws: Workspace, states: dict[str, VersionState]) -> list[st
     return out
 
 
+class _Evidence:
+    """A version's recorded rollouts and steps, read on first use and kept for the next
+    diagnosis of the same version, with the digest the first diagnosis computed."""
+
+    def __init__(self, ws: Workspace, state: VersionState) -> None:
+        self.files = RunArtifacts(ws.run_dir(state.name, state.records["run"]))
+        self.tables: tuple[pa.Table, pa.Table | None] | None = None
+        self.digest: str | None = None
+
+    def read(self) -> tuple[pa.Table, pa.Table | None]:
+        if self.tables is None:
+            steps = self.files.steps
+            self.tables = (read_rollouts(self.files.rollouts_dir),
+                           read_steps(steps) if steps.is_file() else None)
+        return self.tables
+
+
 def _diagnosis(
     ws: Workspace, states: dict[str, VersionState], state: VersionState, harness: HarnessRevision,
-    parent_comparison: dict | None = None,
+    parent_comparison: dict | None = None, evidence: _Evidence | None = None,
 ) -> dict:
     """The diagnosis of `state`'s recorded evidence under `harness`: reconcile's under the same
     revision, else one an earlier backtest kept, else diagnosed now (with the comparison with
-    the parent, where the caller holds it under the same procedure)."""
+    the parent, where the caller holds it under the same procedure, and the evidence where
+    the caller read it)."""
     recorded = state.diagnosis
     if recorded and recorded.harness_digest == harness.digest:
         # reconcile already diagnosed it with exactly this revision
@@ -66,21 +86,20 @@ def _diagnosis(
         return json.loads(memo.read_bytes())
     except (OSError, ValueError):
         pass
-    artifact_dir = ws.run_dir(state.name, state.records["run"])  # checked: its own folder
-    files = RunArtifacts(artifact_dir)
-    steps_file = files.steps
+    evidence = evidence or _Evidence(ws, state)  # run_dir checks it is the run's own folder
     # The parent's and the version's recorded scores, as reconcile diagnoses: the
     # version-layer metrics and the gate then read the same comparison here as there.
     compared = parent_comparison is not None
     result = diagnose(
-        read_rollouts(files.rollouts_dir),
-        read_steps(steps_file) if steps_file.is_file() else None,
+        *evidence.read(),
         harness,
         recorded_scores(ws, state.parent)
         if not compared and _collected(states, state.parent) else None,
         scores=None if compared else recorded_scores(ws, state.name),
+        evidence_digest=evidence.digest,
         parent_comparison=parent_comparison,
     )
+    evidence.digest = result["evidence_digest"]
     document = diagnosis_document(result, state.name)
     _remember(memo, document)
     return document
@@ -146,11 +165,12 @@ def _diagnose_all(
     for done, name in enumerate(names):
         if progress is not None:
             progress(name, done, len(names))
-        old_diag[name] = _diagnosis(ws, states, states[name], old)
+        evidence = _Evidence(ws, states[name])  # read once for both
+        old_diag[name] = _diagnosis(ws, states, states[name], old, evidence=evidence)
         compared = old_diag[name].get("comparison") if new.procedure == old.procedure \
             else None
         new_diag[name] = (old_diag[name] if new.digest == old.digest
-                          else _diagnosis(ws, states, states[name], new, compared))
+                          else _diagnosis(ws, states, states[name], new, compared, evidence))
     if progress is not None and names:
         progress(names[-1], len(names), len(names))
     return old_diag, new_diag

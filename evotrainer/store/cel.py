@@ -268,13 +268,19 @@ def evaluate(expr: str, variables: dict[str, Any]) -> Any:
     used = {key: value for key, value in variables.items() if key in names(expr)}
     if not _json_exact(used):
         return _evaluate(expr, used)
-    result = _evaluate_json(expr, json.dumps(used))
+    key = (expr, json.dumps(used))
+    if key not in _EVALUATED:
+        if len(_EVALUATED) >= _KEPT:
+            _EVALUATED.clear()
+        _EVALUATED[key] = _evaluate(expr, used)
+    result = _EVALUATED[key]
     return copy.deepcopy(result) if isinstance(result, (list, dict)) else result
 
 
-@lru_cache(maxsize=4096)
-def _evaluate_json(expr: str, values: str) -> Any:
-    return _evaluate(expr, json.loads(values))
+# (expression, its values as JSON): the result. Emptied when full: what a replay repeats is
+# the last few steps' values.
+_EVALUATED: dict[tuple[str, str], Any] = {}
+_KEPT = 8192
 
 
 def _json_exact(value: Any) -> bool:

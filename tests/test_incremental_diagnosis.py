@@ -61,6 +61,18 @@ def _assert_same(incremental: dict, full: dict) -> None:
     assert incremental["trends"] == pytest.approx(full["trends"], rel=1e-6)
 
 
+def _grown_like_full(table: pa.Table, harness, cuts: tuple[int, ...]) -> tuple[dict, object]:
+    """`table` grown to each of `cuts` rows, diagnosed incrementally and in full at each:
+    the two must agree. Returns the last full diagnosis and the incremental state."""
+    state = None
+    for end in cuts:
+        grown = table.slice(0, end)
+        incremental, state = diagnose_incremental(grown, None, harness, state)
+        full = diagnose(grown, None, harness)
+        _assert_same(incremental, full)
+    return full, state
+
+
 def test_a_run_grown_in_three_chunks_diagnoses_like_the_full_run(monkeypatch):
     table = _run()
     seen: list[int] = []
@@ -263,13 +275,9 @@ def test_h1_grown_in_chunks_diagnoses_like_the_full_run():
     kinds = {m.name: _combinable(m)[0] for m in h1.metrics}
     assert kinds["tampered_ratio"] == kinds["echo_repeat_ratio"] == "mean"
     table = _tampered(_run(1200))
-    state = None
-    for end in (table.num_rows // 3 + 7, table.num_rows * 2 // 3 + 1, table.num_rows):
-        grown = table.slice(0, end)
-        incremental, state = diagnose_incremental(grown, None, h1, state)
-        full = diagnose(grown, None, h1)
-        _assert_same(incremental, full)
-        assert full["metrics"]["tampered_ratio"] > 0
+    full, _ = _grown_like_full(
+        table, h1, (table.num_rows // 3 + 7, table.num_rows * 2 // 3 + 1, table.num_rows))
+    assert full["metrics"]["tampered_ratio"] > 0
 
 
 def test_catalogue_metrics_and_declared_analyzers_grown_in_chunks_diagnose_like_the_full_run():
@@ -306,13 +314,8 @@ def test_catalogue_metrics_and_declared_analyzers_grown_in_chunks_diagnose_like_
     assert kinds["idle_failure_rate"] == kinds["error_finish_ratio"] == "mean"
     assert kinds["reward_alignment"] is None  # keyed: one value per component, in full
     table = _run(600)
-    state = None
-    for end in (table.num_rows // 3 + 7, table.num_rows):
-        grown = table.slice(0, end)
-        incremental, state = diagnose_incremental(grown, None, harness, state)
-        full = diagnose(grown, None, harness)
-        _assert_same(incremental, full)
-        assert full["metrics"]["calls_per_turn"] > 0
+    full, _ = _grown_like_full(table, harness, (table.num_rows // 3 + 7, table.num_rows))
+    assert full["metrics"]["calls_per_turn"] > 0
 
 
 def test_a_mean_over_every_row_combines_without_points():
@@ -321,12 +324,7 @@ def test_a_mean_over_every_row_combines_without_points():
     h2 = resolve_harness("h2")
     assert _combinable(h2.metric("val_tampered_ratio"))[0] == "mean"
     table = _tampered(_run(1200))
-    state = None
-    for end in (table.num_rows // 3 + 7, table.num_rows):
-        grown = table.slice(0, end)
-        incremental, state = diagnose_incremental(grown, None, h2, state)
-        full = diagnose(grown, None, h2)
-        _assert_same(incremental, full)
+    full, state = _grown_like_full(table, h2, (table.num_rows // 3 + 7, table.num_rows))
     assert full["metrics"]["val_tampered_ratio"] > 0
     assert "val_tampered_ratio" in state.partials
 

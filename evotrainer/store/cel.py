@@ -269,18 +269,20 @@ def evaluate(expr: str, variables: dict[str, Any]) -> Any:
     if not _json_exact(used):
         return _evaluate(expr, used)
     key = (expr, json.dumps(used))
-    if key not in _EVALUATED:
+    result = _EVALUATED.get(key, _NOT_KEPT)
+    if result is _NOT_KEPT:
+        result = _evaluate(expr, used)
         if len(_EVALUATED) >= _KEPT:
             _EVALUATED.clear()
-        _EVALUATED[key] = _evaluate(expr, used)
-    result = _EVALUATED[key]
+        _EVALUATED[key] = result
     return copy.deepcopy(result) if isinstance(result, (list, dict)) else result
 
 
 # (expression, its values as JSON): the result. Emptied when full: what a replay repeats is
-# the last few steps' values.
+# the last few steps' values. Each read and write is one dict operation, safe across threads.
 _EVALUATED: dict[tuple[str, str], Any] = {}
 _KEPT = 8192
+_NOT_KEPT = object()
 
 
 def _json_exact(value: Any) -> bool:

@@ -310,19 +310,20 @@ def stop_changes_beside(ws: Workspace, old: HarnessRevision, new: HarnessRevisio
     tree order. Yields the function that, asked for the result, goes through the runs from
     the last one back, reading each replay the child kept and making the others, then stops
     the child (at most the run it is on is replayed twice; nothing waits on it). In this
-    process alone on one core, or for a revision not read from a file."""
+    process alone on one core, for a revision not read from a file, or where every replay
+    is kept from an earlier diff."""
+    states = ws.versions()  # read once: the backtest reads it again at no cost
+    cut = [stop_inputs(old), stop_inputs(new)]
+    runs = replayed_versions(ws, states)
     files = [Path(h.source) for h in (old, new)]
-    if len(os.sched_getaffinity(0)) < 2 or not all(f.is_file() for f in files):
-        yield lambda: stop_changes(ws, old, new)
+    kept = all(_kept(_memo(ws, states, name, h))[0]
+               for name in runs for h in cut if h.early_stop)
+    if kept or len(os.sched_getaffinity(0)) < 2 or not all(f.is_file() for f in files):
+        yield lambda: _changes(ws, states, cut, runs)
         return
-    # Started first, as its start-up is most of what it costs; it exits at once where every
-    # replay is kept.
     child = subprocess.Popen(
         [sys.executable, "-m", "evotrainer.agent.stop_replay", str(ws.root), *map(str, files)],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    states = ws.versions()
-    cut = [stop_inputs(old), stop_inputs(new)]
-    runs = replayed_versions(ws, states)
 
     def meet() -> list[dict[str, Any]]:
         changes = _changes(ws, states, cut, runs, backwards=True)

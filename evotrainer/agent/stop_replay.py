@@ -8,12 +8,14 @@ one step to the next) and the rules are evaluated by the controller's own `early
 the same variables (`stop_variables`: rows, step, latest.<metric>, critical, ...). The first
 step where a rule holds is the stop that revision would have made.
 
-A replay re-diagnoses each recorded step with only what a stop reads (`stop_inputs`: the
-rules, the alerts, the params and the metrics they name), so `harness diff` runs it only when
-the two revisions differ there (`stops_may_differ`), and each replay's outcome is kept beside
-the backtest's diagnoses (.evotrainer/cache/backtest), keyed by what it depends on: those
-inputs, the version's branch, its resolved recipe and the code that replays. Two revisions
-that differ only in what no stop reads share their replays.
+A replay diagnoses only what a stop reads (`stop_inputs`: the rules, the alerts, the params
+and the metrics they name): a run once, each step's metrics merged from its per-step
+partials where they all combine (`diagnose_prefixes`), else each step in turn. `harness
+diff` replays only when the two revisions differ there (`stops_may_differ`), shares the work
+with a child process on another core (`stop_changes_beside`), and each replay's outcome is
+kept beside the backtest's diagnoses (.evotrainer/cache/backtest), keyed by what it depends
+on: those inputs, the version's branch, its resolved recipe and the code that replays. Two
+revisions that differ only in what no stop reads share their replays.
 """
 
 from __future__ import annotations
@@ -166,12 +168,12 @@ def _replay(ws: Workspace, state: VersionState, harnesses: list[HarnessRevision]
     looks = _looks(table, int(recipe["grpo"]["steps"]) * len(seeds))
     ends = [look.step for look in looks]
     shared = _shared(harnesses)
-    prefixes = diagnose_prefixes(table, steps, shared, ends) if shared is not None else None
+    common = diagnose_prefixes(table, steps, shared, ends) if shared is not None else None
     out = []
     for harness in harnesses:
-        own = prefixes if prefixes is not None else (
-            diagnose_prefixes(table, steps, harness, ends) if shared is None else None)
-        looked = _looked_from_prefixes(harness, own) if own is not None else \
+        prefixes = common if shared is not None else \
+            diagnose_prefixes(table, steps, harness, ends)
+        looked = _looked_from_prefixes(harness, prefixes) if prefixes is not None else \
             _looked_step_by_step(harness, table, steps, ends)
         out.append(_first_stop(state.name, harness, recipe, looks, looked))
     return out
@@ -188,6 +190,8 @@ def _shared(harnesses: list[HarnessRevision]) -> HarnessRevision | None:
         for metric in other.metrics:
             if metrics.setdefault(metric.name, metric) != metric:
                 return None
+    # Metrics alone: the alerts and rules are each revision's. The digest names only the
+    # incremental state of this one pass.
     return dataclasses.replace(first, metrics=tuple(metrics.values()), alerts=(),
                                early_stop=(), digest=f"{first.digest}+{len(harnesses)}")
 

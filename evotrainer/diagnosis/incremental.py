@@ -202,8 +202,10 @@ def diagnose_prefixes(
                 return None  # its split has rows and columns, yet it did not combine
             continue
         kind = _combinable(metric)[0]
+        # The first step with a value: rows of its split, and every column it requires.
         first_row = min((step for _, step in counted), default=None)
-        start = max(first_row, recorded_from or first_row) if first_row is not None else None
+        start = None if first_row is None else first_row if recorded_from is None else \
+            max(first_row, recorded_from)
         by_step: dict[int, list[Any]] = {}
         for (_, step), part in partials.items():
             by_step.setdefault(step, []).append(part)

@@ -25,9 +25,7 @@ import tempfile
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import Any
-
-import pyarrow as pa
+from typing import TYPE_CHECKING, Any
 
 from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
 from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
@@ -39,6 +37,9 @@ from evotrainer.stats import GateProcedure
 from evotrainer.store.builtin import harness_file
 from evotrainer.store.lineage import tree_order
 from evotrainer.store.workspace import PROJECT_FILE, VersionState, Workspace
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 def recorded_versions(ws: Workspace, states: dict[str, VersionState]) -> list[str]:

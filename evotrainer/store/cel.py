@@ -286,8 +286,9 @@ _NOT_KEPT = object()
 
 
 def _json_exact(value: Any) -> bool:
-    """Whether JSON reads `value` back as CEL receives it (_to_cel): None, booleans, numbers,
-    strings, lists and tuples (a CEL list either way) of them, maps with string keys."""
+    """Whether `value`'s JSON text tells it apart from every value CEL would receive
+    otherwise (_to_cel): None, booleans, ints, floats and strings of exactly those types,
+    lists and tuples (a CEL list either way) of them, maps with string keys."""
     if value is None or type(value) in (bool, int, float, str):
         return True
     if type(value) in (list, tuple):

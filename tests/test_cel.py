@@ -63,6 +63,23 @@ def test_names_excludes_macro_variables_and_functions():
     assert names == {"parent", "x", "alerts", "y"}
 
 
+def test_members_tested_are_the_strings_a_list_is_tested_for_and_nothing_else():
+    """members_tested: `'leak' in critical` (parenthesised, escaped, raw or triple-quoted
+    strings alike) tests the list for those names; any other read of the list (its size,
+    an element, a macro over it, a name that is not a literal) is None."""
+    tested = cel.members_tested
+    assert tested("'leak' in critical && x > 1", "critical") == {"leak"}
+    assert tested("'leak' in critical || ('tamper' in (critical))", "critical") == {
+        "leak", "tamper"}
+    assert tested(r"""'a\'b' in critical || r'\d' in critical || '''m''' in critical""",
+                  "critical") == {"a'b", "\\d", "m"}
+    assert tested("x > 1", "critical") == frozenset()
+    for other in ("size(critical) > 0", "'a' in critical && size(critical) > 1",
+                  "critical[0] == 'a'", "critical.exists(c, c == 'a')", "x in critical",
+                  "critical == ['a']", "1 in critical"):
+        assert tested(other, "critical") is None, other
+
+
 def test_nested_macros_bind_their_own_variables():
     expr = "xs.all(x, x.ys.exists(y, y > t))"
     assert cel.names(expr) == {"xs", "t"}

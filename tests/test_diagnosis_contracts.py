@@ -174,3 +174,39 @@ def test_connections_sharing_the_database_see_only_their_own_rows_and_survive_a_
     third = ReadOnlyQuery(theirs, None, "train")
     assert third.query("SELECT count(*) FROM rollouts", {}, field="x")[1] == [(1,)]
     third.close()
+
+
+def test_a_forked_child_opens_databases_of_its_own():
+    """The databases open when the process forks run their queries on worker threads the
+    child does not have: the child's harness queries and SQL parses go to databases of its
+    own (and finish), the inherited ones are set aside, and the parent's keep working."""
+    import os
+
+    from evotrainer.diagnosis import sql
+
+    table = rollout_table([{"reward": 1.0}, {"reward": 0.0}])
+    query = ReadOnlyQuery(table, None, "train", threads=2)
+    assert query.query("SELECT count(*) FROM rollouts", {}, field="x")[1] == [(2,)]
+    query.close()
+    assert sql._parse("SELECT reward FROM rollouts") is not None
+    inherited = dict(sql._DATABASES)
+    assert None in inherited
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what it ran, and leave without the parent's handlers
+        try:
+            child = ReadOnlyQuery(table, None, "train", threads=2)
+            rows = child.query("SELECT sum(reward) FROM rollouts", {}, field="x")[1]
+            parsed = sql._parse("SELECT sum(reward) FROM rollouts") is not None
+            own = all(con is not inherited.get(key) for key, con in sql._DATABASES.items())
+            os.write(write, f"{rows} {parsed} {own} {len(sql._INHERITED)}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        assert answer.read() == f"[(1.0,)] True True {len(inherited)}"
+    os.waitpid(pid, 0)
+    again = ReadOnlyQuery(table, None, "train", threads=2)
+    assert again.query("SELECT count(*) FROM rollouts", {}, field="x")[1] == [(2,)]
+    again.close()
+    assert sql._DATABASES == inherited

@@ -206,12 +206,12 @@ def test_a_revised_early_stop_rule_is_replayed_over_the_recorded_runs(recorded, 
 
 def test_early_stops_are_replayed_beside_the_backtest_by_a_child_and_the_caller(
         recorded, monkeypatch):
-    """stop_changes_beside: the child (`python -m evotrainer.agent.stop_replay ROOT OLD NEW`)
-    keeps the replays it makes; the caller reads those back, makes the rest, stops the child
-    and answers as stop_changes does. With every replay kept, or on one core, no child is
-    started."""
+    """stop_changes_beside: a child forked from the caller keeps the replays it makes; the
+    caller reads those back, makes the rest, stops the child and answers as stop_changes
+    does. With every replay kept, or on one core, no child is forked."""
+    import os
     import shutil
-    import subprocess
+    import time
 
     from evotrainer.agent import stop_replay
     from evotrainer.diagnosis.harness import resolve_harness
@@ -224,28 +224,72 @@ def test_early_stops_are_replayed_beside_the_backtest_by_a_child_and_the_caller(
     cache = recorded.state_dir / "cache" / "backtest"
     expected = stop_replay.stop_changes(recorded, h0, h5)
     assert [c["version"] for c in expected] == ["v0", "v1", "v2"]
+    replays = len(list(cache.glob("stop-*.json")))
     shutil.rmtree(cache)
-    children = []
-    real = subprocess.Popen
-    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: children.append(real(*a, **k))
-                        or children[-1])
+    caller, children = os.getpid(), []
+    fork = os.fork
+    monkeypatch.setattr(stop_replay.os, "fork", lambda: children.append(fork()) or children[-1])
+    real = stop_replay._replay
+
+    def replay(*args):  # the child's replays are made; the caller's read back
+        assert os.getpid() != caller, "replayed in the caller"
+        return real(*args)
+
+    monkeypatch.setattr(stop_replay, "_replay", replay)
+    with stop_replay.stop_changes_beside(recorded, h0, h5) as changes:
+        assert children and children[0] > 0
+        deadline = time.monotonic() + 60
+        while len(list(cache.glob("stop-*.json"))) < replays and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert changes() == expected
+    with pytest.raises(ChildProcessError):  # stopped and reaped as the block ended
+        os.waitpid(children[0], os.WNOHANG)
+    # Every replay kept: no child.
     with stop_replay.stop_changes_beside(recorded, h0, h5) as changes:
         assert changes() == expected
-    replayers = [c for c in children if "evotrainer.agent.stop_replay" in c.args]
-    assert len(replayers) == 1 and replayers[0].returncode is not None
-    # What the child keeps is read back, not replayed again.
-    shutil.rmtree(cache)
-    assert stop_replay._main([str(recorded.root), h0.source, h5.source]) == 0
-    kept = stop_replay._replay
-    monkeypatch.setattr(stop_replay, "_replay", lambda *a: pytest.fail("replayed again"))
-    with stop_replay.stop_changes_beside(recorded, h0, h5) as changes:
-        assert changes() == expected
-    monkeypatch.setattr(stop_replay, "_replay", kept)
+    monkeypatch.setattr(stop_replay, "_replay", real)
     shutil.rmtree(cache)
     monkeypatch.setattr(stop_replay.os, "sched_getaffinity", lambda pid: {0})
     with stop_replay.stop_changes_beside(recorded, h0, h5) as changes:
         assert changes() == expected
-    assert len([c for c in children if "evotrainer.agent.stop_replay" in c.args]) == 1
+    assert len(children) == 1
+
+
+def test_a_child_stopped_while_it_keeps_a_replay_leaves_no_file(recorded, monkeypatch):
+    """The child is stopped wherever it is: one stopped between writing a replay's file and
+    putting it in place leaves nothing behind in the cache, and the caller's answer is
+    whole."""
+    import os
+    import shutil
+    import time
+
+    from evotrainer.agent import stop_replay
+    from evotrainer.diagnosis.harness import resolve_harness
+    from evotrainer.gate import harness_backtest
+
+    doc = yaml.safe_load((recorded.root / "harness_revisions" / "h0.yaml").read_text())
+    write_revision(recorded, "h5", early_stop=[
+        {**r, "when": "rows >= params.stop_min_rollouts && latest.dead_group_ratio >= 0.0"}
+        if r["name"] == "collapse" else r for r in doc["early_stop"]])
+    h0, h5 = (resolve_harness(h, recorded.root) for h in ("h0", "h5"))
+    cache = recorded.state_dir / "cache" / "backtest"
+    expected = stop_replay.stop_changes(recorded, h0, h5)
+    shutil.rmtree(cache)
+    caller, replace = os.getpid(), os.replace
+
+    def stuck(source, target):  # the child hangs with its file written, not yet in place
+        if os.getpid() != caller:
+            time.sleep(600)
+        replace(source, target)
+
+    monkeypatch.setattr(harness_backtest.os, "replace", stuck)
+    with stop_replay.stop_changes_beside(recorded, h0, h5) as changes:
+        deadline = time.monotonic() + 60
+        while not list(cache.glob("*.tmp")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(cache.glob("*.tmp"))  # the child's unfinished file
+        assert changes() == expected
+    assert not list(cache.glob("*.tmp"))
 
 
 def test_early_stops_are_replayed_only_when_what_a_stop_reads_changes():
@@ -268,11 +312,13 @@ def test_early_stops_are_replayed_only_when_what_a_stop_reads_changes():
                                 dataclasses.replace(unread, early_stop=()))
 
 
-def test_a_stop_reads_the_critical_levels_alone_unless_a_rule_reads_warnings():
-    """What a replay diagnoses (stop_inputs): h0's rules read `critical`, so only critical
-    levels are kept, the alerts without one are left out, and so are the metrics only a
-    warning reads; a warning threshold moved changes no stop, a critical one may. A rule
-    that reads `warning_alerts` keeps every level."""
+def test_a_stop_reads_the_alerts_its_rules_can_tell_apart():
+    """What a replay diagnoses (stop_inputs): h0's rules read `critical` only as `'leak' in
+    critical`, so the leak alert alone is kept, at its critical level, with the metrics the
+    rules and that level name; a threshold of another alert moved changes no stop, the leak
+    one's may. A rule that counts the critical behavior alerts keeps those; one that reads
+    `critical` otherwise keeps every critical level; one that reads `warning_alerts` keeps
+    every level."""
     import dataclasses
 
     from evotrainer.agent.stop_replay import stop_inputs, stops_may_differ
@@ -280,25 +326,33 @@ def test_a_stop_reads_the_critical_levels_alone_unless_a_rule_reads_warnings():
 
     h0 = resolve_harness("h0")
     cut = stop_inputs(h0)
-    assert {a.name for a in cut.alerts} == {"dead_groups", "abandonment", "leak",
-                                            "overconfidence"}
+    assert [a.name for a in cut.alerts] == ["leak"]
     assert all(level.severity == "critical" for a in cut.alerts for level in a.levels)
     assert all(a.sample_limit == 0 for a in cut.alerts)  # no rule reads examples
-    kept = {m.name for m in cut.metrics}
-    assert {"dead_group_ratio", "leak_ratio", "val_leak_ratio", "mean_logprob"} <= kept
-    assert not kept & {"reward_spread", "truncation_rate", "length_reward_corr", "avg_at_k"}
+    assert {m.name for m in cut.metrics} == {"dead_group_ratio", "leak_ratio",
+                                              "val_leak_ratio", "mean_logprob"}
 
     def moved(harness, alert, when):
         return dataclasses.replace(harness, alerts=tuple(
             dataclasses.replace(a, levels=tuple(
-                dataclasses.replace(level, when=when) if level is a.levels[-1] else level
+                dataclasses.replace(level, when=when) if level is a.levels[0] else level
                 for level in a.levels)) if a.name == alert else a
             for a in harness.alerts))
 
-    assert not stops_may_differ(h0, moved(h0, "weak_signal", "reward_spread < 0.5"))
+    def ruled(when):
+        return dataclasses.replace(h0, early_stop=(*h0.early_stop, dataclasses.replace(
+            h0.early_stop[0], name="added", when=when)))
+
+    assert not stops_may_differ(h0, moved(h0, "dead_groups", "dead_group_ratio > 0.9"))
     assert stops_may_differ(h0, moved(h0, "leak", "leak_ratio > 0.5"))
-    warned = dataclasses.replace(h0, early_stop=(*h0.early_stop, dataclasses.replace(
-        h0.early_stop[0], name="warned", when="warning_alerts > 3")))
+    behavior = ruled("critical_behavior_alerts > 1")
+    assert {a.name for a in stop_inputs(behavior).alerts} == {"abandonment", "leak"}
+    assert not stops_may_differ(behavior, moved(behavior, "dead_groups", "dead_group_ratio > 0.9"))
+    counted = ruled("size(critical) > 1")
+    assert {a.name for a in stop_inputs(counted).alerts} == {
+        "dead_groups", "abandonment", "leak", "overconfidence"}
+    assert stops_may_differ(counted, moved(counted, "dead_groups", "dead_group_ratio > 0.9"))
+    warned = ruled("warning_alerts > 3")
     assert len(stop_inputs(warned).alerts) == len(h0.alerts)
     assert stops_may_differ(warned, moved(warned, "weak_signal", "reward_spread < 0.5"))
 

@@ -331,12 +331,16 @@ def test_a_mean_over_every_row_combines_without_points():
 
 def test_every_prefix_of_a_run_reads_as_its_diagnosis_in_full():
     """diagnose_prefixes: at each recorded step, every metric an early stop of h2 reads
-    (leak and tamper ratios of both splits, dead groups, the turns histogram, logprobs
-    recorded from step 5 on only) and each series' latest point are what `diagnose` computes
-    over the rows up to that step."""
+    where a rule counts its critical alerts (leak and tamper ratios of both splits, dead
+    groups, the turns histogram, logprobs recorded from step 5 on only) and each series'
+    latest point are what `diagnose` computes over the rows up to that step."""
+    import dataclasses
+
     from evotrainer.agent.stop_replay import stop_inputs
 
-    harness = stop_inputs(resolve_harness("h2"))
+    h2 = resolve_harness("h2")
+    harness = stop_inputs(dataclasses.replace(h2, early_stop=(*h2.early_stop, dataclasses.replace(
+        h2.early_stop[0], name="counted", when="critical_alerts > 1"))))
     table = _tampered(_run(1200))
     logprob = table.schema.get_field_index("mean_logprob")
     table = table.set_column(logprob, "mean_logprob", pc.if_else(

@@ -25,8 +25,7 @@ import hashlib
 import json
 import os
 import re
-import subprocess
-import sys
+import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -38,13 +37,12 @@ import pyarrow.compute as pc
 
 from evotrainer.control.live import LiveView, early_stop
 from evotrainer.diagnosis.diagnose import columns_read, fired_level
-from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
+from evotrainer.diagnosis.harness import HarnessRevision
 from evotrainer.diagnosis.incremental import Prefix, diagnose_incremental, diagnose_prefixes
-from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts, read_steps
 from evotrainer.evidence.layout import RunArtifacts
 from evotrainer.gate.harness_backtest import _code_digest, _remember
-from evotrainer.store.cel import names
+from evotrainer.store.cel import members_tested, names
 from evotrainer.store.lineage import tree_order
 from evotrainer.store.records import JobState
 from evotrainer.store.workspace import VersionState, Workspace
@@ -53,28 +51,50 @@ REPLAYED_STATES = (JobState.SUCCEEDED, JobState.STOPPED)
 
 
 def stop_inputs(harness: HarnessRevision) -> HarnessRevision:
-    """`harness` cut to what its early stops read: the rules, the params, the alerts (the
-    rules read which fire; only their critical levels where no rule reads `alerts` or
-    `warning_alerts`, as a critical level fires whatever follows it), and the metrics a rule
-    or a kept level names. Alert examples are left out (no rule reads them), and the digest
-    is of what is kept."""
-    warned = any(names(rule.when) & {"alerts", "warning_alerts"} for rule in harness.early_stop)
+    """`harness` cut to what its early stops read: the rules, the params, the alerts whose
+    firing a rule can tell (`_observed_alerts`; only their critical levels where no rule
+    reads `alerts` or `warning_alerts`, as a critical level fires whatever follows it), and
+    the metrics a rule or a kept level names. Alert examples are left out (no rule reads
+    them), and the digest is of what is kept."""
+    read = set().union(*(names(rule.when) for rule in harness.early_stop))
+    warned = bool(read & {"alerts", "warning_alerts"})
+    observed = _observed_alerts(harness, read)
     alerts = tuple(
         dataclasses.replace(alert, sample_limit=0, levels=levels)
         for alert in harness.alerts
-        if (levels := tuple(level for level in alert.levels
-                            if warned or level.severity == "critical"))
+        if alert.name in observed and (levels := tuple(
+            level for level in alert.levels if warned or level.severity == "critical"))
     )
     texts = " ".join([rule.when for rule in harness.early_stop] +
                      [level.when for alert in alerts for level in alert.levels])
-    read = {alert.metric for alert in alerts} | {
+    metrics = {alert.metric for alert in alerts} | {
         m.name for m in harness.metrics if re.search(rf"\b{re.escape(m.name)}\b", texts)}
     kept = dataclasses.replace(
-        harness, metrics=tuple(m for m in harness.metrics if m.name in read), alerts=alerts)
+        harness, metrics=tuple(m for m in harness.metrics if m.name in metrics), alerts=alerts)
     content = {field: dataclasses.asdict(kept)[field]
                for field in ("params", "metrics", "alerts", "early_stop", "analyzers")}
     digest = hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode())
     return dataclasses.replace(kept, digest=digest.hexdigest())
+
+
+def _observed_alerts(harness: HarnessRevision, read: set[str]) -> set[str]:
+    """The alerts whose firing the rules can tell, from the names they read: every one where
+    a rule reads `alerts`, `warning_alerts` or `critical_alerts`, or reads `critical` other
+    than as `'name' in critical`; else those named so, and those of the behavior layer where
+    a rule reads `critical_behavior_alerts`."""
+    every = {alert.name for alert in harness.alerts}
+    if read & {"alerts", "warning_alerts", "critical_alerts"}:
+        return every
+    observed = {alert.name for alert in harness.alerts
+                if harness.metric(alert.metric).layer == "behavior"} \
+        if "critical_behavior_alerts" in read else set()
+    for rule in harness.early_stop:
+        if "critical" in names(rule.when):
+            tested = members_tested(rule.when, "critical")
+            if tested is None:
+                return every
+            observed |= tested
+    return observed
 
 
 def stops_may_differ(old: HarnessRevision, new: HarnessRevision) -> bool:
@@ -308,52 +328,52 @@ def describe(change: dict[str, Any]) -> str:
 @contextmanager
 def stop_changes_beside(ws: Workspace, old: HarnessRevision, new: HarnessRevision
                         ) -> Iterator[Callable[[], list[dict[str, Any]]]]:
-    """`stop_changes(ws, old, new)` with the replays shared with a child process (`python -m
-    evotrainer.agent.stop_replay`), which starts on another core while the caller does its
-    own work (`harness diff`'s backtest) and keeps each replay it makes, the recorded runs in
-    tree order. Yields the function that, asked for the result, goes through the runs from
-    the last one back, reading each replay the child kept and making the others, then stops
-    the child (at most the run it is on is replayed twice; nothing waits on it). In this
-    process alone on one core, for a revision not read from a file, or where every replay
-    is kept from an earlier diff."""
+    """`stop_changes(ws, old, new)` with the replays shared with a child forked from this
+    process, which replays on another core while the caller does its own work (`harness
+    diff`'s backtest) and keeps each replay it makes, the recorded runs in tree order. Yields
+    the function that, asked for the result, goes through the runs from the last one back,
+    reading each replay the child kept and making the others; the child is stopped as the
+    block ends (at most the run it is on is replayed twice; nothing waits on it). In this
+    process alone on one core, or where every replay is kept from an earlier diff."""
     states = ws.versions()  # read once: the backtest reads it again at no cost
     cut = [stop_inputs(old), stop_inputs(new)]
     runs = replayed_versions(ws, states)
-    files = [Path(h.source) for h in (old, new)]
+    # Every replay's key is made here, before the fork: the child reads no git.
     kept = all(_kept(_memo(ws, states, name, h))[0]
                for name in runs for h in cut if h.early_stop)
-    if kept or len(os.sched_getaffinity(0)) < 2 or not all(f.is_file() for f in files):
+    if kept or len(os.sched_getaffinity(0)) < 2:
         yield lambda: _changes(ws, states, cut, runs)
         return
-    child = subprocess.Popen(
-        [sys.executable, "-m", "evotrainer.agent.stop_replay", str(ws.root), *map(str, files)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def meet() -> list[dict[str, Any]]:
-        changes = _changes(ws, states, cut, runs, backwards=True)
-        child.kill()  # every replay is kept: it could only be making one made here
-        child.wait()
-        return changes
-
+    child = _forked(lambda: _changes(ws, states, cut, runs))
     try:
-        yield meet
+        yield lambda: _changes(ws, states, cut, runs, backwards=True)
     finally:
-        if child.poll() is None:  # the caller failed before asking
-            child.kill()
-            child.wait()
+        # Every replay is kept by then (or the caller failed): the child could only be
+        # making one made here.
+        _stop(child, ws)
 
 
-def _main(args: list[str]) -> int:
-    """The child of `stop_changes_beside`, `ROOT OLD NEW` (the revisions' files): makes and
-    keeps the replays. What fails here fails again in the caller, which reports it."""
-    root, old, new = args
+def _forked(work: Callable[[], object]) -> int:
+    """The pid of a child forked to run `work`: it starts with this process's modules
+    imported and the workspace read, which a fresh interpreter takes a second to do. It
+    writes nothing but the replays it keeps (its output goes nowhere) and leaves by
+    `os._exit`, running none of this process's exit handlers; what fails in it fails again
+    in the caller, which reports it."""
+    pid = os.fork()
+    if pid:
+        return pid
     try:
-        ws = Workspace(Path(root))
-        stop_changes(ws, resolve_harness(old, ws.root), resolve_harness(new, ws.root))
-    except EvoError:
-        return 1
-    return 0
+        nowhere = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(nowhere, fd)
+        work()
+    finally:
+        os._exit(0)
 
 
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
+def _stop(child: int, ws: Workspace) -> None:
+    """Stop the child and remove the file it may have been writing a replay to."""
+    os.kill(child, signal.SIGKILL)
+    os.waitpid(child, 0)
+    for unfinished in (ws.state_dir / "cache" / "backtest").glob(f"{child}-*.tmp"):
+        unfinished.unlink(missing_ok=True)

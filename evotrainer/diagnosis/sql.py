@@ -17,7 +17,7 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import duckdb
@@ -220,13 +220,33 @@ def fused_value(index: int) -> str:
 
 
 _parser_lock = threading.Lock()
+# The process's DuckDB databases, each opened on first use (importing this module opens
+# nothing): the one that parses harness SQL (key None) and the harness queries' under each
+# (memory limit, threads).
+_DATABASES: dict[tuple[str, int] | None, duckdb.DuckDBPyConnection] = {}
+_databases_lock = threading.Lock()
+# A forked child's inherited databases: their queries run on worker threads only the parent
+# has, and closing one waits for those threads. The child opens its own and keeps these
+# referenced, never used or closed.
+_INHERITED: list[duckdb.DuckDBPyConnection] = []
 
 
-@cache
+def _open_anew_after_fork() -> None:
+    global _parser_lock, _databases_lock
+    _INHERITED.extend(_DATABASES.values())
+    _DATABASES.clear()
+    _parser_lock, _databases_lock = threading.Lock(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_open_anew_after_fork)
+
+
 def _parser() -> duckdb.DuckDBPyConnection:
-    """The connection that parses harness SQL, opened on first use (under _parser_lock):
-    importing this module opens nothing."""
-    return duckdb.connect()
+    """The connection that parses harness SQL (used under _parser_lock)."""
+    with _databases_lock:
+        if None not in _DATABASES:
+            _DATABASES[None] = duckdb.connect()
+        return _DATABASES[None]
 
 
 def _parse(sql: str) -> dict | None:
@@ -350,17 +370,20 @@ def rows_where(table: pa.Table, mask: np.ndarray | pa.Array | pa.ChunkedArray) -
     return pa.concat_tables([table.slice(start, end - start) for start, end in runs])
 
 
-@cache
 def _locked_database(memory_limit: str, threads: int) -> duckdb.DuckDBPyConnection:
     """The process's in-memory DuckDB database for harness queries under these limits, locked
     down before it sees any input (no view or table exists while settings can change). Each
     ReadOnlyQuery is a connection to it (a cursor: opened at no cost, with its own views and temp
     tables and every setting locked), where a database of its own would take longer to open
     than a small diagnosis takes to run."""
-    con = duckdb.connect(config={"memory_limit": memory_limit, "threads": threads})
-    for statement in _LOCKDOWN:
-        con.execute(statement)
-    return con
+    with _databases_lock:
+        con = _DATABASES.get((memory_limit, threads))
+        if con is None:
+            con = duckdb.connect(config={"memory_limit": memory_limit, "threads": threads})
+            for statement in _LOCKDOWN:
+                con.execute(statement)
+            _DATABASES[memory_limit, threads] = con
+        return con
 
 
 class ReadOnlyQuery:

@@ -140,8 +140,10 @@ def _remember(path: Path, document: dict) -> None:
         if json.loads(text) != document:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
+        # Named for this process: one stopped while writing leaves a file its parent
+        # knows (agent/stop_replay.py).
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False,
-                                         suffix=".tmp") as out:
+                                         prefix=f"{os.getpid()}-", suffix=".tmp") as out:
             out.write(text)
         os.replace(out.name, path)
     except (OSError, TypeError, ValueError):

@@ -31,7 +31,7 @@ from typing import Any
 import celpy
 import lark
 from celpy import celtypes
-from celpy.evaluation import Evaluator
+from celpy.evaluation import Evaluator, celstr
 from lark import Token, Tree
 
 from evotrainer.errors import EvoError
@@ -245,6 +245,41 @@ def _free_names(node: Tree | Token | None, bound: frozenset[str] = frozenset()) 
     for child in node.children:
         found |= _free_names(child, bound)
     return found
+
+
+def members_tested(expr: str, name: str) -> frozenset[str] | None:
+    """The strings `expr` tests for membership in the list `name` (`'leak' in critical`),
+    where that is all it reads of `name`; None where it reads `name` otherwise (its size,
+    an element, a macro over it, the list itself)."""
+    tested: set[str] = set()
+    covered: set[int] = set()
+    ast = _compile(expr)[0].ast
+    for node in ast.iter_subtrees():
+        if node.data == "relation" and len(node.children) == 2 and \
+                isinstance(node.children[0], Tree) and node.children[0].data == "relation_in":
+            member, collection = _wrapped(node.children[0].children[0]), \
+                _wrapped(node.children[1])
+            if _is_ident(collection, name) and isinstance(member, Tree) and \
+                    member.data == "literal" and member.children[0].type in _STRING_LITERALS:
+                tested.add(str(celstr(member.children[0])))
+                covered.add(id(collection))
+    read = [node for node in ast.iter_subtrees() if _is_ident(node, name)]
+    return frozenset(tested) if all(id(node) in covered for node in read) else None
+
+
+_STRING_LITERALS = {"STRING_LIT", "MLSTRING_LIT"}
+
+
+def _wrapped(node: Tree | Token) -> Tree | Token:
+    """The node a chain of one-child nodes wraps (`addition → … → primary → ident`)."""
+    while isinstance(node, Tree) and node.data not in ("ident", "literal") and \
+            len(node.children) == 1:
+        node = node.children[0]
+    return node
+
+
+def _is_ident(node: Tree | Token, name: str) -> bool:
+    return isinstance(node, Tree) and node.data == "ident" and str(node.children[0]) == name
 
 
 def check(expr: str) -> None:

@@ -209,4 +209,4 @@ def test_a_forked_child_opens_databases_of_its_own():
     again = ReadOnlyQuery(table, None, "train", threads=2)
     assert again.query("SELECT count(*) FROM rollouts", {}, field="x")[1] == [(2,)]
     again.close()
-    assert sql._DATABASES == inherited
+    assert inherited == sql._DATABASES

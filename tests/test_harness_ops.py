@@ -204,91 +204,106 @@ def test_a_revised_early_stop_rule_is_replayed_over_the_recorded_runs(recorded, 
         in shown.output
 
 
-def test_early_stops_are_replayed_beside_the_backtest_by_a_child_and_the_caller(
-        recorded, monkeypatch):
-    """stop_changes_beside: a child forked from the caller keeps the replays it makes; the
-    caller reads those back, makes the rest, stops the child and answers as stop_changes
-    does. With every replay kept, or on one core, no child is forked."""
-    import os
-    import shutil
-    import time
-
-    from evotrainer.agent import stop_replay
+def _h5(recorded):
+    """h0 with its collapse rule holding from the first step: every run's stop changes."""
     from evotrainer.diagnosis.harness import resolve_harness
 
     doc = yaml.safe_load((recorded.root / "harness_revisions" / "h0.yaml").read_text())
     write_revision(recorded, "h5", early_stop=[
         {**r, "when": "rows >= params.stop_min_rollouts && latest.dead_group_ratio >= 0.0"}
         if r["name"] == "collapse" else r for r in doc["early_stop"]])
-    h0, h5 = (resolve_harness(h, recorded.root) for h in ("h0", "h5"))
+    return resolve_harness("h0", recorded.root), resolve_harness("h5", recorded.root)
+
+
+def test_a_diffs_diagnoses_and_replays_are_made_by_children_and_read_back(
+        recorded, monkeypatch):
+    """shared_with_children: two children forked from the caller keep the replays and the
+    diagnoses they make; the caller's backtest and replays read those back and answer as
+    they do alone, and the children are stopped as the block ends. With everything kept, or
+    on one core, no child is forked."""
+    import os
+    import shutil
+    import time
+
+    from evotrainer.agent import diff_work, stop_replay
+    from evotrainer.gate import harness_backtest
+    from evotrainer.gate.harness_backtest import backtest_harness
+
+    h0, h5 = _h5(recorded)
     cache = recorded.state_dir / "cache" / "backtest"
-    expected = stop_replay.stop_changes(recorded, h0, h5)
-    assert [c["version"] for c in expected] == ["v0", "v1", "v2"]
-    replays = len(list(cache.glob("stop-*.json")))
+    stops = stop_replay.stop_changes(recorded, h0, h5)
+    assert [c["version"] for c in stops] == ["v0", "v1", "v2"]
+    backtest = backtest_harness(recorded, h5, h0)
+    kept = sorted(path.name for path in cache.iterdir())
+    assert any(name.startswith("stop-") for name in kept)
+    assert any(not name.startswith("stop-") for name in kept)
     shutil.rmtree(cache)
     caller, children = os.getpid(), []
     fork = os.fork
-    monkeypatch.setattr(stop_replay.os, "fork", lambda: children.append(fork()) or children[-1])
-    real = stop_replay._replay
+    monkeypatch.setattr(diff_work.os, "fork", lambda: children.append(fork()) or children[-1])
 
-    def replay(*args):  # the child's replays are made; the caller's read back
-        assert os.getpid() != caller, "replayed in the caller"
-        return real(*args)
+    def in_children(real):
+        def made(*args, **kwargs):
+            assert os.getpid() != caller, f"{real.__name__} in the caller"
+            return real(*args, **kwargs)
+        return made
 
-    monkeypatch.setattr(stop_replay, "_replay", replay)
-    with stop_replay.stop_changes_beside(recorded, h0, h5) as changes:
-        assert children and children[0] > 0
-        deadline = time.monotonic() + 60
-        while len(list(cache.glob("stop-*.json"))) < replays and time.monotonic() < deadline:
+    monkeypatch.setattr(stop_replay, "_replay", in_children(stop_replay._replay))
+    monkeypatch.setattr(harness_backtest, "diagnose", in_children(harness_backtest.diagnose))
+    with diff_work.shared_with_children(recorded, h0, h5, replay=True) as changes:
+        assert len(children) == 2 and all(pid > 0 for pid in children)
+        deadline = time.monotonic() + 120
+        while sorted(path.name for path in cache.glob("*.json")) != kept:
+            assert time.monotonic() < deadline, "the children kept too little"
             time.sleep(0.05)
-        assert changes() == expected
-    with pytest.raises(ChildProcessError):  # stopped and reaped as the block ended
-        os.waitpid(children[0], os.WNOHANG)
-    # Every replay kept: no child.
-    with stop_replay.stop_changes_beside(recorded, h0, h5) as changes:
-        assert changes() == expected
-    monkeypatch.setattr(stop_replay, "_replay", real)
+        assert backtest_harness(recorded, h5, h0) == backtest
+        assert changes() == stops
+    for child in children:  # stopped and reaped as the block ended
+        with pytest.raises(ChildProcessError):
+            os.waitpid(child, os.WNOHANG)
+    with diff_work.shared_with_children(recorded, h0, h5, replay=True) as changes:
+        assert changes() == stops  # everything kept: no child
+    monkeypatch.undo()
     shutil.rmtree(cache)
-    monkeypatch.setattr(stop_replay.os, "sched_getaffinity", lambda pid: {0})
-    with stop_replay.stop_changes_beside(recorded, h0, h5) as changes:
-        assert changes() == expected
-    assert len(children) == 1
+    monkeypatch.setattr(diff_work.os, "fork", lambda: children.append(fork()) or children[-1])
+    monkeypatch.setattr(diff_work.os, "sched_getaffinity", lambda pid: {0})
+    with diff_work.shared_with_children(recorded, h0, h5, replay=True) as changes:
+        assert changes() == stops
+    assert len(children) == 2
 
 
-def test_a_child_stopped_while_it_keeps_a_replay_leaves_no_file(recorded, monkeypatch):
-    """The child is stopped wherever it is: one stopped between writing a replay's file and
-    putting it in place leaves nothing behind in the cache, and the caller's answer is
-    whole."""
+def test_a_child_stopped_while_it_keeps_its_work_leaves_no_file(recorded, monkeypatch):
+    """The children are stopped wherever they are: one stopped between writing a replay's
+    or a diagnosis' file and putting it in place leaves nothing behind in the cache, and the
+    caller's answers are whole."""
     import os
     import shutil
     import time
 
-    from evotrainer.agent import stop_replay
-    from evotrainer.diagnosis.harness import resolve_harness
+    from evotrainer.agent import diff_work, stop_replay
     from evotrainer.gate import harness_backtest
+    from evotrainer.gate.harness_backtest import backtest_harness
 
-    doc = yaml.safe_load((recorded.root / "harness_revisions" / "h0.yaml").read_text())
-    write_revision(recorded, "h5", early_stop=[
-        {**r, "when": "rows >= params.stop_min_rollouts && latest.dead_group_ratio >= 0.0"}
-        if r["name"] == "collapse" else r for r in doc["early_stop"]])
-    h0, h5 = (resolve_harness(h, recorded.root) for h in ("h0", "h5"))
+    h0, h5 = _h5(recorded)
     cache = recorded.state_dir / "cache" / "backtest"
-    expected = stop_replay.stop_changes(recorded, h0, h5)
+    stops = stop_replay.stop_changes(recorded, h0, h5)
+    backtest = backtest_harness(recorded, h5, h0)
     shutil.rmtree(cache)
     caller, replace = os.getpid(), os.replace
 
-    def stuck(source, target):  # the child hangs with its file written, not yet in place
+    def stuck(source, target):  # a child hangs with its file written, not yet in place
         if os.getpid() != caller:
             time.sleep(600)
         replace(source, target)
 
     monkeypatch.setattr(harness_backtest.os, "replace", stuck)
-    with stop_replay.stop_changes_beside(recorded, h0, h5) as changes:
-        deadline = time.monotonic() + 60
-        while not list(cache.glob("*.tmp")) and time.monotonic() < deadline:
+    with diff_work.shared_with_children(recorded, h0, h5, replay=True) as changes:
+        deadline = time.monotonic() + 120
+        while len(list(cache.glob("*.tmp"))) < 2:  # each child's unfinished file
+            assert time.monotonic() < deadline, "no child wrote"
             time.sleep(0.05)
-        assert list(cache.glob("*.tmp"))  # the child's unfinished file
-        assert changes() == expected
+        assert backtest_harness(recorded, h5, h0) == backtest
+        assert changes() == stops
     assert not list(cache.glob("*.tmp"))
 
 

@@ -12,7 +12,7 @@ A replay diagnoses only what a stop reads (`stop_inputs`: the rules, the alerts,
 and the metrics they name): a run once, each step's metrics merged from its per-step
 partials where they all combine (`diagnose_prefixes`), else each step in turn. `harness
 diff` replays only when the two revisions differ there (`stops_may_differ`), shares the work
-with a child process on another core (`stop_changes_beside`), and each replay's outcome is
+with a child process on another core (agent/diff_work.py), and each replay's outcome is
 kept beside the backtest's diagnoses (.evotrainer/cache/backtest), keyed by what it depends
 on: those inputs, the version's branch, its resolved recipe and the code that replays. Two
 revisions that differ only in what no stop reads share their replays.
@@ -23,11 +23,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
-import signal
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -139,6 +136,14 @@ def _memo(ws: Workspace, states: dict[str, VersionState], name: str,
     state = states[name]
     key = _memo_key(harness, state.name, state.sha, ws.resolved_recipe(name, states))
     return ws.state_dir / "cache" / "backtest" / f"stop-{key}.json"
+
+
+def replays_kept(ws: Workspace, states: dict[str, VersionState], runs: list[str],
+                 cut: list[HarnessRevision]) -> bool:
+    """Whether every replay of `runs` under `cut` (revisions' `stop_inputs`) is kept from an
+    earlier diff."""
+    return all(_kept(_memo(ws, states, name, h))[0] for name in runs for h in cut
+               if h.early_stop)
 
 
 def _kept(memo: Path) -> tuple[bool, dict[str, Any] | None]:
@@ -296,13 +301,14 @@ def stop_changes(ws: Workspace, old: HarnessRevision, new: HarnessRevision
     recorded (the stop its run record holds), before, after} — a stop that would (not) have
     fired, or fired by another rule or at another step."""
     states = ws.versions()
-    return _changes(ws, states, [stop_inputs(old), stop_inputs(new)],
-                    replayed_versions(ws, states))
+    return changes_over(ws, states, [stop_inputs(old), stop_inputs(new)],
+                        replayed_versions(ws, states))
 
 
-def _changes(ws: Workspace, states: dict[str, VersionState], cut: list[HarnessRevision],
-             runs: list[str], backwards: bool = False) -> list[dict[str, Any]]:
-    """stop_changes over `runs`, replayed from the last one back where `backwards`."""
+def changes_over(ws: Workspace, states: dict[str, VersionState], cut: list[HarnessRevision],
+                 runs: list[str], backwards: bool = False) -> list[dict[str, Any]]:
+    """stop_changes over `runs` for two revisions' `stop_inputs`, replayed from the last
+    run back where `backwards`."""
     stops = {name: replay_stops(ws, states, name, cut)
              for name in (reversed(runs) if backwards else runs)}
     out = []
@@ -323,57 +329,3 @@ def describe(change: dict[str, Any]) -> str:
         return f"{stop['rule']} at step {stop['step']} of {stop['steps']} ({stop['rows']} " \
             "rollouts)"
     return f"{change['version']}: {one(change['before'])} → {one(change['after'])}"
-
-
-@contextmanager
-def stop_changes_beside(ws: Workspace, old: HarnessRevision, new: HarnessRevision
-                        ) -> Iterator[Callable[[], list[dict[str, Any]]]]:
-    """`stop_changes(ws, old, new)` with the replays shared with a child forked from this
-    process, which replays on another core while the caller does its own work (`harness
-    diff`'s backtest) and keeps each replay it makes, the recorded runs in tree order. Yields
-    the function that, asked for the result, goes through the runs from the last one back,
-    reading each replay the child kept and making the others; the child is stopped as the
-    block ends (at most the run it is on is replayed twice; nothing waits on it). In this
-    process alone on one core, or where every replay is kept from an earlier diff."""
-    states = ws.versions()  # read once: the backtest reads it again at no cost
-    cut = [stop_inputs(old), stop_inputs(new)]
-    runs = replayed_versions(ws, states)
-    # Every replay's key is made here, before the fork: the child reads no git.
-    kept = all(_kept(_memo(ws, states, name, h))[0]
-               for name in runs for h in cut if h.early_stop)
-    if kept or len(os.sched_getaffinity(0)) < 2:
-        yield lambda: _changes(ws, states, cut, runs)
-        return
-    child = _forked(lambda: _changes(ws, states, cut, runs))
-    try:
-        yield lambda: _changes(ws, states, cut, runs, backwards=True)
-    finally:
-        # Every replay is kept by then (or the caller failed): the child could only be
-        # making one made here.
-        _stop(child, ws)
-
-
-def _forked(work: Callable[[], object]) -> int:
-    """The pid of a child forked to run `work`: it starts with this process's modules
-    imported and the workspace read, which a fresh interpreter takes a second to do. It
-    writes nothing but the replays it keeps (its output goes nowhere) and leaves by
-    `os._exit`, running none of this process's exit handlers; what fails in it fails again
-    in the caller, which reports it."""
-    pid = os.fork()
-    if pid:
-        return pid
-    try:
-        nowhere = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(nowhere, fd)
-        work()
-    finally:
-        os._exit(0)
-
-
-def _stop(child: int, ws: Workspace) -> None:
-    """Stop the child and remove the file it may have been writing a replay to."""
-    os.kill(child, signal.SIGKILL)
-    os.waitpid(child, 0)
-    for unfinished in (ws.state_dir / "cache" / "backtest").glob(f"{child}-*.tmp"):
-        unfinished.unlink(missing_ok=True)

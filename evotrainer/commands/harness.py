@@ -10,7 +10,8 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from evotrainer.agent.stop_replay import describe, stop_changes_beside, stops_may_differ
+from evotrainer.agent.diff_work import shared_with_children
+from evotrainer.agent.stop_replay import describe, stops_may_differ
 from evotrainer.diagnosis.harness import resolve_harness
 from evotrainer.gate.harness_backtest import adopt_harness, backtest_harness, diff_harness
 from evotrainer.store.workspace import Workspace
@@ -144,10 +145,10 @@ def register(app: typer.Typer) -> None:
         ws = Workspace.find()
         a, b = resolve_harness(old, ws.root), resolve_harness(new, ws.root)
         result = diff_harness(a, b)
-        # The early stops are replayed beside the backtest: in a child process, on another core.
-        replaying = stop_changes_beside(ws, a, b) if backtest_ and stops_may_differ(a, b) \
+        # The diagnoses and early-stop replays are shared with children, on another core.
+        shared = shared_with_children(ws, a, b, replay=stops_may_differ(a, b)) if backtest_ \
             else nullcontext(list)
-        with replaying as early_stops, backtest_progress(not as_json) as progress:
+        with shared as early_stops, backtest_progress(not as_json) as progress:
             report = backtest_harness(ws, b, a, progress=progress) if backtest_ else None
             stops = early_stops()
         if report is not None:

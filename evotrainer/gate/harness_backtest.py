@@ -77,12 +77,9 @@ def _diagnosis(
     revision, else one an earlier backtest kept, else diagnosed now (with the comparison with
     the parent, where the caller holds it under the same procedure, and the evidence where
     the caller read it)."""
-    recorded = state.diagnosis
-    if recorded and recorded.harness_digest == harness.digest:
-        # reconcile already diagnosed it with exactly this revision
+    if _recorded(state, harness):  # reconcile already diagnosed it with exactly this revision
         return state.records["diagnosis"]
-    key = _memo_key(states, state, harness)
-    memo = ws.state_dir / "cache" / "backtest" / f"{key}.json"
+    memo = _memo(ws, states, state, harness)
     try:  # this revision's diagnosis of this very evidence, from an earlier backtest
         return json.loads(memo.read_bytes())
     except (OSError, ValueError):
@@ -104,6 +101,17 @@ def _diagnosis(
     document = diagnosis_document(result, state.name)
     _remember(memo, document)
     return document
+
+
+def _recorded(state: VersionState, harness: HarnessRevision) -> bool:
+    recorded = state.diagnosis
+    return bool(recorded and recorded.harness_digest == harness.digest)
+
+
+def _memo(ws: Workspace, states: dict[str, VersionState], state: VersionState,
+          harness: HarnessRevision) -> Path:
+    """Where an earlier backtest kept this revision's diagnosis of this evidence."""
+    return ws.state_dir / "cache" / "backtest" / f"{_memo_key(states, state, harness)}.json"
 
 
 def _memo_key(
@@ -158,25 +166,41 @@ def _diagnose_all(
     new: HarnessRevision,
     progress: Progress | None,
 ) -> tuple[dict[str, dict], dict[str, dict]]:
-    """Each version's diagnosis under `old` and under `new` (once where they are one
-    revision), one version after another: run on threads, two versions at once hung in a
-    git read (each diagnosis has threads and child processes of its own). Where both test
-    under one gate procedure, `new` reads the comparison with the parent `old`'s holds: the
-    same procedure over the same recorded score tables."""
+    """Each version's diagnosis under `old` and under `new`, one version after another: run
+    on threads, two versions at once hung in a git read (each diagnosis has threads and
+    child processes of its own)."""
     old_diag: dict[str, dict] = {}
     new_diag: dict[str, dict] = {}
     for done, name in enumerate(names):
         if progress is not None:
             progress(name, done, len(names))
-        evidence = _Evidence(ws, states[name])  # read once for both
-        old_diag[name] = _diagnosis(ws, states, states[name], old, evidence=evidence)
-        compared = old_diag[name].get("comparison") if new.procedure == old.procedure \
-            else None
-        new_diag[name] = (old_diag[name] if new.digest == old.digest
-                          else _diagnosis(ws, states, states[name], new, compared, evidence))
+        old_diag[name], new_diag[name] = diagnose_version(ws, states, name, old, new)
     if progress is not None and names:
         progress(names[-1], len(names), len(names))
     return old_diag, new_diag
+
+
+def diagnose_version(ws: Workspace, states: dict[str, VersionState], name: str,
+                     old: HarnessRevision, new: HarnessRevision) -> tuple[dict, dict]:
+    """`name`'s diagnosis under `old` and under `new` (once where they are one revision),
+    its evidence read once for both. Where both test under one gate procedure, `new` reads
+    the comparison with the parent `old`'s holds: the same procedure over the same recorded
+    score tables."""
+    evidence = _Evidence(ws, states[name])
+    old_diag = _diagnosis(ws, states, states[name], old, evidence=evidence)
+    if new.digest == old.digest:
+        return old_diag, old_diag
+    compared = old_diag.get("comparison") if new.procedure == old.procedure else None
+    return old_diag, _diagnosis(ws, states, states[name], new, compared, evidence)
+
+
+def diagnoses_kept(ws: Workspace, states: dict[str, VersionState], names: list[str],
+                   harnesses: list[HarnessRevision]) -> bool:
+    """Whether every diagnosis of `names` under `harnesses` is recorded or kept from an
+    earlier backtest."""
+    return all(_recorded(states[name], harness) or
+               _memo(ws, states, states[name], harness).is_file()
+               for name in names for harness in harnesses)
 
 
 def _collected(states: dict[str, VersionState], name: str | None) -> bool:

@@ -110,6 +110,12 @@ def _replicates(
     return np.where(valid, values, 0.0).sum(axis=2) / n
 
 
+def import_tests() -> None:
+    """Import the library the comparisons test with (scipy.stats; 0.6 s) now: a process
+    about to fork children that compare lets them find it imported."""
+    from scipy import stats  # noqa: F401
+
+
 def _wilcoxon(diff: np.ndarray) -> tuple[float, float]:
     if not np.any(diff != 0):
         return 0.0, 1.0

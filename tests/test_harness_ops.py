@@ -399,3 +399,32 @@ def test_a_backtest_reuses_its_diagnoses_of_the_same_evidence_and_reports_progre
     write_revision(recorded, "h8", gate={**gate, "alpha": 0.3})
     with pytest.raises(AssertionError, match="diagnosed before"):
         harness_backtest.backtest_harness(recorded, "h8", "h0")
+
+
+def test_the_caller_and_a_child_meet_at_one_item_and_one_of_them_makes_it():
+    """_Meeting: the child takes items from the last back while the caller is short of them,
+    the caller finds the child on the item it comes to, and a child forked after the meeting
+    was made sees where the caller is."""
+    import os
+
+    from evotrainer.agent.diff_work import _Meeting
+
+    meeting = _Meeting(5)
+    assert meeting.child_takes(4) and meeting.child_takes(3)
+    assert not meeting.caller_meets(0) and not meeting.caller_meets(1)
+    assert meeting.child_takes(2)
+    assert meeting.caller_meets(2)  # the child is on it: the caller waits
+    assert not meeting.child_takes(1)  # past the caller: the child stops
+    other = _Meeting(3)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.read(read, 1)  # the caller has come to item 1
+            os.write(write, b"y" if other.child_takes(2) and not other.child_takes(1) else b"n")
+        finally:
+            os._exit(0)
+    assert not other.caller_meets(1)
+    os.write(write, b".")
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"y"

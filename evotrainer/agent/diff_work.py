@@ -3,25 +3,37 @@
 A cold `harness diff` diagnoses every recorded version under both revisions (the backtest,
 gate/harness_backtest.py) and replays the early stops of every recorded run under both
 (agent/stop_replay.py). Both keep what they make on disk as they make it
-(.evotrainer/cache/backtest), so the caller and children forked from it share the work
-without talking: a child goes through its list from the last item back, keeping each one;
-the caller goes through the same list from the first, reading back what a child kept and
-making the rest, and stops the children once it has everything (at most the item a child is
-on is made twice; nothing waits on a child). One child replays the early stops from the
-start; a second diagnoses, forked once the comparisons' statistics library is imported,
-which each child would otherwise import again. A child starts with the caller's modules
-imported and the workspace read, where a fresh interpreter takes a second for both.
+(.evotrainer/cache/backtest), so the caller and children forked from it share the work: a
+child goes through its list from the last item back, keeping each one; the caller goes
+through the same list from the first, reading back what the child kept and making the rest.
+One child replays the early stops from the start: where it and the caller meet, the caller
+waits for the run the child is on (while the child is there and working) and the child
+stops (`_Meeting`). A second child diagnoses, forked once the comparisons' statistics
+library is imported where they are left to make (each child would import it again); where
+it meets the caller's backtest, at most one version is diagnosed twice. A child starts with
+the caller's modules imported and the workspace read, where a fresh interpreter takes a
+second for both; the children are stopped once the caller has everything.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
+import struct
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
-from evotrainer.agent.stop_replay import changes_over, replayed_versions, replays_kept, stop_inputs
+from evotrainer.agent.stop_replay import (
+    changes_over,
+    replay_stops,
+    replayed_versions,
+    replays_kept,
+    stop_inputs,
+)
 from evotrainer.diagnosis.harness import HarnessRevision
 from evotrainer.errors import EvoError
 from evotrainer.gate.harness_backtest import diagnose_version, diagnoses_kept, recorded_versions
@@ -42,20 +54,71 @@ def shared_with_children(ws: Workspace, old: HarnessRevision, new: HarnessRevisi
     cut = [stop_inputs(old), stop_inputs(new)]
     runs = replayed_versions(ws, states) if replay else []
     names = recorded_versions(ws, states)
-    children: list[int] = []
+    cache = ws.state_dir / "cache" / "backtest"
+    meeting = _Meeting(len(runs))  # before any fork: the children share it
+    replayer: _Child | None = None
+    children: list[_Child] = []
     try:
         if len(os.sched_getaffinity(0)) >= 2:
             if not replays_kept(ws, states, runs, cut):
-                children.append(_forked(
-                    lambda: changes_over(ws, states, cut, runs, backwards=True)))
+                def replay_from_the_last() -> None:
+                    for i in reversed(range(len(runs))):
+                        if not meeting.child_takes(i):
+                            return
+                        replay_stops(ws, states, runs[i], cut)
+
+                replayer = _Child(cache, replay_from_the_last)
+                children.append(replayer)
             if not diagnoses_kept(ws, states, names, [old, new]) and _verified(ws, states):
-                import_tests()
-                children.append(_forked(lambda: [diagnose_version(ws, states, name, old, new)
-                                                 for name in reversed(names)]))
-        yield lambda: changes_over(ws, states, cut, runs)
+                # Each version is compared with its parent in its diagnosis under `old`
+                # (`new`'s reads that comparison where both test alike): where those are
+                # left to make, the statistics library is imported before the fork.
+                if new.procedure != old.procedure or not diagnoses_kept(ws, states, names,
+                                                                        [old]):
+                    import_tests()
+                children.append(_Child(cache, lambda: [
+                    diagnose_version(ws, states, name, old, new) for name in reversed(names)]))
+
+        def early_stops() -> list[dict[str, Any]]:
+            for i, name in enumerate(runs):
+                if replayer is not None and meeting.caller_meets(i):
+                    replayer.wait_while_working(
+                        lambda name=name: replays_kept(ws, states, [name], cut))
+                replay_stops(ws, states, name, cut)  # kept by the replayer, else made here
+            return changes_over(ws, states, cut, runs)
+
+        yield early_stops
     finally:
         for child in children:
-            _stop(child, ws)
+            child.stop()
+
+
+class _Meeting:
+    """Where the caller (from the first item of a list on) and a child (from the last one
+    back) are, in memory both see (an anonymous shared mapping, made before the fork).
+    Each writes where it is before reading where the other is, so when both come to one
+    item at least one of them sees the other there."""
+
+    def __init__(self, items: int) -> None:
+        self.slots = mmap.mmap(-1, 8)
+        self._put(0, -1)
+        self._put(1, items)
+
+    def child_takes(self, item: int) -> bool:
+        """The child comes to `item`: whether it makes it (the caller is not there yet)."""
+        self._put(1, item)
+        return self._get(0) < item
+
+    def caller_meets(self, item: int) -> bool:
+        """The caller comes to `item`: whether the child is on it."""
+        self._put(0, item)
+        return self._get(1) == item
+
+    def _put(self, slot: int, value: int) -> None:
+        struct.pack_into("i", self.slots, 4 * slot, value)
+
+    def _get(self, slot: int) -> int:
+        return struct.unpack_from("i", self.slots, 4 * slot)[0]
 
 
 def _verified(ws: Workspace, states: dict[str, VersionState]) -> bool:
@@ -68,26 +131,56 @@ def _verified(ws: Workspace, states: dict[str, VersionState]) -> bool:
     return True
 
 
-def _forked(work: Callable[[], object]) -> int:
-    """The pid of a child forked to run `work`. It writes nothing but what it keeps (its
-    output goes nowhere) and leaves by `os._exit`, running none of this process's exit
-    handlers; what fails in it fails again in the caller, which reports it."""
-    pid = os.fork()
-    if pid:
-        return pid
-    try:
-        nowhere = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(nowhere, fd)
-        work()
-    finally:
-        os._exit(0)
+class _Child:
+    """A child forked to run `work`, which keeps what it makes under `cache`. It writes
+    nothing else (its output goes nowhere) and leaves by `os._exit`, running none of this
+    process's exit handlers; what fails in it fails again in the caller, which reports it."""
 
+    def __init__(self, cache: Path, work: Callable[[], object]) -> None:
+        self.cache = cache
+        self.ended = False
+        self.pid = os.fork()
+        if self.pid:
+            return
+        try:
+            nowhere = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(nowhere, fd)
+            work()
+        finally:
+            os._exit(0)
 
-def _stop(child: int, ws: Workspace) -> None:
-    """Stop the child and remove the file it may have been writing (harness_backtest's
-    `_remember` names each after its process)."""
-    os.kill(child, signal.SIGKILL)
-    os.waitpid(child, 0)
-    for unfinished in (ws.state_dir / "cache" / "backtest").glob(f"{child}-*.tmp"):
-        unfinished.unlink(missing_ok=True)
+    def wait_while_working(self, done: Callable[[], bool], poll_s: float = 0.01) -> None:
+        """Wait until `done`, while the child runs and its CPU time grows from one second
+        to the next (one stuck or gone leaves the work to the caller)."""
+        working, since = self._cpu_ticks(), time.monotonic()
+        while not done() and not self._exited():
+            if time.monotonic() - since >= 1.0:
+                ticks = self._cpu_ticks()
+                if ticks is None or ticks == working:
+                    return
+                working, since = ticks, time.monotonic()
+            time.sleep(poll_s)
+
+    def _exited(self) -> bool:
+        if not self.ended:
+            self.ended = os.waitpid(self.pid, os.WNOHANG)[0] != 0
+        return self.ended
+
+    def _cpu_ticks(self) -> int | None:
+        """The child's user and system time so far (/proc/PID/stat), None where unknown."""
+        try:
+            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def stop(self) -> None:
+        """Stop the child and remove the file it may have been writing (harness_backtest's
+        `_remember` names each after its process)."""
+        if not self._exited():
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            self.ended = True
+        for unfinished in self.cache.glob(f"{self.pid}-*.tmp"):
+            unfinished.unlink(missing_ok=True)

@@ -306,11 +306,9 @@ def stop_changes(ws: Workspace, old: HarnessRevision, new: HarnessRevision
 
 
 def changes_over(ws: Workspace, states: dict[str, VersionState], cut: list[HarnessRevision],
-                 runs: list[str], backwards: bool = False) -> list[dict[str, Any]]:
-    """stop_changes over `runs` for two revisions' `stop_inputs`, replayed from the last
-    run back where `backwards`."""
-    stops = {name: replay_stops(ws, states, name, cut)
-             for name in (reversed(runs) if backwards else runs)}
+                 runs: list[str]) -> list[dict[str, Any]]:
+    """stop_changes over `runs` for two revisions' `stop_inputs`."""
+    stops = {name: replay_stops(ws, states, name, cut) for name in runs}
     out = []
     for name in runs:
         before, after = stops[name]

@@ -4,8 +4,9 @@ version) against the same backtest done the plain way, measured in the same run.
 Builds a workspace whose lineage is trained by tests/standin_engine.py (real jobs, real
 evidence on disk, no training): v1..vN in a chain, each with `--steps` recorded train steps
 (the main job's runs record 160) and reconciled (diagnosed with h0 and gated). h0 and h2
-differ in a critical alert, so `harness diff` replays the early stops of every run at every
-recorded step. Then, each `--runs` times:
+differ in what their early stops read (h2 widens the leak patterns its leak ratio counts),
+so `harness diff` replays the early stops of every run at every recorded step. Then, each
+`--runs` times:
 
 - the baseline: every version re-diagnosed with both revisions, one after another, nothing
   reused but what reconcile recorded under the same revision digest (in-process);

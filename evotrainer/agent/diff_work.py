@@ -60,6 +60,7 @@ def shared_with_children(ws: Workspace, old: HarnessRevision, new: HarnessRevisi
     children: list[_Child] = []
     try:
         if len(os.sched_getaffinity(0)) >= 2:
+            _load_what_children_read()
             if not replays_kept(ws, states, runs, cut):
                 def replay_from_the_last() -> None:
                     for i in reversed(range(len(runs))):
@@ -119,6 +120,14 @@ class _Meeting:
 
     def _get(self, slot: int) -> int:
         return struct.unpack_from("i", self.slots, 4 * slot)[0]
+
+
+def _load_what_children_read() -> None:
+    """Import what reading rollouts and querying them loads on first use (pyarrow's dataset
+    and acero modules, and pandas, which pyarrow and DuckDB import where it is installed:
+    a few tenths of a second), once here rather than once in each child."""
+    import pyarrow.acero  # noqa: F401
+    import pyarrow.dataset  # noqa: F401
 
 
 def _verified(ws: Workspace, states: dict[str, VersionState]) -> bool:

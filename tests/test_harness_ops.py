@@ -266,7 +266,7 @@ def test_a_diffs_diagnoses_and_replays_are_made_by_children_and_read_back(
     monkeypatch.undo()
     shutil.rmtree(cache)
     monkeypatch.setattr(diff_work.os, "fork", lambda: children.append(fork()) or children[-1])
-    monkeypatch.setattr(diff_work.os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(diff_work, "cpus", lambda: 1)
     with diff_work.shared_with_children(recorded, h0, h5, replay=True) as changes:
         assert changes() == stops
     assert len(children) == 2

@@ -38,6 +38,7 @@ from evotrainer.diagnosis.harness import HarnessRevision
 from evotrainer.errors import EvoError
 from evotrainer.gate.harness_backtest import diagnose_version, diagnoses_kept, recorded_versions
 from evotrainer.stats.paired import import_tests
+from evotrainer.store.halves import cpus
 from evotrainer.store.workspace import VersionState, Workspace
 
 
@@ -47,9 +48,9 @@ def shared_with_children(ws: Workspace, old: HarnessRevision, new: HarnessRevisi
     """Children forked to diagnose every recorded version under `old` and `new`, and where
     `replay`, to replay the early stops of every recorded run: for the caller's backtest of
     `new` against `old`. Yields the function that answers `stop_changes(ws, old, new)` (none
-    where not `replay`), for the caller to ask after its backtest. No child where one core is
-    there, for the work kept from an earlier diff, or (diagnoses) for records the backtest
-    refuses; the children are stopped as the block ends."""
+    where not `replay`), for the caller to ask after its backtest. No child where one CPU is
+    there or fork is not, for the work kept from an earlier diff, or (diagnoses) for records
+    the backtest refuses; the children are stopped as the block ends."""
     states = ws.versions()  # read once, before any fork: a child reads no git
     cut = [stop_inputs(old), stop_inputs(new)]
     runs = replayed_versions(ws, states) if replay else []
@@ -57,28 +58,30 @@ def shared_with_children(ws: Workspace, old: HarnessRevision, new: HarnessRevisi
     cache = ws.state_dir / "cache" / "backtest"
     meeting = _Meeting(len(runs))  # before any fork: the children share it
     replayer: _Child | None = None
-    children: list[_Child] = []
+    diagnoser: _Child | None = None
     try:
-        if len(os.sched_getaffinity(0)) >= 2:
+        replays_left = not replays_kept(ws, states, runs, cut)
+        diagnoses_left = not diagnoses_kept(ws, states, names, [old, new]) and \
+            _verified(ws, states)
+        if hasattr(os, "fork") and cpus() >= 2 and (replays_left or diagnoses_left):
             _load_what_children_read()
-            if not replays_kept(ws, states, runs, cut):
+            if replays_left:
                 def replay_from_the_last() -> None:
                     for i in reversed(range(len(runs))):
                         if not meeting.child_takes(i):
                             return
                         replay_stops(ws, states, runs[i], cut)
 
-                replayer = _Child(cache, replay_from_the_last)
-                children.append(replayer)
-            if not diagnoses_kept(ws, states, names, [old, new]) and _verified(ws, states):
+                replayer = _Child.fork(cache, replay_from_the_last)
+            if diagnoses_left:
                 # Each version is compared with its parent in its diagnosis under `old`
                 # (`new`'s reads that comparison where both test alike): where those are
                 # left to make, the statistics library is imported before the fork.
                 if new.procedure != old.procedure or not diagnoses_kept(ws, states, names,
                                                                         [old]):
                     import_tests()
-                children.append(_Child(cache, lambda: [
-                    diagnose_version(ws, states, name, old, new) for name in reversed(names)]))
+                diagnoser = _Child.fork(cache, lambda: [
+                    diagnose_version(ws, states, name, old, new) for name in reversed(names)])
 
         def early_stops() -> list[dict[str, Any]]:
             for i, name in enumerate(runs):
@@ -90,8 +93,9 @@ def shared_with_children(ws: Workspace, old: HarnessRevision, new: HarnessRevisi
 
         yield early_stops
     finally:
-        for child in children:
-            child.stop()
+        for child in (replayer, diagnoser):
+            if child is not None:
+                child.stop()
 
 
 class _Meeting:
@@ -143,14 +147,22 @@ def _verified(ws: Workspace, states: dict[str, VersionState]) -> bool:
 class _Child:
     """A child forked to run `work`, which keeps what it makes under `cache`. It writes
     nothing else (its output goes nowhere) and leaves by `os._exit`, running none of this
-    process's exit handlers; what fails in it fails again in the caller, which reports it."""
+    process's exit handlers; what fails in it fails again in the caller, which reports it.
+    Unlike store/halves.py's, this child is forked whatever threads run here: nothing waits
+    on it but the caller at the run they meet on, and that only while its CPU time grows."""
 
-    def __init__(self, cache: Path, work: Callable[[], object]) -> None:
-        self.cache = cache
-        self.ended = False
-        self.pid = os.fork()
-        if self.pid:
-            return
+    def __init__(self, pid: int, cache: Path) -> None:
+        self.pid, self.cache, self.ended = pid, cache, False
+
+    @classmethod
+    def fork(cls, cache: Path, work: Callable[[], object]) -> _Child | None:
+        """The child, or None where the system forks no process (the caller does it all)."""
+        try:
+            pid = os.fork()
+        except OSError:
+            return None
+        if pid:
+            return cls(pid, cache)
         try:
             nowhere = os.open(os.devnull, os.O_RDWR)
             for fd in (0, 1, 2):

@@ -204,6 +204,18 @@ def test_a_revised_early_stop_rule_is_replayed_over_the_recorded_runs(recorded, 
         in shown.output
 
 
+def _once(condition, polls: int = 2400) -> bool:
+    """Whether `condition` comes to hold, looked at every 50 ms (up to two minutes): what
+    the forked children keep appears on disk while the test goes on."""
+    import time
+
+    for _ in range(polls):
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
 def _h5(recorded):
     """h0 with its collapse rule holding from the first step: every run's stop changes."""
     from evotrainer.diagnosis.harness import resolve_harness
@@ -223,7 +235,6 @@ def test_a_diffs_diagnoses_and_replays_are_made_by_children_and_read_back(
     on one core, no child is forked."""
     import os
     import shutil
-    import time
 
     from evotrainer.agent import diff_work, stop_replay
     from evotrainer.gate import harness_backtest
@@ -252,10 +263,8 @@ def test_a_diffs_diagnoses_and_replays_are_made_by_children_and_read_back(
     monkeypatch.setattr(harness_backtest, "diagnose", in_children(harness_backtest.diagnose))
     with diff_work.shared_with_children(recorded, h0, h5, replay=True) as changes:
         assert len(children) == 2 and all(pid > 0 for pid in children)
-        deadline = time.monotonic() + 120
-        while sorted(path.name for path in cache.glob("*.json")) != kept:
-            assert time.monotonic() < deadline, "the children kept too little"
-            time.sleep(0.05)
+        assert _once(lambda: sorted(path.name for path in cache.glob("*.json")) == kept), \
+            "the children kept too little"
         assert backtest_harness(recorded, h5, h0) == backtest
         assert changes() == stops
     for child in children:  # stopped and reaped as the block ended
@@ -298,10 +307,8 @@ def test_a_child_stopped_while_it_keeps_its_work_leaves_no_file(recorded, monkey
 
     monkeypatch.setattr(harness_backtest.os, "replace", stuck)
     with diff_work.shared_with_children(recorded, h0, h5, replay=True) as changes:
-        deadline = time.monotonic() + 120
-        while len(list(cache.glob("*.tmp"))) < 2:  # each child's unfinished file
-            assert time.monotonic() < deadline, "no child wrote"
-            time.sleep(0.05)
+        # Each child's unfinished file.
+        assert _once(lambda: len(list(cache.glob("*.tmp"))) >= 2), "no child wrote"
         assert backtest_harness(recorded, h5, h0) == backtest
         assert changes() == stops
     assert not list(cache.glob("*.tmp"))

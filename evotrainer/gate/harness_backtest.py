@@ -148,8 +148,8 @@ def _remember(path: Path, document: dict) -> None:
         if json.loads(text) != document:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        # Named for this process: one stopped while writing leaves a file its parent
-        # knows (agent/stop_replay.py).
+        # Named for this process: a child stopped while writing leaves a file its parent
+        # knows and removes (agent/diff_work.py).
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False,
                                          prefix=f"{os.getpid()}-", suffix=".tmp") as out:
             out.write(text)

@@ -80,6 +80,91 @@ def test_members_tested_are_the_strings_a_list_is_tested_for_and_nothing_else():
         assert tested(other, "critical") is None, other
 
 
+def test_fields_read_are_the_fields_a_map_is_read_by_and_nothing_else():
+    """fields_read: `latest.x` (nested, parenthesised, under has()) reads the map's field
+    x; any other read of the map (itself, its size, an index, a macro over it, a macro
+    variable of the same name) is None."""
+    read = cel.fields_read
+    assert read("rows >= params.n && latest.a >= 1.0 && latest.b > -0.05", "latest") == {
+        "a", "b"}
+    assert read("rows >= params.n && latest.a >= 1.0", "params") == {"n"}
+    assert read("latest.a.b > 1 && has(latest.c) && (latest).d > 0", "latest") == {
+        "a", "c", "d"}
+    assert read("rows > 1", "latest") is None  # not read at all
+    for other in ("size(latest) > 0 && latest.x > 1", "latest['x'] > 1",
+                  "xs.all(latest, latest.x > 0)", "latest == {}", "latest.exists(k, k == 'a')"):
+        assert read(other, "latest") is None, other
+
+
+def test_an_expression_reads_only_the_fields_it_names(monkeypatch):
+    """Two maps that differ only in fields an expression does not read give one
+    evaluation: a rule over `latest.dead` is not evaluated again because another metric
+    moved."""
+    evaluated = []
+    real = cel._evaluate
+    monkeypatch.setattr(cel, "_evaluate", lambda e, v: (evaluated.append(v), real(e, v))[1])
+    cel._EVALUATED.clear()
+    rule = "latest.dead >= 1.0"
+    assert cel.evaluate(rule, {"latest": {"dead": 1.0, "other": 0.1}}) is True
+    assert cel.evaluate(rule, {"latest": {"dead": 1.0, "other": 0.2}}) is True
+    assert evaluated == [{"latest": {"dead": 1.0}}]
+    with pytest.raises(EvoError, match="failed"):  # an absent field is absent still
+        cel.evaluate(rule, {"latest": {"other": 0.2}})
+
+
+def test_an_operand_that_decides_a_chain_decides_it_without_the_others(monkeypatch):
+    """`a && b` with one false operand is false, and `a || b` with one true operand true,
+    whatever the other (an error included): an operand whose result is kept decides first,
+    and the others are not evaluated."""
+    evaluated = []
+    real = cel._evaluate
+    monkeypatch.setattr(cel, "_evaluate", lambda e, v: (evaluated.append(e), real(e, v))[1])
+    cel._EVALUATED.clear()
+    rule = "rows >= 100 && latest.dead >= 1.0"
+    assert cel.evaluate(rule, {"rows": 120, "latest": {"dead": 0.5}}) is False
+    evaluated.clear()
+    for rows in (130, 140, 150):  # the kept `latest.dead >= 1.0` decides each one
+        assert cel.evaluate(rule, {"rows": rows, "latest": {"dead": 0.5}}) is False
+    assert evaluated == []
+    assert cel.evaluate("x > 1.0 || y > 1", {"x": None, "y": 2}) is True
+    assert cel.evaluate("x > 1.0 && false", {"x": None}) is False
+    with pytest.raises(EvoError, match="failed"):
+        cel.evaluate("x > 1.0 && true", {"x": None})
+
+
+def test_a_chain_decided_by_its_operands_equals_the_whole_evaluated():
+    """The value `evaluate` gives an `&&` or `||` chain from its operands is the value, or
+    the failure, of the whole expression evaluated at once, over values of every kind:
+    bools, numbers, nulls, strings, absent fields, non-bool operands, and after operands'
+    results are kept from other values."""
+    import itertools
+
+    expressions = [
+        "a > 1.0 && b > 1.0", "a > 1.0 || b > 1.0", "a > 1.0 && b > 1.0 && c",
+        "a > 1.0 || b > 1.0 || c", "c && a > 1.0 || b > 1.0", "(a > 1.0 || c) && b > 1.0",
+        "m.x > 1.0 && m.y > 1.0", "m.x > 1.0 || c", "a && true", "false && a", "a || b",
+        "c || a", "'k' in s && a > 1.0", "a > 1.0 ? c : false", "size(s) > 0 && c",
+        "s.exists(v, v == 'k') && c", "a / b > 1.0 && c", "int(a) > 1 || c",
+    ]
+    values = [None, True, False, 0.5, 3, "s"]
+    cases = []
+    for a, b, c in itertools.product(values, repeat=3):
+        cases.append({"a": a, "b": b, "c": c, "m": {"x": a, "y": b}, "s": ["k"] if c else []})
+    cases.append({"a": 2.0, "b": 2.0, "c": True, "m": {"x": 2.0}, "s": None})
+    for expr in expressions:
+        for variables in cases:
+            try:
+                whole = ("value", cel._evaluate(expr, variables))
+            except EvoError:
+                whole = ("fails", None)
+            try:
+                split = ("value", cel.evaluate(expr, variables))
+            except EvoError:
+                split = ("fails", None)
+            assert split == whole, (expr, variables)
+            assert type(split[1]) is type(whole[1]), (expr, variables)
+
+
 def test_nested_macros_bind_their_own_variables():
     expr = "xs.all(x, x.ys.exists(y, y > t))"
     assert cel.names(expr) == {"xs", "t"}

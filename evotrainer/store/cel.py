@@ -282,6 +282,36 @@ def _is_ident(node: Tree | Token, name: str) -> bool:
     return isinstance(node, Tree) and node.data == "ident" and str(node.children[0]) == name
 
 
+def fields_read(expr: str, name: str) -> frozenset[str] | None:
+    """The fields `expr` reads of the map `name` (`latest.mean_logprob`), where that is all
+    it reads of `name`; None where it reads `name` otherwise (the map itself, its size, an
+    index, a macro over it)."""
+    return _fields_read(expr).get(name)
+
+
+@lru_cache(maxsize=1024)
+def _fields_read(expr: str) -> dict[str, frozenset[str] | None]:
+    """fields_read of every name `expr` reads."""
+    ast = _compile(expr)[0].ast
+    fields: dict[str, set[str]] = {}
+    covered: set[int] = set()
+    for node in ast.iter_subtrees():
+        if node.data == "member_dot" and isinstance(node.children[1], Token):
+            target = _wrapped(node.children[0])
+            if isinstance(target, Tree) and target.data == "ident":
+                fields.setdefault(str(target.children[0]), set()).add(str(node.children[1]))
+                covered.add(id(target))
+    read: dict[str, frozenset[str] | None] = {}
+    for node in ast.iter_subtrees():
+        if node.data == "ident":
+            name = str(node.children[0])
+            if id(node) not in covered or read.get(name, frozenset()) is None:
+                read[name] = None
+            else:
+                read[name] = frozenset(fields[name])
+    return read
+
+
 def check(expr: str) -> None:
     """Raise EvoError when `expr` is not a valid CEL expression."""
     _compile(expr)
@@ -295,22 +325,105 @@ def names(expr: str) -> frozenset[str]:
 def evaluate(expr: str, variables: dict[str, Any]) -> Any:
     """Evaluate `expr` with `variables`; raise EvoError when evaluation fails.
 
-    An evaluation depends on the expression and the values it reads alone, so the same
-    expression over the same values is evaluated once (the last few thousand kept): a
-    replay of early stops evaluates each alert at every recorded step of a run, for two
-    revisions whose alerts mostly agree."""
-    # Only what the expression reads: a diagnosis passes every metric to every alert.
-    used = {key: value for key, value in variables.items() if key in names(expr)}
+    An evaluation depends on the expression and the values it reads alone (of a map read
+    only as `map.field`, those fields), so the same expression over the same values is
+    evaluated once (the last few thousand kept): a replay of early stops evaluates each
+    alert and rule at every recorded step of a run, for two revisions whose alerts mostly
+    agree. A chain of `&&` or `||` is decided by its operands where they decide it, each
+    kept alike (`_decided_by_an_operand`): a rule `rows >= 100 && latest.dead >= 1.0` reads
+    its second operand's kept false at most steps."""
+    used = _used(expr, variables)
     if not _json_exact(used):
         return _evaluate(expr, used)
     key = (expr, json.dumps(used))
     result = _EVALUATED.get(key, _NOT_KEPT)
     if result is _NOT_KEPT:
-        result = _evaluate(expr, used)
+        result = _decided_by_an_operand(expr, variables)
+        if result is None:
+            result = _evaluate(expr, used)
         if len(_EVALUATED) >= _KEPT:
             _EVALUATED.clear()
         _EVALUATED[key] = result
     return copy.deepcopy(result) if isinstance(result, (list, dict)) else result
+
+
+def _fields_of(value: Any, fields: frozenset[str] | None) -> Any:
+    """A map cut to `fields` (keys as CEL names them: strings), where only those are read."""
+    if fields is None or type(value) is not dict:
+        return value
+    return {key: item for key, item in value.items() if str(key) in fields}
+
+
+def _decided_by_an_operand(expr: str, variables: dict[str, Any]) -> bool | None:
+    """`expr`'s value where it is a chain of `&&` or of `||` (`_operands`) and its operands
+    decide it: one false (`&&`) or true (`||`) decides it whatever the others are, errors
+    included, as CEL's commutative `&&` and `||` do; all true (`&&`) or all false (`||`)
+    decide it too. None where an operand fails or is no bool: the whole is evaluated.
+    Operands whose results are kept go first, so a step's `rows >= 100 && latest.dead >= 1.0`
+    is decided by the second operand's kept false without evaluating the first."""
+    chain = _operands(expr)
+    if chain is None:
+        return None
+    operands, decisive = chain
+    kept = [operand for operand in operands if _kept(operand, variables)]
+    decided = True
+    for operand in kept + [operand for operand in operands if operand not in kept]:
+        try:
+            value = evaluate(operand, variables)
+        except EvoError:
+            decided = False
+            continue
+        if value is decisive:
+            return decisive
+        decided = decided and value is (not decisive)
+    return (not decisive) if decided else None
+
+
+def _kept(expr: str, variables: dict[str, Any]) -> bool:
+    """Whether `expr`'s result over `variables` is kept from an earlier evaluation."""
+    used = _used(expr, variables)
+    return _json_exact(used) and (expr, json.dumps(used)) in _EVALUATED
+
+
+def _used(expr: str, variables: dict[str, Any]) -> dict[str, Any]:
+    """What `expr` reads of `variables`: a diagnosis passes every metric to every alert, and
+    a rule that reads two of `latest`'s metrics reads those two."""
+    return {key: _fields_of(value, fields_read(expr, key))
+            for key, value in variables.items() if key in names(expr)}
+
+
+@lru_cache(maxsize=1024)
+def _operands(expr: str) -> tuple[tuple[str, ...], bool] | None:
+    """The operands' texts of `expr` where it is a chain of two or more operands joined by
+    `&&` (with False, the value any one operand decides it with) or by `||` (True), with no
+    macro anywhere (a macro over a null raises rather than fails as a value, and the whole
+    must then raise); None for any other expression."""
+    ast = _compile(expr)[0].ast
+    if len(ast.children) != 1 or _shape(ast)[1]:  # a conditional `a ? b : c`, or a macro
+        return None
+    node = ast.children[0]  # conditionalor
+    kind, decisive = "conditionalor", True
+    if len(node.children) == 1:
+        node, kind, decisive = node.children[0], "conditionaland", False
+    if node.data != kind or len(node.children) != 2:
+        return None
+    operands = []
+    while node.data == kind and len(node.children) == 2:
+        operands.append(node.children[1])
+        node = node.children[0]
+    operands.append(node)
+    spans = [(getattr(o.meta, "start_pos", None), getattr(o.meta, "end_pos", None))
+             for o in reversed(operands)]
+    # The operands' texts must be the whole expression cut at its operators (the parser
+    # leaves some literals, `false` among them, without a position).
+    if any(not isinstance(at, int) for span in spans for at in span):
+        return None
+    cuts = [0, *(at for span in spans for at in span), len(expr)]
+    between = [expr[start:end].strip() for start, end in zip(cuts[::2], cuts[1::2], strict=True)]
+    operator = "||" if decisive else "&&"
+    if between[0] or between[-1] or any(gap != operator for gap in between[1:-1]):
+        return None
+    return tuple(expr[start:end] for start, end in spans), decisive
 
 
 # (expression, its values as JSON): the result. Emptied when full: what a replay repeats is

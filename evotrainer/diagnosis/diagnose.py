@@ -6,10 +6,11 @@ enough to find the row again in the version's rollout table.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -31,6 +32,7 @@ from evotrainer.diagnosis.sql import (
     metric_result,
     query_columns,
     rows_where,
+    sql_params,
 )
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import (
@@ -70,6 +72,9 @@ class Increment(Protocol):
     def close(self) -> None: ...
 
 
+# A query's (columns, rows) by its split, its text and the params it binds, as JSON.
+QueryRows = dict[tuple[str | None, str, str], tuple[list[str], list]]
+
 # An alert's examples are looked for in the latest steps holding 1/256, then 1/16 of the rows,
 # before all of them.
 _EXAMPLE_WINDOWS = (256, 16)
@@ -89,6 +94,7 @@ def diagnose(
     evidence_digest: str | None = None,
     increment: Increment | None = None,
     parent_comparison: dict | None = None,
+    queries: QueryRows | None = None,
 ) -> dict:
     """Compute every metric, series, trend and alert of `harness` over the evidence.
 
@@ -99,7 +105,10 @@ def diagnose(
     caller holds. `increment` (see incremental.diagnose_incremental, which passes it) computes
     the metrics that combine from per-step partials from the new rows only.
     `parent_comparison`, the comparison with the parent where the caller holds it (the same
-    gate procedure over the same score tables), stands for computing it."""
+    gate procedure over the same score tables), stands for computing it. `queries` holds the
+    rows of the queries an earlier diagnosis of the same evidence ran (a backtest diagnoses
+    each version under two revisions): a metric's query that binds the same params is read
+    back from it, and each one run is added."""
     # The evidence digest is hashed, and the analyzers run, on other threads while the
     # queries run: sha256, Arrow's IPC writer, numpy and DuckDB release the GIL, so each
     # costs little wall time beside the others instead of adding its whole pass to them.
@@ -124,7 +133,7 @@ def diagnose(
             # DuckDB converts codes, not every call's strings, for each query of the calls.
             # An increment codes only the rows it analyzes.
             table = rollouts if increment else encode_tool_calls(rollouts)
-        run = _Run(table, steps, harness, timeout_s, memory_limit, increment)
+        run = _Run(table, steps, harness, timeout_s, memory_limit, increment, queries)
         try:
             if increment is None:  # an increment's analyzers see few rows: no thread needed
                 run.start_analyzers(background)
@@ -278,9 +287,11 @@ class _Run:
         timeout_s: float,
         memory_limit: str = MEMORY_LIMIT,
         increment: Increment | None = None,
+        queries: QueryRows | None = None,
     ) -> None:
         self.table, self.steps, self.harness = table, steps, harness
         self.increment = increment
+        self.queries = queries
         self.timeout_s, self.memory_limit = timeout_s, memory_limit
         self.connections: dict[str | None, ReadOnlyQuery] = {}
         self.masks = {split: pc.equal(table.column("split"), split) for split in ("train", "val")}
@@ -359,8 +370,8 @@ class _Run:
         field = f"metrics.{metric.name}"
         try:
             if metric.keyed:  # its rows are keys, not steps: nothing to combine or fuse
-                columns, rows = self.connection(metric.split).query(
-                    metric.sql, self.harness.metric_params(metric), field=metric.name
+                columns, rows = self._query(
+                    metric.split, metric.sql, self.harness.metric_params(metric), metric.name
                 )
                 self.keyed[metric.name] = keyed_result(columns, rows)
                 values = [v for v in self.keyed[metric.name].values() if v is not None]
@@ -419,10 +430,29 @@ class _Run:
         if metric.name in self.fused:
             columns, rows = self.fused.pop(metric.name)
         else:
-            columns, rows = self.connection(metric.split).query(
-                metric.sql, self.harness.metric_params(metric), field=metric.name
+            columns, rows = self._query(
+                metric.split, metric.sql, self.harness.metric_params(metric), metric.name
             )
         return metric_result(columns, rows)
+
+    def _query(
+        self, split: str, sql: str, params: dict[str, Any], field: str
+    ) -> tuple[list[str], list]:
+        """A metric query's (columns, rows): read back from `queries` where a diagnosis of
+        the same evidence ran the same text binding the same params (its rows depend on
+        nothing else), else run and added there."""
+        try:
+            bound = json.dumps({name: params.get(name) for name in sql_params(sql)},
+                               sort_keys=True)
+        except TypeError:  # a param JSON cannot tell apart from others: run every time
+            bound = None
+        key = (split, sql, bound)
+        if self.queries is not None and bound is not None and key in self.queries:
+            return self.queries[key]
+        result = self.connection(split).query(sql, params, field=field)
+        if self.queries is not None and bound is not None:
+            self.queries[key] = result
+        return result
 
     def _fuse(self, metric: Metric) -> None:
         """Run `metric`'s query as one with those of every other metric of its split that reads
@@ -448,10 +478,11 @@ class _Run:
         if len(members) < 2:
             return
         try:
-            columns, rows = self.connection(metric.split).query(
+            columns, rows = self._query(
+                metric.split,
                 fused_query([fusable_query(m.sql) for m in members]),
                 self.harness.params,
-                field=metric.name,
+                metric.name,
             )
         except EvoError:
             return

@@ -27,7 +27,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from evotrainer.diagnosis.diagnose import diagnose, diagnosis_document
+from evotrainer.diagnosis.diagnose import QueryRows, diagnose, diagnosis_document
 from evotrainer.diagnosis.harness import HarnessRevision, resolve_harness
 from evotrainer.errors import EvoError
 from evotrainer.evidence.io import read_rollouts, read_steps
@@ -54,12 +54,14 @@ def recorded_versions(ws: Workspace, states: dict[str, VersionState]) -> list[st
 
 class _Evidence:
     """A version's recorded rollouts and steps, read on first use and kept for the next
-    diagnosis of the same version, with the digest the first diagnosis computed."""
+    diagnosis of the same version, with the digest the first diagnosis computed and the
+    rows of the queries it ran."""
 
     def __init__(self, ws: Workspace, state: VersionState) -> None:
         self.files = RunArtifacts(ws.run_dir(state.name, state.records["run"]))
         self.tables: tuple[pa.Table, pa.Table | None] | None = None
         self.digest: str | None = None
+        self.queries: QueryRows = {}
 
     def read(self) -> tuple[pa.Table, pa.Table | None]:
         if self.tables is None:
@@ -96,6 +98,7 @@ def _diagnosis(
         scores=None if compared else recorded_scores(ws, state.name),
         evidence_digest=evidence.digest,
         parent_comparison=parent_comparison,
+        queries=evidence.queries,
     )
     evidence.digest = result["evidence_digest"]
     document = diagnosis_document(result, state.name)

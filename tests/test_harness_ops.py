@@ -261,24 +261,64 @@ def test_a_diffs_diagnoses_and_replays_are_made_by_children_and_read_back(
 
     monkeypatch.setattr(stop_replay, "_replay", in_children(stop_replay._replay))
     monkeypatch.setattr(harness_backtest, "diagnose", in_children(harness_backtest.diagnose))
-    with diff_work.shared_with_children(recorded, h0, h5, replay=True) as changes:
+    with diff_work.shared_with_children(recorded, h0, h5, replay=True) as work:
         assert len(children) == 2 and all(pid > 0 for pid in children)
         assert _once(lambda: sorted(path.name for path in cache.glob("*.json")) == kept), \
             "the children kept too little"
         assert backtest_harness(recorded, h5, h0) == backtest
-        assert changes() == stops
+        assert work.early_stops() == stops
     for child in children:  # stopped and reaped as the block ended
         with pytest.raises(ChildProcessError):
             os.waitpid(child, os.WNOHANG)
-    with diff_work.shared_with_children(recorded, h0, h5, replay=True) as changes:
-        assert changes() == stops  # everything kept: no child
+    with diff_work.shared_with_children(recorded, h0, h5, replay=True) as work:
+        assert work.early_stops() == stops  # everything kept: no child
     monkeypatch.undo()
     shutil.rmtree(cache)
     monkeypatch.setattr(diff_work.os, "fork", lambda: children.append(fork()) or children[-1])
     monkeypatch.setattr(diff_work, "cpus", lambda: 1)
-    with diff_work.shared_with_children(recorded, h0, h5, replay=True) as changes:
-        assert changes() == stops
+    with diff_work.shared_with_children(recorded, h0, h5, replay=True) as work:
+        assert work.early_stops() == stops
     assert len(children) == 2
+
+
+def test_the_caller_and_the_diagnosing_child_diagnose_no_version_twice(
+        recorded, monkeypatch, tmp_path):
+    """The caller's backtest, run through `before_each_version`, waits where it meets the
+    diagnosing child instead of diagnosing that version too: across both processes each
+    version is diagnosed once, and the backtest answers as it does alone."""
+    import os
+    import shutil
+    import time
+
+    from evotrainer.agent import diff_work
+    from evotrainer.gate import harness_backtest
+    from evotrainer.gate.harness_backtest import backtest_harness
+
+    h0, h5 = _h5(recorded)
+    backtest = backtest_harness(recorded, h5, h0)
+    shutil.rmtree(recorded.state_dir / "cache" / "backtest")
+    made = tmp_path / "diagnosed"
+    diagnose, caller = harness_backtest.diagnose, os.getpid()
+
+    def logged(*args, **kwargs):  # one line per diagnosis, from whichever process makes it
+        if os.getpid() != caller:  # a child slow at it, and working: the caller comes to it
+            busy_until = time.process_time() + 0.5
+            while time.process_time() < busy_until:
+                pass
+        result = diagnose(*args, **kwargs)
+        with open(made, "a") as log:
+            log.write(f"{os.getpid()} {result['versions']} {result['harness']['name']}\n")
+        return result
+
+    monkeypatch.setattr(harness_backtest, "diagnose", logged)
+    with diff_work.shared_with_children(recorded, h0, h5, replay=False) as work:
+        assert backtest_harness(recorded, h5, h0,
+                                progress=work.before_each_version(None)) == backtest
+    lines = made.read_text().splitlines()
+    made_where = sorted(line.split(" ", 1)[1] for line in lines)
+    # h0's diagnoses are reconcile's: only h5's are made.
+    assert made_where == [f"['{row['version']}'] h5" for row in backtest["versions"]]
+    assert len({line.split(" ", 1)[0] for line in lines}) == 2  # both made some
 
 
 def test_a_child_stopped_while_it_keeps_its_work_leaves_no_file(recorded, monkeypatch):
@@ -306,11 +346,11 @@ def test_a_child_stopped_while_it_keeps_its_work_leaves_no_file(recorded, monkey
         replace(source, target)
 
     monkeypatch.setattr(harness_backtest.os, "replace", stuck)
-    with diff_work.shared_with_children(recorded, h0, h5, replay=True) as changes:
+    with diff_work.shared_with_children(recorded, h0, h5, replay=True) as work:
         # Each child's unfinished file.
         assert _once(lambda: len(list(cache.glob("*.tmp"))) >= 2), "no child wrote"
         assert backtest_harness(recorded, h5, h0) == backtest
-        assert changes() == stops
+        assert work.early_stops() == stops
     assert not list(cache.glob("*.tmp"))
 
 

@@ -6,13 +6,13 @@ gate/harness_backtest.py) and replays the early stops of every recorded run unde
 (.evotrainer/cache/backtest), so the caller and children forked from it share the work: a
 child goes through its list from the last item back, keeping each one; the caller goes
 through the same list from the first, reading back what the child kept and making the rest.
-One child replays the early stops from the start: where it and the caller meet, the caller
-waits for the run the child is on (while the child is there and working) and the child
-stops (`_Meeting`). A second child diagnoses, forked once the comparisons' statistics
-library is imported where they are left to make (each child would import it again); where
-it meets the caller's backtest, at most one version is diagnosed twice. A child starts with
-the caller's modules imported and the workspace read, where a fresh interpreter takes a
-second for both; the children are stopped once the caller has everything.
+One child replays the early stops; a second diagnoses, forked once the comparisons'
+statistics library is imported where they are left to make (each child would import it
+again). Where a child and the caller meet, the caller waits for the item the child is on
+(while the child is there and working) and the child stops (`_Meeting`), so no item is
+made twice. A child starts with the caller's modules imported and the workspace read,
+where a fresh interpreter takes a second for both; the children are stopped once the
+caller has everything.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import struct
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,27 +37,43 @@ from evotrainer.agent.stop_replay import (
 )
 from evotrainer.diagnosis.harness import HarnessRevision
 from evotrainer.errors import EvoError
-from evotrainer.gate.harness_backtest import diagnose_version, diagnoses_kept, recorded_versions
+from evotrainer.gate.harness_backtest import (
+    Progress,
+    diagnose_version,
+    diagnoses_kept,
+    recorded_versions,
+)
 from evotrainer.stats.paired import import_tests
 from evotrainer.store.halves import cpus
 from evotrainer.store.workspace import VersionState, Workspace
 
 
+@dataclass(frozen=True)
+class SharedWork:
+    """What the caller of `shared_with_children` asks: `early_stops()` answers
+    `stop_changes(ws, old, new)` (none where not replayed), after its backtest;
+    `before_each_version(progress)` is the `progress` its backtest takes, which shows
+    `progress` and, where the diagnosing child is on the version in hand, waits for it."""
+
+    early_stops: Callable[[], list[dict[str, Any]]]
+    before_each_version: Callable[[Progress | None], Progress]
+
+
 @contextmanager
 def shared_with_children(ws: Workspace, old: HarnessRevision, new: HarnessRevision, *,
-                         replay: bool) -> Iterator[Callable[[], list[dict[str, Any]]]]:
+                         replay: bool) -> Iterator[SharedWork]:
     """Children forked to diagnose every recorded version under `old` and `new`, and where
     `replay`, to replay the early stops of every recorded run: for the caller's backtest of
-    `new` against `old`. Yields the function that answers `stop_changes(ws, old, new)` (none
-    where not `replay`), for the caller to ask after its backtest. No child where one CPU is
-    there or fork is not, for the work kept from an earlier diff, or (diagnoses) for records
-    the backtest refuses; the children are stopped as the block ends."""
+    `new` against `old`. No child where one CPU is there or fork is not, for the work kept
+    from an earlier diff, or (diagnoses) for records the backtest refuses; the children are
+    stopped as the block ends."""
     states = ws.versions()  # read once, before any fork: a child reads no git
     cut = [stop_inputs(old), stop_inputs(new)]
     runs = replayed_versions(ws, states) if replay else []
     names = recorded_versions(ws, states)
     cache = ws.state_dir / "cache" / "backtest"
-    meeting = _Meeting(len(runs))  # before any fork: the children share it
+    # Before any fork: the children share them.
+    runs_met, versions_met = _Meeting(len(runs)), _Meeting(len(names))
     replayer: _Child | None = None
     diagnoser: _Child | None = None
     try:
@@ -68,7 +85,7 @@ def shared_with_children(ws: Workspace, old: HarnessRevision, new: HarnessRevisi
             if replays_left:
                 def replay_from_the_last() -> None:
                     for i in reversed(range(len(runs))):
-                        if not meeting.child_takes(i):
+                        if not runs_met.child_takes(i):
                             return
                         replay_stops(ws, states, runs[i], cut)
 
@@ -80,18 +97,34 @@ def shared_with_children(ws: Workspace, old: HarnessRevision, new: HarnessRevisi
                 if new.procedure != old.procedure or not diagnoses_kept(ws, states, names,
                                                                         [old]):
                     import_tests()
-                diagnoser = _Child.fork(cache, lambda: [
-                    diagnose_version(ws, states, name, old, new) for name in reversed(names)])
+
+                def diagnose_from_the_last() -> None:
+                    for i in reversed(range(len(names))):
+                        if not versions_met.child_takes(i):
+                            return
+                        diagnose_version(ws, states, names[i], old, new)
+
+                diagnoser = _Child.fork(cache, diagnose_from_the_last)
 
         def early_stops() -> list[dict[str, Any]]:
             for i, name in enumerate(runs):
-                if replayer is not None and meeting.caller_meets(i):
+                if replayer is not None and runs_met.caller_meets(i):
                     replayer.wait_while_working(
                         lambda name=name: replays_kept(ws, states, [name], cut))
                 replay_stops(ws, states, name, cut)  # kept by the replayer, else made here
             return changes_over(ws, states, cut, runs)
 
-        yield early_stops
+        def before_each_version(shown: Progress | None) -> Progress:
+            def before(name: str, done: int, total: int) -> None:
+                if shown is not None:
+                    shown(name, done, total)
+                if diagnoser is not None and name in names and \
+                        versions_met.caller_meets(names.index(name)):
+                    diagnoser.wait_while_working(
+                        lambda: diagnoses_kept(ws, states, [name], [old, new]))
+            return before
+
+        yield SharedWork(early_stops, before_each_version)
     finally:
         for child in (replayer, diagnoser):
             if child is not None:

@@ -147,10 +147,11 @@ def register(app: typer.Typer) -> None:
         result = diff_harness(a, b)
         # The diagnoses and early-stop replays are shared with children, on another core.
         shared = shared_with_children(ws, a, b, replay=stops_may_differ(a, b)) if backtest_ \
-            else nullcontext(list)
-        with shared as early_stops, backtest_progress(not as_json) as progress:
-            report = backtest_harness(ws, b, a, progress=progress) if backtest_ else None
-            stops = early_stops()
+            else nullcontext()
+        with shared as work, backtest_progress(not as_json) as progress:
+            report = backtest_harness(ws, b, a, progress=work.before_each_version(progress)) \
+                if work is not None else None
+            stops = work.early_stops() if work is not None else []
         if report is not None:
             result["changed_verdicts"] = [
                 {**{k: r[k] for k in ("version", "recorded", "verdict_before",

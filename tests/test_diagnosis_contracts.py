@@ -210,3 +210,72 @@ def test_a_forked_child_opens_databases_of_its_own():
     assert again.query("SELECT count(*) FROM rollouts", {}, field="x")[1] == [(2,)]
     again.close()
     assert inherited == sql._DATABASES
+
+
+def test_a_second_diagnosis_of_the_same_evidence_reads_back_the_queries_it_shares(
+        monkeypatch) -> None:
+    """`diagnose(queries=)`: a diagnosis under a second revision runs only the metric
+    queries the first did not run with the same params (an alert's examples are looked for
+    by each), and equals its diagnosis made alone; a query whose params differ runs again
+    and reads them."""
+    import dataclasses
+
+    import pyarrow as pa
+
+    from evotrainer.diagnosis.diagnose import ROLLOUT_ID_SQL
+    from evotrainer.diagnosis.harness import Metric
+    from evotrainer.evidence.synthetic import random_rollouts
+
+    table = random_rollouts(600, steps=6)
+    val = random_rollouts(80, steps=2, seed=2)
+    table = pa.concat_tables([table, val.set_column(
+        val.schema.get_field_index("split"), "split", pa.array(["val"] * 80))])
+    h0, h2 = resolve_harness("h0"), resolve_harness("h2")
+    run: list[str] = []
+    query = ReadOnlyQuery.query
+    monkeypatch.setattr(ReadOnlyQuery, "query",
+                        lambda self, sql, params, **kw: (run.append(sql),
+                                                         query(self, sql, params, **kw))[1])
+
+    def metric_queries() -> set[str]:
+        made = {sql for sql in run if ROLLOUT_ID_SQL not in sql}
+        del run[:]
+        return made
+
+    alone = diagnose(table, None, h2)
+    alone_queries = metric_queries()
+    shared: dict = {}
+    diagnose(table, None, h0, queries=shared)
+    h0_queries = metric_queries()
+    _same_diagnosis(diagnose(table, None, h2, queries=shared), alone)
+    h2_queries = metric_queries()
+    assert h2_queries and h2_queries == alone_queries - h0_queries
+    # The same text binding another value is another query.
+    scaled = Metric("scaled_reward", "behavior", "train",
+                    sql="SELECT avg(reward) * $scale AS value FROM rollouts")
+    once, twice = (dataclasses.replace(h0, metrics=(*h0.metrics, scaled),
+                                       params={**h0.params, "scale": scale})
+                   for scale in (1.0, 2.0))
+    first = diagnose(table, None, once, queries=shared)
+    metric_queries()
+    second = diagnose(table, None, twice, queries=shared)
+    again = metric_queries()  # the query that binds $scale (fused with others) alone
+    assert len(again) == 1 and "$scale" in again.pop()
+    assert second["metrics"]["scaled_reward"] == \
+        pytest.approx(2 * first["metrics"]["scaled_reward"])
+
+
+def _same_diagnosis(one: dict, other: dict) -> None:
+    """Equal, numbers to the last few bits: DuckDB sums in parallel, so one query run twice
+    may differ there."""
+    assert one.keys() == other.keys()
+    for key in one:
+        if key == "series":
+            assert one[key].keys() == other[key].keys()
+            for name, points in one[key].items():
+                assert [x for p in points for x in p] == pytest.approx(
+                    [x for p in other[key][name] for x in p]), name
+        elif key in ("metrics", "trends"):
+            assert one[key] == pytest.approx(other[key]), key
+        else:
+            assert one[key] == other[key], key

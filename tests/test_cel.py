@@ -38,6 +38,30 @@ def test_the_same_expression_over_the_same_values_is_evaluated_once(monkeypatch)
     assert len(evaluated) == 9
 
 
+def test_a_failure_is_kept_like_a_value(monkeypatch):
+    """An evaluation that fails over some values fails again over the same values without
+    being evaluated, with the same error (a fresh one each time), and `evaluate_unless_null`
+    still reads it as undecided."""
+    evaluated = []
+    real = cel._evaluate
+    monkeypatch.setattr(cel, "_evaluate", lambda e, v: (evaluated.append(v), real(e, v))[1])
+    cel._EVALUATED.clear()
+    errors = []
+    for _ in range(2):
+        with pytest.raises(EvoError, match="failed") as raised:
+            cel.evaluate("x > 0.0 || y > 0.0", {"x": 0.0, "y": None})
+        errors.append(raised.value)
+    assert errors[0] is not errors[1] and str(errors[0]) == str(errors[1])
+    assert cel.evaluate_unless_null("x > 0.0 || y > 0.0", {"x": 0.0, "y": None}) is None
+    # Each operand once (neither decides: one is false, one fails), then the whole once.
+    assert evaluated == [{"x": 0.0}, {"y": None}, {"x": 0.0, "y": None}]
+    costly = "xs.all(a, xs.all(b, a + b >= 0))"
+    for _ in range(2):  # a kept failure keeps its kind: never read as undecided
+        with pytest.raises(cel.CostExceeded):
+            cel.evaluate_unless_null(costly, {"xs": list(range(2000))})
+    assert len(evaluated) == 4
+
+
 def test_null_comparison_fails_but_or_absorbs_it():
     with pytest.raises(EvoError, match="failed"):
         cel.evaluate("x > 1.0", {"x": None})

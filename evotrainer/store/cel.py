@@ -24,6 +24,7 @@ import importlib.metadata
 import json
 import os
 import sys
+from dataclasses import dataclass
 from functools import cached_property, lru_cache, partial
 from pathlib import Path
 from typing import Any
@@ -327,24 +328,36 @@ def evaluate(expr: str, variables: dict[str, Any]) -> Any:
 
     An evaluation depends on the expression and the values it reads alone (of a map read
     only as `map.field`, those fields), so the same expression over the same values is
-    evaluated once (the last few thousand kept): a replay of early stops evaluates each
-    alert and rule at every recorded step of a run, for two revisions whose alerts mostly
-    agree. A chain of `&&` or `||` is decided by its operands where they decide it, each
-    kept alike (`_decided_by_an_operand`): a rule `rows >= 100 && latest.dead >= 1.0` reads
-    its second operand's kept false at most steps."""
+    evaluated once (the last few thousand kept, failures too): a replay of early stops
+    evaluates each alert and rule at every recorded step of a run, for two revisions whose
+    alerts mostly agree. A chain of `&&` or `||` is decided by its operands where they
+    decide it, each kept alike (`_decided_by_an_operand`): a rule `rows >= 100 &&
+    latest.dead >= 1.0` reads its second operand's kept false at most steps."""
     used = _used(expr, variables)
     if not _json_exact(used):
         return _evaluate(expr, used)
     key = (expr, json.dumps(used))
     result = _EVALUATED.get(key, _NOT_KEPT)
     if result is _NOT_KEPT:
-        result = _decided_by_an_operand(expr, variables)
-        if result is None:
-            result = _evaluate(expr, used)
+        try:
+            result = _decided_by_an_operand(expr, variables)
+            if result is None:
+                result = _evaluate(expr, used)
+        except EvoError as err:  # a failure, as a value, depends on nothing else either
+            result = _Failed(err)
         if len(_EVALUATED) >= _KEPT:
             _EVALUATED.clear()
         _EVALUATED[key] = result
+    if isinstance(result, _Failed):
+        raise copy.copy(result.error)
     return copy.deepcopy(result) if isinstance(result, (list, dict)) else result
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """A kept evaluation that failed: each read raises a copy of its error."""
+
+    error: EvoError
 
 
 def _fields_of(value: Any, fields: frozenset[str] | None) -> Any:

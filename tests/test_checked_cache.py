@@ -155,3 +155,60 @@ def test_a_valid_spec_holding_a_date_is_checked_every_time_and_not_recorded(work
     specs._packs.cache_clear()
     assert specs.cached_valid(raw, "v1", "PolicyVersion", workspace.checked_dir) is None
     assert workspace.versions()["v1"].spec["proposal"]["trigger"]["seen"].year == 2024
+
+
+def test_a_record_parsed_once_is_read_back_and_a_forged_parse_is_not(
+        workspace, standin, monkeypatch):
+    """A version's records, once parsed, are kept in the checked folder with a MAC under the
+    controller's key over their bytes and their data, and read back from there without
+    parsing. The attack: the kept parse of v1's diagnosis is edited to say another value,
+    its MAC kept or made again under another key; the next read finds the MAC wrong and
+    parses the record's bytes, which say what the controller wrote. A reader without the
+    key keeps nothing."""
+    from standin import converge
+    from standin import propose as train
+
+    from evotrainer.store import seal, specs
+    from evotrainer.store import workspace as store
+
+    train(workspace, "v1", standin_skill=0.65)
+    converge(workspace)
+    truth = Workspace(workspace.root).versions()["v1"].records
+    assert truth["diagnosis"]["metrics"]
+    assert list(workspace.checked_dir.glob("ParsedRecord-*.json"))
+    parse = store.load_record
+
+    def unparsed(blob, source):
+        assert blob is None, f"{source} parsed again"
+        return parse(blob, source)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(store, "load_record", unparsed)
+        assert Workspace(workspace.root).versions()["v1"].records == truth
+
+    metric = next(iter(truth["diagnosis"]["metrics"]))
+
+    def forge(mac_of) -> None:  # every kept parse of the diagnosis says 12345.0
+        for pack in workspace.checked_dir.glob("ParsedRecord-*.json"):
+            entries = json.loads(pack.read_text())
+            for entry in entries.values():
+                if entry["record"].get("kind") == "Diagnosis":
+                    entry["record"]["metrics"][metric] = 12345.0
+                    entry["mac"] = mac_of(entry)
+            pack.write_text(json.dumps(entries))
+        specs._packs.cache_clear()  # a new process reads the packs anew
+
+    for mac_of in (lambda entry: entry["mac"],
+                   lambda entry: seal.parsed_mac(b"another key" * 3, b"",
+                                                 specs.json_text(entry["record"]))):
+        forge(mac_of)
+        read = Workspace(workspace.root).versions()["v1"].records
+        assert read["diagnosis"]["metrics"][metric] == truth["diagnosis"]["metrics"][metric]
+        assert read == truth
+
+    for kept in workspace.checked_dir.glob("ParsedRecord-*.json"):
+        kept.unlink()
+    specs._packs.cache_clear()
+    monkeypatch.setattr(Workspace, "record_key", property(lambda self: None))
+    Workspace(workspace.root).versions()
+    assert not list(workspace.checked_dir.glob("ParsedRecord-*.json"))

@@ -175,6 +175,13 @@ def records_mac(key: bytes, version: str, files: Mapping[str, bytes | None],
     return _mac(key, "records", version, *parts)
 
 
+def parsed_mac(key: bytes, raw: bytes, data: bytes) -> str:
+    """The MAC of a record file's bytes and of the data parsed from them (`data`, as JSON
+    with sorted keys): a parse kept outside git is read back only where this controller
+    kept it for those bytes."""
+    return _mac(key, "parsed", hashlib.sha256(raw).hexdigest(), hashlib.sha256(data).hexdigest())
+
+
 def approval_mac(key: bytes, version: str, approval: Mapping[str, object]) -> str:
     return _mac(key, "approval", version, *(f"{k}={approval.get(k)!s}" for k in APPROVAL_FIELDS))
 

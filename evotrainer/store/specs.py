@@ -161,6 +161,11 @@ def cached_valid(raw: bytes, source: str, kind: str, folder: Path) -> Document |
     return None if data is None else Document(data, source, None, raw)
 
 
+def json_text(data: Any) -> bytes:
+    """`data` as JSON with sorted keys (TypeError where it is not JSON)."""
+    return orjson.dumps(data, option=orjson.OPT_SORT_KEYS)
+
+
 _PACK = "pack"
 _MAX_PACKS = 8
 

@@ -139,3 +139,48 @@ def test_thousands_of_git_reads_go_to_two_processes_with_the_answers_in_order(wo
     assert store.present(wanted) == found
     assert len(batches) == 4 and all(batch.count(b"\n") == len(wanted) // 2
                                      for batch in batches)
+
+
+def test_a_forked_child_reads_git_through_processes_of_its_own(workspace):
+    """GitPython keeps one `cat-file` process a repository for its lookups; a child forked
+    after its parent started one starts its own. The attack: parent and child look up two
+    objects at once, thousands of times each, after the fork; each reads its own answers
+    and neither waits forever (through one process they read each other's answers off its
+    pipe, or wait for one the other read)."""
+    import signal
+
+    from evotrainer.store.git import GitStore
+
+    store = GitStore(workspace.root)
+    commit, tree = store.rev("main"), store.rev("main^{tree}")  # the process starts here
+    assert commit != tree
+    go_read, go_write = os.pipe()
+
+    def stuck(*_):
+        raise TimeoutError("waited a minute for git's answer")
+
+    child = os.fork()
+    if child == 0:
+        right = False
+        try:
+            os.read(go_read, 1)
+            right = all(store.rev(tree) == tree for _ in range(3000))
+        finally:
+            os._exit(0 if right else 1)
+    signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(60)
+    status = None
+    try:
+        os.write(go_write, b"x")  # both start together
+        answers = [store.rev(commit) for _ in range(3000)]
+        _, status = os.waitpid(child, 0)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        if status is None:  # stuck: stopped
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+        os.close(go_read)
+        os.close(go_write)
+    assert set(answers) == {commit}
+    assert os.waitstatus_to_exitcode(status) == 0

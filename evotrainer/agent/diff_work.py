@@ -67,7 +67,7 @@ def shared_with_children(ws: Workspace, old: HarnessRevision, new: HarnessRevisi
     `new` against `old`. No child where one CPU is there or fork is not, for the work kept
     from an earlier diff, or (diagnoses) for records the backtest refuses; the children are
     stopped as the block ends."""
-    states = ws.versions()  # read once, before any fork: a child reads no git
+    states = ws.versions()  # read once, before any fork: the children start with them
     cut = [stop_inputs(old), stop_inputs(new)]
     runs = replayed_versions(ws, states) if replay else []
     names = recorded_versions(ws, states)

@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import tempfile
+import weakref
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -48,7 +49,31 @@ def branch_name(version: str) -> str:
 def hardened(repo: git.Repo) -> git.Repo:
     """`repo` with every git call run under SAFE_CONFIG."""
     repo.git.set_persistent_git_options(c=list(SAFE_CONFIG))
+    _REPOSITORIES[id(repo)] = repo
     return repo
+
+
+# Every repository opened, for a forked child to start git processes of its own: by
+# identity, as two Repo objects of one folder are equal and each has processes of its own.
+_REPOSITORIES: weakref.WeakValueDictionary[int, git.Repo] = weakref.WeakValueDictionary()
+
+
+def _own_processes_after_fork() -> None:
+    """In a forked child: GitPython's persistent `cat-file` processes are the parent's, and
+    the child shares their pipes (a request from each would read the other's answer, or
+    wait forever for one the other read). The child lets them go without stopping them
+    (`proc` dropped: they are not its to stop) and starts its own on first use."""
+    for repo in list(_REPOSITORIES.values()):
+        command = repo.git
+        for name in ("cat_file_all", "cat_file_header"):
+            persistent = getattr(command, name, None)
+            if persistent is not None:
+                persistent.proc = None
+            setattr(command, name, None)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_own_processes_after_fork)
 
 
 def with_trailers(message: str, trailers: Mapping[str, str]) -> str:

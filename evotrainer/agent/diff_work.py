@@ -182,7 +182,7 @@ class _Child:
     nothing else (its output goes nowhere) and leaves by `os._exit`, running none of this
     process's exit handlers; what fails in it fails again in the caller, which reports it.
     Unlike store/halves.py's, this child is forked whatever threads run here: nothing waits
-    on it but the caller at the run they meet on, and that only while its CPU time grows."""
+    on it but the caller at the item they meet on, and that only while its CPU time grows."""
 
     def __init__(self, pid: int, cache: Path) -> None:
         self.pid, self.cache, self.ended = pid, cache, False

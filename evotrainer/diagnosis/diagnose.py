@@ -442,17 +442,15 @@ class _Run:
         the same evidence ran the same text binding the same params (its rows depend on
         nothing else), else run and added there."""
         try:
-            bound = json.dumps({name: params.get(name) for name in sql_params(sql)},
-                               sort_keys=True)
+            key = (split, sql, json.dumps({name: params.get(name) for name in sql_params(sql)},
+                                          sort_keys=True))
         except TypeError:  # a param JSON cannot tell apart from others: run every time
-            bound = None
-        key = (split, sql, bound)
-        if self.queries is not None and bound is not None and key in self.queries:
-            return self.queries[key]
-        result = self.connection(split).query(sql, params, field=field)
-        if self.queries is not None and bound is not None:
-            self.queries[key] = result
-        return result
+            key = None
+        if self.queries is None or key is None:
+            return self.connection(split).query(sql, params, field=field)
+        if key not in self.queries:
+            self.queries[key] = self.connection(split).query(sql, params, field=field)
+        return self.queries[key]
 
     def _fuse(self, metric: Metric) -> None:
         """Run `metric`'s query as one with those of every other metric of its split that reads

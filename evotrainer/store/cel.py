@@ -334,9 +334,14 @@ def evaluate(expr: str, variables: dict[str, Any]) -> Any:
     decide it, each kept alike (`_decided_by_an_operand`): a rule `rows >= 100 &&
     latest.dead >= 1.0` reads its second operand's kept false at most steps."""
     used = _used(expr, variables)
-    if not _json_exact(used):
+    return _evaluated(expr, variables, used, _key(expr, used))
+
+
+def _evaluated(expr: str, variables: dict[str, Any], used: dict[str, Any],
+               key: tuple[str, str] | None) -> Any:
+    """`evaluate`, with what `expr` reads of `variables` and its key already made."""
+    if key is None:
         return _evaluate(expr, used)
-    key = (expr, json.dumps(used))
     result = _EVALUATED.get(key, _NOT_KEPT)
     if result is _NOT_KEPT:
         try:
@@ -378,11 +383,13 @@ def _decided_by_an_operand(expr: str, variables: dict[str, Any]) -> bool | None:
     if chain is None:
         return None
     operands, decisive = chain
-    kept = [operand for operand in operands if _kept(operand, variables)]
+    reads = [(operand, used, _key(operand, used))
+             for operand in operands for used in [_used(operand, variables)]]
+    reads.sort(key=lambda read: read[2] not in _EVALUATED)  # kept ones first, else in order
     decided = True
-    for operand in kept + [operand for operand in operands if operand not in kept]:
+    for operand, used, key in reads:
         try:
-            value = evaluate(operand, variables)
+            value = _evaluated(operand, variables, used, key)
         except EvoError:
             decided = False
             continue
@@ -392,10 +399,10 @@ def _decided_by_an_operand(expr: str, variables: dict[str, Any]) -> bool | None:
     return (not decisive) if decided else None
 
 
-def _kept(expr: str, variables: dict[str, Any]) -> bool:
-    """Whether `expr`'s result over `variables` is kept from an earlier evaluation."""
-    used = _used(expr, variables)
-    return _json_exact(used) and (expr, json.dumps(used)) in _EVALUATED
+def _key(expr: str, used: dict[str, Any]) -> tuple[str, str] | None:
+    """What an evaluation is kept under: the expression and the values it reads as JSON;
+    None where JSON does not tell those values apart (`_json_exact`)."""
+    return (expr, json.dumps(used)) if _json_exact(used) else None
 
 
 def _used(expr: str, variables: dict[str, Any]) -> dict[str, Any]:

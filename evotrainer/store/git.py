@@ -72,8 +72,7 @@ def _own_processes_after_fork() -> None:
             setattr(command, name, None)
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_own_processes_after_fork)
+os.register_at_fork(after_in_child=_own_processes_after_fork)
 
 
 def with_trailers(message: str, trailers: Mapping[str, str]) -> str:

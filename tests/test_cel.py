@@ -38,6 +38,18 @@ def test_the_same_expression_over_the_same_values_is_evaluated_once(monkeypatch)
     assert len(evaluated) == 9
 
 
+def test_the_order_names_are_passed_in_does_not_change_what_is_kept(monkeypatch):
+    """The same names with the same values, passed in another order (as
+    `evaluate_unless_null` binds a frozenset's names), are the same values."""
+    evaluated = []
+    real = cel._evaluate
+    monkeypatch.setattr(cel, "_evaluate", lambda e, v: (evaluated.append(v), real(e, v))[1])
+    cel._EVALUATED.clear()
+    assert cel.evaluate("x + y", {"x": 1, "y": 2}) == 3
+    assert cel.evaluate("x + y", {"y": 2, "x": 1}) == 3
+    assert evaluated == [{"x": 1, "y": 2}]
+
+
 def test_a_failure_is_kept_like_a_value(monkeypatch):
     """An evaluation that fails over some values fails again over the same values without
     being evaluated, with the same error (a fresh one each time), and `evaluate_unless_null`

@@ -406,10 +406,17 @@ def _key(expr: str, used: dict[str, Any]) -> tuple[str, str] | None:
 
 
 def _used(expr: str, variables: dict[str, Any]) -> dict[str, Any]:
-    """What `expr` reads of `variables`: a diagnosis passes every metric to every alert, and
-    a rule that reads two of `latest`'s metrics reads those two."""
-    return {key: _fields_of(value, fields_read(expr, key))
-            for key, value in variables.items() if key in names(expr)}
+    """What `expr` reads of `variables`, by name in sorted order (the order of the names
+    does not change a value, so it does not change the key): a diagnosis passes every
+    metric to every alert, and a rule that reads two of `latest`'s metrics reads those two."""
+    return {key: _fields_of(variables[key], fields_read(expr, key))
+            for key in _names_in_order(expr) if key in variables}
+
+
+@lru_cache(maxsize=1024)
+def _names_in_order(expr: str) -> tuple[str, ...]:
+    """`names(expr)`, sorted."""
+    return tuple(sorted(names(expr)))
 
 
 @lru_cache(maxsize=1024)
